@@ -1,0 +1,61 @@
+"""Suite-wide pytest configuration: markers, hypothesis profiles, options.
+
+Profiles follow PyTorch's practice: `ci` is derandomized with no example database, so a
+CI run is a pure function of the code; `dev` is quick; `thorough` is for nightly runs.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+from hypothesis import HealthCheck, settings
+
+settings.register_profile(
+    "ci",
+    derandomize=True,
+    database=None,
+    deadline=None,
+    print_blob=True,
+    max_examples=60,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+settings.register_profile("dev", max_examples=15, deadline=None, print_blob=True)
+settings.register_profile(
+    "thorough",
+    max_examples=1000,
+    deadline=None,
+    print_blob=True,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+
+MARKERS = {
+    "gpu": "needs a CUDA GPU; skipped with a reason where none is present",
+    "multigpu(n)": "needs n CUDA GPUs in this xdist worker's slice",
+    "slow": "long-running; run with --runslow",
+    "distributed": "spawns real torch.distributed ranks (gloo on CPU, nccl on GPUs)",
+}
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--runslow", action="store_true", default=False, help="run tests marked slow")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    for name, doc in MARKERS.items():
+        config.addinivalue_line("markers", f"{name}: {doc}")
+    # --hypothesis-profile (hypothesis' own pytest option) wins; it loads the profile itself.
+    if not config.getoption("hypothesis_profile", default=None):
+        settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE") or ("ci" if os.environ.get("CI") else "dev"))
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    import torch
+
+    have_gpu = torch.cuda.is_available()
+    skip_slow = pytest.mark.skip(reason="slow: pass --runslow to run it")
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU: torch.cuda.is_available() is False on this machine")
+    for item in items:
+        if "slow" in item.keywords and not config.getoption("--runslow"):
+            item.add_marker(skip_slow)
+        if ("gpu" in item.keywords or "multigpu" in item.keywords) and not have_gpu:
+            item.add_marker(skip_gpu)

@@ -1,0 +1,165 @@
+"""The built-in mutant catalog: named, reversible patches of one behaviour each.
+
+A mutant never edits a file: it monkeypatches one method or function of `runners` for
+the duration of a `with mutant.planted():` block. `harness mutants` plants each one,
+runs the fast properties and reports which property killed it. A property that cannot
+kill any mutant is not shown to work; a mutant no property kills is a hole.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Callable, Iterator
+from unittest import mock
+
+import torch
+
+from runners import cuda_graph, model
+from runners.cuda_graph import EagleDraftExtendCudaGraphRunnerBase, MultiLayerEagleDraftExtendCudaGraphRunner
+from runners.parallel import dp_attention
+from runners.parallel.comm import Group
+from runners.parallel.layout import Branch
+
+
+@dataclass(frozen=True)
+class Mutant:
+    id: str
+    description: str
+    kind: str  # what family of bug it stands for
+    patches: tuple[tuple[object, str, object], ...] = field(default=())  # (target, attribute, replacement)
+
+    @contextlib.contextmanager
+    def planted(self) -> Iterator["Mutant"]:
+        with contextlib.ExitStack() as stack:
+            for target, attr, new in self.patches:
+                if not hasattr(target, attr):
+                    raise AttributeError(f"mutant {self.id}: {target!r} has no attribute {attr!r} to patch (the code moved?)")
+                stack.enter_context(mock.patch.object(target, attr, new))
+            yield self
+
+
+# ---- the replacements, each a one-line deviation from the real code ----
+
+
+def _seed_capture_for_logprob(self: EagleDraftExtendCudaGraphRunnerBase, bs: int) -> int:
+    # sglang#26416: the attn-TP-gather branch of the multi-layer runner counted requests
+    if self.layout.branch is Branch.ATTN_TP_GATHER:
+        return bs
+    return bs * self.T
+
+
+def _capture_num_tokens_gpu_requests(self: EagleDraftExtendCudaGraphRunnerBase, bs: int) -> torch.Tensor:
+    fb = _REAL_GET_FORWARD_BATCH(self, bs)
+    if self.layout.branch is Branch.MLP_TP_GATHER:
+        self.global_num_tokens_gpu.fill_(bs)  # fixed in the replay fill, not at capture
+        self.capture_records[bs].global_num_tokens_gpu = [bs] * self.global_num_tokens_gpu.shape[0]
+    return fb
+
+
+_REAL_GET_FORWARD_BATCH = EagleDraftExtendCudaGraphRunnerBase.get_forward_batch
+_REAL_RESET = EagleDraftExtendCudaGraphRunnerBase.reset_for_iteration
+
+
+def _reset_without_seq_len_fill(self: EagleDraftExtendCudaGraphRunnerBase, raw_bs: int, accept_lens: torch.Tensor) -> None:
+    saved = self.seq_lens.clone()
+    _REAL_RESET(self, raw_bs, accept_lens)
+    self.seq_lens.copy_(saved)  # padded lanes keep the seq_lens of the last, larger batch
+
+
+def _copy_positions_off_by_one(self: EagleDraftExtendCudaGraphRunnerBase, inp) -> None:
+    _REAL_COPY(self, inp)
+    raw_n = inp.bs * self.T
+    self.positions[:raw_n].copy_(inp.positions + 1)
+
+
+_REAL_COPY = EagleDraftExtendCudaGraphRunnerBase._copy_live_inputs
+
+
+def _bucket_floor(self: EagleDraftExtendCudaGraphRunnerBase, needed: int) -> int:
+    import bisect
+
+    i = bisect.bisect_right(self.capture_bs, needed) - 1  # largest bucket <= needed
+    return self.capture_bs[max(i, 0)]
+
+
+def _o_proj_all_reduce_world(self, x, fb, attn, meta):
+    """The attention all-reduce over the world group instead of attn-TP (DP attention layouts)."""
+    ctx = self.ctx
+    real_all_reduce = ctx.comm.all_reduce
+
+    def wrong(t, group):
+        return real_all_reduce(t, Group.WORLD if group is Group.ATTN_TP and ctx.layout.attn_dp_size > 1 else group)
+
+    with mock.patch.object(ctx.comm, "all_reduce", wrong):
+        return _REAL_LAYER_FORWARD(self, x, fb, attn, meta)
+
+
+_REAL_LAYER_FORWARD = model.DecoderLayer.forward
+
+
+def _dp_scatter_wrong_chunk(ctx, gathered_partial, num_local, sharded):
+    if sharded and ctx.attn_tp_size > 1:
+        gathered_partial = ctx.comm.all_reduce(gathered_partial, Group.ATTN_TP)
+    if sharded:
+        gathered_partial = ctx.comm.all_reduce(gathered_partial, Group.ATTN_DP)
+    dp = ctx.layout.attn_dp_size
+    max_len = gathered_partial.shape[0] // dp
+    d = (ctx.attn_dp_rank + 1) % dp  # another DP group's rows
+    return gathered_partial[d * max_len : (d + 1) * max_len][:num_local]
+
+
+CATALOG: tuple[Mutant, ...] = (
+    Mutant(
+        "sglang-26416",
+        "multi-layer runner, attn-TP-gather branch: get_forward_batch(bs) sets global_num_tokens_for_logprob = [bs] (requests) instead of [bs * num_tokens_per_bs]",
+        "unit: requests vs tokens",
+        ((MultiLayerEagleDraftExtendCudaGraphRunner, "_capture_for_logprob", _seed_capture_for_logprob),),
+    ),
+    Mutant(
+        "capture-num-tokens-gpu-requests",
+        "MLP-TP-gather branch: global_num_tokens_gpu baked as [bs] per DP rank at capture; only the replay fill writes bs * num_tokens_per_bs",
+        "fixed in replay, not in capture",
+        ((EagleDraftExtendCudaGraphRunnerBase, "get_forward_batch", _capture_num_tokens_gpu_requests),),
+    ),
+    Mutant(
+        "stale-padded-seq-lens",
+        "replay reset skips seq_lens = fill: after the batch shrinks, padded lanes keep the seq_lens of the earlier, larger batch",
+        "stale padded lane after shrink",
+        ((EagleDraftExtendCudaGraphRunnerBase, "reset_for_iteration", _reset_without_seq_len_fill),),
+    ),
+    Mutant(
+        "replay-positions-off-by-one",
+        "replay copies the live positions shifted by one into the static positions buffer",
+        "position off by one",
+        ((EagleDraftExtendCudaGraphRunnerBase, "_copy_live_inputs", _copy_positions_off_by_one),),
+    ),
+    Mutant(
+        "bucket-floor",
+        "replay picks the largest captured bs <= raw_bs instead of the smallest >= raw_bs",
+        "padding rule",
+        ((EagleDraftExtendCudaGraphRunnerBase, "_choose_bucket", _bucket_floor),),
+    ),
+    Mutant(
+        "attn-allreduce-world-group",
+        "attention o_proj all-reduce over the world group instead of the attn-TP group under DP attention",
+        "collective over the wrong group",
+        ((model.DecoderLayer, "forward", _o_proj_all_reduce_world),),
+    ),
+    Mutant(
+        "dp-scatter-wrong-chunk",
+        "MLP-TP gather: after the MLP each DP group keeps the next DP group's rows (a broken layout gather)",
+        "broken layout gather",
+        ((model, "dp_scatter", _dp_scatter_wrong_chunk),),
+    ),
+)
+
+BY_ID: dict[str, Mutant] = {m.id: m for m in CATALOG}
+
+
+def get(mutant_id: str) -> Mutant:
+    if mutant_id not in BY_ID:
+        raise KeyError(f"unknown mutant {mutant_id!r}; known: {', '.join(BY_ID)}")
+    return BY_ID[mutant_id]
+
+
+_ = (cuda_graph, dp_attention, Callable)  # modules patched by reference above

@@ -1,0 +1,67 @@
+"""Structured verdicts: what a property found, readable at a glance and as JSON."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+
+@dataclass
+class Failure:
+    prop: str  # P1, P3, P4, ...
+    check: str  # I1, I2, ..., padding, logits, ...
+    field: str  # the metadata field or output tensor
+    where: dict[str, Any]  # layout, branch, runner, rank, iteration, step, raw_bs, bs
+    expected: Any
+    got: Any
+    detail: str = ""
+
+    def message(self) -> str:
+        loc = ", ".join(f"{k}={v}" for k, v in self.where.items())
+        msg = f"{self.prop}/{self.check} {self.field}: expected {self.expected}, got {self.got} [{loc}]"
+        return msg + (f" — {self.detail}" if self.detail else "")
+
+
+@dataclass
+class Verdict:
+    prop: str
+    checked: int = 0
+    failures: list[Failure] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.failures
+
+    def __bool__(self) -> bool:  # `assert verdict` reads naturally in tests
+        return self.ok
+
+    def fail(self, check: str, field_: str, where: dict, expected: Any, got: Any, detail: str = "") -> None:
+        self.failures.append(Failure(self.prop, check, field_, dict(where), expected, got, detail))
+
+    def expect_equal(self, check: str, field_: str, where: dict, expected: Any, got: Any, detail: str = "") -> bool:
+        self.checked += 1
+        if expected != got:
+            self.fail(check, field_, where, expected, got, detail)
+            return False
+        return True
+
+    def merge(self, other: "Verdict") -> "Verdict":
+        self.checked += other.checked
+        self.failures.extend(other.failures)
+        self.notes.extend(other.notes)
+        return self
+
+    def first(self) -> str:
+        return self.failures[0].message() if self.failures else "ok"
+
+    def report(self, limit: int = 5) -> str:
+        if self.ok:
+            return f"{self.prop}: ok ({self.checked} checks)"
+        lines = [f"{self.prop}: {len(self.failures)} failure(s) in {self.checked} checks"]
+        lines += ["  " + f.message() for f in self.failures[:limit]]
+        if len(self.failures) > limit:
+            lines.append(f"  ... and {len(self.failures) - limit} more")
+        return "\n".join(lines)
+
+    def to_json(self) -> dict:
+        return {"property": self.prop, "ok": self.ok, "checked": self.checked, "failures": [asdict(f) for f in self.failures], "notes": self.notes}

@@ -1,0 +1,55 @@
+"""Reference attention over the paged KV cache, written with static shapes only.
+
+Every token gathers its request's slot row from req_to_token and masks keys by
+`key_pos < seq_len` and `key_pos <= position`. No host syncs, no data-dependent shapes:
+the same code runs eagerly and under a CUDA graph, and the padded lanes (seq_len = fill,
+position 0, padding slot) are computed like any other lane.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from runners.batch import ForwardBatch
+from runners.memory import ReqToTokenPool, TokenToKVPool
+
+
+@dataclass
+class AttnMetadata:
+    token_to_req: torch.Tensor  # [N] request lane of each token
+    kv_slots: torch.Tensor  # [N, max_ctx] KV slot of each key position, per token
+    key_mask: torch.Tensor  # [N, max_ctx] bool
+
+
+class TorchAttnBackend:
+    name = "torch"
+
+    def __init__(self, req_pool: ReqToTokenPool, kv_pool: TokenToKVPool):
+        self.req_pool = req_pool
+        self.kv_pool = kv_pool
+
+    def init_forward_metadata(self, fb: ForwardBatch) -> AttnMetadata:
+        n = fb.input_ids.shape[0]
+        tok = torch.arange(n, device=fb.input_ids.device)
+        token_to_req = torch.searchsorted(fb.extend_start_loc, tok, right=True) - 1
+        token_to_req = token_to_req.clamp_(min=0)
+        rows = self.req_pool.req_to_token[fb.req_pool_indices]  # [bs, C]
+        kv_slots = rows[token_to_req]  # [N, C]
+        key_pos = torch.arange(rows.shape[1], device=rows.device)
+        seq_len = fb.seq_lens[token_to_req]
+        key_mask = (key_pos[None, :] < seq_len[:, None]) & (key_pos[None, :] <= fb.positions[:, None])
+        return AttnMetadata(token_to_req, kv_slots, key_mask)
+
+    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fb: ForwardBatch, meta: AttnMetadata) -> torch.Tensor:
+        """q [N, hq, d], k/v [N, hkv, d] (this pass's tokens) -> [N, hq, d]."""
+        self.kv_pool.write(layer, fb.out_cache_loc, k, v)
+        keys = self.kv_pool.k[layer][meta.kv_slots]  # [N, C, hkv, d]
+        vals = self.kv_pool.v[layer][meta.kv_slots]
+        group = q.shape[1] // keys.shape[2]
+        keys = keys.repeat_interleave(group, dim=2).to(q.dtype)
+        vals = vals.repeat_interleave(group, dim=2).to(q.dtype)
+        scores = torch.einsum("nhd,nchd->nhc", q, keys) * q.shape[-1] ** -0.5
+        scores = scores.masked_fill(~meta.key_mask[:, None, :], float("-inf"))
+        probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+        return torch.einsum("nhc,nchd->nhd", probs, vals)

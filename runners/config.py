@@ -1,0 +1,59 @@
+"""Model and speculative-decoding configs (nanoGPT-style dataclasses)."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+import hashlib
+import json
+
+import torch
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Sizes of the target and draft models. 8 query heads so TP 8 shards one head per rank."""
+
+    hidden_size: int = 64
+    num_heads: int = 8
+    num_kv_heads: int = 2
+    intermediate_size: int = 128
+    vocab_size: int = 512
+    num_target_layers: int = 2
+    max_context_len: int = 64  # per request: prefix + draft-extend tokens
+    rope_theta: float = 10000.0
+    rms_eps: float = 1e-6
+    seed: int = 0
+    dtype: str = "float32"
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    def fingerprint(self) -> str:
+        """Hash of everything that decides the weights: goldens refuse another model's."""
+        return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:16]
+
+
+def default_capture_bs() -> list[int]:
+    """Like the engine's default list for a small server: 1, 2, 4, 8, then steps of 8."""
+    return [1, 2, 4, 8, 16, 24, 32]
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    """EAGLE/MTP speculative config. One draft layer per step (multi-layer EAGLE)."""
+
+    num_steps: int = 3
+    topk: int = 1
+    num_draft_tokens: int | None = None  # tokens per request in draft-extend; default num_steps + 1
+    capture_bs: tuple[int, ...] = field(default_factory=lambda: tuple(default_capture_bs()))
+    max_running_requests: int = 32
+
+    @property
+    def num_tokens_per_bs(self) -> int:
+        return self.num_draft_tokens if self.num_draft_tokens is not None else self.num_steps + 1

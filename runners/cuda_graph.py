@@ -1,0 +1,306 @@
+"""EAGLE draft-extend CUDA-graph runners: multi-layer (one runner per step) and single-layer.
+
+Mirrors the engine's structure (DESIGN.md §6.2-6.4): static buffers sized for the
+largest bucket; one graph per capture_bs bucket; `get_forward_batch(bs)` bakes the
+per-branch metadata; replay copies only the live lanes in, writes the replay fill into
+the gathered gpu tensors, replays and slices the raw rows out. Padded lanes keep their
+reset or stale values on purpose: that is what the engine does, and what the harness
+must prove harmless.
+"""
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from runners.batch import EagleDraftInput, ForwardBatch, ForwardMode
+from runners.dp_metadata import gathered_metadata
+from runners.draft_extend import (
+    SEQ_LEN_FILL_VALUE,
+    DraftExtendInputs,
+    DraftWorker,
+    StepOutputs,
+    draft_extend_step,
+    run_eager,
+    with_step_inputs,
+)
+from runners.graph_backend import GraphBackend
+from runners.memory import PADDING_SLOT
+from runners.parallel.comm import Group
+from runners.parallel.layout import Branch, ParallelLayout
+
+
+def compute_capture_bs(layout: ParallelLayout, configured: tuple[int, ...] | list[int], max_running_requests: int) -> list[int]:
+    """Buckets: multiples of the base that fit the request pool, plus the rounded pool size if it was cut."""
+    base = layout.capture_bs_base
+    kept = sorted({b for b in configured if b % base == 0 and b <= max_running_requests})
+    if max(configured) > max_running_requests or not kept:
+        top = -(-max_running_requests // base) * base
+        kept = sorted(set(kept) | {top})
+    return kept
+
+
+@dataclass
+class CaptureRecord:
+    """Host and gpu metadata as baked for one bucket (the capture side of invariant I1)."""
+
+    bs: int
+    num_tokens: int
+    host: dict
+    global_num_tokens_gpu: Optional[list[int]]
+    global_num_tokens_for_logprob_gpu: Optional[list[int]]
+
+
+@dataclass
+class ReplayRecord:
+    """What one replay used: the baked host values of its bucket and the gpu values after the fill."""
+
+    runner: str
+    step: int
+    branch: str
+    raw_bs: int
+    bs: int
+    tokens_per_bs: int
+    capture: CaptureRecord
+    global_num_tokens_gpu: Optional[list[int]]
+    global_num_tokens_for_logprob_gpu: Optional[list[int]]
+    gpu_shape: Optional[tuple[int, ...]]
+    padded_seq_lens: list[int]
+    seq_lens_sum: int
+    seq_lens_sum_actual: int
+    rows_fed: Optional[int] = None
+    logits_rows: Optional[int] = None
+    captured_bs: list[int] = field(default_factory=list)
+
+
+class EagleDraftExtendCudaGraphRunnerBase:
+    runner_kind = "base"
+
+    def __init__(self, worker: DraftWorker, step: int, backend: GraphBackend):
+        self.worker, self.step, self.backend = worker, step, backend
+        self.layout = worker.ctx.layout
+        self.T = worker.tokens_per_bs
+        self.capture_bs = compute_capture_bs(self.layout, worker.spec.capture_bs, worker.spec.max_running_requests)
+        self.max_bs = max(self.capture_bs)
+        n, dev, cfg = self.max_bs * self.T, worker.device, worker.cfg
+        i64 = dict(dtype=torch.int64, device=dev)
+        self.input_ids = torch.zeros(n, **i64)
+        self.positions = torch.zeros(n, **i64)
+        self.out_cache_loc = torch.full((n,), PADDING_SLOT, **i64)
+        self.seq_lens = torch.full((self.max_bs,), SEQ_LEN_FILL_VALUE, **i64)
+        self.req_pool_indices = torch.zeros(self.max_bs, **i64)
+        self.num_correct_drafts = torch.ones(self.max_bs, **i64)
+        self.num_accept_tokens = torch.ones(self.max_bs, **i64)
+        self.extend_seq_lens = torch.full((self.max_bs,), self.T, **i64)
+        self.extend_start_loc = torch.arange(self.max_bs, **i64) * self.T
+        self.hidden_states = torch.zeros(n, cfg.hidden_size, dtype=cfg.torch_dtype, device=dev)
+        # Output only; a metadata-only worker (no model) never runs the body, so skips its 256 KiB.
+        logits_rows = n if worker.model is not None else 0
+        self.next_token_logits_buffer = torch.zeros(logits_rows, cfg.vocab_size, dtype=torch.float32, device=dev)
+        gathered_len = self.layout.attn_dp_size if self.layout.require_mlp_tp_gather else 1
+        if self.layout.require_gathered_buffer:
+            self.global_num_tokens_gpu = torch.zeros(gathered_len, dtype=torch.int32, device=dev)
+            self.global_num_tokens_for_logprob_gpu = torch.zeros(gathered_len, dtype=torch.int32, device=dev)
+        else:
+            self.global_num_tokens_gpu = self.global_num_tokens_for_logprob_gpu = None
+        self.graphs: dict[int, object] = {}
+        self.capture_records: dict[int, CaptureRecord] = {}
+
+    # ---- metadata, per branch (§6.3) ----
+    def _capture_num_tokens(self, bs: int) -> int:
+        return bs * self.T
+
+    def _capture_for_logprob(self, bs: int) -> int:
+        """DRAFT_EXTEND_V2 emits logits for every token: the logprob count is the token count."""
+        return bs * self.T
+
+    def _replay_fill_tokens(self, bs: int) -> int:
+        return bs * self.T
+
+    def get_forward_batch(self, bs: int) -> ForwardBatch:
+        n = bs * self.T
+        dp = self.layout.attn_dp_size
+        num_tokens, lp_tokens = self._capture_num_tokens(bs), self._capture_for_logprob(bs)
+        meta = gathered_metadata(self.layout, [num_tokens] * dp, [lp_tokens] * dp, self.worker.ctx.attn_dp_rank)
+        if self.global_num_tokens_gpu is not None:
+            self.global_num_tokens_gpu.copy_(torch.tensor(meta.global_num_tokens, dtype=torch.int32))
+            self.global_num_tokens_for_logprob_gpu.copy_(torch.tensor(meta.global_num_tokens_for_logprob, dtype=torch.int32))
+        fb = ForwardBatch(
+            forward_mode=ForwardMode.DRAFT_EXTEND_V2,
+            batch_size=bs,
+            input_ids=self.input_ids[:n],
+            positions=self.positions[:n],
+            seq_lens=self.seq_lens[:bs],
+            req_pool_indices=self.req_pool_indices[:bs],
+            out_cache_loc=self.out_cache_loc[:n],
+            extend_seq_lens=self.extend_seq_lens[:bs],
+            extend_start_loc=self.extend_start_loc[:bs],
+            spec_info=EagleDraftInput(self.hidden_states[:n], self.num_correct_drafts[:bs], self.num_accept_tokens[:bs], self.worker.spec.topk),
+            extend_seq_lens_cpu=[self.T] * bs,
+            extend_num_tokens=n,
+            num_token_non_padded=n,
+            seq_lens_sum=bs * SEQ_LEN_FILL_VALUE,
+            global_num_tokens_cpu=meta.global_num_tokens,
+            global_num_tokens_gpu=self.global_num_tokens_gpu,
+            global_num_tokens_for_logprob_cpu=meta.global_num_tokens_for_logprob,
+            global_num_tokens_for_logprob_gpu=self.global_num_tokens_for_logprob_gpu,
+            global_dp_buffer_len=meta.global_dp_buffer_len,
+        )
+        self.capture_records[bs] = CaptureRecord(
+            bs, n, fb.host_metadata(), _tolist(self.global_num_tokens_gpu), _tolist(self.global_num_tokens_for_logprob_gpu)
+        )
+        return fb
+
+    # ---- capture (§6.2) ----
+    def _body(self, fb: ForwardBatch) -> StepOutputs:
+        out = draft_extend_step(self.worker, self.step, fb)
+        n = fb.batch_size * self.T
+        self.next_token_logits_buffer[:n].copy_(out.logits)
+        out.logits = self.next_token_logits_buffer[:n]
+        return out
+
+    def capture(self) -> None:
+        comm = self.worker.ctx.comm
+        for bs in reversed(self.capture_bs):
+            fb = self.get_forward_batch(bs).frozen()
+            for _ in range(2):  # warm-up, as the engine does, with the capture-time metadata
+                self.backend.warmup(lambda fb=fb: self._body(fb))
+                comm.barrier(Group.WORLD)
+            self.graphs[bs] = self.backend.capture(lambda fb=fb: self._body(fb))
+
+    # ---- replay (§6.4) ----
+    def can_run(self, inp: DraftExtendInputs) -> bool:
+        return self._needed_bs(inp) <= self.max_bs
+
+    def _needed_bs(self, inp: DraftExtendInputs) -> int:
+        if self.layout.branch is Branch.MLP_TP_GATHER:
+            return max(inp.dp_batch_sizes)  # every DP group must replay the same bucket
+        return inp.bs
+
+    def _choose_bucket(self, needed: int) -> int:
+        return self.capture_bs[bisect.bisect_left(self.capture_bs, needed)]
+
+    def reset_for_iteration(self, raw_bs: int, accept_lens: torch.Tensor) -> None:
+        """Once per decode iteration, before the first step: reset token buffers and seq lens."""
+        self.input_ids.zero_()
+        self.positions.zero_()
+        self.out_cache_loc.fill_(PADDING_SLOT)
+        self.seq_lens.fill_(SEQ_LEN_FILL_VALUE)
+        self.num_correct_drafts[:raw_bs].copy_(accept_lens - 1)
+        self.num_accept_tokens[:raw_bs].copy_(accept_lens)
+
+    def _copy_live_inputs(self, inp: DraftExtendInputs) -> None:
+        """Real lanes only; padded lanes keep reset or stale values (§6.4)."""
+        raw_n = inp.bs * self.T
+        self.input_ids[:raw_n].copy_(inp.input_ids)
+        self.positions[:raw_n].copy_(inp.positions)
+        self.out_cache_loc[:raw_n].copy_(inp.out_cache_loc)
+        self.hidden_states[:raw_n].copy_(inp.hidden_states)
+        self.seq_lens[: inp.bs].copy_(inp.seq_lens)
+        self.req_pool_indices[: inp.bs].copy_(inp.req_pool_indices)
+
+    def prepare_replay(self, inp: DraftExtendInputs) -> ReplayRecord:
+        """Copy in, choose the bucket, write the replay fill. No graph runs (the fast P1 path)."""
+        raw_bs = inp.bs
+        bs = self._choose_bucket(self._needed_bs(inp))
+        self._copy_live_inputs(inp)
+        if self.global_num_tokens_gpu is not None:
+            self.global_num_tokens_gpu.fill_(self._replay_fill_tokens(bs))
+            self.global_num_tokens_for_logprob_gpu.fill_(self._replay_fill_tokens(bs))
+        seq_lens_sum = int(inp.seq_lens.sum()) + (bs - raw_bs) * SEQ_LEN_FILL_VALUE
+        capture = self.capture_records.get(bs) or self._capture_record_for(bs)
+        return ReplayRecord(
+            runner=self.runner_kind,
+            step=self.step,
+            branch=self.layout.branch.value,
+            raw_bs=raw_bs,
+            bs=bs,
+            tokens_per_bs=self.T,
+            capture=capture,
+            global_num_tokens_gpu=_tolist(self.global_num_tokens_gpu),
+            global_num_tokens_for_logprob_gpu=_tolist(self.global_num_tokens_for_logprob_gpu),
+            gpu_shape=None if self.global_num_tokens_gpu is None else tuple(self.global_num_tokens_gpu.shape),
+            padded_seq_lens=self.seq_lens[raw_bs:bs].tolist(),
+            seq_lens_sum=seq_lens_sum,
+            seq_lens_sum_actual=int(self.seq_lens[:bs].sum()),
+            captured_bs=list(self.capture_bs),
+        )
+
+    def _capture_record_for(self, bs: int) -> CaptureRecord:
+        """Metadata-only mode: bake the bucket's batch without capturing a graph; keep the live fill."""
+        saved = (_tolist(self.global_num_tokens_gpu), _tolist(self.global_num_tokens_for_logprob_gpu))
+        self.get_forward_batch(bs)
+        if saved[0] is not None:
+            self.global_num_tokens_gpu.copy_(torch.tensor(saved[0], dtype=torch.int32))
+            self.global_num_tokens_for_logprob_gpu.copy_(torch.tensor(saved[1], dtype=torch.int32))
+        return self.capture_records[bs]
+
+    def replay(self, inp: DraftExtendInputs) -> tuple[StepOutputs, ReplayRecord]:
+        record = self.prepare_replay(inp)
+        graph = self.graphs[record.bs]
+        self.backend.replay(graph)
+        out: StepOutputs = graph.output
+        record.rows_fed = int(out.rows_fed)
+        record.logits_rows = int(out.logits.shape[0])
+        return out.sliced(inp.bs, self.T), record
+
+
+class MultiLayerEagleDraftExtendCudaGraphRunner(EagleDraftExtendCudaGraphRunnerBase):
+    """One draft layer (one speculative step) of the multi-layer EAGLE draft."""
+
+    runner_kind = "multi_layer"
+
+
+class EagleDraftExtendCudaGraphRunner(EagleDraftExtendCudaGraphRunnerBase):
+    """The single-layer EAGLE draft-extend runner (step 0 only)."""
+
+    runner_kind = "single_layer"
+
+    def __init__(self, worker: DraftWorker, backend: GraphBackend):
+        super().__init__(worker, 0, backend)
+
+
+class DraftExtendGraphDriver:
+    """Runs a worker's draft-extend through its graph runners, one per step, with eager fallback.
+
+    The multi-layer driver holds num_steps MultiLayerEagleDraftExtendCudaGraphRunner (as the
+    engine's MultiLayerEagleMultiStepDraftExtendCudaGraphRunner); the single-layer one holds one
+    EagleDraftExtendCudaGraphRunner.
+    """
+
+    def __init__(self, worker: DraftWorker, backend: GraphBackend, single_layer: bool = False):
+        self.worker, self.backend = worker, backend
+        if single_layer:
+            self.runners: list[EagleDraftExtendCudaGraphRunnerBase] = [EagleDraftExtendCudaGraphRunner(worker, backend)]
+        else:
+            self.runners = [MultiLayerEagleDraftExtendCudaGraphRunner(worker, k, backend) for k in range(worker.num_layers)]
+
+    @property
+    def stats(self):
+        return self.backend.stats
+
+    def capture(self) -> None:
+        for r in self.runners:
+            r.capture()
+
+    def run(self, inp: DraftExtendInputs) -> tuple[list[StepOutputs], list[ReplayRecord]]:
+        if not all(r.can_run(inp) for r in self.runners):
+            self.backend.stats.eager_fallbacks += 1
+            outs, _ = run_eager(self.worker, inp)
+            return outs[: len(self.runners)], []
+        for r in self.runners:
+            r.reset_for_iteration(inp.bs, inp.accept_lens)
+        outs, records = [], []
+        step_inp = inp
+        for r in self.runners:
+            out, rec = r.replay(step_inp)
+            outs.append(out)
+            records.append(rec)
+            step_inp = with_step_inputs(inp, out.next_input_ids, out.hidden)
+        return outs, records
+
+
+def _tolist(t: Optional[torch.Tensor]) -> Optional[list[int]]:
+    return None if t is None else [int(x) for x in t.tolist()]

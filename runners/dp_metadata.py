@@ -1,0 +1,40 @@
+"""Per-branch gathered metadata: one helper for the eager path, capture and replay.
+
+DESIGN.md §6.3. In DRAFT_EXTEND_V2 every value counts tokens (bs * num_tokens_per_bs),
+never requests.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+from runners.parallel.layout import Branch, ParallelLayout
+
+
+@dataclass(frozen=True)
+class GatheredMetadata:
+    global_num_tokens: Optional[list[int]]
+    global_num_tokens_for_logprob: Optional[list[int]]
+    global_dp_buffer_len: Optional[int]
+
+    @property
+    def gpu_shape(self) -> Optional[tuple[int]]:
+        return None if self.global_num_tokens is None else (len(self.global_num_tokens),)
+
+
+def gathered_metadata(
+    layout: ParallelLayout,
+    tokens_per_dp_rank: Sequence[int],
+    logprob_tokens_per_dp_rank: Sequence[int],
+    dp_rank: int,
+) -> GatheredMetadata:
+    """tokens_per_dp_rank: every DP group's token count (the MLP sync); lists of length dp."""
+    branch = layout.branch
+    if branch is Branch.MLP_TP_GATHER:
+        tokens = list(tokens_per_dp_rank)
+        return GatheredMetadata(tokens, list(logprob_tokens_per_dp_rank), max(tokens) * layout.attn_dp_size)
+    if branch is Branch.ATTN_TP_GATHER:
+        own = tokens_per_dp_rank[dp_rank] if len(tokens_per_dp_rank) > 1 else tokens_per_dp_rank[0]
+        own_lp = logprob_tokens_per_dp_rank[dp_rank] if len(logprob_tokens_per_dp_rank) > 1 else logprob_tokens_per_dp_rank[0]
+        return GatheredMetadata([own], [own_lp], own)
+    return GatheredMetadata(None, None, None)

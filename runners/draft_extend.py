@@ -1,0 +1,168 @@
+"""The draft-extend step body (one helper for eager and graph paths) and the eager reference.
+
+DRAFT_EXTEND_V2: every request runs num_tokens_per_bs tokens and every token gets logits;
+then one row per request (the last accepted token) is selected for softmax + top-k, and
+the next layer's inputs are written (MTP: the token sequence shifted by one, with the
+draft's proposal in place of the first rejected token).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+from typing import Optional
+
+import torch
+
+from runners.attention import make_backend
+from runners.batch import EagleDraftInput, ForwardBatch, ForwardMode
+from runners.config import ModelConfig, SpecConfig
+from runners.dp_metadata import gathered_metadata
+from runners.logits import logits_processor
+from runners.memory import ReqToTokenPool, TokenToKVPool
+from runners.model import DraftModel, head_shard
+from runners.parallel.dp_attention import RankContext
+
+SEQ_LEN_FILL_VALUE = 1  # the attention backend's get_cuda_graph_seq_len_fill_value()
+
+
+@dataclass
+class DraftExtendInputs:
+    """The live batch the scheduler hands one rank for one decode iteration."""
+
+    input_ids: torch.Tensor  # [bs*T]
+    positions: torch.Tensor  # [bs*T]
+    seq_lens: torch.Tensor  # [bs]
+    req_pool_indices: torch.Tensor  # [bs]
+    out_cache_loc: torch.Tensor  # [bs*T]
+    hidden_states: torch.Tensor  # [bs*T, H]
+    accept_lens: torch.Tensor  # [bs] num_accept_tokens, in 1..T
+    dp_batch_sizes: list[int]  # every DP group's bs (from the MLP sync); [bs] without DP attention
+
+    @property
+    def bs(self) -> int:
+        return int(self.seq_lens.shape[0])
+
+
+@dataclass
+class StepOutputs:
+    logits: torch.Tensor  # [N, V]
+    hidden: torch.Tensor  # [N, H] layer output (pre-norm), the next layer's hidden input
+    logprobs: torch.Tensor  # [bs, V] of the selected rows
+    topk_p: torch.Tensor  # [bs, topk]
+    topk_index: torch.Tensor  # [bs, topk]
+    next_input_ids: torch.Tensor  # [N]
+    rows_fed: torch.Tensor  # scalar: rows this rank gave lm_head
+
+    def sliced(self, raw_bs: int, T: int) -> "StepOutputs":
+        n = raw_bs * T
+        return StepOutputs(
+            self.logits[:n].clone(), self.hidden[:n].clone(), self.logprobs[:raw_bs].clone(),
+            self.topk_p[:raw_bs].clone(), self.topk_index[:raw_bs].clone(),
+            self.next_input_ids[:n].clone(), self.rows_fed.clone(),
+        )
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+class DraftWorker:
+    """One rank's draft model, KV pool and request pool: all of a rank's state in one object."""
+
+    def __init__(
+        self,
+        ctx: RankContext,
+        model_cfg: ModelConfig,
+        spec_cfg: SpecConfig,
+        num_layers: Optional[int] = None,
+        attention_backend: str = "torch",
+        device: str | torch.device = "cpu",
+        max_reqs: int = 128,
+        num_slots: int = 4096,
+        build_model: bool = True,
+    ):
+        """build_model=False gives a worker with no weights or pools: enough for a graph
+        runner's buffers and metadata (get_forward_batch, prepare_replay), which is what the
+        fast metadata property drives at hundreds of examples per second."""
+        self.ctx, self.cfg, self.spec = ctx, model_cfg, spec_cfg
+        self.device = torch.device(device)
+        self.num_layers = spec_cfg.num_steps if num_layers is None else num_layers
+        if not build_model:
+            self.model = self.req_pool = self.kv_pool = self.attn = None
+            return
+        self.model = DraftModel(model_cfg, self.num_layers, ctx)
+        kv_heads = head_shard(model_cfg, ctx.attn_tp_rank, ctx.attn_tp_size).kv_count
+        self.req_pool = ReqToTokenPool(max_reqs, model_cfg.max_context_len, self.device)
+        self.kv_pool = TokenToKVPool(self.num_layers, num_slots, kv_heads, model_cfg.head_dim, model_cfg.torch_dtype, self.device)
+        self.attn = make_backend(attention_backend, req_pool=self.req_pool, kv_pool=self.kv_pool)
+
+    @property
+    def tokens_per_bs(self) -> int:
+        return self.spec.num_tokens_per_bs
+
+
+def draft_extend_step(worker: DraftWorker, step: int, fb: ForwardBatch) -> StepOutputs:
+    """The body shared by the eager path, graph warm-up, capture and (simulated) replay."""
+    ctx, head = worker.ctx, worker.model.head
+    T, bs = worker.tokens_per_bs, fb.batch_size
+    meta = worker.attn.init_forward_metadata(fb)
+    embeds = head.embed[fb.input_ids]
+    hidden, normed = worker.model.layers[step].forward(embeds, fb.spec_info.hidden_states, fb, worker.attn, meta)
+    lo = logits_processor(ctx, head, normed, fb)
+    select_index = torch.arange(bs, device=hidden.device) * T + fb.spec_info.num_correct_drafts.to(torch.int64)
+    logprobs = torch.log_softmax(lo.next_token_logits[select_index].float(), dim=-1)
+    topk_p, topk_index = logprobs.exp().topk(fb.spec_info.topk, dim=-1)
+    shifted = torch.cat([fb.input_ids.view(bs, T)[:, 1:], topk_index[:, :1].to(fb.input_ids.dtype)], dim=1).reshape(-1)
+    next_ids = shifted.index_put((select_index,), topk_index[:, 0].to(shifted.dtype))
+    return StepOutputs(lo.next_token_logits, hidden, logprobs, topk_p, topk_index, next_ids, lo.rows_fed)
+
+
+def tokens_and_logprob_tokens(dp_batch_sizes: list[int], T: int) -> tuple[list[int], list[int]]:
+    """I7: our eager reference counts one logprob row per token (DRAFT_EXTEND_V2), like the graph."""
+    tokens = [b * T for b in dp_batch_sizes]
+    return tokens, list(tokens)
+
+
+def eager_forward_batch(worker: DraftWorker, inp: DraftExtendInputs, input_ids: torch.Tensor, hidden: torch.Tensor) -> ForwardBatch:
+    """All metadata from the live batch: what the graph must reproduce."""
+    T, bs, dev = worker.tokens_per_bs, inp.bs, worker.device
+    ctx = worker.ctx
+    tokens, lp_tokens = tokens_and_logprob_tokens(inp.dp_batch_sizes, T)
+    meta = gathered_metadata(ctx.layout, tokens, lp_tokens, ctx.attn_dp_rank)
+    as_gpu = lambda xs: None if xs is None else torch.tensor(xs, dtype=torch.int32, device=dev)  # noqa: E731
+    return ForwardBatch(
+        forward_mode=ForwardMode.DRAFT_EXTEND_V2,
+        batch_size=bs,
+        input_ids=input_ids,
+        positions=inp.positions,
+        seq_lens=inp.seq_lens,
+        req_pool_indices=inp.req_pool_indices,
+        out_cache_loc=inp.out_cache_loc,
+        extend_seq_lens=torch.full((bs,), T, dtype=torch.int64, device=dev),
+        extend_start_loc=torch.arange(bs, device=dev, dtype=torch.int64) * T,
+        spec_info=EagleDraftInput(hidden, inp.accept_lens - 1, inp.accept_lens, worker.spec.topk),
+        extend_seq_lens_cpu=[T] * bs,
+        extend_num_tokens=bs * T,
+        num_token_non_padded=bs * T,
+        seq_lens_sum=int(inp.seq_lens.sum()),
+        global_num_tokens_cpu=meta.global_num_tokens,
+        global_num_tokens_gpu=as_gpu(meta.global_num_tokens),
+        global_num_tokens_for_logprob_cpu=meta.global_num_tokens_for_logprob,
+        global_num_tokens_for_logprob_gpu=as_gpu(meta.global_num_tokens_for_logprob),
+        global_dp_buffer_len=meta.global_dp_buffer_len,
+    )
+
+
+def run_eager(worker: DraftWorker, inp: DraftExtendInputs) -> tuple[list[StepOutputs], list[ForwardBatch]]:
+    """The reference: every draft layer in turn, each step's metadata from the live batch."""
+    ids, hidden = inp.input_ids, inp.hidden_states
+    outs, batches = [], []
+    for step in range(worker.num_layers):
+        fb = eager_forward_batch(worker, inp, ids, hidden)
+        out = draft_extend_step(worker, step, fb)
+        outs.append(out)
+        batches.append(fb)
+        ids, hidden = out.next_input_ids, out.hidden
+    return outs, batches
+
+
+def with_step_inputs(inp: DraftExtendInputs, input_ids: torch.Tensor, hidden: torch.Tensor) -> DraftExtendInputs:
+    return replace(inp, input_ids=input_ids, hidden_states=hidden)

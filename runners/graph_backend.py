@@ -1,0 +1,102 @@
+"""Graph capture/replay: torch.cuda.CUDAGraph on a GPU, an honest simulation on CPU.
+
+The simulation captures by running the body once with the capture-time ForwardBatch and
+replays by running the same body with exactly that (frozen) batch again: host values
+are the ones baked at capture, tensors are the static buffers' current contents, and
+results are copied into the captured output tensors, as a real graph would leave them.
+Nothing at replay can see the live batch's Python values (DESIGN.md §2).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, is_dataclass
+from typing import Any, Callable
+
+import torch
+
+
+@dataclass
+class GraphStats:
+    captures: int = 0
+    replays: int = 0
+    eager_fallbacks: int = 0
+
+
+def _copy_into(dst: Any, src: Any) -> None:
+    if isinstance(dst, torch.Tensor):
+        dst.copy_(src)
+    elif is_dataclass(dst):
+        for f in fields(dst):
+            _copy_into(getattr(dst, f.name), getattr(src, f.name))
+    elif isinstance(dst, (list, tuple)):
+        for d, s in zip(dst, src, strict=True):
+            _copy_into(d, s)
+    else:
+        raise TypeError(f"graph output of type {type(dst).__name__} cannot be replayed into")
+
+
+class SimulatedGraph:
+    kind = "sim"
+
+    def __init__(self, body: Callable[[], Any]):
+        self.body = body
+        self.output: Any = None
+
+    def capture(self) -> Any:
+        self.output = self.body()
+        return self.output
+
+    def replay(self) -> None:
+        _copy_into(self.output, self.body())
+
+
+class CudaGraph:
+    kind = "cuda"
+
+    def __init__(self, body: Callable[[], Any], pool: Any, stream: "torch.cuda.Stream"):
+        self.body, self.pool, self.stream = body, pool, stream
+        self.graph = torch.cuda.CUDAGraph()
+        self.output: Any = None
+
+    def capture(self) -> Any:
+        with torch.cuda.graph(self.graph, pool=self.pool, stream=self.stream, capture_error_mode="thread_local"):
+            self.output = self.body()
+        return self.output
+
+    def replay(self) -> None:
+        self.graph.replay()
+
+
+class GraphBackend:
+    """Makes graphs of one kind; `auto` is cuda when the runner's device is a GPU."""
+
+    def __init__(self, kind: str = "auto", device: torch.device | str = "cpu"):
+        device = torch.device(device)
+        if kind == "auto":
+            kind = "cuda" if device.type == "cuda" else "sim"
+        if kind == "cuda" and device.type != "cuda":
+            raise ValueError("graph backend 'cuda' needs a CUDA device; use 'sim' on CPU")
+        if kind not in ("sim", "cuda"):
+            raise ValueError(f"unknown graph backend {kind!r}: expected auto, sim or cuda")
+        self.kind = kind
+        self.stats = GraphStats()
+        self.pool = torch.cuda.graph_pool_handle() if kind == "cuda" else None
+        self.stream = torch.cuda.Stream(device) if kind == "cuda" else None
+
+    def warmup(self, body: Callable[[], Any]) -> Any:
+        if self.kind == "cuda":
+            self.stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(self.stream):
+                out = body()
+            torch.cuda.current_stream().wait_stream(self.stream)
+            return out
+        return body()
+
+    def capture(self, body: Callable[[], Any]) -> SimulatedGraph | CudaGraph:
+        g = CudaGraph(body, self.pool, self.stream) if self.kind == "cuda" else SimulatedGraph(body)
+        g.capture()
+        self.stats.captures += 1
+        return g
+
+    def replay(self, graph: SimulatedGraph | CudaGraph) -> None:
+        graph.replay()
+        self.stats.replays += 1

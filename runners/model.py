@@ -1,0 +1,201 @@
+"""The target model and the multi-layer EAGLE (MTP-style) draft model, TP-sharded.
+
+Short and flat on purpose (gpt-fast / nanoGPT style). Every rank generates the same full
+weights from the seed and keeps its shard, so any layout computes the same function
+as TP1 up to the order of float sums.
+"""
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from runners.attention.torch_ref import AttnMetadata
+from runners.batch import ForwardBatch
+from runners.config import ModelConfig
+from runners.parallel.comm import Group
+from runners.parallel.dp_attention import (
+    RankContext,
+    attn_tp_gather,
+    attn_tp_scatter,
+    dp_gather,
+    dp_scatter,
+)
+from runners.parallel.layout import Branch, LayoutError, ParallelLayout
+from runners.parallel.linear import column_parallel, row_parallel, shard
+
+
+def full_weight(cfg: ModelConfig, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+    """Deterministic in (seed, name) alone, never in the layout or the order of creation."""
+    g = torch.Generator().manual_seed(cfg.seed * 1_000_003 + zlib.crc32(name.encode()))
+    w = torch.randn(shape, generator=g, dtype=torch.float32) / shape[-1] ** 0.5
+    return w.to(cfg.torch_dtype)
+
+
+def check_model_fits_layout(cfg: ModelConfig, layout: ParallelLayout) -> None:
+    a = layout.attn_tp_size
+    if cfg.num_heads % a:
+        raise LayoutError(f"layout.tp_size: attn_tp_size {a} must divide model.num_heads {cfg.num_heads}")
+    if not (cfg.num_kv_heads % a == 0 or a % cfg.num_kv_heads == 0):
+        raise LayoutError(f"layout.tp_size: attn_tp_size {a} and model.num_kv_heads {cfg.num_kv_heads} must divide one another")
+    if cfg.vocab_size % layout.tp_size or cfg.intermediate_size % layout.tp_size:
+        raise LayoutError(f"layout.tp_size: {layout.tp_size} must divide model.vocab_size and model.intermediate_size")
+
+
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * w
+
+
+def apply_rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
+    """x [N, h, d] rotated by position (rotate-half convention)."""
+    d = x.shape[-1]
+    inv_freq = theta ** (-torch.arange(0, d, 2, device=x.device, dtype=torch.float32) / d)
+    freqs = positions.float()[:, None] * inv_freq[None, :]
+    cos, sin = freqs.cos()[:, None, :], freqs.sin()[:, None, :]
+    x1, x2 = x[..., : d // 2].float(), x[..., d // 2 :].float()
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+
+
+@dataclass
+class HeadShard:
+    q_start: int
+    q_count: int
+    kv_start: int
+    kv_count: int
+
+
+def head_shard(cfg: ModelConfig, attn_tp_rank: int, attn_tp_size: int) -> HeadShard:
+    q_count = cfg.num_heads // attn_tp_size
+    if attn_tp_size <= cfg.num_kv_heads:
+        kv_count = cfg.num_kv_heads // attn_tp_size
+        kv_start = attn_tp_rank * kv_count
+    else:  # more ranks than KV heads: each KV head replicated over attn_tp_size / num_kv_heads ranks
+        kv_count, kv_start = 1, attn_tp_rank // (attn_tp_size // cfg.num_kv_heads)
+    return HeadShard(attn_tp_rank * q_count, q_count, kv_start, kv_count)
+
+
+class DecoderLayer:
+    """RMSNorm -> GQA attention with RoPE over the paged KV cache -> RMSNorm -> SwiGLU MLP."""
+
+    def __init__(self, cfg: ModelConfig, name: str, ctx: RankContext, kv_layer: int):
+        self.cfg, self.ctx, self.kv_layer = cfg, ctx, kv_layer
+        H, d, I = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
+        layout = ctx.layout
+        self.heads = hs = head_shard(cfg, ctx.attn_tp_rank, ctx.attn_tp_size)
+        self.ln1 = torch.ones(H, dtype=cfg.torch_dtype)
+        self.ln2 = torch.ones(H, dtype=cfg.torch_dtype)
+        wq = full_weight(cfg, f"{name}.q", (cfg.num_heads * d, H))
+        wk = full_weight(cfg, f"{name}.k", (cfg.num_kv_heads * d, H))
+        wv = full_weight(cfg, f"{name}.v", (cfg.num_kv_heads * d, H))
+        wo = full_weight(cfg, f"{name}.o", (H, cfg.num_heads * d))
+        self.wq = wq[hs.q_start * d : (hs.q_start + hs.q_count) * d].contiguous()
+        self.wk = wk[hs.kv_start * d : (hs.kv_start + hs.kv_count) * d].contiguous()
+        self.wv = wv[hs.kv_start * d : (hs.kv_start + hs.kv_count) * d].contiguous()
+        self.wo = wo[:, hs.q_start * d : (hs.q_start + hs.q_count) * d].contiguous()
+
+        gate = full_weight(cfg, f"{name}.gate", (I, H))
+        up = full_weight(cfg, f"{name}.up", (I, H))
+        down = full_weight(cfg, f"{name}.down", (H, I))
+        self.branch = layout.branch
+        if layout.mlp_replicated:
+            self.mlp_rank, self.mlp_size = 0, 1
+        elif self.branch is Branch.MLP_TP_GATHER:
+            self.mlp_rank, self.mlp_size = ctx.tp_rank, layout.tp_size
+        else:
+            self.mlp_rank, self.mlp_size = ctx.attn_tp_rank, ctx.attn_tp_size
+        self.w_gate = column_parallel(gate, self.mlp_rank, self.mlp_size)
+        self.w_up = column_parallel(up, self.mlp_rank, self.mlp_size)
+        self.w_down = row_parallel(down, self.mlp_rank, self.mlp_size)
+
+    def attention(self, x: torch.Tensor, fb: ForwardBatch, attn, meta: AttnMetadata) -> torch.Tensor:
+        """Returns the o_proj partial sum of this rank's heads."""
+        n, d = x.shape[0], self.cfg.head_dim
+        q = (x @ self.wq.T).view(n, self.heads.q_count, d)
+        k = (x @ self.wk.T).view(n, self.heads.kv_count, d)
+        v = (x @ self.wv.T).view(n, self.heads.kv_count, d)
+        q = apply_rope(q, fb.positions, self.cfg.rope_theta)
+        k = apply_rope(k, fb.positions, self.cfg.rope_theta)
+        o = attn.forward(self.kv_layer, q, k, v, fb, meta)
+        return o.reshape(n, self.heads.q_count * d) @ self.wo.T
+
+    def mlp_local(self, x: torch.Tensor) -> torch.Tensor:
+        return (F.silu(x @ self.w_gate.T) * (x @ self.w_up.T)) @ self.w_down.T
+
+    def forward(self, x: torch.Tensor, fb: ForwardBatch, attn, meta: AttnMetadata) -> torch.Tensor:
+        ctx, eps = self.ctx, self.cfg.rms_eps
+        n = x.shape[0]
+        partial = self.attention(rms_norm(x, self.ln1, eps), fb, attn, meta)
+        if self.branch is Branch.ATTN_TP_GATHER:
+            a, res = attn_tp_scatter(ctx, partial, x)
+            h = res + a
+            out = h + self.mlp_local(rms_norm(h, self.ln2, eps))
+            return attn_tp_gather(ctx, out, n)
+        h = x + (ctx.comm.all_reduce(partial, Group.ATTN_TP) if ctx.attn_tp_size > 1 else partial)
+        m_in = rms_norm(h, self.ln2, eps)
+        if self.branch is Branch.MLP_TP_GATHER:
+            gathered = dp_gather(ctx, m_in, fb.global_dp_buffer_len)
+            m = dp_scatter(ctx, self.mlp_local(gathered), n, sharded=self.mlp_size > 1)
+        else:
+            m = self.mlp_local(m_in)
+            if self.mlp_size > 1:
+                m = ctx.comm.all_reduce(m, Group.ATTN_TP)
+        return h + m
+
+
+class SharedHead:
+    """Embedding (replicated) and the vocab-parallel lm_head shared by target and draft (EAGLE)."""
+
+    def __init__(self, cfg: ModelConfig, ctx: RankContext):
+        self.embed = full_weight(cfg, "embed", (cfg.vocab_size, cfg.hidden_size))
+        lm = full_weight(cfg, "lm_head", (cfg.vocab_size, cfg.hidden_size))
+        if ctx.layout.logits_dp_gather:
+            self.lm_group, self.lm_rank, self.lm_size = Group.WORLD, ctx.tp_rank, ctx.layout.tp_size
+        else:
+            self.lm_group, self.lm_rank, self.lm_size = Group.ATTN_TP, ctx.attn_tp_rank, ctx.attn_tp_size
+        self.lm_head = shard(lm, 0, self.lm_rank, self.lm_size)
+
+
+class DraftLayer:
+    """One EAGLE/MTP step: fc over [norm(embed(token)); norm(hidden)] -> decoder layer -> norm."""
+
+    def __init__(self, cfg: ModelConfig, step: int, ctx: RankContext):
+        H = cfg.hidden_size
+        self.cfg = cfg
+        self.fc = full_weight(cfg, f"draft{step}.fc", (H, 2 * H))
+        self.enorm = torch.ones(H, dtype=cfg.torch_dtype)
+        self.hnorm = torch.ones(H, dtype=cfg.torch_dtype)
+        self.final_norm = torch.ones(H, dtype=cfg.torch_dtype)
+        self.layer = DecoderLayer(cfg, f"draft{step}", ctx, kv_layer=step)
+
+    def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, fb: ForwardBatch, attn, meta) -> tuple[torch.Tensor, torch.Tensor]:
+        eps = self.cfg.rms_eps
+        x = torch.cat([rms_norm(embeds, self.enorm, eps), rms_norm(hidden.to(embeds.dtype), self.hnorm, eps)], dim=-1) @ self.fc.T
+        out = self.layer.forward(x, fb, attn, meta)
+        return out, rms_norm(out, self.final_norm, eps)
+
+
+class DraftModel:
+    def __init__(self, cfg: ModelConfig, num_layers: int, ctx: RankContext):
+        check_model_fits_layout(cfg, ctx.layout)
+        self.cfg, self.ctx = cfg, ctx
+        self.head = SharedHead(cfg, ctx)
+        self.layers = [DraftLayer(cfg, k, ctx) for k in range(num_layers)]
+
+
+class TargetModel:
+    def __init__(self, cfg: ModelConfig, ctx: RankContext, kv_layer_offset: int = 0):
+        check_model_fits_layout(cfg, ctx.layout)
+        self.cfg, self.ctx = cfg, ctx
+        self.head = SharedHead(cfg, ctx)
+        self.layers = [DecoderLayer(cfg, f"target{i}", ctx, kv_layer=kv_layer_offset + i) for i in range(cfg.num_target_layers)]
+        self.norm = torch.ones(cfg.hidden_size, dtype=cfg.torch_dtype)
+
+    def forward(self, fb: ForwardBatch, attn, meta) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (last hidden states, normed) for the logits processor and the draft."""
+        x = self.head.embed[fb.input_ids]
+        for layer in self.layers:
+            x = layer.forward(x, fb, attn, meta)
+        return x, rms_norm(x, self.norm, self.cfg.rms_eps)

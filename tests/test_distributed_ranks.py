@@ -1,0 +1,481 @@
+"""Real ranks (torch.distributed, gloo on CPU): collectives, traces, hangs, mismatches,
+failures, skips, orphan-freedom, and the xdist GPU/port slicing.
+
+Process spawns dominate the cost (torch import, ~2-3 s a rank), so each launched function
+checks many things at once. Rank functions are module-level: they are pickled by name.
+"""
+from __future__ import annotations
+
+import math
+import multiprocessing
+import os
+import time
+
+import pytest
+import torch
+
+from harness.ranks import launcher
+from harness.ranks.distributed import describe_signature, encode_signature, mismatch_message
+from harness.ranks.gpu_slice import (
+    SLICE_ENV,
+    apply_worker_slice,
+    cuda_visible_devices_for_worker,
+    gpu_slice,
+    port_range,
+    require_gpus,
+    worker_count,
+    worker_gpus,
+    worker_index,
+)
+from harness.ranks.launcher import (
+    SKIP_EXIT_CODE,
+    DistributedDeadlock,
+    DistributedMismatch,
+    DistributedRankFailure,
+    DistributedTimeout,
+    LaunchSkipped,
+    RankSkip,
+    launch,
+)
+from harness.ranks.trace import CollectiveCall, CollectiveMismatch, CollectiveTimeout
+from runners.parallel.comm import Group
+from runners.parallel.layout import ParallelLayout
+
+pytestmark = pytest.mark.distributed
+
+TP2 = ParallelLayout(tp_size=2)
+TP4_DP2 = ParallelLayout(tp_size=4, dp_size=2, enable_dp_attention=True)  # attn_tp {0,1},{2,3}; attn_dp {0,2},{1,3}
+GROUPS = (Group.WORLD, Group.ATTN_TP, Group.ATTN_DP)
+
+
+# ---------------------------------------------------------------------------------------
+# no process may outlive a test
+# ---------------------------------------------------------------------------------------
+
+
+def _live_children() -> list[tuple[int, str, str]]:
+    """(pid, state, cmdline) of every process whose parent is this one (multiprocessing's resource tracker aside)."""
+    me = os.getpid()
+    out = []
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            with open(f"/proc/{d}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            with open(f"/proc/{d}/cmdline", "rb") as f:
+                cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if int(fields[1]) == me and "resource_tracker" not in cmd:
+            out.append((int(d), fields[0], cmd[:200]))
+    return out
+
+
+@pytest.fixture(autouse=True)
+def no_leftover_processes():
+    before = {pid for pid, _, _ in _live_children()}
+    yield
+    assert multiprocessing.active_children() == []
+    leftovers = [c for c in _live_children() if c[0] not in before]
+    assert leftovers == [], f"processes left behind: {leftovers}"
+
+
+# ---------------------------------------------------------------------------------------
+# every collective, every group, against computed and hand-written expectations
+# ---------------------------------------------------------------------------------------
+
+
+def _val(rank: int, shape: tuple[int, ...], dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return (torch.arange(math.prod(shape), dtype=torch.float64) + 100 * rank).reshape(shape).to(dtype)
+
+
+def _randn(rank: int, n: int) -> torch.Tensor:
+    return torch.randn(n, generator=torch.Generator().manual_seed(1234 + rank))
+
+
+def _program(comm) -> dict:
+    """Every collective on every group; returns name -> result (plus input-integrity flags)."""
+    r = comm.rank
+    res: dict = {}
+    for g in GROUPS:
+        n = len(comm.group_ranks(g))
+        x = _val(r, (4, 3))
+        x0 = x.clone()
+        k = g.value
+        res[f"{k}/all_reduce"] = y = comm.all_reduce(x, g)
+        res[f"{k}/fresh"] = y.data_ptr() != x.data_ptr()
+        res[f"{k}/all_gather"] = comm.all_gather(x, g)
+        res[f"{k}/reduce_scatter"] = comm.reduce_scatter(_val(r, (2 * n, 3)), g)
+        res[f"{k}/all_gather_v"] = comm.all_gather_v(_val(r, (n + 1, 3)), [i + 1 for i in range(n)], g)
+        res[f"{k}/all_gather_v_zeros"] = comm.all_gather_v(_val(r, (2, 3)), [0 if i % 2 else 2 for i in range(n)], g)
+        res[f"{k}/broadcast"] = comm.broadcast(_val(r, (2,)), n - 1, g)
+        res[f"{k}/int64"] = comm.all_reduce(torch.tensor([r, 10 * r]), g)
+        res[f"{k}/bf16"] = comm.all_gather(_val(r, (2, 2), torch.bfloat16), g)
+        res[f"{k}/bool"] = comm.all_gather(torch.tensor([r % 2 == 0]), g)
+        res[f"{k}/empty_all_reduce"] = comm.all_reduce(torch.empty(0, 3), g)
+        res[f"{k}/empty_all_gather"] = comm.all_gather(torch.empty(0, 3), g)
+        res[f"{k}/empty_reduce_scatter"] = comm.reduce_scatter(torch.empty(2 * n, 0), g)
+        res[f"{k}/empty_all_gather_v"] = comm.all_gather_v(torch.empty(0, 3), [0] * n, g)
+        res[f"{k}/empty_broadcast"] = comm.broadcast(torch.empty(0), 0, g)
+        res[f"{k}/literal"] = comm.all_reduce(torch.tensor([float(r)]), g)
+        comm.barrier(g)
+        res[f"{k}/input_intact"] = torch.equal(x, x0)
+    # summation order: bitwise equal to the left fold in group-rank order
+    res["fold/all_reduce"] = comm.all_reduce(_randn(r, 4096), Group.WORLD)
+    res["fold/reduce_scatter"] = comm.reduce_scatter(_randn(r, 4096), Group.WORLD)
+    return res
+
+
+class _Recorder:
+    """Records what _program calls (to build the expected trace); returns its input."""
+
+    def __init__(self, layout: ParallelLayout, rank: int) -> None:
+        self.layout, self.rank, self.world_size, self.calls = layout, rank, layout.world_size, []
+
+    def group_ranks(self, g):
+        return self.layout.group_ranks(g, self.rank)
+
+    def _rec(self, op, g, t):
+        shape, dtype = (tuple(t.shape), str(t.dtype)) if t is not None else ((), "")
+        self.calls.append(CollectiveCall(len(self.calls), op, g.value, tuple(self.group_ranks(g)), shape, dtype))
+        return t
+
+    def all_reduce(self, t, g):
+        return self._rec("all_reduce", g, t)
+
+    def all_gather(self, t, g):
+        return self._rec("all_gather", g, t)
+
+    def reduce_scatter(self, t, g):
+        return self._rec("reduce_scatter", g, t)
+
+    def all_gather_v(self, t, lengths, g):
+        return self._rec("all_gather_v", g, t)
+
+    def broadcast(self, t, src, g):
+        return self._rec("broadcast", g, t)
+
+    def barrier(self, g):
+        self._rec("barrier", g, None)
+
+
+def _fold(parts):
+    acc = parts[0].clone()
+    for p in parts[1:]:
+        acc = acc + p
+    return acc
+
+
+def _expected(layout: ParallelLayout, r: int) -> dict:
+    ws = layout.world_size
+    exp: dict = {}
+    for g in GROUPS:
+        G = layout.group_ranks(g, r)
+        n, me, k = len(G), G.index(r), g.value
+        exp[f"{k}/all_reduce"] = sum(_val(m, (4, 3), torch.float64) for m in G).float()
+        exp[f"{k}/fresh"] = True
+        exp[f"{k}/all_gather"] = torch.cat([_val(m, (4, 3)) for m in G])
+        exp[f"{k}/reduce_scatter"] = sum(_val(m, (2 * n, 3), torch.float64) for m in G).float()[2 * me : 2 * me + 2]
+        exp[f"{k}/all_gather_v"] = torch.cat([_val(m, (n + 1, 3))[: i + 1] for i, m in enumerate(G)])
+        exp[f"{k}/all_gather_v_zeros"] = torch.cat([_val(m, (2, 3))[: 0 if i % 2 else 2] for i, m in enumerate(G)])
+        exp[f"{k}/broadcast"] = _val(G[-1], (2,))
+        exp[f"{k}/int64"] = torch.tensor([sum(G), 10 * sum(G)])
+        exp[f"{k}/bf16"] = torch.cat([_val(m, (2, 2), torch.bfloat16) for m in G])
+        exp[f"{k}/bool"] = torch.tensor([m % 2 == 0 for m in G])
+        exp[f"{k}/empty_all_reduce"] = torch.empty(0, 3)
+        exp[f"{k}/empty_all_gather"] = torch.empty(0, 3)
+        exp[f"{k}/empty_reduce_scatter"] = torch.empty(2, 0)
+        exp[f"{k}/empty_all_gather_v"] = torch.empty(0, 3)
+        exp[f"{k}/empty_broadcast"] = torch.empty(0)
+        exp[f"{k}/input_intact"] = True
+    exp["fold/all_reduce"] = _fold([_randn(m, 4096) for m in range(ws)])
+    exp["fold/reduce_scatter"] = _fold([_randn(m, 4096) for m in range(ws)]).chunk(ws)[r]
+    return exp
+
+
+# hand-written: all_reduce of [rank] over each rank's group instance
+LITERAL = {
+    TP2: {"world": [1.0, 1.0], "attn_tp": [1.0, 1.0], "attn_dp": [0.0, 1.0]},
+    TP4_DP2: {"world": [6.0] * 4, "attn_tp": [1.0, 1.0, 5.0, 5.0], "attn_dp": [2.0, 4.0, 2.0, 4.0]},
+}
+
+
+def _check_collectives(layout: ParallelLayout, out, exact_fold: bool = True) -> None:
+    ws = layout.world_size
+    assert len(out.results) == len(out.traces) == ws
+    for r in range(ws):
+        got, exp = out.results[r], _expected(layout, r)
+        for key, want in exp.items():
+            have = got[key]
+            if isinstance(want, bool):
+                assert have is want, (r, key)
+                continue
+            assert have.dtype == want.dtype and have.shape == want.shape, (r, key, have, want)
+            if key.startswith("fold/") and not exact_fold:
+                torch.testing.assert_close(have, want)
+            else:
+                assert torch.equal(have, want), (r, key, have, want)
+        for g, vals in LITERAL[layout].items():
+            assert got[f"{g}/literal"].tolist() == [vals[r]], (r, g)
+        rec = _Recorder(layout, r)
+        _program(rec)
+        assert out.traces[r] == rec.calls
+    ops = [[(c.op, c.group, c.shape, c.dtype) for c in t] for t in out.traces]
+    assert all(o == ops[0] for o in ops)  # SPMD: the same calls on every rank
+
+
+@pytest.mark.parametrize("layout", [TP2, TP4_DP2], ids=["tp2", "tp4_dp2"])
+def test_every_collective_on_gloo(layout):
+    out = launch(layout, _program, backend="gloo", timeout_s=120)
+    assert out.backend == "gloo"
+    assert out.exit_codes == [0] * layout.world_size
+    _check_collectives(layout, out)
+    t = out.traces[layout.world_size - 1]
+    assert t[0] == CollectiveCall(0, "all_reduce", "world", tuple(range(layout.world_size)), (4, 3), "torch.float32")
+
+
+@pytest.mark.multigpu(2)
+@pytest.mark.gpu
+def test_every_collective_on_nccl():
+    reason = require_gpus(2)
+    if reason:
+        pytest.skip(reason)
+    out = launch(TP2, _program, backend="nccl", timeout_s=120, check_signatures=True)
+    assert out.backend == "nccl"
+    _check_collectives(TP2, out, exact_fold=False)
+
+
+# ---------------------------------------------------------------------------------------
+# hangs, mismatches, failures, skips
+# ---------------------------------------------------------------------------------------
+
+
+def _rank1_skips_a_collective(comm):
+    comm.all_reduce(torch.ones(4), Group.WORLD)
+    if comm.rank == 1:
+        return "left early"
+    comm.all_reduce(torch.ones(4), Group.WORLD)  # rank 0 waits here for ever
+    return "unreachable"
+
+
+def test_planted_hang_is_reported_fast_naming_rank_and_collective():
+    t0 = time.monotonic()
+    with pytest.raises(DistributedDeadlock) as ei:
+        launch(TP2, _rank1_skips_a_collective, backend="gloo", timeout_s=45)
+    elapsed = time.monotonic() - t0
+    msg = str(ei.value)
+    assert isinstance(ei.value, DistributedTimeout) and isinstance(ei.value, CollectiveTimeout)
+    assert "rank 0: stuck in all_reduce(group=world, shape=(4,), dtype=float32) [collective #1, entered]" in msg
+    assert "rank 1: finished" in msg
+    assert "rank 0 waits in a collective for rank 1" in msg
+    assert ei.value.states == {0: "stuck in all_reduce(group=world, shape=(4,), dtype=float32) [collective #1, entered]", 1: "finished"}
+    assert elapsed < 30, elapsed  # spawn + detection; far below the 45 s timeout
+
+
+def _ranks_in_different_groups(comm):
+    # Same ranks, different process groups: both block, nobody finishes -> only the timeout can tell.
+    comm.all_reduce(torch.ones(4), Group.WORLD if comm.rank == 0 else Group.ATTN_TP)
+
+
+def test_timeout_lists_every_rank_and_its_collective():
+    t0 = time.monotonic()
+    with pytest.raises(DistributedTimeout) as ei:
+        launch(TP2, _ranks_in_different_groups, backend="gloo", timeout_s=2)
+    assert not isinstance(ei.value, DistributedDeadlock)
+    msg = str(ei.value)
+    assert "timeout_s=2" in msg
+    assert "rank 0: stuck in all_reduce(group=world, shape=(4,), dtype=float32) [collective #0, entered]" in msg
+    assert "rank 1: stuck in all_reduce(group=attn_tp, shape=(4,), dtype=float32) [collective #0, entered]" in msg
+    assert time.monotonic() - t0 < 40
+
+
+def _mismatch_in_one_attn_tp_group(comm):
+    x = torch.zeros(12, 64)
+    if comm.rank == 2:
+        comm.reduce_scatter(x, Group.ATTN_TP)
+    else:
+        comm.all_gather(x, Group.ATTN_TP)
+    comm.all_reduce(torch.ones(3), Group.WORLD)  # ranks 0 and 1 wait here for 2 and 3
+
+
+def test_planted_mismatch_names_both_collectives():
+    with pytest.raises(DistributedMismatch) as ei:
+        launch(TP4_DP2, _mismatch_in_one_attn_tp_group, backend="gloo", timeout_s=60, failure_grace_s=1.0)
+    e = ei.value
+    assert isinstance(e, CollectiveMismatch) and isinstance(e, DistributedRankFailure)
+    msg = str(e)
+    assert msg.startswith("collective mismatch in group attn_tp (ranks (2, 3))")
+    assert (
+        "rank 3 called all_gather(group=attn_tp, shape=(12, 64), dtype=float32) [its collective #0] "
+        "where rank 2 called reduce_scatter(group=attn_tp, shape=(12, 64), dtype=float32)"
+    ) in msg
+    assert sorted(e.failures) == [2, 3]  # raised on every member of the group
+    assert "CollectiveMismatch" in e.failures[2] and "_mismatch_in_one_attn_tp_group" in e.failures[3]
+    for r in (0, 1):  # the innocent group: reported where it waited, then killed
+        assert e.states[r] == "stuck in all_reduce(group=world, shape=(3,), dtype=float32) [collective #1, entered]"
+
+
+def _rank1_raises(comm):
+    if comm.rank == 1:
+        raise ValueError("planted failure on rank 1")
+    comm.all_reduce(torch.ones(2), Group.WORLD)
+
+
+def test_rank_failure_carries_traceback_and_ends_promptly():
+    t0 = time.monotonic()
+    with pytest.raises(DistributedRankFailure) as ei:
+        launch(TP2, _rank1_raises, backend="gloo", timeout_s=60, failure_grace_s=1.0)
+    e = ei.value
+    assert not isinstance(e, CollectiveMismatch)
+    assert list(e.failures) == [1]
+    assert "Traceback" in e.failures[1] and "ValueError: planted failure on rank 1" in e.failures[1]
+    assert "in _rank1_raises" in e.failures[1]
+    msg = str(e)
+    assert msg.startswith("rank(s) 1 failed")
+    assert "rank 1: failed: ValueError: planted failure on rank 1" in msg
+    assert "rank 0: stuck in all_reduce(group=world, shape=(2,), dtype=float32) [collective #0, entered]" in msg
+    assert time.monotonic() - t0 < 30  # grace, not the 60 s timeout
+
+
+def _skip_everywhere(comm):
+    raise RankSkip(f"no widget on rank {comm.rank}")
+
+
+def test_rank_skip_becomes_launch_skipped():
+    with pytest.raises(LaunchSkipped) as ei:
+        launch(TP2, _skip_everywhere, backend="gloo", timeout_s=60)
+    assert ei.value.reason.startswith("rank 0: no widget on rank 0")
+    assert ei.value.ranks == (0, 1)
+    assert ei.value.exit_codes == {0: SKIP_EXIT_CODE, 1: SKIP_EXIT_CODE}
+
+
+def _sleep(comm, s):
+    time.sleep(s)
+
+
+def test_parent_interrupt_leaves_no_child(monkeypatch):
+    real = launcher._decode_message
+
+    def interrupted(data):
+        msg = real(data)
+        if msg[0] == "ready":
+            raise KeyboardInterrupt
+        return msg
+
+    monkeypatch.setattr(launcher, "_decode_message", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        launch(TP2, _sleep, 120, backend="gloo", timeout_s=300)
+    # the autouse fixture asserts that no child survived
+
+
+def test_launch_rejects_unpicklable_fn_before_spawning():
+    with pytest.raises(TypeError, match="module-level"):
+        launch(TP2, lambda comm: None, backend="gloo")
+
+
+def test_backend_and_child_env():
+    have = torch.cuda.is_available() and len(worker_gpus()) >= 2
+    assert launcher.resolve_backend("auto", 2) == ("nccl" if have else "gloo")
+    assert launcher.resolve_backend("GLOO", 2) == "gloo"
+    if not have:
+        with pytest.raises(LaunchSkipped, match="nccl needs 2 GPUs"):
+            launcher.resolve_backend("nccl", 2)
+    with pytest.raises(ValueError):
+        launcher.resolve_backend("mpi", 2)
+    env = launcher.child_env(1, 4, "nccl", "/tmp/hb", 1)
+    assert env["RANK"] == "1" and env["WORLD_SIZE"] == "4" and env["LOCAL_RANK"] == "1"
+    assert env["NCCL_NVLS_ENABLE"] == "0" and env["TORCH_SYMM_MEM_DISABLE_MULTICAST"] == "1"
+    assert env["NVSHMEM_DISABLE_NVLS"] == "1" and env["OMP_NUM_THREADS"] == "1"
+    assert env["SPECHARNESS_HEARTBEAT_FILE"] == "/tmp/hb" and env["SPECHARNESS_CUDA_DEVICE"] == "1"
+
+
+# ---------------------------------------------------------------------------------------
+# signatures (pure)
+# ---------------------------------------------------------------------------------------
+
+
+def test_signatures_describe_and_compare():
+    def call(op, shape, dtype="torch.float32", group="attn_tp", seq=5):
+        return CollectiveCall(seq, op, group, (2, 3), shape, dtype)
+
+    ag, rs = call("all_gather", (12, 64)), call("reduce_scatter", (12, 64))
+    assert describe_signature(encode_signature(ag)) == ag.describe()
+    assert mismatch_message([encode_signature(ag)] * 2, (2, 3)) is None
+    msg = mismatch_message([encode_signature(rs), encode_signature(ag)], (2, 3), "attn_tp")
+    assert "rank 3 called all_gather(group=attn_tp, shape=(12, 64), dtype=float32)" in msg
+    assert "where rank 2 called reduce_scatter(group=attn_tp, shape=(12, 64), dtype=float32)" in msg
+    # the majority is the reference: the odd rank out is named, whatever its position
+    sigs = [encode_signature(call("all_reduce", (4,), dtype="torch.bfloat16"))] + [encode_signature(call("all_reduce", (4,)))] * 3
+    assert mismatch_message(sigs, (0, 1, 2, 3), "world").split(": ", 1)[1].startswith("rank 0 called all_reduce(group=attn_tp, shape=(4,), dtype=bfloat16)")
+    # all_gather_v: only trailing dims and lengths count
+    v1, v2 = call("all_gather_v", (7, 3)), call("all_gather_v", (9, 3))
+    assert mismatch_message([encode_signature(v1, [3, 4]), encode_signature(v2, [3, 4])], (2, 3)) is None
+    assert mismatch_message([encode_signature(v1, [3, 4]), encode_signature(v2, [3, 5])], (2, 3)) is not None
+    assert mismatch_message([encode_signature(v1, [3, 4]), encode_signature(call("all_gather_v", (7, 4)), [3, 4])], (2, 3))
+    assert describe_signature(encode_signature(v1, [3, 4])) == "all_gather_v(group=attn_tp, shape=(7, 3), dtype=float32, lengths=[3, 4])"
+    b0, b1 = call("broadcast", (2,)), call("broadcast", (2,))
+    assert mismatch_message([encode_signature(b0, [0]), encode_signature(b1, [1])], (2, 3)) is not None
+    big = call("all_reduce", tuple(range(1, 11)))  # more dims than the signature spells out: still compared
+    assert mismatch_message([encode_signature(big), encode_signature(call("all_reduce", tuple(range(1, 10)) + (11,)))], (2, 3))
+    assert describe_signature(encode_signature(call("barrier", (), dtype=""))) == "barrier(group=attn_tp, shape=(), dtype=)"
+
+
+# ---------------------------------------------------------------------------------------
+# xdist slicing (fake device counts)
+# ---------------------------------------------------------------------------------------
+
+
+def test_worker_index_and_count_from_env():
+    assert worker_index({}) == 0 and worker_count({}) == 1
+    assert worker_index({"PYTEST_XDIST_WORKER": "gw3"}) == 3
+    assert worker_index({"PYTEST_XDIST_WORKER": "gw12"}) == 12
+    assert worker_index({"PYTEST_XDIST_WORKER": "master"}) == 0
+    assert worker_count({"PYTEST_XDIST_WORKER_COUNT": "8"}) == 8
+    assert worker_count({"PYTEST_XDIST_WORKER_COUNT": "bogus"}) == 1
+
+
+def test_port_ranges_are_disjoint():
+    ranges = [port_range(w) for w in range(64)]
+    seen: set[int] = set()
+    for r in ranges:
+        assert len(r) > 0 and r.stop <= 65536
+        assert seen.isdisjoint(r)
+        seen.update(r)
+    with pytest.raises(ValueError):
+        port_range(10_000)
+
+
+@pytest.mark.parametrize("device_count", [0, 1, 2, 8])
+def test_gpu_slices_partition_the_devices(device_count):
+    for n_workers in range(1, 17):
+        slices = [gpu_slice(w, n_workers, device_count) for w in range(n_workers)]
+        flat = [d for s in slices for d in s]
+        assert flat == list(range(device_count))  # a partition, in order: contiguous slices
+        sizes = [len(s) for s in slices]
+        assert max(sizes) - min(sizes) <= 1  # balanced
+        if n_workers > device_count:
+            assert sizes.count(0) == n_workers - device_count
+        for w, s in enumerate(slices):
+            assert cuda_visible_devices_for_worker(w, n_workers, device_count, parent_visible=None) == ",".join(map(str, s)) or (
+                not s and cuda_visible_devices_for_worker(w, n_workers, device_count, parent_visible=None) == ""
+            )
+    with pytest.raises(ValueError):
+        gpu_slice(2, 2, 8)
+
+
+def test_gpu_slice_examples_and_skip_reasons():
+    assert [gpu_slice(w, 3, 8) for w in range(3)] == [[0, 1, 2], [3, 4, 5], [6, 7]]
+    assert [gpu_slice(w, 4, 2) for w in range(4)] == [[0], [1], [], []]
+    assert cuda_visible_devices_for_worker(1, 2, None, parent_visible="4,5,6,7") == "6,7"
+    assert cuda_visible_devices_for_worker(3, 4, None, parent_visible="GPU-a,GPU-b") == ""
+    env = {"PYTEST_XDIST_WORKER": "gw1", "PYTEST_XDIST_WORKER_COUNT": "4"}
+    assert worker_gpus(8, env) == [2, 3]
+    assert require_gpus(2, 8, env) is None
+    reason = require_gpus(4, 8, env)
+    assert reason == "needs 4 GPU(s) in this worker's slice: xdist worker gw1 of 4 has 2 ([2, 3]) of 8 visible"
+    assert "has 0 ([])" in require_gpus(1, 0, {})
+    env2 = dict(env, CUDA_VISIBLE_DEVICES="0,1,2,3,4,5,6,7")
+    assert apply_worker_slice(env2) == "2,3" and env2["CUDA_VISIBLE_DEVICES"] == "2,3" and SLICE_ENV in env2
+    assert apply_worker_slice(env2) == "2,3"  # idempotent
+    assert worker_gpus(2, env2) == [0, 1]  # already sliced: every visible device is this worker's
