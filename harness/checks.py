@@ -47,17 +47,33 @@ class CaseReport:
         }
 
 
-def run_spmd(sc: Scenario, runner: str = "both", single_layer: bool = False, timeout_s: float = 60.0) -> list[RankRun]:
-    return SimulatedWorld(sc.layout, timeout_s=timeout_s).run(lambda comm: run_rank(comm, sc, runner=runner, single_layer=single_layer))
+RANKS = ("sim", "gloo", "nccl")
 
 
-def _crash_verdict(prop: str, sc: Scenario, err: Exception) -> Verdict:
+def run_spmd(sc: Scenario, runner: str = "both", single_layer: bool = False, timeout_s: float = 60.0, ranks: str = "sim") -> list[RankRun]:
+    """The same SPMD function on simulated ranks (threads) or real ones (a process per rank)."""
+    if ranks == "sim":
+        return SimulatedWorld(sc.layout, timeout_s=timeout_s).run(lambda comm: run_rank(comm, sc, runner=runner, single_layer=single_layer))
+    if ranks not in RANKS:
+        raise ValueError(f"ranks must be one of {RANKS}, got {ranks!r}")
+    from harness.ranks.launcher import launch
+
+    device = "cuda" if ranks == "nccl" else "cpu"
+    res = launch(sc.layout, run_rank, sc, runner, single_layer, "auto", device, backend=ranks, timeout_s=timeout_s)
+    return list(res.results)
+
+
+def _crash_verdict(prop: str, sc: Scenario, err: RankFailure) -> Verdict:
+    """A rank failing is a finding (a collective mismatch is a detected desync); `got` names the
+    root exception type so the mutant report can tell a timeout (never a kill) from a crash."""
     v = Verdict(prop)
-    v.fail("run", "ranks", {"layout": sc.layout.describe()}, "every rank completes", type(err).__name__, str(err).splitlines()[0])
+    v.fail("run", "ranks", {"layout": sc.layout.describe()}, "every rank completes", type(err.root_exception).__name__, str(err).splitlines()[0])
     return v
 
 
-def check_case(case: Case, props: tuple[str, ...] = PROPERTY_ORDER, on_progress: Optional[Callable[[str], None]] = None) -> CaseReport:
+def check_case(
+    case: Case, props: tuple[str, ...] = PROPERTY_ORDER, on_progress: Optional[Callable[[str], None]] = None, ranks: str = "sim"
+) -> CaseReport:
     t0 = time.perf_counter()
     sc = case.scenario
     rep = CaseReport(case.name, sc.layout.describe(), sc.layout.branch.value)
@@ -66,9 +82,9 @@ def check_case(case: Case, props: tuple[str, ...] = PROPERTY_ORDER, on_progress:
         say("P1 metadata")
         rep.verdicts["P1"] = check_metadata(sc.layout, sc.spec, case.schedule, sc.model, sc.seed)
     if any(p in props for p in ("P1", "P3", "P4")):
-        say("eager + graph on simulated ranks")
+        say(f"eager + graph on {ranks} ranks")
         try:
-            rep.runs = run_spmd(sc)
+            rep.runs = run_spmd(sc, ranks=ranks)
         except RankFailure as err:
             for p in props:
                 rep.verdicts.setdefault(p, Verdict(p)).merge(_crash_verdict(p, sc, err))
@@ -80,7 +96,7 @@ def check_case(case: Case, props: tuple[str, ...] = PROPERTY_ORDER, on_progress:
             rep.verdicts["P3"] = check_eager_vs_graph(sc, rep.runs)
         if "P4" in props:
             say("TP1 oracle")
-            rep.oracle = run_spmd(sc.as_tp1(), runner="eager")
+            rep.oracle = run_spmd(sc.as_tp1(), runner="eager")  # the oracle always runs in-process
             v = check_cross_layout(sc, rep.runs, rep.oracle, "eager")
             rep.verdicts["P4"] = v.merge(check_cross_layout(sc, rep.runs, rep.oracle, "graph"))
     rep.seconds = time.perf_counter() - t0

@@ -1,0 +1,52 @@
+"""The fast property probes that `harness mutants` (and `harness check`) run.
+
+A probe returns {property: Verdict}. Issues that add properties register a probe here,
+so every mutant is run against every property and the kill report can say which
+property alone kills which mutant.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+from harness.case import default_cases
+from harness.checks import check_case
+from harness.layout import all_layouts
+from harness.properties import check_metadata
+from harness.verdict import Verdict
+from runners.config import SpecConfig
+
+Probe = Callable[[], dict[str, Verdict]]
+
+# A shrink schedule with uneven DP groups: exercises every bucket boundary and stale lanes.
+GRID_SCHEDULE = ((6, 3, 5, 1, 2, 4, 7, 8), (2, 1, 1, 0, 1, 2, 1, 3), (1, 2, 1, 1, 1, 1, 1, 1))
+
+
+def probe_metadata_grid() -> dict[str, Verdict]:
+    """P1 on every reachable layout (TP 1/2/4/8, every branch) with two spec shapes."""
+    v = Verdict("P1")
+    for spec in (SpecConfig(num_steps=3, capture_bs=(1, 2, 4, 8), max_running_requests=8), SpecConfig(num_steps=1, topk=2, capture_bs=(1, 2, 4, 8, 16))):
+        for layout in all_layouts():
+            dp = layout.attn_dp_size
+            schedule = [row[:dp] if dp > 1 else row[:1] for row in GRID_SCHEDULE]
+            schedule = [s if sum(s) else (1,) + tuple(s[1:]) for s in schedule]
+            v.merge(check_metadata(layout, spec, schedule))
+    return {"P1": v}
+
+
+def probe_cases() -> dict[str, Verdict]:
+    """P1 (run path), P3 and P4 over every shipped case."""
+    out: dict[str, Verdict] = {}
+    for case in default_cases():
+        rep = check_case(case)
+        for name, verdict in rep.verdicts.items():
+            out.setdefault(name, Verdict(name)).merge(verdict)
+    return out
+
+
+PROBES: list[tuple[str, Probe]] = [("metadata-grid", probe_metadata_grid), ("cases", probe_cases)]
+
+
+def register_probe(name: str, probe: Probe) -> None:
+    if any(n == name for n, _ in PROBES):
+        raise ValueError(f"probe {name!r} registered twice")
+    PROBES.append((name, probe))
