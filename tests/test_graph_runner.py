@@ -1,0 +1,134 @@
+"""The graph runners: per-branch capture metadata (DESIGN.md §6.3 table, by hand), buckets,
+replay fill, padded lanes, and the honesty of the CPU graph simulation."""
+import pytest
+import torch
+
+from harness.case import load_case
+from harness.checks import run_spmd
+from runners.config import ModelConfig, SpecConfig
+from runners.cuda_graph import (
+    EagleDraftExtendCudaGraphRunner,
+    MultiLayerEagleDraftExtendCudaGraphRunner,
+    compute_capture_bs,
+)
+from runners.draft_extend import SEQ_LEN_FILL_VALUE, DraftExtendInputs, DraftWorker
+from runners.graph_backend import GraphBackend
+from runners.parallel.dp_attention import RankContext
+from runners.parallel.layout import ParallelLayout as PL
+
+SPEC = SpecConfig(num_steps=3, capture_bs=(1, 2, 4, 8), max_running_requests=8)  # T = 4
+
+
+def runner(layout, tp_rank=0, single=False, spec=SPEC):
+    ctx = RankContext(layout, tp_rank, comm=None)
+    w = DraftWorker(ctx, ModelConfig(), spec, num_layers=1 if single else None, build_model=False)
+    return EagleDraftExtendCudaGraphRunner(w, GraphBackend("sim")) if single else MultiLayerEagleDraftExtendCudaGraphRunner(w, 0, GraphBackend("sim"))
+
+
+def inputs(raw_bs, T=4, dp_sizes=None, seq=10):
+    n = raw_bs * T
+    return DraftExtendInputs(
+        torch.arange(n), torch.arange(n), torch.full((raw_bs,), seq), torch.arange(1, raw_bs + 1), torch.arange(1, n + 1),
+        torch.zeros(n, 64), torch.full((raw_bs,), 2), dp_sizes or [raw_bs],
+    )
+
+
+# §6.3 for bs = 4, T = 4 (N = 16), dp = 2: hand-computed
+@pytest.mark.parametrize(
+    "layout,gnt,lp,buf",
+    [
+        (PL(4, 2, True), [16, 16], [16, 16], 32),  # MLP-TP gather: [N]*dp, buffer N*dp
+        (PL(4, 2, True, 1, True, "deepep"), [16], [16], 16),  # attn-TP gather (fixed): [N]
+        (PL(4, moe_dense_tp_size=1), [16], [16], 16),
+        (PL(4), None, None, None),  # neither
+    ],
+    ids=["mlp", "attn-dp", "attn", "neither"],
+)
+@pytest.mark.parametrize("single", [False, True], ids=["multi", "single"])
+def test_get_forward_batch_per_branch(layout, gnt, lp, buf, single):
+    r = runner(layout, single=single)
+    fb = r.get_forward_batch(4)
+    assert fb.forward_mode.name == "DRAFT_EXTEND_V2" and fb.batch_size == 4 and fb.num_tokens == 16
+    assert fb.global_num_tokens_cpu == gnt
+    assert fb.global_num_tokens_for_logprob_cpu == lp
+    assert fb.global_dp_buffer_len == buf
+    if gnt is None:
+        assert fb.global_num_tokens_gpu is None and fb.global_num_tokens_for_logprob_gpu is None
+    else:
+        assert fb.global_num_tokens_gpu.tolist() == gnt and fb.global_num_tokens_for_logprob_gpu.tolist() == lp
+        assert fb.global_num_tokens_gpu.dtype == torch.int32
+
+
+def test_capture_bs_base_and_pool():
+    assert compute_capture_bs(PL(1), (1, 2, 4, 8), 8) == [1, 2, 4, 8]
+    assert compute_capture_bs(PL(4, moe_dense_tp_size=1), (1, 2, 4, 8), 8) == [4, 8]  # base attn_tp_size
+    assert compute_capture_bs(PL(4), (1, 2, 4, 8, 16), 6) == [1, 2, 4, 6]  # cut at the pool, pool size added
+    assert compute_capture_bs(PL(8, moe_dense_tp_size=1), (1, 2, 4), 8) == [8]
+
+
+def test_replay_picks_smallest_bucket_and_fills():
+    r = runner(PL(4, 2, True))
+    r.reset_for_iteration(3, torch.full((3,), 2))
+    rec = r.prepare_replay(inputs(3, dp_sizes=[3, 1]))
+    assert (rec.raw_bs, rec.bs) == (3, 4)
+    assert rec.global_num_tokens_gpu == [16, 16] and rec.global_num_tokens_for_logprob_gpu == [16, 16]  # fill bs*T
+    assert rec.padded_seq_lens == [SEQ_LEN_FILL_VALUE]
+    # MLP branch: the bucket covers the largest DP group, not this one
+    rec = r.prepare_replay(inputs(1, dp_sizes=[1, 5]))
+    assert rec.bs == 8
+
+
+def test_padded_lanes_keep_stale_values_but_seq_lens_reset():
+    """§6.4: after a shrink, req_pool_indices of padded lanes are stale; seq_lens are the fill."""
+    r = runner(PL(1))
+    r.reset_for_iteration(7, torch.full((7,), 2))
+    r.prepare_replay(inputs(7))
+    r.reset_for_iteration(2, torch.full((2,), 2))
+    rec = r.prepare_replay(inputs(2))
+    assert rec.bs == 2
+    assert r.req_pool_indices[2:7].tolist() == [3, 4, 5, 6, 7]  # stale from the larger batch
+    assert r.seq_lens[2:8].tolist() == [SEQ_LEN_FILL_VALUE] * 6
+
+
+def test_simulated_graph_replays_capture_time_host_values():
+    """Honesty: a replay uses the host values baked at capture, never the live ones."""
+    case = load_case("tp4_attn_tp_gather")
+    from harness import mutants
+
+    with mutants.get("sglang-26416").planted():
+        runs = run_spmd(case.scenario)
+    rec = runs[0].records[0][0]
+    assert rec.capture.host["global_num_tokens_for_logprob_cpu"] == [rec.bs]  # baked wrong at capture
+    assert rec.global_num_tokens_for_logprob_gpu == [rec.bs * 4]  # the replay fill is right...
+    assert rec.rows_fed == rec.bs  # ...but the graph still used the baked host value
+
+
+def test_graph_really_replays_and_counts():
+    case = load_case("tp2_shrink")
+    runs = run_spmd(case.scenario)
+    for run in runs:
+        n_steps = case.scenario.spec.num_steps
+        assert run.stats.captures == n_steps * len(compute_capture_bs(case.layout, case.scenario.spec.capture_bs, 8))
+        assert run.stats.replays == n_steps * len(case.schedule)
+        assert run.stats.eager_fallbacks == 0
+
+
+def test_eager_fallback_when_batch_exceeds_buckets():
+    from harness.scenario import Iteration, RequestSpec, Scenario
+
+    spec = SpecConfig(num_steps=2, capture_bs=(1, 2), max_running_requests=2)
+    sc = Scenario(ModelConfig(), spec, PL(2), (Iteration((tuple(RequestSpec(i, 3, 1) for i in range(3)),)),))
+    # max_running_requests 2 < 3 requests: the graph can't run, the driver falls back and says so
+    runs = run_spmd(sc)
+    assert all(r.stats.eager_fallbacks == 1 and r.stats.replays == 0 for r in runs)
+
+
+def test_tp1_graph_is_bitwise_equal_to_eager():
+    """At TP1 with raw_bs == bucket nothing differs between the paths: bitwise."""
+    from harness.scenario import Iteration, RequestSpec, Scenario
+
+    sc = Scenario(ModelConfig(), SPEC, PL(1), (Iteration((tuple(RequestSpec(i, 2 + i, 1 + i % 4) for i in range(4)),)),))
+    run = run_spmd(sc)[0]
+    for e, g in zip(run.eager[0], run.graph[0], strict=True):
+        for k in ("logits", "hidden", "logprobs", "topk_index", "next_input_ids"):
+            assert torch.equal(e.tensors[k], g.tensors[k]), k

@@ -1,0 +1,111 @@
+"""P1, P3 and P4 driven by hypothesis, and each shown to fail on a planted bug."""
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from harness import mutants
+from harness.case import load_case, seeded_requests
+from harness.checks import check_case, run_spmd
+from harness.layout import all_layouts
+from harness.properties import check_cross_layout, check_eager_vs_graph, check_metadata
+from harness.scenario import Scenario
+from harness.strategies import layouts, schedules, specs
+from runners.config import ModelConfig, SpecConfig
+from runners.parallel.layout import Branch, ParallelLayout as PL
+
+
+@st.composite
+def metadata_examples(draw):
+    layout = draw(layouts())
+    spec = draw(specs())
+    return layout, spec, draw(schedules(layout, max_bs=spec.max_running_requests))
+
+
+@settings(max_examples=settings().max_examples * 5)  # pure metadata: cheap, so 5x the profile's budget
+@given(metadata_examples())
+def test_p1_metadata_invariants_hold(example):
+    layout, spec, schedule = example
+    v = check_metadata(layout, spec, schedule)
+    assert v, v.report()
+
+
+@pytest.mark.parametrize("layout", [x for x in all_layouts() if x.branch is Branch.ATTN_TP_GATHER][:6], ids=lambda x: x.describe())
+def test_p1_names_the_seed_bug(layout):
+    with mutants.get("sglang-26416").planted():
+        v = check_metadata(layout, SpecConfig(capture_bs=(1, 2, 4, 8), max_running_requests=8), [(3,) * layout.attn_dp_size])
+    assert not v
+    f = v.failures[0]
+    msg = f.message()
+    assert "global_num_tokens_for_logprob" in msg and "attn_tp_gather" in msg
+    bs = f.where["bs"]
+    assert f.expected == [bs * 4] and f.got == [bs], msg  # expected bs*T, got bs
+
+
+def _scenario(layout: PL, spec: SpecConfig, schedule, seed: int) -> Scenario:
+    model = ModelConfig(seed=seed)
+    return Scenario(model, spec, layout, seeded_requests(seed, tuple(tuple(s) for s in schedule), spec.num_tokens_per_bs, 12), seed=seed)
+
+
+@st.composite
+def run_examples(draw, max_world=4):
+    layout = draw(layouts(max_world))
+    spec = SpecConfig(num_steps=draw(st.integers(1, 3)), topk=draw(st.integers(1, 3)), capture_bs=(1, 2, 4), max_running_requests=4)
+    return _scenario(layout, spec, draw(schedules(layout, max_bs=4, max_iterations=2)), draw(st.integers(0, 3)))
+
+
+@settings(max_examples=max(5, settings().max_examples // 2))  # each example runs every rank of a layout
+@given(run_examples())
+def test_p3_p4_eager_graph_and_cross_layout(sc):
+    runs = run_spmd(sc)
+    oracle = run_spmd(sc.as_tp1(), runner="eager")
+    for v in (check_eager_vs_graph(sc, runs), check_cross_layout(sc, runs, oracle, "eager"), check_cross_layout(sc, runs, oracle, "graph")):
+        assert v, v.report()
+
+
+def test_seed_bug_fails_p3_and_p4_independently_of_p1():
+    case = load_case("tp4_attn_tp_gather")
+    with mutants.get("sglang-26416").planted():
+        rep = check_case(case, props=("P3", "P4"))  # P1 not even run
+    assert not rep.verdicts["P3"] and not rep.verdicts["P4"]
+    assert "logits" in rep.verdicts["P3"].first()
+
+
+def test_broken_layout_gather_fails_p4_naming_layout_rank_row():
+    """A deliberately broken DP gather: P4 (eager, vs TP1) names the layout, the rank and the first differing row."""
+    case = load_case("tp4_dp2_mlp_tp_gather")
+    with mutants.get("dp-scatter-wrong-chunk").planted():
+        rep = check_case(case, props=("P4",))
+    v = rep.verdicts["P4"]
+    assert not v
+    f = next(f for f in v.failures if f.where["runner"] == "eager")
+    msg = f.message()
+    assert "tp4-dp2 [mlp_tp_gather]" in msg and "rank=" in msg and "first differing row" in msg, msg
+
+
+@pytest.mark.parametrize(
+    "mutant_id,case_name,prop",
+    [
+        ("sglang-26416", "tp2_shrink", "P1"),
+        ("capture-num-tokens-gpu-requests", "tp4_dp2_mlp_tp_gather", "P1"),
+        ("stale-padded-seq-lens", "tp2_shrink", "P1"),
+        ("replay-positions-off-by-one", "tp1_neither", "P3"),
+        ("bucket-floor", "tp1_neither", "P1"),
+        ("attn-allreduce-world-group", "tp4_dp2_mlp_tp_gather", "P4"),
+        ("dp-scatter-wrong-chunk", "tp2_dp2_mlp_dp_lm_head", "P4"),
+    ],
+)
+def test_each_mutant_is_killed(mutant_id, case_name, prop):
+    case = load_case(case_name)
+    assert check_case(case).ok  # the unmutated case passes: the kill is the mutant's doing
+    with mutants.get(mutant_id).planted():
+        rep = check_case(case)
+    assert not rep.verdicts[prop], f"{mutant_id} survived {prop} on {case_name}"
+
+
+def test_mutant_patches_are_reverted():
+    from runners.cuda_graph import MultiLayerEagleDraftExtendCudaGraphRunner as R
+
+    before = R._capture_for_logprob
+    with mutants.get("sglang-26416").planted():
+        assert R._capture_for_logprob is not before
+    assert R._capture_for_logprob is before
