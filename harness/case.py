@@ -5,13 +5,15 @@ and what was expected: no traceback, no silently ignored key.
 """
 from __future__ import annotations
 
+import re
 import tomllib
 import zlib
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field as dc_field, fields
 from pathlib import Path
 from typing import Any, Optional
 
 from harness.scenario import Iteration, RequestSpec, Scenario
+from harness.tolerances import Tol
 from runners.attention import BACKENDS
 from runners.config import DTYPES, ModelConfig, SpecConfig
 from runners.model import check_model_fits_layout
@@ -23,8 +25,14 @@ CASES_DIR = Path(__file__).resolve().parent.parent / "cases"
 class CaseError(ValueError):
     def __init__(self, path: Path | str, field: str, expected: str, got: Any = None):
         self.path, self.field, self.expected, self.got = str(path), field, expected, got
-        got_s = "" if got is None else f", got {got!r}"
-        super().__init__(f"{self.path}: {field}: expected {expected}{got_s}")
+        got_s = "" if got is None else f", got {_short(got)}"
+        # one line, always: a user mistake is a message, never a traceback or a wall of text
+        super().__init__(f"{self.path}: {field}: expected {expected}{got_s}".replace("\n", " "))
+
+
+def _short(value: Any, limit: int = 120) -> str:
+    r = repr(value)
+    return r if len(r) <= limit else r[: limit - 3] + "..."
 
 
 @dataclass(frozen=True)
@@ -34,18 +42,37 @@ class Case:
     path: str
     scenario: Scenario
     schedule: tuple[tuple[int, ...], ...]  # per iteration: raw bs of each DP group
+    # [tolerances]: "eager_vs_graph", "cross_layout", "golden.<field>" -> Tol (overrides of harness/tolerances.py)
+    tolerances: dict[str, Tol] = dc_field(default_factory=dict)
 
     @property
     def layout(self) -> ParallelLayout:
         return self.scenario.layout
 
+    def tol(self, key: str, default: Optional[Tol] = None) -> Optional[Tol]:
+        """The case's override for `key` (e.g. "golden.logits", "eager_vs_graph"), else `default`."""
+        return self.tolerances.get(key, default)
 
-_TOP = {"name": str, "description": str, "seed": int, "dtype": str, "backend": str, "model": dict, "spec": dict, "layout": dict, "schedule": dict}
+
+_TOP = {"name": str, "description": str, "seed": int, "dtype": str, "backend": str, "model": dict, "spec": dict, "layout": dict, "schedule": dict,
+        "tolerances": dict}
 _REQUIRED = ("name", "description", "layout", "schedule")
-_LAYOUT = {"tp_size": int, "dp_size": int, "enable_dp_attention": bool, "moe_dense_tp_size": int, "enable_dp_lm_head": bool, "moe_a2a_backend": str}
+_LAYOUT = {"tp_size": int, "dp_size": int, "enable_dp_attention": bool, "moe_dense_tp_size": int, "enable_dp_lm_head": bool, "moe_a2a_backend": str,
+           "enable_two_batch_overlap": bool}
 _SPEC = {"num_steps": int, "topk": int, "num_tokens_per_bs": int, "capture_bs": list, "max_running_requests": int}
 _MODEL = {f.name: f.type for f in fields(ModelConfig) if f.name not in ("dtype",)}
-_SCHEDULE = {"batches": list, "max_prefix_len": int}
+_SCHEDULE = {"batches": list, "max_prefix_len": int, "prefix_lens": list, "accept_lens": list}
+_TOLERANCES = {"eager_vs_graph": dict, "cross_layout": dict, "golden": dict}
+_TOL = {"rtol": float, "atol": float, "reason": str}
+GOLDEN_FLOAT_FIELDS = ("logits", "logprobs", "hidden", "topk_p")  # the float keys a golden stores (harness/golden.py)
+NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
+# What one rank's worker holds (runners/draft_extend.py DraftWorker): request pool 128 (index 0 reserved), 4096 KV slots (slot 0 padding).
+MAX_REQUESTS_PER_RANK = 127
+MAX_KV_SLOTS_PER_RANK = 4095
+# model.<key>: (minimum, maximum) so that a typo cannot ask for gigabytes or a zero-sized model
+_MODEL_RANGES = {"hidden_size": (2, 4096), "num_heads": (1, 64), "num_kv_heads": (1, 64), "intermediate_size": (1, 16384), "vocab_size": (2, 65536),
+                 "num_target_layers": (1, 16), "max_context_len": (2, 4096), "seed": (0, 2**31 - 1)}
+_SPEC_MAX = {"num_steps": 16, "topk": 64, "num_tokens_per_bs": 64, "max_running_requests": MAX_REQUESTS_PER_RANK}
 _PY = {"int": int, "float": float, "str": str, "bool": bool}
 
 
@@ -67,9 +94,90 @@ def _check_table(path, prefix: str, table: dict, schema: dict) -> None:
             raise CaseError(path, where, _type_name(want), value)
 
 
-def _positive(path, where: str, value: int, minimum: int = 1) -> None:
-    if value < minimum:
-        raise CaseError(path, where, f"an integer >= {minimum}", value)
+def _positive(path, where: str, value: int, minimum: int = 1, maximum: Optional[int] = None) -> None:
+    if value < minimum or (maximum is not None and value > maximum):
+        raise CaseError(path, where, f"an integer >= {minimum}" if maximum is None else f"an integer in {minimum}..{maximum}", value)
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _parse_model(path, model_t: dict, dtype: str) -> ModelConfig:
+    _check_table(path, "model.", model_t, _MODEL)
+    for key, (lo, hi) in _MODEL_RANGES.items():
+        if key in model_t:
+            _positive(path, f"model.{key}", model_t[key], lo, hi)
+    for key in ("rope_theta", "rms_eps"):
+        if key in model_t and not 0 < model_t[key] < 1e12:
+            raise CaseError(path, f"model.{key}", "a number > 0", model_t[key])
+    model = ModelConfig(**model_t, dtype=dtype)
+    if model.hidden_size % model.num_heads:
+        raise CaseError(path, "model.hidden_size", f"a multiple of model.num_heads ({model.num_heads})", model.hidden_size)
+    if model.head_dim % 2:
+        raise CaseError(path, "model.hidden_size", f"an even head_dim (hidden_size / num_heads) for RoPE, got head_dim {model.head_dim}", model.hidden_size)
+    if model.num_heads % model.num_kv_heads:
+        raise CaseError(path, "model.num_kv_heads", f"a divisor of model.num_heads ({model.num_heads})", model.num_kv_heads)
+    return model
+
+
+def _parse_tolerances(path, tol_t: dict) -> dict[str, Tol]:
+    """[tolerances]: eager_vs_graph / cross_layout / golden.<field> = { rtol = .., atol = .., reason = ".." }."""
+    _check_table(path, "tolerances.", tol_t, _TOLERANCES)
+    items: list[tuple[str, Any]] = [(k, v) for k, v in tol_t.items() if k != "golden"]
+    golden = tol_t.get("golden", {})
+    for k, v in golden.items():
+        if k not in GOLDEN_FLOAT_FIELDS:
+            raise CaseError(path, f"tolerances.golden.{k}", f"one of the golden float fields ({', '.join(GOLDEN_FLOAT_FIELDS)})", f"unknown key {k!r}")
+        items.append((f"golden.{k}", v))
+    out = {}
+    for key, t in items:
+        where = f"tolerances.{key}"
+        if not isinstance(t, dict):
+            raise CaseError(path, where, "an inline table { rtol = .., atol = .. }", t)
+        _check_table(path, where + ".", t, _TOL)
+        for part in ("rtol", "atol"):
+            if part not in t:
+                raise CaseError(path, f"{where}.{part}", "a number >= 0 (this key is required)")
+            if not 0 <= t[part] <= 1e6:
+                raise CaseError(path, f"{where}.{part}", "a number >= 0", t[part])
+        out[key] = Tol(float(t["rtol"]), float(t["atol"]), t.get("reason", f"set in {Path(path).name}"))
+    return out
+
+
+def _explicit_lens(path, sched_t: dict, key: str, schedule: tuple[tuple[int, ...], ...], lo: int, hi: int, what: str) -> Optional[list]:
+    """schedule.prefix_lens / schedule.accept_lens: per iteration, per DP group, one integer per request."""
+    if key not in sched_t:
+        return None
+    value = sched_t[key]
+    if len(value) != len(schedule):
+        raise CaseError(path, f"schedule.{key}", f"one entry per iteration of schedule.batches ({len(schedule)})", value)
+    for i, (it, sizes) in enumerate(zip(value, schedule)):
+        where = f"schedule.{key}[{i}]"
+        if not isinstance(it, list) or len(it) != len(sizes):
+            raise CaseError(path, where, f"a list of {len(sizes)} list(s), one per DP group", it)
+        for j, (group, bs) in enumerate(zip(it, sizes)):
+            if not isinstance(group, list) or len(group) != bs or not all(_is_int(x) for x in group):
+                raise CaseError(path, f"{where}[{j}]", f"a list of {bs} integer(s), one per request (schedule.batches[{i}][{j}] = {bs})", group)
+            for k, x in enumerate(group):
+                if not lo <= x <= hi:
+                    raise CaseError(path, f"{where}[{j}][{k}]", f"{what} in {lo}..{hi}", x)
+    return value
+
+
+def _with_explicit_lens(iterations: tuple[Iteration, ...], prefix: Optional[list], accept: Optional[list]) -> tuple[Iteration, ...]:
+    if prefix is None and accept is None:
+        return iterations
+    out = []
+    for i, it in enumerate(iterations):
+        groups = []
+        for j, reqs in enumerate(it.per_dp):
+            groups.append(tuple(
+                RequestSpec(r.rid, prefix[i][j][k] if prefix is not None else r.prefix_len, accept[i][j][k] if accept is not None else r.accept_len)
+                for k, r in enumerate(reqs)
+            ))
+        out.append(Iteration(tuple(groups)))
+    return tuple(out)
 
 
 def seeded_requests(seed: int, schedule: tuple[tuple[int, ...], ...], T: int, max_prefix_len: int) -> tuple[Iteration, ...]:
@@ -94,6 +202,8 @@ def parse_case(data: dict, path: Path | str = "<case>") -> Case:
     for key in _REQUIRED:
         if key not in data:
             raise CaseError(path, key, "a value (this key is required)")
+    if not NAME_RE.fullmatch(data["name"]):
+        raise CaseError(path, "name", "letters, digits, '_', '-' or '.', starting with a letter or digit (it names golden/<name>.npz)", data["name"])
     if data["name"] != path.stem and path.suffix == ".toml":
         raise CaseError(path, "name", f"the file name without .toml ({path.stem!r})", data["name"])
     dtype = data.get("dtype", "float32")
@@ -105,6 +215,7 @@ def parse_case(data: dict, path: Path | str = "<case>") -> Case:
     if backend not in BACKENDS:
         raise CaseError(path, "backend", f"a backend available in this install ({', '.join(sorted(BACKENDS))})", backend)
     seed = data.get("seed", 0)
+    _positive(path, "seed", seed, 0, 2**31 - 1)
 
     layout_t = data["layout"]
     _check_table(path, "layout.", layout_t, _LAYOUT)
@@ -116,9 +227,7 @@ def parse_case(data: dict, path: Path | str = "<case>") -> Case:
         field, _, rule = str(e).partition(": ")
         raise CaseError(path, field, rule) from None
 
-    model_t = data.get("model", {})
-    _check_table(path, "model.", model_t, _MODEL)
-    model = ModelConfig(**model_t, dtype=dtype)
+    model = _parse_model(path, data.get("model", {}), dtype)
     try:
         check_model_fits_layout(model, layout)
     except LayoutError as e:
@@ -129,11 +238,11 @@ def parse_case(data: dict, path: Path | str = "<case>") -> Case:
     _check_table(path, "spec.", spec_t, _SPEC)
     for key in ("num_steps", "topk", "num_tokens_per_bs", "max_running_requests"):
         if key in spec_t:
-            _positive(path, f"spec.{key}", spec_t[key])
+            _positive(path, f"spec.{key}", spec_t[key], 1, _SPEC_MAX[key])
     if "capture_bs" in spec_t:
         cbs = spec_t["capture_bs"]
-        if not cbs or not all(isinstance(b, int) and not isinstance(b, bool) and b >= 1 for b in cbs):
-            raise CaseError(path, "spec.capture_bs", "a non-empty list of integers >= 1", cbs)
+        if not cbs or not all(_is_int(b) and 1 <= b <= 1024 for b in cbs):
+            raise CaseError(path, "spec.capture_bs", "a non-empty list of integers in 1..1024", cbs)
         spec_t["capture_bs"] = tuple(sorted(set(cbs)))
     if "num_tokens_per_bs" in spec_t:
         spec_t["num_draft_tokens"] = spec_t.pop("num_tokens_per_bs")
@@ -146,7 +255,9 @@ def parse_case(data: dict, path: Path | str = "<case>") -> Case:
     if "batches" not in sched_t:
         raise CaseError(path, "schedule.batches", "a list of iterations, each a list of per-DP-group batch sizes")
     T = spec.num_tokens_per_bs
-    max_prefix = sched_t.get("max_prefix_len", 16)
+    if T + 1 > model.max_context_len:
+        raise CaseError(path, "spec.num_tokens_per_bs", f"at most model.max_context_len - 1 ({model.max_context_len - 1})", T)
+    max_prefix = sched_t.get("max_prefix_len", min(16, model.max_context_len - T))
     _positive(path, "schedule.max_prefix_len", max_prefix)
     if max_prefix + T > model.max_context_len:
         raise CaseError(path, "schedule.max_prefix_len", f"at most model.max_context_len - num_tokens_per_bs ({model.max_context_len - T})", max_prefix)
@@ -157,7 +268,7 @@ def parse_case(data: dict, path: Path | str = "<case>") -> Case:
     schedule = []
     for i, it in enumerate(batches):
         where = f"schedule.batches[{i}]"
-        if not isinstance(it, list) or len(it) != dp or not all(isinstance(b, int) and not isinstance(b, bool) for b in it):
+        if not isinstance(it, list) or len(it) != dp or not all(_is_int(b) for b in it):
             raise CaseError(path, where, f"a list of {dp} integer batch size(s), one per DP group", it)
         for j, b in enumerate(it):
             if b < 0:
@@ -170,9 +281,18 @@ def parse_case(data: dict, path: Path | str = "<case>") -> Case:
             raise CaseError(path, f"{where}[0]", "a batch size >= 1 without DP attention", 0)
         schedule.append(tuple(it))
     schedule_t = tuple(schedule)
-    iterations = seeded_requests(seed, schedule_t, T, max_prefix)
+    prefix = _explicit_lens(path, sched_t, "prefix_lens", schedule_t, 1, model.max_context_len - T, "a prefix length (seq_len = prefix + num_tokens_per_bs)")
+    accept = _explicit_lens(path, sched_t, "accept_lens", schedule_t, 1, T, "an accept length")
+    iterations = _with_explicit_lens(seeded_requests(seed, schedule_t, T, max_prefix), prefix, accept)
+    for i, it in enumerate(iterations):  # what one rank's pools hold (every rank of a DP group holds its requests)
+        for j, reqs in enumerate(it.per_dp):
+            slots = sum(r.prefix_len + T for r in reqs)
+            if slots > MAX_KV_SLOTS_PER_RANK:
+                raise CaseError(path, f"schedule.batches[{i}][{j}]", f"requests whose prefix + draft tokens fit one rank's KV pool ({MAX_KV_SLOTS_PER_RANK} slots)",
+                                f"{len(reqs)} requests needing {slots} slots")
+    tolerances = _parse_tolerances(path, data.get("tolerances", {}))
     sc = Scenario(model, spec, layout, iterations, seed=seed, attention_backend=backend, name=data["name"])
-    return Case(data["name"], data["description"], str(path), sc, schedule_t)
+    return Case(data["name"], data["description"], str(path), sc, schedule_t, tolerances)
 
 
 def load_case(path: Path | str) -> Case:
@@ -184,11 +304,13 @@ def load_case(path: Path | str) -> Case:
         else:
             raise CaseError(path, "<file>", f"an existing case file or the name of one in {CASES_DIR}")
     try:
-        data = tomllib.loads(path.read_text())
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
     except tomllib.TOMLDecodeError as e:
         raise CaseError(path, "<toml>", f"valid TOML ({e})") from None
     except UnicodeDecodeError as e:
         raise CaseError(path, "<file>", f"UTF-8 text ({e.reason})") from None
+    except OSError as e:
+        raise CaseError(path, "<file>", f"a readable case file ({e.strerror or e})") from None
     return parse_case(data, path)
 
 

@@ -9,10 +9,11 @@ from harness.case import Case
 from harness.execute import RankRun, run_rank
 from harness.properties import check_cross_layout, check_eager_vs_graph, check_metadata, check_run_metadata
 from harness.ranks.simulated import RankFailure, SimulatedWorld
+from harness.ranks.trace import CollectiveError, CollectiveMismatch, CollectiveTimeout
 from harness.scenario import Scenario
 from harness.verdict import Verdict
 
-PROPERTY_ORDER = ("P1", "P3", "P4")
+PROPERTY_ORDER = ("run", "P1", "P3", "P4")  # "run": every rank finished, collectives consistent
 
 
 @dataclass
@@ -63,16 +64,48 @@ def run_spmd(sc: Scenario, runner: str = "both", single_layer: bool = False, tim
     return list(res.results)
 
 
-def _crash_verdict(prop: str, sc: Scenario, err: RankFailure) -> Verdict:
+def crash_name(err: BaseException) -> str:
+    """The root exception's type name, the same for simulated and real ranks.
+
+    Real ranks: DistributedMismatch -> CollectiveMismatch; DistributedDeadlock (a rank waits
+    for one that returned from fn: the simulated ranks' "returned without calling", a
+    detected desync, nothing slow) -> CollectiveMismatch; any other DistributedTimeout ->
+    CollectiveTimeout (never a kill); DistributedRankFailure -> the failed rank's exception
+    type, read from its traceback.
+    """
+    if isinstance(err, RankFailure):
+        return type(err.root_exception).__name__
+    from harness.ranks.launcher import DistributedDeadlock, DistributedRankFailure
+
+    if isinstance(err, (CollectiveMismatch, DistributedDeadlock)):
+        return "CollectiveMismatch"
+    if isinstance(err, CollectiveTimeout):
+        return "CollectiveTimeout"
+    if isinstance(err, DistributedRankFailure) and err.failures:
+        last = err.failures[min(err.failures)].strip().splitlines()[-1:] or [""]
+        name = last[0].split(":", 1)[0].rsplit(".", 1)[-1].strip()
+        return name if name.isidentifier() else type(err).__name__
+    return type(err).__name__
+
+
+def crash_detail(err: BaseException) -> str:
+    """One line: the error's first line, plus (real ranks) every unfinished rank's state."""
+    head = str(err).splitlines()[0] if str(err) else type(err).__name__
+    states = getattr(err, "states", None) or {}
+    rest = [f"rank {r}: {s}" for r, s in sorted(states.items()) if s != "finished"]
+    return head + (" | " + "; ".join(rest) if rest else "")
+
+
+def _crash_verdict(prop: str, sc: Scenario, err: BaseException) -> Verdict:
     """A rank failing is a finding (a collective mismatch is a detected desync); `got` names the
     root exception type so the mutant report can tell a timeout (never a kill) from a crash."""
     v = Verdict(prop)
-    v.fail("run", "ranks", {"layout": sc.layout.describe()}, "every rank completes", type(err.root_exception).__name__, str(err).splitlines()[0])
+    v.fail("run", "ranks", {"layout": sc.layout.describe()}, "every rank completes", crash_name(err), crash_detail(err))
     return v
 
 
 def check_case(
-    case: Case, props: tuple[str, ...] = PROPERTY_ORDER, on_progress: Optional[Callable[[str], None]] = None, ranks: str = "sim"
+    case: Case, props: tuple[str, ...] = ("P1", "P3", "P4"), on_progress: Optional[Callable[[str], None]] = None, ranks: str = "sim"
 ) -> CaseReport:
     t0 = time.perf_counter()
     sc = case.scenario
@@ -85,9 +118,8 @@ def check_case(
         say(f"eager + graph on {ranks} ranks")
         try:
             rep.runs = run_spmd(sc, ranks=ranks)
-        except RankFailure as err:
-            for p in props:
-                rep.verdicts.setdefault(p, Verdict(p)).merge(_crash_verdict(p, sc, err))
+        except (RankFailure, CollectiveError) as err:  # simulated or real ranks
+            rep.verdicts["run"] = _crash_verdict("run", sc, err)  # P3/P4 can't be judged on a run that didn't finish
             rep.seconds = time.perf_counter() - t0
             return rep
         if "P1" in props:

@@ -14,7 +14,7 @@ from harness.mutants import CATALOG, Mutant
 from harness.suite import PROBES
 from harness.verdict import Verdict
 
-PROPERTY_ORDER = ("P1", "P2", "P3", "P4", "P5", "P6", "P7", "P8")
+PROPERTY_ORDER = ("P1", "P2", "P3", "P4", "P5", "P6", "P7", "P8", "run")  # "run": a rank crashed or desynced
 
 
 @dataclass

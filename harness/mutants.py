@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
-from typing import Callable, Iterator
+from typing import Iterator
 from unittest import mock
 
 import torch
 
-from runners import cuda_graph, model
+from runners import model
 from runners.cuda_graph import EagleDraftExtendCudaGraphRunnerBase, MultiLayerEagleDraftExtendCudaGraphRunner
-from runners.parallel import dp_attention
 from runners.parallel.comm import Group
 from runners.parallel.layout import Branch
 
@@ -161,5 +160,3 @@ def get(mutant_id: str) -> Mutant:
         raise KeyError(f"unknown mutant {mutant_id!r}; known: {', '.join(BY_ID)}")
     return BY_ID[mutant_id]
 
-
-_ = (cuda_graph, dp_attention, Callable)  # modules patched by reference above

@@ -4,7 +4,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-import torch
 
 from harness.case import Case
 from harness.checks import PROPERTY_ORDER, CaseReport, check_case
@@ -108,4 +107,3 @@ def format_table(rep: ReplayReport) -> str:
     return "\n".join(lines)
 
 
-_ = torch
