@@ -41,6 +41,10 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # before anything initialises CUDA: this worker's GPUs only
+        from harness.ranks.gpu_slice import apply_worker_slice
+
+        apply_worker_slice()
     for name, doc in MARKERS.items():
         config.addinivalue_line("markers", f"{name}: {doc}")
     # --hypothesis-profile (hypothesis' own pytest option) wins; it loads the profile itself.

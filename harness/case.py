@@ -5,10 +5,12 @@ and what was expected: no traceback, no silently ignored key.
 """
 from __future__ import annotations
 
+import difflib
 import re
 import tomllib
 import zlib
-from dataclasses import dataclass, field as dc_field, fields
+from dataclasses import dataclass, fields
+from dataclasses import field as dc_field
 from pathlib import Path
 from typing import Any, Optional
 
@@ -28,6 +30,13 @@ class CaseError(ValueError):
         got_s = "" if got is None else f", got {_short(got)}"
         # one line, always: a user mistake is a message, never a traceback or a wall of text
         super().__init__(f"{self.path}: {field}: expected {expected}{got_s}".replace("\n", " "))
+
+
+class _Verbatim(str):
+    """A `got` shown as is (not repr-quoted)."""
+
+    def __repr__(self) -> str:
+        return str(self)
 
 
 def _short(value: Any, limit: int = 120) -> str:
@@ -61,7 +70,7 @@ _LAYOUT = {"tp_size": int, "dp_size": int, "enable_dp_attention": bool, "moe_den
            "enable_two_batch_overlap": bool}
 _SPEC = {"num_steps": int, "topk": int, "num_tokens_per_bs": int, "capture_bs": list, "max_running_requests": int}
 _MODEL = {f.name: f.type for f in fields(ModelConfig) if f.name not in ("dtype",)}
-_SCHEDULE = {"batches": list, "max_prefix_len": int, "prefix_lens": list, "accept_lens": list}
+_SCHEDULE = {"batches": list, "max_prefix_len": int, "prefix_lens": list, "accept_lens": list, "rids": list}
 _TOLERANCES = {"eager_vs_graph": dict, "cross_layout": dict, "golden": dict}
 _TOL = {"rtol": float, "atol": float, "reason": str}
 GOLDEN_FLOAT_FIELDS = ("logits", "logprobs", "hidden", "topk_p")  # the float keys a golden stores (harness/golden.py)
@@ -84,7 +93,9 @@ def _check_table(path, prefix: str, table: dict, schema: dict) -> None:
     for key, value in table.items():
         where = f"{prefix}{key}"
         if key not in schema:
-            raise CaseError(path, where, f"one of the known keys ({', '.join(sorted(schema))})", f"unknown key {key!r}")
+            close = difflib.get_close_matches(str(key), list(schema), n=1)
+            hint = f"{close[0]!r} (did you mean it?) or another of " if close else "one of "
+            raise CaseError(path, where, f"{hint}the known keys ({', '.join(sorted(schema))})", _Verbatim(f"unknown key {key!r}"))
         want = schema[key]
         want = _PY.get(want, want) if isinstance(want, str) else want
         ok = isinstance(value, want) and not (want is int and isinstance(value, bool))
@@ -152,11 +163,11 @@ def _explicit_lens(path, sched_t: dict, key: str, schedule: tuple[tuple[int, ...
     value = sched_t[key]
     if len(value) != len(schedule):
         raise CaseError(path, f"schedule.{key}", f"one entry per iteration of schedule.batches ({len(schedule)})", value)
-    for i, (it, sizes) in enumerate(zip(value, schedule)):
+    for i, (it, sizes) in enumerate(zip(value, schedule, strict=True)):
         where = f"schedule.{key}[{i}]"
         if not isinstance(it, list) or len(it) != len(sizes):
             raise CaseError(path, where, f"a list of {len(sizes)} list(s), one per DP group", it)
-        for j, (group, bs) in enumerate(zip(it, sizes)):
+        for j, (group, bs) in enumerate(zip(it, sizes, strict=True)):
             if not isinstance(group, list) or len(group) != bs or not all(_is_int(x) for x in group):
                 raise CaseError(path, f"{where}[{j}]", f"a list of {bs} integer(s), one per request (schedule.batches[{i}][{j}] = {bs})", group)
             for k, x in enumerate(group):
@@ -165,15 +176,17 @@ def _explicit_lens(path, sched_t: dict, key: str, schedule: tuple[tuple[int, ...
     return value
 
 
-def _with_explicit_lens(iterations: tuple[Iteration, ...], prefix: Optional[list], accept: Optional[list]) -> tuple[Iteration, ...]:
-    if prefix is None and accept is None:
+def _with_explicit_lens(iterations: tuple[Iteration, ...], prefix: Optional[list], accept: Optional[list], rids: Optional[list] = None) -> tuple[Iteration, ...]:
+    """Override the seeded draw with schedule.prefix_lens / accept_lens / rids where given (a rid decides the request's tokens)."""
+    if prefix is None and accept is None and rids is None:
         return iterations
+    pick = lambda given, i, j, k, default: given[i][j][k] if given is not None else default  # noqa: E731
     out = []
     for i, it in enumerate(iterations):
         groups = []
         for j, reqs in enumerate(it.per_dp):
             groups.append(tuple(
-                RequestSpec(r.rid, prefix[i][j][k] if prefix is not None else r.prefix_len, accept[i][j][k] if accept is not None else r.accept_len)
+                RequestSpec(pick(rids, i, j, k, r.rid), pick(prefix, i, j, k, r.prefix_len), pick(accept, i, j, k, r.accept_len))
                 for k, r in enumerate(reqs)
             ))
         out.append(Iteration(tuple(groups)))
@@ -225,7 +238,8 @@ def parse_case(data: dict, path: Path | str = "<case>") -> Case:
         layout = ParallelLayout(**layout_t)
     except LayoutError as e:
         field, _, rule = str(e).partition(": ")
-        raise CaseError(path, field, rule) from None
+        rule = rule.split(" (got ParallelLayout(")[0]  # the field's own value is what a user needs to see
+        raise CaseError(path, field, rule, layout_t.get(field.rpartition(".")[2])) from None
 
     model = _parse_model(path, data.get("model", {}), dtype)
     try:
@@ -283,7 +297,13 @@ def parse_case(data: dict, path: Path | str = "<case>") -> Case:
     schedule_t = tuple(schedule)
     prefix = _explicit_lens(path, sched_t, "prefix_lens", schedule_t, 1, model.max_context_len - T, "a prefix length (seq_len = prefix + num_tokens_per_bs)")
     accept = _explicit_lens(path, sched_t, "accept_lens", schedule_t, 1, T, "an accept length")
-    iterations = _with_explicit_lens(seeded_requests(seed, schedule_t, T, max_prefix), prefix, accept)
+    rids = _explicit_lens(path, sched_t, "rids", schedule_t, 0, 2**31 - 1, "a request id")
+    if rids is not None:
+        for i, it in enumerate(rids):
+            flat = [r for group in it for r in group]
+            if len(set(flat)) != len(flat):
+                raise CaseError(path, f"schedule.rids[{i}]", "distinct request ids within an iteration", it)
+    iterations = _with_explicit_lens(seeded_requests(seed, schedule_t, T, max_prefix), prefix, accept, rids)
     for i, it in enumerate(iterations):  # what one rank's pools hold (every rank of a DP group holds its requests)
         for j, reqs in enumerate(it.per_dp):
             slots = sum(r.prefix_len + T for r in reqs)

@@ -1,14 +1,16 @@
-"""`harness`: list cases, check them, replay one, run the mutant catalog."""
+"""`harness`: list cases, check them, replay one, run the mutant catalog, record/check goldens, add a case."""
 from __future__ import annotations
 
 import argparse
 import contextlib
 import json
+import os
 import sys
 import time
 from typing import Optional, Sequence
 
 from harness.case import CaseError, default_cases, load_case
+from harness.golden import GoldenError
 
 
 def _cases(names: Sequence[str]):
@@ -43,7 +45,7 @@ def cmd_check(args) -> int:
     t0 = time.perf_counter()
     with _mutant_ctx(args.mutant):
         for i, case in enumerate(cases, 1):
-            rep = check_case(case)
+            rep = check_case(case, ranks=args.ranks)
             reports.append(rep)
             if not args.json:
                 verdicts = " ".join(f"{k}:{'ok' if v.ok else 'FAIL'}" for k, v in rep.verdicts.items())
@@ -66,7 +68,15 @@ def cmd_replay(args) -> int:
     case = load_case(args.case)
     with _mutant_ctx(args.mutant):
         progress = None if args.json else (lambda msg: print(f"... {msg}", file=sys.stderr, flush=True))
-        rep = replay_case(case, step=args.step, rank=args.rank, progress=progress)
+        rep = replay_case(case, step=args.step, rank=args.rank, progress=progress, ranks=args.ranks, runner=args.runner)
+        if args.dump:
+            from harness.dump import dump_case, target_of
+
+            div = rep.first_divergence()
+            it, step, why = target_of(div, args.step)
+            if progress:
+                progress(f"dumping every rank at iteration {it}, step {step} ({why}) to {args.dump}")
+            rep.dump = str(dump_case(case, args.dump, it, step, runner=args.runner, why=why, divergence=div))
     if args.json:
         print(json.dumps(rep.to_json(), indent=2, default=str))
     else:
@@ -96,6 +106,94 @@ def cmd_mutants(args) -> int:
     return 1 if survivors else 0
 
 
+def _golden_dir(args):
+    from harness.golden import GOLDEN_DIR
+
+    return args.golden_dir or GOLDEN_DIR
+
+
+def cmd_golden_record(args) -> int:
+    from harness.golden import iter_cases, record_golden, refuse_under_xdist
+
+    refuse_under_xdist(_golden_dir(args))
+    cases = iter_cases(args.cases, args.all)
+    t0 = time.perf_counter()
+    changed = 0
+    for i, case in enumerate(cases, 1):
+        print(f"[{i}/{len(cases)}] recording {case.name} ({case.layout.describe()})", file=sys.stderr, flush=True)
+        res = record_golden(case, _golden_dir(args))
+        changed += res.status != "unchanged"
+        print(res.format(), flush=True)
+    print(f"{len(cases)} golden(s): {changed} written, {len(cases) - changed} unchanged in {time.perf_counter() - t0:.1f}s")
+    return 0
+
+
+def cmd_golden_check(args) -> int:
+    from harness.golden import GoldenError, check_golden
+
+    cases = _cases(args.cases)
+    t0 = time.perf_counter()
+    results, failed = [], 0
+    for i, case in enumerate(cases, 1):
+        t = time.perf_counter()
+        try:
+            with _mutant_ctx(args.mutant):
+                cmp = check_golden(case, _golden_dir(args))
+            ok, text, data = cmp.ok, cmp.format(limit=args.limit), cmp.to_json()
+        except GoldenError as e:
+            ok, text, data = False, f"{case.name}: {e}", {"case": case.name, "ok": False, "error": str(e)}
+        failed += not ok
+        data["seconds"] = round(time.perf_counter() - t, 3)
+        results.append(data)
+        if not args.json:
+            head, _, rest = text.partition("\n")
+            print(f"[{i}/{len(cases)}] {'PASS' if ok else 'FAIL'} {head}  {data['seconds']:.1f}s", flush=True)
+            if rest:
+                print(rest, flush=True)
+    total = time.perf_counter() - t0
+    if args.json:
+        print(json.dumps({"ok": not failed, "seconds": round(total, 2), "cases": results}, indent=2, default=str))
+    else:
+        print(f"{len(cases) - failed} passed, {failed} failed in {total:.1f}s")
+    return 1 if failed else 0
+
+
+def cmd_new_case(args) -> int:
+    from harness.case_template import coverage, new_case, parse_batches
+    from runners.config import SpecConfig
+    from runners.parallel.layout import LayoutError, ParallelLayout
+
+    target = f"{args.dir or 'cases'}/{args.name}.toml"
+    try:
+        layout = ParallelLayout(args.tp, args.dp, args.dp > 1, args.dense_tp, args.dp_lm_head, args.a2a)
+    except LayoutError as e:
+        field, _, rule = str(e).partition(": ")
+        raise CaseError(target, field, rule) from None
+    try:
+        capture_bs = tuple(int(x) for x in args.capture_bs.split(","))
+    except ValueError:
+        raise CaseError(target, "spec.capture_bs", "comma-separated integers (--capture-bs 1,2,4,8)", args.capture_bs) from None
+    spec = SpecConfig(num_steps=args.steps, topk=args.topk, num_draft_tokens=args.tokens_per_bs,
+                      capture_bs=capture_bs, max_running_requests=args.max_running_requests)
+    batches = parse_batches(args.batches) if args.batches else None
+    others = coverage(layout, default_cases())
+    path, case = new_case(args.name, layout, spec, batches, args.description, args.seed, args.dir, args.force)
+    from harness.golden import show
+
+    print(f"wrote {show(path)}")
+    print(f"  layout   {case.layout.describe()}  (world {case.layout.world_size}, attn_tp {case.layout.attn_tp_size}, capture_bs base {case.layout.capture_bs_base})")
+    print(f"  schedule {[list(b) for b in case.schedule]}  (per iteration, each DP group's raw bs; 0 = idle)")
+    print(f"  same branch and tp/dp already in: {', '.join(others) if others else 'none: this is new coverage'}")
+    if args.record:
+        from harness.golden import record_golden
+
+        print(record_golden(case, _golden_dir(args)).format())
+        print(f"next: harness check {args.name}, then commit {show(path)} with golden/{args.name}.npz and golden/{args.name}.json")
+    else:
+        print(f"next: harness check {args.name}  then  harness golden record {args.name}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="harness", description="Correctness harness for tensor-parallel speculative decoding (EAGLE draft-extend CUDA graphs).")
     sub = p.add_subparsers(dest="command", required=True)
@@ -109,6 +207,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("cases", nargs="*", help="case names or paths (default: every case in cases/)")
     s.add_argument("--json", action="store_true")
     s.add_argument("--mutant", help="plant a mutant from the catalog first (see `harness mutants`)")
+    s.add_argument("--ranks", choices=("sim", "gloo", "nccl"), default="sim", help="simulated ranks (threads), or real ones: a process per rank over gloo (CPU) or nccl (a GPU per rank)")
     s.set_defaults(func=cmd_check)
 
     s = sub.add_parser("replay", help="rerun one case step by step and show the first divergence")
@@ -116,6 +215,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--step", type=int, help="only this draft step")
     s.add_argument("--rank", type=int, help="only this rank")
     s.add_argument("--mutant", help="plant a mutant first, e.g. sglang-26416")
+    s.add_argument("--ranks", choices=("sim", "gloo", "nccl"), default="sim", help="simulated ranks (threads), or real ones: a process per rank over gloo (CPU) or nccl (a GPU per rank)")
+    s.add_argument("--runner", choices=("eager", "graph", "both"), default="both",
+                   help="both: eager vs graph (P3) and each vs TP1 (P4); eager or graph: that runner alone vs the TP1 oracle")
+    s.add_argument("--dump", metavar="DIR", help="write every rank's buffers and metadata at the first divergence to DIR (np.load-able .npz)")
     s.add_argument("--json", action="store_true")
     s.set_defaults(func=cmd_replay)
 
@@ -123,19 +226,73 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--only", action="append", metavar="ID", help="run only this mutant (repeatable)")
     s.add_argument("--json", action="store_true")
     s.set_defaults(func=cmd_mutants)
+
+    g = sub.add_parser("golden", help="record or check goldens (golden/<case>.npz + .json)")
+    gsub = g.add_subparsers(dest="golden_command", required=True)
+    s = gsub.add_parser("record", help="(re)record goldens atomically and show what changed; never under pytest-xdist")
+    s.add_argument("cases", nargs="*", help="case names or paths")
+    s.add_argument("--all", action="store_true", help="every case in cases/")
+    s.add_argument("--golden-dir", help="where goldens live (default: golden/)")
+    s.set_defaults(func=cmd_golden_record)
+    s = gsub.add_parser("check", help="compare fresh runs with the goldens: %% differing, max abs/rel error, first indices, by rank and step")
+    s.add_argument("cases", nargs="*", help="case names or paths (default: every case in cases/)")
+    s.add_argument("--golden-dir", help="where goldens live (default: golden/)")
+    s.add_argument("--limit", type=int, default=12, help="differing keys shown per case (default 12)")
+    s.add_argument("--mutant", help="plant a mutant first (what a regression looks like to the goldens)")
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(func=cmd_golden_check)
+
+    s = sub.add_parser("new-case", help="write cases/<name>.toml for a parallel config (then: harness golden record <name>)")
+    s.add_argument("name", help="case name: the file is cases/<name>.toml, its golden golden/<name>.npz")
+    s.add_argument("--tp", type=int, required=True, help="tp_size (ranks in all)")
+    s.add_argument("--dp", type=int, default=1, help="dp_size; > 1 turns on DP attention")
+    s.add_argument("--dense-tp", type=int, choices=(1,), help="moe_dense_tp_size 1 (replicated dense MLP); unset: TP over all ranks")
+    s.add_argument("--dp-lm-head", action="store_true", help="enable_dp_lm_head")
+    s.add_argument("--a2a", default="none", help="moe_a2a_backend (none, deepep, mooncake, flashinfer)")
+    s.add_argument("--steps", type=int, default=3, help="spec num_steps (default 3)")
+    s.add_argument("--topk", type=int, default=1)
+    s.add_argument("--tokens-per-bs", type=int, help="num_tokens_per_bs (default num_steps + 1)")
+    s.add_argument("--capture-bs", default="1,2,4,8", help="comma-separated capture buckets (default 1,2,4,8)")
+    s.add_argument("--max-running-requests", type=int, default=8)
+    s.add_argument("--batches", help="schedule, e.g. '6,5 3,1 1,0': iterations by spaces, DP groups by commas (default: shrink + idle group)")
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--description")
+    s.add_argument("--dir", help="where to write (default: cases/)")
+    s.add_argument("--golden-dir", help="where --record writes (default: golden/)")
+    s.add_argument("--force", action="store_true", help="overwrite an existing case file")
+    s.add_argument("--record", action="store_true", help="record its golden right away")
+    s.set_defaults(func=cmd_new_case)
+
+    from harness import bench
+
+    bench.add_parser(sub)
     return p
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
+    if getattr(args, "mutant", None) and getattr(args, "ranks", "sim") != "sim":
+        print("error: --mutant is planted in this process only; real ranks would run unmutated: use --ranks sim", file=sys.stderr)
+        return 2
+    from harness.ranks.launcher import LaunchSkipped
+
     try:
         return args.func(args)
+    except LaunchSkipped as e:  # e.g. --ranks nccl without a GPU per rank
+        print(f"error: --ranks {args.ranks}: {e.reason}", file=sys.stderr)
+        return 2
     except CaseError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except GoldenError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except KeyError as e:  # unknown mutant id and the like: a user mistake, not a crash
         print(f"error: {e.args[0]}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # `harness list | head`: the reader left; not an error of ours
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
 
 
 if __name__ == "__main__":

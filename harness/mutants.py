@@ -14,6 +14,7 @@ from unittest import mock
 
 import torch
 
+from harness import execute
 from runners import model
 from runners.cuda_graph import EagleDraftExtendCudaGraphRunnerBase, MultiLayerEagleDraftExtendCudaGraphRunner
 from runners.parallel.comm import Group
@@ -107,6 +108,16 @@ def _dp_scatter_wrong_chunk(ctx, gathered_partial, num_local, sharded):
     return gathered_partial[d * max_len : (d + 1) * max_len][:num_local]
 
 
+_REAL_MLP_SYNC = execute.mlp_sync_batch_sizes
+
+
+def _mlp_sync_idle_rank_skips(ctx, local_bs, device):
+    """An idle DP rank skips the scheduler's MLP sync (all_gather over attn-DP) and assumes every group idle."""
+    if local_bs == 0 and ctx.layout.require_mlp_sync and ctx.layout.attn_dp_size > 1:
+        return [0] * ctx.layout.attn_dp_size
+    return _REAL_MLP_SYNC(ctx, local_bs, device)
+
+
 CATALOG: tuple[Mutant, ...] = (
     Mutant(
         "sglang-26416",
@@ -149,6 +160,100 @@ CATALOG: tuple[Mutant, ...] = (
         "MLP-TP gather: after the MLP each DP group keeps the next DP group's rows (a broken layout gather)",
         "broken layout gather",
         ((model, "dp_scatter", _dp_scatter_wrong_chunk),),
+    ),
+    Mutant(
+        "idle-rank-skips-mlp-sync",
+        "an idle DP rank (no requests) skips the MLP-sync all_gather of batch sizes over the attn-DP group: busy ranks wait in it while the idle rank runs on",
+        "idle DP rank skips a collective",
+        ((execute, "mlp_sync_batch_sizes", _mlp_sync_idle_rank_skips),),
+    ),
+)
+
+# ---- issue 8: the speculative decoding loop (runners.spec_decode); P2 / P5 / P6 / P8 kill these ----
+from runners import draft_decode, verify  # noqa: E402
+from runners.attention.torch_ref import TorchAttnBackend  # noqa: E402
+
+_TOKEN_BUFFERS = ("input_ids", "positions", "out_cache_loc")
+
+
+def _reset_keeps_token_buffers(self: EagleDraftExtendCudaGraphRunnerBase, raw_bs: int, accept_lens: torch.Tensor) -> None:
+    saved = [getattr(self, b).clone() for b in _TOKEN_BUFFERS]
+    _REAL_RESET(self, raw_bs, accept_lens)
+    for b, old in zip(_TOKEN_BUFFERS, saved):
+        getattr(self, b).copy_(old)  # padded lanes keep the larger batch's tokens, positions and KV slots
+
+
+def _accept_per_request(drafts: torch.Tensor, target_argmax: torch.Tensor) -> torch.Tensor:
+    first = (drafts[:, 0] == target_argmax[:, 0]).to(torch.int64)
+    return first * drafts.shape[1] + 1  # the request's first verdict applied to every one of its tokens
+
+
+def _copy_advances_padded_seq_lens(self: EagleDraftExtendCudaGraphRunnerBase, inp) -> None:
+    _REAL_COPY(self, inp)
+    self.seq_lens[inp.bs :] += self.T  # padded rows advanced as if they had extended T tokens too
+
+
+def _eagle_pairs_next_step_hidden(tokens_after: torch.Tensor, hidden: torch.Tensor):
+    return tokens_after, torch.cat([hidden[1:], hidden[-1:]])  # row j: the hidden state of position j + 1
+
+
+def _copy_pads_with_last_live_slot(self: EagleDraftExtendCudaGraphRunnerBase, inp) -> None:
+    _REAL_COPY(self, inp)
+    raw_n = inp.bs * self.T
+    if raw_n:
+        self.out_cache_loc[raw_n:] = inp.out_cache_loc[-1]  # pad by repeating the last live entry, not the padding slot
+
+
+def _attn_reads_masked_kv(self: TorchAttnBackend, layer, q, k, v, fb, meta):
+    """The reference attention before masked values were zeroed: a probability-0 key still multiplies its value."""
+    self.kv_pool.write(layer, fb.out_cache_loc, k, v)
+    keys = self.kv_pool.k[layer][meta.kv_slots]
+    vals = self.kv_pool.v[layer][meta.kv_slots]
+    group = q.shape[1] // keys.shape[2]
+    keys = keys.repeat_interleave(group, dim=2).to(q.dtype)
+    vals = vals.repeat_interleave(group, dim=2).to(q.dtype)
+    scores = torch.einsum("nhd,nchd->nhc", q, keys) * q.shape[-1] ** -0.5
+    scores = scores.masked_fill(~meta.key_mask[:, None, :], float("-inf"))
+    probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+    return torch.einsum("nhc,nchd->nhd", probs, vals)
+
+
+CATALOG = CATALOG + (
+    Mutant(
+        "stale-padded-tokens-after-shrink",
+        "replay reset leaves input_ids, positions and out_cache_loc alone: after the batch shrinks, padded lanes replay the larger batch's tokens and write their KV into its slots",
+        "stale padded lane after shrink",
+        ((EagleDraftExtendCudaGraphRunnerBase, "reset_for_iteration", _reset_keeps_token_buffers),),
+    ),
+    Mutant(
+        "accept-per-request",
+        "greedy verify decides acceptance once per request (its first draft token) and applies it to all its tokens, instead of token by token along the chain",
+        "acceptance per request instead of per token",
+        ((verify, "chain_accept_lens", _accept_per_request),),
+    ),
+    Mutant(
+        "seq-len-advanced-for-padded-rows",
+        "replay copy-in advances the seq_lens of the padded lanes by num_tokens_per_bs, as if padded rows had extended too (they should stay at the fill value)",
+        "seq_len advanced for padded rows",
+        ((EagleDraftExtendCudaGraphRunnerBase, "_copy_live_inputs", _copy_advances_padded_seq_lens),),
+    ),
+    Mutant(
+        "draft-hidden-next-step",
+        "EAGLE pairing off by one step: draft row j reads token j+1 with the target hidden state of position j+1 instead of j (prefill and draft-extend)",
+        "hidden state from the wrong step",
+        ((draft_decode, "eagle_pairs", _eagle_pairs_next_step_hidden),),
+    ),
+    Mutant(
+        "padded-kv-write-live-slot",
+        "replay pads out_cache_loc by repeating the last live slot: the padded rows' KV writes land in the last real token's slot",
+        "KV write for padded rows lands in a live slot",
+        ((EagleDraftExtendCudaGraphRunnerBase, "_copy_live_inputs", _copy_pads_with_last_live_slot),),
+    ),
+    Mutant(
+        "attn-reads-masked-kv",
+        "reference attention multiplies masked (probability 0) KV entries instead of excluding them: a NaN in the padding slot or a stale slot reaches every real row",
+        "padded / stale memory read into a real row",
+        ((TorchAttnBackend, "forward", _attn_reads_masked_kv),),
     ),
 )
 

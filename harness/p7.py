@@ -61,11 +61,11 @@ P7_SCHEDULES: tuple[tuple[ParallelLayout, tuple[tuple[int, ...], ...]], ...] = (
 
 
 def idle_scenario(layout: ParallelLayout, schedule: Sequence[Sequence[int]], spec: SpecConfig = P7_SPEC,
-                  model: ModelConfig = ModelConfig(), seed: int = 0, max_prefix_len: int = 16) -> Scenario:
+                  model: Optional[ModelConfig] = None, seed: int = 0, max_prefix_len: int = 16) -> Scenario:
     sched = tuple(tuple(row) for row in schedule)
     its = seeded_requests(seed, sched, spec.num_tokens_per_bs, max_prefix_len)
     name = f"p7-{layout.describe().split(' ')[0]}-" + "_".join("".join(map(str, row)) for row in sched)
-    return Scenario(model, spec, layout, its, seed=seed, name=name)
+    return Scenario(model or ModelConfig(), spec, layout, its, seed=seed, name=name)
 
 
 def p7_scenarios() -> list[Scenario]:
@@ -136,7 +136,7 @@ def check_collective_agreement(layout: ParallelLayout, traces: Sequence[Sequence
         v.checked += 1
         prog = [(c.op, c.group) for c in t]
         if prog != prog0:
-            i = next((i for i, (a, b) in enumerate(zip(prog0, prog)) if a != b), min(len(prog0), len(prog)))
+            i = next((i for i, (a, b) in enumerate(zip(prog0, prog, strict=False)) if a != b), min(len(prog0), len(prog)))
             c0 = traces[0][i] if i < len(traces[0]) else None
             cr = t[i] if i < len(t) else None
             v.fail("same-program", f"collective #{i}", {**where, "rank": r}, f"rank 0: {_describe(c0)}", f"rank {r}: {_describe(cr)}",
@@ -206,7 +206,7 @@ def _where(sc: Scenario, ranks: str) -> dict:
 
 
 def run_verdict(sc: Scenario, err: BaseException, ranks: str) -> Verdict:
-    v = Verdict("P7")
+    v = Verdict("P7", checked=1)
     v.fail("run", "collectives", _where(sc, ranks), "every rank issues the same collectives and completes", crash_name(err), crash_detail(err))
     return v
 

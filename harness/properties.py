@@ -13,7 +13,7 @@ import torch
 from harness.execute import RankRun
 from harness.layout import branch_sibling
 from harness.scenario import Scenario
-from harness.tolerances import cross_layout, eager_vs_graph
+from harness.tolerances import Tol, cross_layout, eager_vs_graph
 from harness.verdict import Verdict
 from runners.config import ModelConfig, SpecConfig
 from runners.cuda_graph import (
@@ -307,9 +307,9 @@ def compare_outputs(v: Verdict, check: str, where: dict, ref: dict[str, torch.Te
 # ----------------------------------------------------------------------------------------
 
 
-def check_eager_vs_graph(sc: Scenario, runs: Sequence[RankRun], device: str = "cpu") -> Verdict:
+def check_eager_vs_graph(sc: Scenario, runs: Sequence[RankRun], device: str = "cpu", tol_override: Optional[Tol] = None) -> Verdict:
     v = Verdict("P3")
-    tol = eager_vs_graph(device, sc.model.dtype)
+    tol = tol_override or eager_vs_graph(device, sc.model.dtype, sc.attention_backend)
     T = sc.spec.num_tokens_per_bs
     for run in runs:
         for it, (eager_steps, graph_steps) in enumerate(zip(run.eager, run.graph, strict=True)):
@@ -349,10 +349,12 @@ def _rows_by_request(run: RankRun, it: int, step_results, T: int) -> dict[int, d
     return out
 
 
-def check_cross_layout(sc: Scenario, runs: Sequence[RankRun], oracle: Sequence[RankRun], runner: str = "eager") -> Verdict:
+def check_cross_layout(
+    sc: Scenario, runs: Sequence[RankRun], oracle: Sequence[RankRun], runner: str = "eager", tol_override: Optional[Tol] = None
+) -> Verdict:
     """P4: each rank's rows equal TP1 eager's rows of the same requests, within CROSS_LAYOUT."""
     v = Verdict("P4")
-    tol = cross_layout(sc.model.dtype)
+    tol = tol_override or cross_layout(sc.model.dtype, sc.attention_backend)
     T = sc.spec.num_tokens_per_bs
     ref_run = oracle[0]
     for run in runs:

@@ -1,12 +1,24 @@
-"""The engine behind `harness replay <case>`: rerun one case, show every step, point at the first divergence."""
+"""The engine behind `harness replay <case>`: rerun one case, show every step, point at the first divergence.
+
+`--runner eager|graph|both` picks what runs (both: eager vs graph is P3; one runner: each step is
+compared with the TP1 eager oracle, P4); `--dump DIR` (harness/dump.py) writes every rank's
+buffers and metadata at the first divergence; progress goes to `progress` once per iteration.
+"""
 from __future__ import annotations
 
+import threading
+import time
 from dataclasses import dataclass, field
-from typing import Optional
-
+from typing import Callable, Optional
 
 from harness.case import Case
-from harness.checks import PROPERTY_ORDER, CaseReport, check_case
+from harness.checks import PROPERTY_ORDER, CaseReport, _crash_verdict, run_spmd
+from harness.execute import RankRun, run_rank
+from harness.properties import check_cross_layout, check_eager_vs_graph, check_metadata, check_run_metadata
+from harness.ranks.simulated import RankFailure, SimulatedWorld
+from harness.ranks.trace import CollectiveError
+
+RUNNERS = ("eager", "graph", "both")
 
 
 @dataclass
@@ -30,54 +42,136 @@ class ReplayReport:
     layout: str
     report: CaseReport
     rows: list[StepRow] = field(default_factory=list)
+    runner: str = "both"
+    dump: Optional[str] = None  # the --dump directory, once written
+    rank_filter: Optional[int] = None  # --rank / --step: the table's rows and the preferred first divergence
+    step_filter: Optional[int] = None
+
+    @property
+    def diff_label(self) -> str:
+        return "eager vs graph" if self.runner == "both" else f"{self.runner} vs the TP1 eager oracle"
 
     @property
     def ok(self) -> bool:
         return self.report.ok
 
     def first_divergence(self) -> Optional[dict]:
-        for prop in PROPERTY_ORDER:
-            v = self.report.verdicts.get(prop)
-            if v is not None and not v.ok:
-                f = v.failures[0]
-                return {"property": prop, "check": f.check, "field": f.field, "where": f.where, "expected": f.expected, "got": f.got,
-                        "detail": f.detail, "message": f.message()}
-        return None
+        """The first failure in property order; with --rank / --step, the first one at that rank / step if there is one."""
+        failures = [(prop, f) for prop in PROPERTY_ORDER for v in [self.report.verdicts.get(prop)] if v is not None for f in v.failures]
+        if not failures:
+            return None
+
+        def matches(f) -> bool:
+            return all(want is None or f.where.get(key, want) == want for key, want in (("rank", self.rank_filter), ("step", self.step_filter)))
+
+        prop, f = next(((p, f) for p, f in failures if matches(f)), failures[0])
+        return {"property": prop, "check": f.check, "field": f.field, "where": f.where, "expected": f.expected, "got": f.got,
+                "detail": f.detail, "message": f.message()}
 
     def to_json(self) -> dict:
-        return {"case": self.case, "layout": self.layout, "ok": self.ok, "steps": [r.__dict__ for r in self.rows],
-                "first_divergence": self.first_divergence(), "properties": {k: v.to_json() for k, v in self.report.verdicts.items()}}
+        return {"case": self.case, "layout": self.layout, "ok": self.ok, "runner": self.runner, "max_logit_diff": self.diff_label,
+                "steps": [r.__dict__ for r in self.rows], "first_divergence": self.first_divergence(), "dump": self.dump,
+                "properties": {k: v.to_json() for k, v in self.report.verdicts.items()}}
 
 
-def replay_case(case: Case, step: Optional[int] = None, rank: Optional[int] = None, progress=None) -> ReplayReport:
-    rep = check_case(case, on_progress=progress)
-    out = ReplayReport(case.name, case.layout.describe(), rep)
+def _run_with_progress(case: Case, runner: str, ranks: str, say: Callable[[str], None]) -> list[RankRun]:
+    """run_spmd, reporting each iteration once every rank has finished it (simulated ranks)."""
+    sc = case.scenario
+    if ranks != "sim":
+        return run_spmd(sc, runner=runner, ranks=ranks)
+    n_it, world = len(sc.iterations), sc.layout.world_size
+    done: dict[int, int] = {}
+    lock, t0 = threading.Lock(), time.perf_counter()
+
+    def tick(_rank: int, it: int) -> None:
+        with lock:
+            done[it] = done.get(it, 0) + 1
+            if done[it] == world:
+                say(f"iteration {it + 1}/{n_it} done on {world} rank(s) ({time.perf_counter() - t0:.1f}s)")
+
+    return SimulatedWorld(sc.layout, timeout_s=60.0).run(lambda comm: run_rank(comm, sc, runner=runner, on_step=tick))
+
+
+def run_case(case: Case, runner: str = "both", ranks: str = "sim", progress: Optional[Callable[[str], None]] = None) -> CaseReport:
+    """check_case with a choice of runner: P1 always; P3 (eager vs graph) with both; P4 for each runner that ran."""
+    if runner not in RUNNERS:
+        raise ValueError(f"runner must be one of {RUNNERS}, got {runner!r}")
+    t0 = time.perf_counter()
+    sc = case.scenario
+    say = progress or (lambda _msg: None)
+    rep = CaseReport(case.name, sc.layout.describe(), sc.layout.branch.value)
+    say("P1 metadata")
+    rep.verdicts["P1"] = check_metadata(sc.layout, sc.spec, case.schedule, sc.model, sc.seed)
+    say(f"{'eager + graph' if runner == 'both' else runner} on {ranks} ranks ({sc.layout.world_size}), {len(sc.iterations)} iteration(s)")
+    try:
+        rep.runs = _run_with_progress(case, runner, ranks, say)
+    except (RankFailure, CollectiveError) as err:
+        rep.verdicts["run"] = _crash_verdict("run", sc, err)
+        rep.seconds = time.perf_counter() - t0
+        return rep
+    rep.verdicts["P1"].merge(check_run_metadata(sc, rep.runs))
+    if runner == "both":
+        rep.verdicts["P3"] = check_eager_vs_graph(sc, rep.runs)
+    say("TP1 oracle")
+    rep.oracle = run_spmd(sc.as_tp1(), runner="eager")
+    kinds = ("eager", "graph") if runner == "both" else (runner,)
+    v = check_cross_layout(sc, rep.runs, rep.oracle, kinds[0])
+    for kind in kinds[1:]:
+        v.merge(check_cross_layout(sc, rep.runs, rep.oracle, kind))
+    rep.verdicts["P4"] = v
+    rep.seconds = time.perf_counter() - t0
+    return rep
+
+
+def _oracle_rows(oracle: list[RankRun], it: int, step: int, rids: list[int], T: int):
+    ref = oracle[0]
+    pos = {rid: i for i, rid in enumerate(ref.rids[it])}
+    import torch
+
+    logits = ref.eager[it][step].tensors["logits"]
+    return torch.cat([logits[pos[r] * T:(pos[r] + 1) * T] for r in rids]) if rids else logits[:0]
+
+
+def replay_case(case: Case, step: Optional[int] = None, rank: Optional[int] = None, progress=None, ranks: str = "sim",
+                runner: str = "both") -> ReplayReport:
+    rep = run_case(case, runner=runner, ranks=ranks, progress=progress)
+    out = ReplayReport(case.name, case.layout.describe(), rep, runner=runner, rank_filter=rank, step_filter=step)
     if rep.runs is None:
         return out
     layout, T = case.layout, case.scenario.spec.num_tokens_per_bs
+    own = (lambda d: d) if layout.require_mlp_tp_gather else (lambda d: 0)
     for run in rep.runs:
         if rank is not None and run.rank != rank:
             continue
         d = layout.attn_dp_rank(run.rank)
-        for it, graph_steps in enumerate(run.graph):
-            for s, g in enumerate(graph_steps):
+        for it in range(len(run.rids)):
+            steps = run.graph[it] if run.graph else run.eager[it]
+            for s, res in enumerate(steps):
                 if step is not None and s != step:
                     continue
-                rec = run.records[it][s] if run.records[it] else None
-                e = run.eager[it][s] if it < len(run.eager) else None
+                rec = run.records[it][s] if run.graph and run.records[it] else None
+                e = run.eager[it][s] if run.eager else None
+                if runner == "both":
+                    ref = e.tensors["logits"]
+                elif rep.oracle is not None:
+                    ref = _oracle_rows(rep.oracle, it, s, run.rids[it], T)
+                else:
+                    ref = None
+                got = res.tensors["logits"]
                 diff = None
-                if e is not None and e.tensors["logits"].numel():
-                    diff = float((e.tensors["logits"].double() - g.tensors["logits"].double()).abs().max())
-                elif e is not None:
-                    diff = 0.0
-                lp = rec.global_num_tokens_for_logprob_gpu if rec else None
-                host = rec.capture.host if rec else {}
-                out.rows.append(StepRow(
-                    it, s, run.rank, layout.branch.value, len(run.rids[it]), rec.bs if rec else None,
-                    rec.bs * T if rec else None,
-                    (host.get("global_num_tokens_for_logprob_cpu") or [None] * (d + 1))[d if layout.require_mlp_tp_gather else 0] if lp else None,
-                    host.get("global_dp_buffer_len"), rec.rows_fed if rec else None, diff,
-                ))
+                if ref is not None and ref.shape == got.shape:
+                    diff = float((ref.double() - got.double()).abs().max()) if got.numel() else 0.0
+                if rec is not None:
+                    host = rec.capture.host
+                    lp_list = host.get("global_num_tokens_for_logprob_cpu")
+                    bs, num_tok, rows_fed = rec.bs, rec.bs * T, rec.rows_fed
+                else:  # eager: the live batch's metadata
+                    host = e.host if e is not None else {}
+                    lp_list = host.get("global_num_tokens_for_logprob_cpu")
+                    bs, num_tok, rows_fed = None, host.get("num_tokens"), int(res.tensors["rows_fed"])
+                lp = lp_list[own(d)] if lp_list else None
+                out.rows.append(StepRow(it, s, run.rank, layout.branch.value, len(run.rids[it]), bs, num_tok, lp,
+                                        host.get("global_dp_buffer_len"), rows_fed, diff))
     return out
 
 
@@ -90,6 +184,7 @@ def format_table(rep: ReplayReport) -> str:
         fmt = lambda x: "-" if x is None else str(x)  # noqa: E731
         lines.append(f"{r.iteration:>4} {r.step:>4} {r.rank:>4} {r.branch:<15} {bs:>10} {fmt(r.num_tokens):>7} {fmt(r.for_logprob):>11} "
                      f"{fmt(r.dp_buffer_len):>6} {fmt(r.rows_fed):>8} {diff:>11}")
+    lines.append(f"(max|dlogit|: {rep.diff_label}, real rows)")
     lines.append("")
     for prop, v in rep.report.verdicts.items():
         lines.append(f"{prop}: {'ok' if v.ok else 'FAIL'} ({v.checked} checks, {len(v.failures)} failures)")
@@ -104,6 +199,9 @@ def format_table(rep: ReplayReport) -> str:
         lines.append(f"  got      {div['got']}")
         if div["detail"]:
             lines.append(f"  ({div['detail']})")
+    if rep.dump:
+        lines.append("")
+        lines.append(f"dumped every rank's buffers and metadata to {rep.dump} (np.load(...); see {rep.dump}/divergence.json)")
     return "\n".join(lines)
 
 

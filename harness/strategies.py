@@ -40,3 +40,43 @@ def schedules(draw, layout: ParallelLayout, max_bs: int, max_iterations: int = 3
             row = (1,) + row[1:]
         out.append(row)
     return out
+
+
+# ----------------------------------------------------------------------------------------
+# From failure to case (issue 7): a failing example becomes a ready case file
+# ----------------------------------------------------------------------------------------
+# Inside a @given test, wrap the property's assertion:
+#
+#     with failure_case(layout, spec, schedule, seed, prop="P1"):
+#         assert verdict, verdict.report()
+#
+# On failure (an assertion or a crash) the example is written to out/failures/failure_<test>.toml
+# (or $SPECHARNESS_FAILURE_DIR) and the path, the `harness replay` command and an @example line
+# are appended to the failure message (exception notes). Hypothesis' shrink passes overwrite the one
+# file; its final replay of the minimal example writes last, so the file holds the shrunk example.
+import contextlib  # noqa: E402
+from typing import Iterator, Optional, Sequence  # noqa: E402
+
+from harness.case_template import example_snippet, failure_note, write_failure_case  # noqa: E402,F401
+
+
+@contextlib.contextmanager
+def failure_case(layout: Optional[ParallelLayout] = None, spec: Optional[SpecConfig] = None, schedule: Optional[Sequence[Sequence[int]]] = None,
+                 seed: int = 0, *, prop: Optional[str] = None, **kwargs) -> Iterator[None]:
+    """Write the example as a case file when the body raises; re-raise with the path in the message.
+
+    kwargs go to write_failure_case (scenario=, model=, prefix_lens=, accept_lens=, name=, directory=).
+    """
+    from hypothesis.errors import Frozen, UnsatisfiedAssumption
+
+    try:
+        yield
+    except (UnsatisfiedAssumption, Frozen):  # assume() / data.draw after the end: hypothesis' control flow, not a failure
+        raise
+    except Exception as e:
+        path = write_failure_case(layout, spec, schedule, seed, prop=prop, message=str(e), **kwargs)
+        sc = kwargs.get("scenario")
+        lay, sp = (sc.layout, sc.spec) if sc is not None else (layout, spec)
+        sched = [it.dp_batch_sizes for it in sc.iterations] if sc is not None else schedule
+        e.add_note(failure_note(path, lay, sp, sched, sc.seed if sc is not None else seed))
+        raise

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from harness.case import default_cases
+from harness.case import load_case
 from harness.checks import check_case
 from harness.layout import all_layouts
 from harness.properties import check_metadata
@@ -33,10 +33,24 @@ def probe_metadata_grid() -> dict[str, Verdict]:
     return {"P1": v}
 
 
+# The cases every mutant is run against: one per branch family plus the shrink and idle-rank
+# schedules, world sizes 1..8. `harness check` runs all shipped cases; the mutant run takes
+# this subset so that ~15 mutants x every probe stays within CI's budget on 2 cores.
+MUTANT_CASES = (
+    "tp1_neither",
+    "tp2_shrink",
+    "tp2_dp2_mlp_dp_lm_head",
+    "tp4_attn_tp_gather",
+    "tp4_dp2_mlp_tp_gather",
+    "tp4_dp2_attn_tp_gather",
+    "tp8_dp4_mlp_idle_rank",
+)
+
+
 def probe_cases() -> dict[str, Verdict]:
-    """P1 (run path), P3 and P4 over every shipped case."""
+    """P1 (run path), P3 and P4 over MUTANT_CASES."""
     out: dict[str, Verdict] = {}
-    for case in default_cases():
+    for case in (load_case(name) for name in MUTANT_CASES):
         rep = check_case(case)
         for name, verdict in rep.verdicts.items():
             out.setdefault(name, Verdict(name)).merge(verdict)
@@ -50,3 +64,12 @@ def register_probe(name: str, probe: Probe) -> None:
     if any(n == name for n, _ in PROBES):
         raise ValueError(f"probe {name!r} registered twice")
     PROBES.append((name, probe))
+
+
+from harness.p7 import probe_idle_ranks  # noqa: E402  (P7 uneven DP load; harness.p7 must not import this module)
+
+register_probe("p7-idle-ranks", probe_idle_ranks)
+
+from harness.spec_props import register_spec_probes  # noqa: E402  (P2/P5/P6/P8 over the speculative decoding loop)
+
+register_spec_probes(register_probe)

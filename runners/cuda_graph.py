@@ -106,6 +106,7 @@ class EagleDraftExtendCudaGraphRunnerBase:
         else:
             self.global_num_tokens_gpu = self.global_num_tokens_for_logprob_gpu = None
         self.graphs: dict[int, object] = {}
+        self.capture_batches: dict[int, ForwardBatch] = {}  # the frozen batch each bucket's graph was captured with
         self.capture_records: dict[int, CaptureRecord] = {}
 
     # ---- metadata, per branch (§6.3) ----
@@ -165,6 +166,7 @@ class EagleDraftExtendCudaGraphRunnerBase:
         comm = self.worker.ctx.comm
         for bs in reversed(self.capture_bs):
             fb = self.get_forward_batch(bs).frozen()
+            self.capture_batches[bs] = fb
             for _ in range(2):  # warm-up, as the engine does, with the capture-time metadata
                 self.backend.warmup(lambda fb=fb: self._body(fb))
                 comm.barrier(Group.WORLD)
@@ -240,6 +242,9 @@ class EagleDraftExtendCudaGraphRunnerBase:
     def replay(self, inp: DraftExtendInputs) -> tuple[StepOutputs, ReplayRecord]:
         record = self.prepare_replay(inp)
         graph = self.graphs[record.bs]
+        replan = getattr(self.worker.attn, "init_forward_metadata_replay_cuda_graph", None)
+        if replan is not None:  # host-planned backends (flashinfer): re-plan with the live lanes, outside the graph
+            replan(self.capture_batches[record.bs])
         self.backend.replay(graph)
         out: StepOutputs = graph.output
         record.rows_fed = int(out.rows_fed)

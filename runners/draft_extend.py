@@ -89,6 +89,8 @@ class DraftWorker:
             self.model = self.req_pool = self.kv_pool = self.attn = None
             return
         self.model = DraftModel(model_cfg, self.num_layers, ctx)
+        if self.device.type != "cpu":
+            _move_tensors(self.model, self.device)  # weights are generated on CPU (same bits everywhere)
         kv_heads = head_shard(model_cfg, ctx.attn_tp_rank, ctx.attn_tp_size).kv_count
         self.req_pool = ReqToTokenPool(max_reqs, model_cfg.max_context_len, self.device)
         self.kv_pool = TokenToKVPool(self.num_layers, num_slots, kv_heads, model_cfg.head_dim, model_cfg.torch_dtype, self.device)
@@ -97,6 +99,19 @@ class DraftWorker:
     @property
     def tokens_per_bs(self) -> int:
         return self.spec.num_tokens_per_bs
+
+
+def _move_tensors(obj, device: torch.device) -> None:
+    """Move every tensor of a runners.model object tree (layers, heads) to `device`."""
+    for name, val in list(vars(obj).items()):
+        if isinstance(val, torch.Tensor):
+            setattr(obj, name, val.to(device))
+        elif isinstance(val, list):
+            for item in val:
+                if type(item).__module__ == DraftModel.__module__:
+                    _move_tensors(item, device)
+        elif type(val).__module__ == DraftModel.__module__:
+            _move_tensors(val, device)
 
 
 def draft_extend_step(worker: DraftWorker, step: int, fb: ForwardBatch) -> StepOutputs:

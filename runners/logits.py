@@ -40,7 +40,7 @@ def logits_processor(ctx: RankContext, head: SharedHead, hidden: torch.Tensor, f
     n = hidden.shape[0]
     counts = fb.global_num_tokens_for_logprob_gpu
     if counts is None:
-        rows = torch.tensor(n, dtype=torch.int64, device=hidden.device)
+        rows = torch.full((), n, dtype=torch.int64, device=hidden.device)  # a fill kernel: no host-to-device copy under capture
         return LogitsOutput(vocab_parallel_logits(ctx, head, hidden), rows)
 
     dp_gather = ctx.layout.logits_dp_gather

@@ -447,7 +447,8 @@ def test_port_ranges_are_disjoint():
 
 
 @pytest.mark.parametrize("device_count", [0, 1, 2, 8])
-def test_gpu_slices_partition_the_devices(device_count):
+def test_gpu_slices_partition_the_devices(device_count, monkeypatch):
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)  # parent_visible=None reads it; xdist workers have their slice there
     for n_workers in range(1, 17):
         slices = [gpu_slice(w, n_workers, device_count) for w in range(n_workers)]
         flat = [d for s in slices for d in s]

@@ -9,7 +9,7 @@ from harness.checks import check_case, run_spmd
 from harness.layout import all_layouts
 from harness.properties import check_cross_layout, check_eager_vs_graph, check_metadata
 from harness.scenario import Scenario
-from harness.strategies import layouts, schedules, specs
+from harness.strategies import failure_case, layouts, schedules, specs
 from runners.config import ModelConfig, SpecConfig
 from runners.parallel.layout import Branch, ParallelLayout as PL
 
@@ -25,8 +25,9 @@ def metadata_examples(draw):
 @given(metadata_examples())
 def test_p1_metadata_invariants_hold(example):
     layout, spec, schedule = example
-    v = check_metadata(layout, spec, schedule)
-    assert v, v.report()
+    with failure_case(layout, spec, schedule, prop="P1"):  # a shrunk failure becomes a ready case file
+        v = check_metadata(layout, spec, schedule)
+        assert v, v.report()
 
 
 @pytest.mark.parametrize("layout", [x for x in all_layouts() if x.branch is Branch.ATTN_TP_GATHER][:6], ids=lambda x: x.describe())
@@ -56,10 +57,11 @@ def run_examples(draw, max_world=4):
 @settings(max_examples=max(5, settings().max_examples // 2))  # each example runs every rank of a layout
 @given(run_examples())
 def test_p3_p4_eager_graph_and_cross_layout(sc):
-    runs = run_spmd(sc)
-    oracle = run_spmd(sc.as_tp1(), runner="eager")
-    for v in (check_eager_vs_graph(sc, runs), check_cross_layout(sc, runs, oracle, "eager"), check_cross_layout(sc, runs, oracle, "graph")):
-        assert v, v.report()
+    with failure_case(scenario=sc, prop="P3/P4"):
+        runs = run_spmd(sc)
+        oracle = run_spmd(sc.as_tp1(), runner="eager")
+        for v in (check_eager_vs_graph(sc, runs), check_cross_layout(sc, runs, oracle, "eager"), check_cross_layout(sc, runs, oracle, "graph")):
+            assert v, v.report()
 
 
 def test_seed_bug_fails_p3_and_p4_independently_of_p1():

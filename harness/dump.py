@@ -1,0 +1,141 @@
+"""`harness replay <case> --dump DIR`: every rank's buffers and metadata at one (iteration, step).
+
+The case is rerun on simulated ranks up to the target iteration, and then, per rank:
+
+    DIR/rank{r}.npz      np.load-able; keys
+                           inputs.<name>              the live batch this rank got (input_ids, positions, seq_lens, ...)
+                           eager.s{k}.<field>         eager outputs of step k (logits, hidden, logprobs, topk_p, topk_index, ...)
+                           graph.s{k}.<field>         graph outputs of step k, sliced to the real rows
+                           buffers.s{k}.<name>        step k's graph runner static buffers after its replay, padded lanes included
+                           meta.eager.s{k}.<name>     host metadata of the eager ForwardBatch (ints; -1: None)
+                           meta.graph.s{k}.<name>     what the replay used: bucket, baked host values, replay fill, rows fed
+    DIR/oracle.npz       the TP1 eager oracle of the same iteration (eager.s{k}.<field>, rids)
+    DIR/divergence.json  the case, layout, target, the first divergence and, per rank, its requests
+
+Each multi-layer step has its own runner and buffers, so after the iteration every step's
+buffers still hold what its replay saw.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+import torch
+
+from harness.case import Case
+from harness.execute import _prepare, make_worker
+from harness.ranks.simulated import RankFailure, SimulatedWorld
+from harness.scenario import release
+from runners.cuda_graph import DraftExtendGraphDriver
+from runners.draft_extend import run_eager
+from runners.graph_backend import GraphBackend
+
+BUFFERS = ("input_ids", "positions", "out_cache_loc", "seq_lens", "req_pool_indices", "num_correct_drafts", "num_accept_tokens",
+           "extend_seq_lens", "extend_start_loc", "hidden_states", "next_token_logits_buffer", "global_num_tokens_gpu",
+           "global_num_tokens_for_logprob_gpu")
+INPUTS = ("input_ids", "positions", "seq_lens", "req_pool_indices", "out_cache_loc", "hidden_states", "accept_lens")
+
+
+def _np(t: torch.Tensor) -> np.ndarray:
+    return t.detach().to("cpu").clone().numpy()
+
+
+def _meta(d: dict, prefix: str) -> dict[str, np.ndarray]:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, bool) or isinstance(v, int):
+            out[f"{prefix}.{k}"] = np.asarray([int(v)], dtype=np.int64)
+        elif v is None:
+            out[f"{prefix}.{k}"] = np.asarray([-1], dtype=np.int64)
+        elif isinstance(v, (list, tuple)) and all(isinstance(x, int) for x in v):
+            out[f"{prefix}.{k}"] = np.asarray(v, dtype=np.int64)
+    return out
+
+
+def _dump_rank(comm, case: Case, target_it: int, runner: str) -> dict[str, np.ndarray]:
+    sc = case.scenario
+    out: dict[str, np.ndarray] = {}
+    eager_worker = make_worker(comm, sc, False, "cpu") if runner in ("eager", "both") else None
+    driver = None
+    if runner in ("graph", "both"):
+        driver = DraftExtendGraphDriver(make_worker(comm, sc, False, "cpu"), GraphBackend("auto", "cpu"))
+        driver.capture()
+    for it in range(target_it + 1):
+        last = it == target_it
+        if eager_worker is not None:
+            batch = _prepare(eager_worker, sc, it)
+            outs, fbs = run_eager(eager_worker, batch.inputs)
+            if last:
+                out.update({f"inputs.{n}": _np(getattr(batch.inputs, n)) for n in INPUTS})
+                out["inputs.rids"] = np.asarray(batch.rids, dtype=np.int64)
+                out["inputs.dp_batch_sizes"] = np.asarray(batch.inputs.dp_batch_sizes, dtype=np.int64)
+                for k, (o, fb) in enumerate(zip(outs, fbs, strict=True)):
+                    out.update({f"eager.s{k}.{n}": _np(t) for n, t in o.tensors().items()})
+                    out.update(_meta(fb.host_metadata(), f"meta.eager.s{k}"))
+            release(eager_worker, batch)
+        if driver is not None:
+            batch = _prepare(driver.worker, sc, it)
+            outs, recs = driver.run(batch.inputs)
+            if last:
+                if "inputs.rids" not in out:
+                    out.update({f"inputs.{n}": _np(getattr(batch.inputs, n)) for n in INPUTS})
+                    out["inputs.rids"] = np.asarray(batch.rids, dtype=np.int64)
+                    out["inputs.dp_batch_sizes"] = np.asarray(batch.inputs.dp_batch_sizes, dtype=np.int64)
+                for k, o in enumerate(outs):
+                    out.update({f"graph.s{k}.{n}": _np(t) for n, t in o.tensors().items()})
+                for k, r in enumerate(driver.runners):
+                    for name in BUFFERS:
+                        buf = getattr(r, name, None)
+                        if isinstance(buf, torch.Tensor):
+                            out[f"buffers.s{k}.{name}"] = _np(buf)
+                for k, rec in enumerate(recs or []):
+                    m = {"raw_bs": rec.raw_bs, "bs": rec.bs, "rows_fed": rec.rows_fed, "logits_rows": rec.logits_rows,
+                         "seq_lens_sum": rec.seq_lens_sum, "fill_global_num_tokens_gpu": rec.global_num_tokens_gpu,
+                         "fill_global_num_tokens_for_logprob_gpu": rec.global_num_tokens_for_logprob_gpu,
+                         "capture_global_num_tokens_gpu": rec.capture.global_num_tokens_gpu,
+                         "capture_global_num_tokens_for_logprob_gpu": rec.capture.global_num_tokens_for_logprob_gpu,
+                         "captured_bs": rec.captured_bs}
+                    m.update({f"capture_{h}": v for h, v in rec.capture.host.items()})
+                    out.update(_meta(m, f"meta.graph.s{k}"))
+            release(driver.worker, batch)
+    return out
+
+
+def target_of(divergence: Optional[dict], step: Optional[int]) -> tuple[int, int, str]:
+    """(iteration, step, why) to dump: the first divergence's, else iteration 0 at --step (or 0)."""
+    if divergence:
+        w = divergence.get("where", {})
+        it, s = w.get("iteration"), w.get("step")
+        if isinstance(it, int):
+            return it, s if isinstance(s, int) else 0, f"first divergence ({divergence['property']}/{divergence['check']} {divergence['field']})"
+        return 0, s if isinstance(s, int) else 0, f"first divergence ({divergence['property']}/{divergence['check']}, no iteration named: iteration 0)"
+    return 0, step or 0, "no divergence: iteration 0" + (f", step {step}" if step is not None else "")
+
+
+def dump_case(case: Case, directory: Path | str, iteration: int, step: int, runner: str = "both", why: str = "",
+              divergence: Optional[dict] = None) -> Path:
+    d = Path(directory)
+    d.mkdir(parents=True, exist_ok=True)
+    sc = case.scenario
+    iteration = min(max(iteration, 0), len(sc.iterations) - 1)
+    info = {"case": case.name, "path": case.path, "layout": sc.layout.describe(), "branch": sc.layout.branch.value, "runner": runner,
+            "iteration": iteration, "step": step, "why": why, "first_divergence": divergence, "files": {}}
+    try:
+        per_rank = SimulatedWorld(sc.layout, timeout_s=60.0).run(lambda comm: _dump_rank(comm, case, iteration, runner))
+    except RankFailure as err:
+        info["error"] = str(err).splitlines()[0]
+        per_rank = []
+    for r, arrays in enumerate(per_rank):
+        np.savez(d / f"rank{r}.npz", **arrays)
+        info["files"][f"rank{r}.npz"] = {"rank": r, "attn_dp_rank": sc.layout.attn_dp_rank(r), "rids": arrays.get("inputs.rids", np.zeros(0)).tolist(),
+                                         "keys": len(arrays)}
+    if not info.get("error"):
+        tp1 = replace(case, scenario=sc.as_tp1())
+        oracle = SimulatedWorld(tp1.layout, timeout_s=60.0).run(lambda comm: _dump_rank(comm, tp1, iteration, "eager"))[0]
+        np.savez(d / "oracle.npz", **{k: v for k, v in oracle.items() if k.startswith(("eager.", "inputs."))})
+        info["files"]["oracle.npz"] = {"rank": "TP1 eager oracle", "rids": oracle["inputs.rids"].tolist(), "keys": len(oracle)}
+    (d / "divergence.json").write_text(json.dumps(info, indent=2, default=str) + "\n")
+    return d

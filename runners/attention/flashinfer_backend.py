@@ -1,0 +1,189 @@
+"""flashinfer attention over the paged (page size 1) KV cache, with the CUDA-graph-safe plan.
+
+Draft-extend (and any multi-token extend) runs BatchPrefillWithPagedKVCacheWrapper with a
+causal mask; one-token-per-request DECODE runs BatchDecodeWithPagedKVCacheWrapper (tensor
+cores on, so both use the same fa2 module and the first run JIT-compiles one module).
+
+The plan is host work (it reads the lengths on the host and writes a work partition
+into the wrapper's int workspace), so it can never run inside a graph. As the engines do:
+- one wrapper per (kind, batch size), built with `use_cuda_graph=True` and fixed buffers
+  for qo_indptr / kv_indptr / kv_indices / last_page_len, so a graph captured with it
+  reads those buffers at fixed addresses;
+- eager steps and graph warm-ups plan with the batch's live metadata before the kernel
+  runs; the capture run does not plan (it records the kernels of the plan its warm-up
+  left);
+- before every replay the graph runner calls `init_forward_metadata_replay_cuda_graph(fb)`
+  with the bucket's batch, whose tensors hold the live lanes by then: the wrapper is
+  re-planned with the live seq_lens / req_pool_indices (flashinfer always splits the KV
+  in CUDA-graph mode, so the replayed grid does not depend on the lengths).
+
+Semantics match the reference for real lanes (query i of a request of qo_len T and
+kv_len S sees keys j <= S - T + i, i.e. key_pos <= position when positions are
+prefix + i). Padded lanes (seq_len = fill value 1 < T) are planned with kv_len = T so
+every row sees at least one key (an all-masked row could turn into NaN and spread
+through the padding slot); their rows are garbage either way and are sliced off.
+
+flashinfer has no fp32 kernels: an fp32 model runs this backend's attention in bf16
+(q and the layer's KV cast, the output cast back); harness/tolerances.py holds the
+looser tolerances that follow.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+
+from runners.batch import ForwardBatch, ForwardMode
+from runners.memory import ReqToTokenPool, TokenToKVPool
+
+SUPPORTED_HEAD_DIMS = (64, 128, 256)
+WORKSPACE_BYTES = 128 * 1024 * 1024
+
+
+@dataclass
+class _Wrapper:
+    kind: str  # "prefill" | "decode"
+    bs: int
+    wrapper: Any
+    qo_indptr: Optional[torch.Tensor]
+    kv_indptr: torch.Tensor
+    kv_indices: torch.Tensor
+    last_page_len: torch.Tensor
+    plans: int = 0
+
+
+@dataclass
+class _PlanArgs:
+    qo_indptr: torch.Tensor  # host int32 [bs + 1]
+    kv_indptr: torch.Tensor  # host int32 [bs + 1]
+    kv_indices: torch.Tensor  # device int32 [kv_indptr[-1]]
+    last_page_len: torch.Tensor  # host int32 [bs]
+
+
+@dataclass
+class FlashInferMetadata:
+    entry: _Wrapper
+    args: Optional[_PlanArgs]  # None under capture: the kernels use the warm-up's plan
+    planned: bool = False
+    extra: dict = field(default_factory=dict)
+
+
+class FlashInferAttnBackend:
+    name = "flashinfer"
+
+    def __init__(self, req_pool: ReqToTokenPool, kv_pool: TokenToKVPool):
+        import flashinfer  # the optional extra; imported only when the backend is built
+
+        self.fi = flashinfer
+        self.req_pool, self.kv_pool = req_pool, kv_pool
+        k0 = kv_pool.k[0]
+        self.device = k0.device
+        if self.device.type != "cuda":
+            raise ValueError("the flashinfer backend needs its KV pool on a CUDA device")
+        self.num_kv_heads, self.head_dim = int(k0.shape[1]), int(k0.shape[2])
+        if self.head_dim not in SUPPORTED_HEAD_DIMS:
+            raise ValueError(
+                f"the flashinfer backend supports head_dim in {SUPPORTED_HEAD_DIMS}, this model has {self.head_dim} "
+                "(hidden_size / num_heads): use a model with e.g. hidden_size=512, num_heads=8"
+            )
+        self.compute_dtype = k0.dtype if k0.dtype in (torch.float16, torch.bfloat16) else torch.bfloat16
+        self.max_ctx = int(req_pool.req_to_token.shape[1])
+        self.workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
+        self.num_qo_heads: Optional[int] = None
+        self._wrappers: dict[tuple[str, int], _Wrapper] = {}
+
+    # ---- wrappers and plans ----
+    @staticmethod
+    def _kind(fb: ForwardBatch) -> str:
+        return "decode" if fb.forward_mode is ForwardMode.DECODE else "prefill"
+
+    def _entry(self, kind: str, bs: int) -> _Wrapper:
+        key = (kind, bs)
+        if key not in self._wrappers:
+            i32 = dict(dtype=torch.int32, device=self.device)
+            kv_indptr = torch.zeros(bs + 1, **i32)
+            kv_indices = torch.zeros(max(bs, 1) * self.max_ctx, **i32)
+            last_page_len = torch.ones(bs, **i32)
+            if kind == "prefill":
+                qo_indptr = torch.zeros(bs + 1, **i32)
+                w = self.fi.BatchPrefillWithPagedKVCacheWrapper(
+                    self.workspace, "NHD", use_cuda_graph=True, qo_indptr_buf=qo_indptr, paged_kv_indptr_buf=kv_indptr,
+                    paged_kv_indices_buf=kv_indices, paged_kv_last_page_len_buf=last_page_len, backend="fa2",
+                )
+            else:
+                qo_indptr = None
+                w = self.fi.BatchDecodeWithPagedKVCacheWrapper(
+                    self.workspace, "NHD", use_cuda_graph=True, use_tensor_cores=True, paged_kv_indptr_buffer=kv_indptr,
+                    paged_kv_indices_buffer=kv_indices, paged_kv_last_page_len_buffer=last_page_len,
+                )
+            self._wrappers[key] = _Wrapper(kind, bs, w, qo_indptr, kv_indptr, kv_indices, last_page_len)
+        return self._wrappers[key]
+
+    def _plan_args(self, fb: ForwardBatch, kind: str) -> _PlanArgs:
+        """Host-side lengths from the batch's tensors (a device sync: never under capture)."""
+        bs = fb.batch_size
+        qo = list(fb.extend_seq_lens_cpu) if kind == "prefill" and fb.extend_seq_lens_cpu else [1] * bs
+        if len(qo) != bs or sum(qo) != fb.input_ids.shape[0]:
+            raise ValueError(f"flashinfer plan: extend lengths {qo} do not cover the batch's {fb.input_ids.shape[0]} tokens")
+        seq = [int(s) for s in fb.seq_lens[:bs].tolist()]
+        kv = [max(1, min(max(s, q), self.max_ctx)) for s, q in zip(seq, qo, strict=True)]
+        qo_indptr = torch.tensor([0] + _cumsum(qo), dtype=torch.int32)
+        kv_indptr = torch.tensor([0] + _cumsum(kv), dtype=torch.int32)
+        rows = self.req_pool.req_to_token[fb.req_pool_indices[:bs]]  # [bs, C]
+        kv_dev = torch.tensor(kv, dtype=torch.int64, device=self.device)
+        mask = torch.arange(self.max_ctx, device=self.device)[None, :] < kv_dev[:, None]
+        kv_indices = rows[mask].to(torch.int32)
+        return _PlanArgs(qo_indptr, kv_indptr, kv_indices, torch.ones(bs, dtype=torch.int32))
+
+    def _plan(self, entry: _Wrapper, args: _PlanArgs, num_qo_heads: int) -> None:
+        common = dict(q_data_type=self.compute_dtype, kv_data_type=self.compute_dtype)
+        if entry.kind == "prefill":
+            entry.wrapper.plan(
+                args.qo_indptr, args.kv_indptr, args.kv_indices, args.last_page_len,
+                num_qo_heads, self.num_kv_heads, self.head_dim, 1, causal=True, **common,
+            )
+        else:
+            entry.wrapper.plan(
+                args.kv_indptr, args.kv_indices, args.last_page_len, num_qo_heads, self.num_kv_heads, self.head_dim, 1, **common,
+            )
+        entry.plans += 1
+        self.num_qo_heads = num_qo_heads
+
+    # ---- the backend interface ----
+    def init_forward_metadata(self, fb: ForwardBatch) -> FlashInferMetadata:
+        kind = self._kind(fb)
+        entry = self._entry(kind, fb.batch_size)
+        if torch.cuda.is_current_stream_capturing():
+            if entry.plans == 0:
+                raise RuntimeError(f"flashinfer: capturing bs={fb.batch_size} before any warm-up planned its wrapper")
+            return FlashInferMetadata(entry, None, planned=True)
+        return FlashInferMetadata(entry, self._plan_args(fb, kind))
+
+    def init_forward_metadata_replay_cuda_graph(self, fb: ForwardBatch) -> None:
+        """Before a replay: re-plan the bucket's wrapper with the live lengths in fb's buffers."""
+        kind = self._kind(fb)
+        entry = self._entry(kind, fb.batch_size)
+        if self.num_qo_heads is None:
+            raise RuntimeError("flashinfer: replay before any plan (the graph was never warmed up)")
+        self._plan(entry, self._plan_args(fb, kind), self.num_qo_heads)
+
+    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fb: ForwardBatch, meta: FlashInferMetadata) -> torch.Tensor:
+        """q [N, hq, d], k/v [N, hkv, d] (this pass's tokens) -> [N, hq, d]."""
+        self.kv_pool.write(layer, fb.out_cache_loc, k, v)
+        if not meta.planned:
+            self._plan(meta.entry, meta.args, int(q.shape[1]))
+            meta.planned = True
+        kc, vc = self.kv_pool.k[layer], self.kv_pool.v[layer]
+        if kc.dtype != self.compute_dtype:
+            kc, vc = kc.to(self.compute_dtype), vc.to(self.compute_dtype)
+        o = meta.entry.wrapper.run(q.to(self.compute_dtype).contiguous(), (kc.unsqueeze(1), vc.unsqueeze(1)))
+        return o.to(q.dtype)
+
+
+def _cumsum(xs: list[int]) -> list[int]:
+    out, acc = [], 0
+    for x in xs:
+        acc += x
+        out.append(acc)
+    return out

@@ -1,0 +1,228 @@
+"""Triton attention over the paged (page size 1) KV cache: a draft-extend kernel and a decode kernel.
+
+Same semantics as the torch reference (runners/attention/torch_ref.py): the pass's K/V are
+written at out_cache_loc first, then token t of request lane b attends the keys at
+key positions j of row req_to_token[req_pool_indices[b]] with j < seq_lens[b] and
+j <= positions[t]. Everything the kernels read lives in device tensors; the only host
+values (grid, block sizes) come from the batch's host metadata, so a launch is
+graph-capturable and a replay reads the static buffers' live contents.
+
+- `_extend_kernel`: one program per (request lane, query head, block of BLOCK_M query
+  tokens); online softmax over key blocks of BLOCK_N with `tl.dot`
+  (`input_precision="ieee"` so fp32 is exact fp32 on the GPU, never TF32).
+- `_decode_kernel`: one program per (token, query head); the query is a vector, scores
+  are an elementwise product and a sum (no tl.dot), so it also serves one-token-per-request
+  DECODE batches of any head_dim.
+
+Without CUDA the kernels run in Triton's interpreter (TRITON_INTERPRET=1). The variable
+must be set before triton is first imported (triton.language's own helpers are
+decorated at import), so importing this module on a machine without CUDA sets it when
+triton isn't imported yet; `interpreter_error()` says why the backend can't run when
+it was. The interpreter is an oracle for indexing and masks in fp32, not for GPU
+numerics (DESIGN.md §5).
+A row with no visible key (impossible for a well-formed batch: key 0 is always visible
+to a token at position >= 0 with seq_len >= 1) gives 0 where the reference gives NaN.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import threading
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+if "triton" not in sys.modules and not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # the only way triton runs without a GPU
+
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+from runners.batch import ForwardBatch, ForwardMode
+from runners.memory import ReqToTokenPool, TokenToKVPool
+
+
+@triton.jit
+def _extend_kernel(
+    Q, K, V, Out,
+    req_to_token, req_pool_indices, seq_lens, positions, start_loc, ext_lens,
+    stride_qn, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_on, stride_oh, stride_rt,
+    sm_scale,
+    MAX_CTX: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """One program per (request lane, KV head, block of BLOCK_M rows); a row is one
+    (token, query head) pair of that KV head's GQA group: row r = token r // GROUP,
+    head kvh * GROUP + r % GROUP."""
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    mblk = tl.program_id(2)
+    start = tl.load(start_loc + b).to(tl.int64)
+    qlen = tl.load(ext_lens + b).to(tl.int64)
+    seq = tl.load(seq_lens + b).to(tl.int64)
+    req = tl.load(req_pool_indices + b).to(tl.int64)
+    kv_len = tl.where(seq < MAX_CTX, seq, MAX_CTX)
+
+    rows = mblk * BLOCK_M + tl.arange(0, BLOCK_M)
+    tok_i = rows // GROUP
+    head = kvh * GROUP + rows % GROUP
+    m_mask = tok_i < qlen
+    tok = start + tok_i
+    pos = tl.load(positions + tok, mask=m_mask, other=0).to(tl.int64)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < HEAD_DIM
+    qo_mask = m_mask[:, None] & d_mask[None, :]
+    q = tl.load(Q + tok[:, None] * stride_qn + head[:, None] * stride_qh + offs_d[None, :], mask=qo_mask, other=0.0)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.full([BLOCK_M], 0.0, dtype=tl.float32)
+    acc = tl.full([BLOCK_M, BLOCK_D], 0.0, dtype=tl.float32)
+    for n0 in range(0, MAX_CTX, BLOCK_N):  # a constexpr bound (the interpreter needs one); keys >= kv_len are masked
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < kv_len
+        slot = tl.load(req_to_token + req * stride_rt + offs_n, mask=n_mask, other=0).to(tl.int64)
+        kv_mask = n_mask[:, None] & d_mask[None, :]
+        k = tl.load(K + slot[:, None] * stride_kn + kvh * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision="ieee") * sm_scale  # [BLOCK_M, BLOCK_N], fp32
+        visible = n_mask[None, :] & (offs_n[None, :] <= pos[:, None]) & m_mask[:, None]
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp(s - m_safe[:, None])
+        alpha = tl.exp(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(V + slot[:, None] * stride_vn + kvh * stride_vh + offs_d[None, :], mask=kv_mask, other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        m_i = m_new
+    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    tl.store(Out + tok[:, None] * stride_on + head[:, None] * stride_oh + offs_d[None, :], out.to(Out.dtype.element_ty), mask=qo_mask)
+
+
+@triton.jit
+def _decode_kernel(
+    Q, K, V, Out,
+    req_to_token, req_pool_indices, seq_lens, positions, token_to_req,
+    stride_qn, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_on, stride_oh, stride_rt,
+    sm_scale,
+    MAX_CTX: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """One program per (token, KV head): the GROUP query heads of that KV head; scores
+    by an elementwise product and a sum (no tl.dot, so any head_dim and group size)."""
+    t = tl.program_id(0).to(tl.int64)
+    kvh = tl.program_id(1)
+    b = tl.load(token_to_req + t).to(tl.int64)
+    seq = tl.load(seq_lens + b).to(tl.int64)
+    req = tl.load(req_pool_indices + b).to(tl.int64)
+    pos = tl.load(positions + t).to(tl.int64)
+    kv_len = tl.where(seq < MAX_CTX, seq, MAX_CTX)
+    g = tl.arange(0, BLOCK_G)
+    g_mask = g < GROUP
+    head = kvh * GROUP + g
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < HEAD_DIM
+    qo_mask = g_mask[:, None] & d_mask[None, :]
+    q = tl.load(Q + t * stride_qn + head[:, None] * stride_qh + offs_d[None, :], mask=qo_mask, other=0.0).to(tl.float32)
+
+    m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
+    l_i = tl.full([BLOCK_G], 0.0, dtype=tl.float32)
+    acc = tl.full([BLOCK_G, BLOCK_D], 0.0, dtype=tl.float32)
+    for n0 in range(0, MAX_CTX, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < kv_len
+        slot = tl.load(req_to_token + req * stride_rt + offs_n, mask=n_mask, other=0).to(tl.int64)
+        kv_mask = n_mask[:, None] & d_mask[None, :]
+        k = tl.load(K + slot[:, None] * stride_kn + kvh * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
+        s = tl.sum(q[:, None, :] * k[None, :, :], 2) * sm_scale  # [BLOCK_G, BLOCK_N]
+        visible = (n_mask & (offs_n <= pos))[None, :] & g_mask[:, None]
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp(s - m_safe[:, None])
+        alpha = tl.exp(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(V + slot[:, None] * stride_vn + kvh * stride_vh + offs_d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
+        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], 1)
+        m_i = m_new
+    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    tl.store(Out + t * stride_on + head[:, None] * stride_oh + offs_d[None, :], out.to(Out.dtype.element_ty), mask=qo_mask)
+
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+_INTERPRETER_LOCK = threading.Lock()  # the interpreter patches triton.language globally: one launch at a time
+
+
+def interpreter_error(device: torch.device) -> Optional[str]:
+    """None when kernels can run on `device`; else the reason (for errors and test skips)."""
+    if device.type == "cuda" or INTERPRET:
+        return None
+    return ("the triton backend on CPU runs in Triton's interpreter, which needs TRITON_INTERPRET=1 set before triton is "
+            "first imported; triton was imported without it in this process")
+
+
+def _launch(kernel, device: torch.device, grid: tuple[int, ...], *args, **meta) -> None:
+    err = interpreter_error(device)
+    if err is not None:
+        raise RuntimeError(err)
+    if INTERPRET:
+        with _INTERPRETER_LOCK:
+            kernel[grid](*args, **meta)
+    else:
+        kernel[grid](*args, **meta)
+
+
+@dataclass
+class TritonAttnMetadata:
+    token_to_req: torch.Tensor  # [N] request lane of each token (device)
+    max_extend_len: int  # host: the longest extend segment (grid and BLOCK_M)
+    decode: bool  # one token per request: the decode kernel
+
+
+class TritonAttnBackend:
+    name = "triton"
+    BLOCK_N = 64
+
+    def __init__(self, req_pool: ReqToTokenPool, kv_pool: TokenToKVPool):
+        self.req_pool = req_pool
+        self.kv_pool = kv_pool
+
+    def init_forward_metadata(self, fb: ForwardBatch) -> TritonAttnMetadata:
+        n = fb.input_ids.shape[0]
+        tok = torch.arange(n, device=fb.input_ids.device)
+        token_to_req = (torch.searchsorted(fb.extend_start_loc, tok, right=True) - 1).clamp_(min=0)
+        ext = list(fb.extend_seq_lens_cpu) if fb.extend_seq_lens_cpu else []
+        max_ext = max(ext) if ext else (n // max(fb.batch_size, 1) if fb.batch_size else 0)
+        decode = fb.forward_mode is ForwardMode.DECODE
+        return TritonAttnMetadata(token_to_req, int(max_ext), decode)
+
+    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fb: ForwardBatch, meta: TritonAttnMetadata) -> torch.Tensor:
+        """q [N, hq, d], k/v [N, hkv, d] (this pass's tokens) -> [N, hq, d]."""
+        self.kv_pool.write(layer, fb.out_cache_loc, k, v)
+        kc, vc = self.kv_pool.k[layer], self.kv_pool.v[layer]
+        n, hq, d = q.shape
+        o = torch.empty_like(q)
+        if n == 0:
+            return o
+        if kc.dtype != q.dtype:
+            kc, vc = kc.to(q.dtype), vc.to(q.dtype)
+        q = q.contiguous()
+        group = hq // kc.shape[1]
+        rt = self.req_pool.req_to_token
+        common = (
+            q.stride(0), q.stride(1), kc.stride(0), kc.stride(1), vc.stride(0), vc.stride(1), o.stride(0), o.stride(1), rt.stride(0),
+            float(d ** -0.5),
+        )
+        hkv = kc.shape[1]
+        if meta.decode:
+            _launch(_decode_kernel, q.device, (n, hkv), q, kc, vc, o, rt, fb.req_pool_indices, fb.seq_lens, fb.positions, meta.token_to_req,
+                    *common, MAX_CTX=int(rt.shape[1]), GROUP=group, HEAD_DIM=d, BLOCK_G=triton.next_power_of_2(group),
+                    BLOCK_N=self.BLOCK_N, BLOCK_D=triton.next_power_of_2(d))
+        else:
+            rows = max(meta.max_extend_len, 1) * group
+            block_m = max(16, min(64, triton.next_power_of_2(rows)))
+            grid = (fb.batch_size, hkv, triton.cdiv(rows, block_m))
+            _launch(_extend_kernel, q.device, grid, q, kc, vc, o, rt, fb.req_pool_indices, fb.seq_lens, fb.positions, fb.extend_start_loc,
+                    fb.extend_seq_lens, *common, MAX_CTX=int(rt.shape[1]), GROUP=group, HEAD_DIM=d, BLOCK_M=block_m,
+                    BLOCK_N=self.BLOCK_N, BLOCK_D=max(16, triton.next_power_of_2(d)))
+        return o

@@ -1,0 +1,168 @@
+"""Draft proposers: the multi-layer EAGLE draft (eager or graph draft-extend) and an agreeing draft.
+
+Multi-layer EAGLE (MTP): draft step k runs draft layer k (DESIGN.md §1), so the draft's
+decode steps *are* the steps of its draft-extend pass: after each verify, draft-extend runs
+the S layers over every request's T = S + 1 verified tokens (DRAFT_EXTEND_V2), and step k's
+top-k at the request's selected row (its last accepted token) is the proposal for depth
+k + 1; the next step is fed the top-1 (`draft_extend_step`). The same body runs eagerly
+(`run_eager`) or through the graph runners (`DraftExtendGraphDriver`).
+
+Row pairing (EAGLE): draft row j reads token j + 1 with the target's hidden state of
+token j, at token j's position. After a verify of [x, d_1..d_S] the rows' tokens are the
+target's argmax g_0..g_S (row a - 1 holds the bonus; rows past it are rejected junk that
+the next round overwrites) and the hidden states are the verify's rows.
+
+Prefill (new or resumed requests) runs the same step body eagerly over the prompt in
+chunks of T rows, one chunk per DRAFT_EXTEND_V2 lane (seq_len = the chunk's end), each
+chunk selecting its last row; only the last chunk's selection (the prompt's last row) is
+a proposal. A last partial chunk selects its last real row; its junk rows sit at the first
+verify's positions and are overwritten by the first draft-extend.
+
+`TargetProposer` is the agreeing draft of P5: it shares the target's weights and proposes
+by S one-token decode steps of the target itself, so every proposal is the target's argmax
+and a correct loop accepts every token.
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+
+from runners.attention import make_backend
+from runners.config import ModelConfig, SpecConfig
+from runners.cuda_graph import DraftExtendGraphDriver, ReplayRecord
+from runners.draft_extend import (
+    DraftExtendInputs,
+    DraftWorker,
+    StepOutputs,
+    draft_extend_step,
+    eager_forward_batch,
+    run_eager,
+)
+from runners.graph_backend import GraphBackend
+from runners.memory import ReqToTokenPool
+from runners.parallel.dp_attention import RankContext, mlp_sync_batch_sizes
+from runners.scheduler import Proposal, Request
+from runners.target import Lane, TargetRunner
+
+
+def eagle_pairs(tokens_after: torch.Tensor, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """EAGLE's row pairing, for prefill and draft-extend alike: row j reads the token after
+    position j (tokens_after[j]) with the target's hidden state at position j (hidden[j])."""
+    return tokens_after, hidden
+
+
+def proposals_from_steps(outs: Sequence[StepOutputs], lanes: Sequence[int]) -> list[Proposal]:
+    """Each step's top-k at the given lanes' selected rows: one proposal per lane."""
+    per_step = [o.topk_index[list(lanes)].tolist() for o in outs]  # [S][n][k]
+    return [Proposal([int(s[i][0]) for s in per_step], [[int(t) for t in s[i]] for s in per_step]) for i in range(len(lanes))]
+
+
+class EagleProposer:
+    """The multi-layer EAGLE draft of one rank: a DraftWorker on the engine's request map."""
+
+    def __init__(self, ctx: RankContext, cfg: ModelConfig, spec: SpecConfig, req_pool: ReqToTokenPool, num_slots: int,
+                 runner: str, device: torch.device, attention_backend: str = "torch", graph_kind: str = "auto"):
+        if runner not in ("eager", "graph"):
+            raise ValueError(f"runner must be 'eager' or 'graph', got {runner!r}")
+        self.ctx, self.spec, self.device, self.runner = ctx, spec, device, runner
+        w = DraftWorker(ctx, cfg, spec, attention_backend=attention_backend, device=device,
+                        max_reqs=req_pool.req_to_token.shape[0], num_slots=num_slots)
+        # one request map per rank, written by the scheduler, read by target and draft (as in the engine)
+        w.req_pool = req_pool
+        w.attn = make_backend(attention_backend, req_pool=req_pool, kv_pool=w.kv_pool)
+        self.worker = w
+        self.driver: Optional[DraftExtendGraphDriver] = None
+        self.last_outs: list[StepOutputs] = []
+        self.last_records: list[ReplayRecord] = []
+
+    @property
+    def model(self):
+        return self.worker.model
+
+    def capture(self) -> None:
+        """Build and capture the graph runners (after any weight change: a graph bakes nothing else)."""
+        if self.runner == "graph":
+            self.driver = DraftExtendGraphDriver(self.worker, GraphBackend("auto", self.device))
+            self.driver.capture()
+
+    # ---- prefill: the prompt, in T-row chunks, eagerly ----
+    def prefill(self, reqs: Sequence[Request], hiddens: Sequence[torch.Tensor]) -> list[Proposal]:
+        w, T, dev = self.worker, self.worker.tokens_per_bs, self.device
+        H = w.cfg.hidden_size
+        ids, pos, seq, pool, loc, acc, hid, finals, rows_of = [], [], [], [], [], [], [], [], []
+        for r, h in zip(reqs, hiddens):
+            L = h.shape[0]  # rows 0..L-1 of the prompt
+            chunks = -(-L // T)
+            tok, h = eagle_pairs(torch.tensor(r.tokens[1 : L + 1], dtype=torch.int64), h)
+            ids.append(tok.tolist() + [0] * (chunks * T - L))
+            hid.append(torch.cat([h.to(w.cfg.torch_dtype), h.new_zeros(chunks * T - L, H)]))
+            for c in range(chunks):
+                pos.extend(range(c * T, c * T + T))
+                loc.extend(r.slots[c * T : c * T + T])
+                seq.append(c * T + T)
+                pool.append(r.req_pool_idx)
+                acc.append(min(T, L - c * T))
+            rows_of.append(L)
+            finals.append(len(seq) - 1)
+        dp_sizes = mlp_sync_batch_sizes(self.ctx, len(seq), dev)
+        if sum(dp_sizes) == 0:
+            return []
+        i64 = dict(dtype=torch.int64, device=dev)
+        flat = [t for x in ids for t in x]
+        inp = DraftExtendInputs(
+            input_ids=torch.tensor(flat, **i64), positions=torch.tensor(pos, **i64), seq_lens=torch.tensor(seq, **i64),
+            req_pool_indices=torch.tensor(pool, **i64), out_cache_loc=torch.tensor(loc, **i64),
+            hidden_states=torch.cat(hid) if hid else torch.zeros(0, H, dtype=w.cfg.torch_dtype, device=dev),
+            accept_lens=torch.tensor(acc, **i64), dp_batch_sizes=dp_sizes,
+        )
+        seqs = [list(x) for x in ids]  # per request, the row tokens of the current layer
+        input_ids, hidden, outs = inp.input_ids, inp.hidden_states, []
+        for step in range(w.num_layers):
+            out = draft_extend_step(w, step, eager_forward_batch(w, inp, input_ids, hidden))
+            outs.append(out)
+            top1 = out.topk_index[finals, 0].tolist() if finals else []
+            for s, L, t in zip(seqs, rows_of, top1):  # shift by one; this step's proposal at the last real row
+                s[: L - 1] = s[1:L]
+                s[L - 1] = int(t)
+            input_ids = torch.tensor([t for s in seqs for t in s], **i64)
+            hidden = out.hidden
+        return proposals_from_steps(outs, finals)
+
+    # ---- draft-extend after a verify ----
+    def extend(self, inp: DraftExtendInputs) -> list[Proposal]:
+        if self.driver is not None:
+            outs, records = self.driver.run(inp)
+        else:
+            outs, records = run_eager(self.worker, inp)[0], []
+        self.last_outs, self.last_records = outs, records
+        return proposals_from_steps(outs, range(inp.bs))
+
+
+class TargetProposer:
+    """The agreeing draft: the target's own weights, S one-token greedy decode steps with top-k."""
+
+    def __init__(self, target: TargetRunner, spec: SpecConfig):
+        self.target, self.spec = target, spec
+        self.model = None  # no draft model of its own
+
+    def capture(self) -> None:
+        pass
+
+    def prefill(self, reqs: Sequence[Request], hiddens: Sequence[torch.Tensor]) -> list[Proposal]:
+        return self.propose(reqs)
+
+    def propose(self, reqs: Sequence[Request]) -> list[Proposal]:
+        """Decode steps at positions n-1 .. n-2+S (the next verify's, whose pass rewrites their KV)."""
+        k, cur = self.spec.topk, [r.tokens[-1] for r in reqs]
+        cands: list[list[list[int]]] = [[] for _ in reqs]
+        for step in range(self.spec.num_steps):
+            lanes = [Lane(r.req_pool_idx, len(r.tokens) - 1 + step, [t], [r.slots[len(r.tokens) - 1 + step]]) for r, t in zip(reqs, cur)]
+            out = self.target.forward(lanes)
+            if out is None:
+                break
+            top = out.logits.float().topk(k, dim=-1).indices.tolist()
+            for c, t in zip(cands, top):
+                c.append([int(x) for x in t])
+            cur = [t[0] for t in top]
+        return [Proposal([d[0] for d in c], c) for c in cands]

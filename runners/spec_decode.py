@@ -1,0 +1,263 @@
+"""The speculative decoding loop of one rank: prefill, verify, draft-extend, KV bookkeeping.
+
+SPMD: every rank of a layout runs the same `SpecEngine.step()`; a rank serves the requests
+of its DP attention group (`Request.dp_rank`) and ignores the others' commands. Each step:
+
+1. prefill every running request without KV (new, or resumed after a preemption): one
+   target EXTEND over their tokens but the last, then the draft's prefill -> proposals;
+2. verify every request with a proposal: one target EXTEND over [last token, d_1..d_S]
+   (plus one lane per tree sibling, topk > 1), greedy acceptance (runners.verify), commit
+   (never past max_new_tokens), finish the requests that are done;
+3. draft-extend over the verified tokens (eager or graph runner) -> the next proposals;
+   free the rejected positions' slots; allocate the next verify's.
+
+Weights are random, so a plain random draft would accept nothing and P6 would measure
+nothing. `Alignment` makes acceptance informative and layout-independent: it shrinks the
+target's residual branches (the target's next token then depends mostly, not only, on the
+current one) and tilts the draft's fc toward the token embedding, keeping a scaled random
+hidden half; the same adjustment on every rank, runner and layout.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Optional
+
+import torch
+
+from runners import draft_decode
+from runners.config import ModelConfig, SpecConfig
+from runners.cuda_graph import ReplayRecord
+from runners.draft_decode import EagleProposer, TargetProposer
+from runners.draft_extend import DraftExtendInputs, StepOutputs
+from runners.memory import ReqToTokenPool
+from runners.model import DraftModel, TargetModel
+from runners.parallel.dp_attention import RankContext, mlp_sync_batch_sizes
+from runners.scheduler import KVBook, Request, Scheduler
+from runners.target import Lane, TargetRunner
+from runners.verify import accept, siblings
+
+
+@dataclass(frozen=True)
+class Alignment:
+    target_branch: float = 0.05  # scale of every target layer's o_proj and MLP down projection
+    draft_branch: float = 0.1  # the same for every draft layer
+    draft_embed: float = 1.0  # fc's token-embedding half := draft_embed * I
+    draft_hidden: float = 0.2  # fc's hidden-state half: the seeded weights times this
+
+    def apply_target(self, model: TargetModel) -> None:
+        for layer in model.layers:
+            layer.wo.mul_(self.target_branch)
+            layer.w_down.mul_(self.target_branch)
+
+    def apply_draft(self, model: DraftModel) -> None:
+        H = model.cfg.hidden_size
+        for dl in model.layers:
+            dl.fc[:, :H] = self.draft_embed * torch.eye(H, dtype=dl.fc.dtype)
+            dl.fc[:, H:].mul_(self.draft_hidden)
+            dl.layer.wo.mul_(self.draft_branch)
+            dl.layer.w_down.mul_(self.draft_branch)
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+DEFAULT_ALIGNMENT = Alignment()
+
+
+def slot_budget(spec: SpecConfig, max_context_len: int) -> int:
+    """Tight on purpose (freed slots come back soon): every running request at full context, tree scratch, slot 0."""
+    sib = spec.num_steps * (spec.topk - 1)
+    return 1 + spec.max_running_requests * (max_context_len + sib)
+
+
+@dataclass
+class RoundRecord:
+    """What one verify round did to one request."""
+
+    rid: int
+    accept_len: int
+    sibling: bool
+    committed: int
+
+
+@dataclass
+class StepReport:
+    step: int
+    prefilled: list[int] = field(default_factory=list)
+    verified: list[RoundRecord] = field(default_factory=list)
+    finished: list[int] = field(default_factory=list)
+    extend_rids: list[int] = field(default_factory=list)  # row order of the draft-extend below
+    extend_outs: list[StepOutputs] = field(default_factory=list)  # per draft step, real rows
+    records: list[ReplayRecord] = field(default_factory=list)  # graph replays (empty: eager or fallback)
+
+
+class SpecEngine:
+    def __init__(self, ctx: RankContext, cfg: ModelConfig, spec: SpecConfig, proposer: str = "eagle", runner: str = "eager",
+                 tree: Optional[bool] = None, device: str | torch.device = "cpu", alignment: Alignment = DEFAULT_ALIGNMENT,
+                 attention_backend: str = "torch", num_slots: Optional[int] = None):
+        T, S = spec.num_tokens_per_bs, spec.num_steps
+        if T != S + 1:
+            raise ValueError(f"the loop verifies S = num_steps drafts per request, so num_tokens_per_bs must be {S + 1}, got {T}")
+        self.ctx, self.cfg, self.spec, self.device = ctx, cfg, spec, torch.device(device)
+        self.T, self.S = T, S
+        self.tree = spec.topk > 1 if tree is None else tree
+        self.alignment = alignment
+        num_slots = num_slots or slot_budget(spec, cfg.max_context_len)
+        max_reqs = 1 + spec.max_running_requests * (1 + S * (spec.topk - 1))  # rows for requests and tree scratch
+        self.req_pool = ReqToTokenPool(max_reqs, cfg.max_context_len, self.device)
+        self.target = TargetRunner(ctx, cfg, self.req_pool, num_slots, self.device, attention_backend)
+        self.book = KVBook(self.req_pool, num_slots)  # one slot index space for the target's and the draft's pools
+        self.sched = Scheduler(self.book, spec.max_running_requests)
+        alignment.apply_target(self.target.model)
+        if proposer == "eagle":
+            self.draft = EagleProposer(ctx, cfg, spec, self.req_pool, num_slots, runner, self.device, attention_backend)
+            alignment.apply_draft(self.draft.model)
+        elif proposer == "target":
+            self.draft = TargetProposer(self.target, spec)
+        else:
+            raise ValueError(f"proposer must be 'eagle' or 'target', got {proposer!r}")
+        self.draft.capture()
+        self.steps = 0
+
+    # ---- commands (the harness sends every rank every command; a rank keeps its DP group's) ----
+    def mine(self, dp_rank: int) -> bool:
+        return dp_rank == self.ctx.attn_dp_rank
+
+    def add(self, rid: int, prompt: tuple[int, ...], max_new_tokens: int, dp_rank: int = 0) -> None:
+        if len(prompt) + max_new_tokens + self.T > self.cfg.max_context_len + 1:
+            raise ValueError(f"request {rid}: prompt {len(prompt)} + {max_new_tokens} new + {self.T} verify tokens exceed max_context_len")
+        if self.mine(dp_rank):
+            self.sched.add(Request(rid, tuple(prompt), max_new_tokens, dp_rank))
+
+    def _owns(self, rid: int) -> bool:
+        return any(r.rid == rid for r in self.sched.running + self.sched.waiting)
+
+    def finish(self, rid: int) -> None:
+        if self._owns(rid):
+            self.sched.finish(rid)
+
+    def preempt(self, rid: int) -> None:
+        if self._owns(rid):
+            self.sched.preempt(rid)
+
+    def resume(self, rid: int) -> None:
+        if self._owns(rid):
+            self.sched.resume(rid)
+
+    def requests(self) -> dict[int, Request]:
+        out = {r.rid: r for r in self.sched.running + self.sched.waiting}
+        out.update(self.sched.finished)
+        return out
+
+    # ---- one scheduler step ----
+    def step(self) -> StepReport:
+        rep = StepReport(self.steps)
+        self._prefill([r for r in self.sched.running if not r.has_kv], rep)
+        self._verify([r for r in self.sched.running if r.proposal is not None], rep)
+        self.steps += 1
+        return rep
+
+    def _prefill(self, fresh: list[Request], rep: StepReport) -> None:
+        lanes = []
+        for r in fresh:
+            self.book.admit(r)
+            L = len(r.tokens) if r.num_generated == 0 else len(r.tokens) - 1  # a resumed request knows its last token
+            self.book.ensure(r, L + self.T)  # the prefix and the first verify's positions
+            lanes.append(Lane(r.req_pool_idx, 0, r.tokens[:L], r.slots[:L]))
+        out = self.target.forward(lanes)
+        if out is None:
+            return
+        rows = out.lane_rows(lanes)
+        for r, sl in zip(fresh, rows):
+            if r.num_generated == 0:
+                r.tokens.append(int(out.logits[sl.stop - 1].argmax()))
+        props = self.draft.prefill(fresh, [out.hidden[sl] for sl in rows])
+        for r, p in zip(fresh, props):
+            r.proposal = p
+        rep.prefilled = [r.rid for r in fresh]
+        for r in fresh:
+            if r.remaining <= 0:  # max_new_tokens == 1: the prefill's token was the whole answer
+                self.sched.finish(r.rid)
+                rep.finished.append(r.rid)
+
+    def _verify(self, batch: list[Request], rep: StepReport) -> None:
+        S, T = self.S, self.T
+        n0 = [len(r.tokens) for r in batch]
+        lanes = [Lane(r.req_pool_idx, n - 1, [r.tokens[-1]] + r.proposal.tokens, r.slots[n - 1 : n + S]) for r, n in zip(batch, n0)]
+        sibs = siblings([r.proposal for r in batch]) if self.tree else []
+        sib_slots = []
+        for node in sibs:
+            pos = n0[node.lane] - 1 + node.depth
+            idx, slot = self.book.scratch_row(batch[node.lane], pos)
+            lanes.append(Lane(idx, pos, [node.token], [slot]))
+            sib_slots.append(slot)
+        out = self.target.forward(lanes)
+        if out is None:
+            self.book.drop_scratch()
+            return
+        rows = out.lane_rows(lanes)
+        argmax = out.logits.argmax(dim=-1)
+        g = torch.stack([argmax[sl] for sl in rows[: len(batch)]]) if batch else torch.zeros(0, T, dtype=torch.int64)
+        sib_arg = torch.stack([argmax[sl.start] for sl in rows[len(batch):]]) if sibs else None
+        accs = accept([r.proposal for r in batch], g, sibs, sib_arg)
+        keep, ids, hid = set(), [], []
+        for i, (r, acc) in enumerate(zip(batch, accs)):
+            row_ids, row_hid = g[i].clone(), out.hidden[rows[i]].clone()  # row j: g_j (token j+1) with the hidden of token j
+            if acc.sibling is not None:
+                k = sibs.index(acc.sibling)
+                slot = sib_slots[k]
+                self.book.replace_slot(r, n0[i] - 1 + acc.sibling.depth, slot)
+                keep.add(slot)
+                row_ids[acc.sibling.depth] = acc.new_tokens[-1]  # the bonus after the sibling
+                row_hid[acc.sibling.depth] = out.hidden[rows[len(batch) + k].start]
+            take = min(acc.accept_len, r.remaining)
+            r.tokens.extend(acc.new_tokens[:take])
+            r.accept_lens.append(acc.accept_len)
+            r.sibling_accepts.append(acc.sibling is not None)
+            rep.verified.append(RoundRecord(r.rid, acc.accept_len, acc.sibling is not None, take))
+            row_ids, row_hid = draft_decode.eagle_pairs(row_ids, row_hid)
+            ids.append(row_ids)
+            hid.append(row_hid)
+        self.book.drop_scratch(keep)
+        live = [i for i, r in enumerate(batch) if r.remaining > 0]
+        for i, r in enumerate(batch):
+            if r.remaining <= 0:
+                self.sched.finish(r.rid)
+                rep.finished.append(r.rid)
+        reqs = [batch[i] for i in live]
+        props = None
+        if isinstance(self.draft, EagleProposer):
+            inp = self._extend_inputs(reqs, [n0[i] for i in live], [ids[i] for i in live], [hid[i] for i in live],
+                                      [accs[i].accept_len for i in live])
+            if inp is not None:
+                props = self.draft.extend(inp)
+                rep.extend_rids = [r.rid for r in reqs]
+                rep.extend_outs = self.draft.last_outs
+                rep.records = self.draft.last_records
+        for r in reqs:  # rejected positions hold nothing anyone needs; the next verify needs T positions
+            self.book.truncate(r, len(r.tokens) - 1)
+            self.book.ensure(r, len(r.tokens) - 1 + T)
+        if props is None:
+            props = self.draft.propose(reqs) if isinstance(self.draft, TargetProposer) else []
+        for r, p in zip(reqs, props):
+            r.proposal = p
+
+    def _extend_inputs(self, reqs, n0, ids, hid, accept_lens) -> Optional[DraftExtendInputs]:
+        """The verified tokens of every request, T rows each, as DRAFT_EXTEND_V2 lanes."""
+        dp_sizes = mlp_sync_batch_sizes(self.ctx, len(reqs), self.device)
+        if sum(dp_sizes) == 0:
+            return None
+        T, dev, H = self.T, self.device, self.cfg.hidden_size
+        i64 = dict(dtype=torch.int64, device=dev)
+        pos = [p for n in n0 for p in range(n - 1, n - 1 + T)]
+        loc = [s for r, n in zip(reqs, n0) for s in r.slots[n - 1 : n - 1 + T]]
+        return DraftExtendInputs(
+            input_ids=torch.cat(ids).to(dev) if ids else torch.zeros(0, **i64),
+            positions=torch.tensor(pos, **i64),
+            seq_lens=torch.tensor([n - 1 + T for n in n0], **i64),
+            req_pool_indices=torch.tensor([r.req_pool_idx for r in reqs], **i64),
+            out_cache_loc=torch.tensor(loc, **i64),
+            hidden_states=torch.cat(hid) if hid else torch.zeros(0, H, dtype=self.cfg.torch_dtype, device=dev),
+            accept_lens=torch.tensor(accept_lens, **i64),
+            dp_batch_sizes=dp_sizes,
+        )

@@ -1,0 +1,166 @@
+"""The target model's passes over the paged KV cache, and target-only greedy decoding (the P5 oracle).
+
+Every target pass is an EXTEND over lanes of any length: a prefill (a whole prompt), a
+verify (the last token plus the draft's proposals; a tree sibling is a lane of one token
+with its own request row) or a one-token decode step. The gathered metadata comes from
+`gathered_metadata` like every other batch (DESIGN.md §6.3) with the token counts of every
+DP group from the scheduler's MLP sync; an idle DP group still runs the pass with zero rows
+whenever some group is busy, so every rank joins every collective.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+
+from runners.attention import make_backend
+from runners.batch import ForwardBatch, ForwardMode
+from runners.config import ModelConfig
+from runners.dp_metadata import gathered_metadata
+from runners.logits import logits_processor
+from runners.memory import ReqToTokenPool, TokenToKVPool
+from runners.model import TargetModel, head_shard
+from runners.parallel.dp_attention import RankContext, mlp_sync_batch_sizes
+
+
+@dataclass
+class Lane:
+    """Tokens of one request row at positions start .. start+len-1, written to `slots`."""
+
+    req_pool_idx: int
+    start: int
+    tokens: Sequence[int]
+    slots: Sequence[int]
+
+    @property
+    def seq_len(self) -> int:
+        return self.start + len(self.tokens)
+
+
+def extend_batch(ctx: RankContext, lanes: Sequence[Lane], dp_tokens: list[int], device: torch.device) -> ForwardBatch:
+    """An EXTEND batch; logits for every token (for_logprob = tokens, as in DRAFT_EXTEND_V2)."""
+    i64 = dict(dtype=torch.int64, device=device)
+    lens = [len(lane.tokens) for lane in lanes]
+    n = sum(lens)
+    cat = lambda xs: torch.tensor([x for xs_ in xs for x in xs_], **i64) if n else torch.zeros(0, **i64)  # noqa: E731
+    starts = [0]
+    for m in lens[:-1]:
+        starts.append(starts[-1] + m)
+    meta = gathered_metadata(ctx.layout, dp_tokens, dp_tokens, ctx.attn_dp_rank)
+    as_gpu = lambda xs: None if xs is None else torch.tensor(xs, dtype=torch.int32, device=device)  # noqa: E731
+    return ForwardBatch(
+        forward_mode=ForwardMode.EXTEND,
+        batch_size=len(lanes),
+        input_ids=cat([lane.tokens for lane in lanes]),
+        positions=cat([range(lane.start, lane.seq_len) for lane in lanes]),
+        seq_lens=torch.tensor([lane.seq_len for lane in lanes], **i64),
+        req_pool_indices=torch.tensor([lane.req_pool_idx for lane in lanes], **i64),
+        out_cache_loc=cat([lane.slots for lane in lanes]),
+        extend_seq_lens=torch.tensor(lens, **i64),
+        extend_start_loc=torch.tensor(starts if lanes else [], **i64),
+        spec_info=None,
+        extend_seq_lens_cpu=lens,
+        extend_num_tokens=n,
+        num_token_non_padded=n,
+        seq_lens_sum=sum(lane.seq_len for lane in lanes),
+        global_num_tokens_cpu=meta.global_num_tokens,
+        global_num_tokens_gpu=as_gpu(meta.global_num_tokens),
+        global_num_tokens_for_logprob_cpu=meta.global_num_tokens_for_logprob,
+        global_num_tokens_for_logprob_gpu=as_gpu(meta.global_num_tokens_for_logprob),
+        global_dp_buffer_len=meta.global_dp_buffer_len,
+    )
+
+
+@dataclass
+class TargetOutput:
+    hidden: torch.Tensor  # [N, H] last layer, pre-norm: what the EAGLE draft consumes
+    logits: torch.Tensor  # [N, V]
+
+    def lane_rows(self, lanes: Sequence[Lane]) -> list[slice]:
+        out, at = [], 0
+        for lane in lanes:
+            out.append(slice(at, at + len(lane.tokens)))
+            at += len(lane.tokens)
+        return out
+
+
+class TargetRunner:
+    """One rank's target model with its KV pool (target layers), reading the shared request map."""
+
+    def __init__(self, ctx: RankContext, cfg: ModelConfig, req_pool: ReqToTokenPool, num_slots: int,
+                 device: torch.device, attention_backend: str = "torch"):
+        self.ctx, self.cfg, self.device = ctx, cfg, device
+        self.model = TargetModel(cfg, ctx)
+        kv_heads = head_shard(cfg, ctx.attn_tp_rank, ctx.attn_tp_size).kv_count
+        self.kv_pool = TokenToKVPool(cfg.num_target_layers, num_slots, kv_heads, cfg.head_dim, cfg.torch_dtype, device)
+        self.attn = make_backend(attention_backend, req_pool=req_pool, kv_pool=self.kv_pool)
+        self.passes = 0
+
+    def forward(self, lanes: Sequence[Lane]) -> Optional[TargetOutput]:
+        """One pass over this rank's lanes; None (and no collective) when every DP group is idle."""
+        dp_tokens = mlp_sync_batch_sizes(self.ctx, sum(len(lane.tokens) for lane in lanes), self.device)
+        if sum(dp_tokens) == 0:
+            return None
+        fb = extend_batch(self.ctx, lanes, dp_tokens, self.device)
+        meta = self.attn.init_forward_metadata(fb)
+        hidden, normed = self.model.forward(fb, self.attn, meta)
+        lo = logits_processor(self.ctx, self.model.head, normed, fb)
+        self.passes += 1
+        return TargetOutput(hidden, lo.next_token_logits)
+
+
+def top2_margin(logits: torch.Tensor) -> torch.Tensor:
+    """Per row: top-1 minus top-2 logit (how far greedy is from a tie)."""
+    top = logits.float().topk(2, dim=-1).values
+    return top[:, 0] - top[:, 1]
+
+
+@dataclass
+class GreedyOutput:
+    tokens: list[int]  # generated tokens only
+    margins: list[float]  # top-1 minus top-2 target logit at each generated token
+
+
+def target_greedy(cfg: ModelConfig, prompts: Sequence[Sequence[int]], max_new: Sequence[int],
+                  prepare=None, device: str | torch.device = "cpu", comm=None) -> list[GreedyOutput]:
+    """Target-only greedy decoding at TP1, every request in one batch: a prefill, then one token a step.
+
+    `prepare(target_model)` lets the caller apply the same weight adjustments as its engine;
+    `comm` is a one-rank communicator (TP1 calls no collective, but code under test may touch it).
+    """
+    from runners.parallel.layout import ParallelLayout
+
+    device = torch.device(device)
+    ctx = RankContext(ParallelLayout(), 0, comm=comm)
+    need = [len(p) + m for p, m in zip(prompts, max_new)]
+    req_pool = ReqToTokenPool(len(prompts) + 1, cfg.max_context_len, device)
+    runner = TargetRunner(ctx, cfg, req_pool, 1 + sum(need), device)
+    if prepare is not None:
+        prepare(runner.model)
+    rows, slots, at = [], [], 1
+    for m in need:
+        idx = req_pool.alloc()
+        req_pool.req_to_token[idx, :m] = torch.arange(at, at + m)
+        rows.append(idx)
+        slots.append(list(range(at, at + m)))
+        at += m
+    outs = [GreedyOutput([], []) for _ in prompts]
+    seqs = [list(p) for p in prompts]
+    lanes = [Lane(rows[i], 0, seqs[i], slots[i][: len(seqs[i])]) for i in range(len(prompts))]
+    while lanes:
+        res = runner.forward(lanes)
+        ends = [s.stop - 1 for s in res.lane_rows(lanes)]
+        last = res.logits[ends]
+        nxt, margins = last.argmax(dim=-1).tolist(), top2_margin(last).tolist()
+        next_lanes = []
+        for lane, tok, mg in zip(lanes, nxt, margins):
+            i = rows.index(lane.req_pool_idx)
+            outs[i].tokens.append(int(tok))
+            outs[i].margins.append(float(mg))
+            seqs[i].append(int(tok))
+            if len(outs[i].tokens) < max_new[i]:
+                p = len(seqs[i]) - 1
+                next_lanes.append(Lane(lane.req_pool_idx, p, [int(tok)], [slots[i][p]]))
+        lanes = next_lanes
+    return outs

@@ -1,0 +1,317 @@
+"""The GPU suite (`pytest -m gpu`, `tox -e gpu`, benchmarks/gpu_run.sh): real CUDA graphs, all
+attention backends, fp32 and bf16.
+
+What runs where (one GPU):
+- world-size-1 layouts (tp1 "neither" and tp1 with moe_dense_tp_size=1, the attn-TP-gather
+  branch) with real torch.cuda.CUDAGraph capture/replay: P1 (fast path and run path), P3
+  (eager vs graph at raw_bs != bucket, graphs really replayed) and P4 (against TP1 eager),
+  for torch, triton and flashinfer, fp32 and bf16;
+- the CPU simulation vs the real graph on the same cases: replay records (every host and
+  gpu metadata value) equal exactly, outputs within harness/tolerances.py's bounds; and the
+  simulated graph on the GPU vs the real one, same kernels;
+- every case file (larger layouts, simulated ranks as threads) on the GPU with the
+  simulated graph backend (threads can't capture one CUDA graph together), torch backend;
+- the attention kernels (triton, flashinfer) against the torch reference on the GPU.
+Set SPECHARNESS_GPU_REPORT=path.json to collect the measured max differences (what the
+GPU tolerances in harness/tolerances.py were set from).
+"""
+from __future__ import annotations
+
+import json
+import os
+import tomllib
+from dataclasses import asdict, replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from harness.execute import RankRun, run_rank
+from harness.properties import (
+    check_cross_layout,
+    check_eager_vs_graph,
+    check_metadata,
+    check_run_metadata,
+    compare_outputs,
+)
+from harness.ranks.simulated import SimulatedWorld
+from harness.scenario import Scenario
+from harness.tolerances import attn_vs_reference, cross_device, eager_vs_graph
+from harness.verdict import Verdict
+from runners.attention import BACKENDS, unavailable_reason
+
+CASES = Path(__file__).resolve().parent.parent / "cases"
+GPU_BACKENDS = ("torch", "triton", "flashinfer")
+DTYPES = ("float32", "bfloat16")
+MODELS = {
+    "default": {},  # hidden 64, 8 heads of dim 8 (flashinfer has no head_dim-8 kernels)
+    "hd64": {"hidden_size": 512, "num_heads": 8, "num_kv_heads": 2, "intermediate_size": 1024},
+}
+LAYOUTS = {"tp1": {"tp_size": 1}, "tp1_attn_tp_gather": {"tp_size": 1, "moe_dense_tp_size": 1}}
+
+_REPORT: list[dict] = []
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _fp32_is_fp32():
+    if torch.cuda.is_available():
+        torch.backends.cuda.matmul.allow_tf32 = False  # fp32 means fp32 (the tolerances say so)
+        torch.backends.cudnn.allow_tf32 = False
+
+
+def _record(entry: dict) -> None:
+    """Keep a measured difference; rewrite SPECHARNESS_GPU_REPORT each time (a killed run keeps what it had)."""
+    _REPORT.append(entry)
+    path = os.environ.get("SPECHARNESS_GPU_REPORT")
+    if path:
+        meta = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", "torch": torch.__version__}
+        Path(path).write_text(json.dumps({"meta": meta, "entries": _REPORT}, indent=1, default=str))
+
+
+def _need(backend: str) -> None:
+    if backend not in BACKENDS:
+        pytest.skip(f"backend {backend}: {unavailable_reason(backend)}")
+
+
+def make_case(layout: str, backend: str, dtype: str, model: str, batches=([3], [5], [1]), num_steps: int = 3):
+    from harness.case import parse_case
+
+    data = tomllib.loads((CASES / "tp1_neither.toml").read_text())
+    data.update(name=f"gpu_{layout}_{backend}_{dtype}_{model}", backend=backend, dtype=dtype, layout=dict(LAYOUTS[layout]))
+    if MODELS[model]:
+        data["model"] = dict(MODELS[model])
+    data["spec"].update(num_steps=num_steps)
+    data["schedule"]["batches"] = [list(b) for b in batches]
+    return parse_case(data)
+
+
+def run_world(sc: Scenario, graph_kind: str, device: str, runner: str = "both") -> list[RankRun]:
+    return SimulatedWorld(sc.layout, timeout_s=900).run(lambda comm: run_rank(comm, sc, runner=runner, graph_kind=graph_kind, device=device))
+
+
+def _max_diffs(a_steps, b_steps) -> list[dict]:
+    out = []
+    for it, (xa, xb) in enumerate(zip(a_steps, b_steps, strict=True)):
+        for step, (a, b) in enumerate(zip(xa, xb, strict=True)):
+            d = {"iteration": it, "step": step}
+            for name in ("logits", "hidden", "logprobs"):
+                x, y = a.tensors[name].double(), b.tensors[name].double()
+                d[name] = float((x - y).abs().max()) if x.numel() and x.shape == y.shape else None
+            d["top1_equal"] = bool(torch.equal(a.tensors["topk_index"][:, :1], b.tensors["topk_index"][:, :1]))
+            out.append(d)
+    return out
+
+
+def _report(kind: str, case, **extra) -> None:
+    _record({"check": kind, "case": case.name, "backend": case.scenario.attention_backend, "dtype": case.scenario.model.dtype,
+             "layout": case.layout.describe(), **extra})
+
+
+def _assert_ok(*verdicts: Verdict) -> None:
+    for v in verdicts:
+        assert v.ok, f"{v.name}: {v.first()}"
+
+
+# ---------------------------------------------------------------------------------------
+# P1, P3, P4 with real CUDA graphs, every backend and dtype, both world-size-1 branches
+# ---------------------------------------------------------------------------------------
+
+GRID = [(lay, be, dt, mo) for lay in LAYOUTS for be in GPU_BACKENDS for dt in DTYPES for mo in MODELS if not (be == "flashinfer" and mo == "default")]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout,backend,dtype,model", GRID, ids=["-".join(g) for g in GRID])
+def test_properties_with_real_cuda_graphs(layout, backend, dtype, model):
+    _need(backend)
+    case = make_case(layout, backend, dtype, model)
+    sc = case.scenario
+    runs = run_world(sc, "cuda", "cuda")
+    assert runs[0].stats.replays == sum(len(r) for r in runs[0].records) > 0
+    oracle = run_world(sc.as_tp1(), "cuda", "cuda", runner="eager")
+    _report("eager_vs_graph", case, model=model, tol=eager_vs_graph("cuda", dtype, backend), diffs=_max_diffs(runs[0].eager, runs[0].graph))
+    _assert_ok(
+        check_metadata(sc.layout, sc.spec, case.schedule, sc.model, sc.seed),
+        check_run_metadata(sc, runs),
+        check_eager_vs_graph(sc, runs, "cuda"),
+        check_cross_layout(sc, runs, oracle, "eager"),
+        check_cross_layout(sc, runs, oracle, "graph"),
+    )
+
+
+# ---------------------------------------------------------------------------------------
+# the CPU simulation (and the simulated graph on the GPU) vs the real graph
+# ---------------------------------------------------------------------------------------
+
+def _records_equal(v: Verdict, where: dict, ra: RankRun, rb: RankRun) -> None:
+    for it, (xa, xb) in enumerate(zip(ra.records, rb.records, strict=True)):
+        for step, (a, b) in enumerate(zip(xa, xb, strict=True)):
+            v.checked += 1
+            da, db = asdict(a), asdict(b)
+            if da != db:
+                diff = {k: (da[k], db[k]) for k in da if da[k] != db[k]}
+                v.fail("sim-vs-real", "replay record", {**where, "iteration": it, "step": step}, "equal", "differs", str(diff)[:400])
+
+
+SIM_GRID = [(lay, be, dt) for lay in LAYOUTS for be in GPU_BACKENDS for dt in DTYPES]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout,backend,dtype", SIM_GRID, ids=["-".join(g) for g in SIM_GRID])
+def test_cpu_simulation_agrees_with_real_graph(layout, backend, dtype):
+    """Same case three ways: real CUDA graph on the GPU, simulated graph on the GPU, simulated
+    graph on CPU (torch backend there: the CPU reference). Metadata exactly; outputs within bounds."""
+    _need(backend)
+    model = "hd64" if backend == "flashinfer" else "default"
+    case = make_case(layout, backend, dtype, model)
+    sc = case.scenario
+    real = run_world(sc, "cuda", "cuda", runner="graph")[0]
+    sim_gpu = run_world(sc, "sim", "cuda", runner="graph")[0]
+    sim_cpu = run_world(replace(sc, attention_backend="torch"), "sim", "cpu", runner="graph")[0]
+    v = Verdict("sim-vs-real")
+    T = sc.spec.num_tokens_per_bs
+    for name, other, tol in (
+        ("sim-gpu", sim_gpu, eager_vs_graph("cuda", dtype, backend)),
+        ("sim-cpu", sim_cpu, cross_device(dtype, backend)),
+    ):
+        where = {"case": case.name, "against": name}
+        _records_equal(v, where, real, other)
+        for it, (xa, xb) in enumerate(zip(real.graph, other.graph, strict=True)):
+            for step, (a, b) in enumerate(zip(xa, xb, strict=True)):
+                if not compare_outputs(v, "sim-vs-real", {**where, "iteration": it, "step": step}, b.tensors, a.tensors, tol,
+                                       lambda r: f"row {r} (token {r % T})"):
+                    break
+        _report("sim_vs_real", case, against=name, tol=tol, diffs=_max_diffs(real.graph, other.graph))
+    _assert_ok(v)
+
+
+# ---------------------------------------------------------------------------------------
+# larger layouts on the GPU: simulated ranks (threads) with the simulated graph backend
+# ---------------------------------------------------------------------------------------
+
+def _case_files():
+    return sorted(p.stem for p in CASES.glob("*.toml"))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", _case_files())
+def test_case_files_on_gpu_with_simulated_graphs(name):
+    from harness.case import load_case
+
+    case = load_case(name)
+    sc = case.scenario
+    if sc.attention_backend not in BACKENDS:
+        pytest.skip(f"backend {sc.attention_backend}: {unavailable_reason(sc.attention_backend)}")
+    runs = run_world(sc, "sim", "cuda")
+    oracle = run_world(sc.as_tp1(), "sim", "cuda", runner="eager")
+    _assert_ok(
+        check_run_metadata(sc, runs),
+        check_eager_vs_graph(sc, runs, "cuda"),
+        check_cross_layout(sc, runs, oracle, "eager"),
+        check_cross_layout(sc, runs, oracle, "graph"),
+    )
+
+
+# ---------------------------------------------------------------------------------------
+# attention kernels against the torch reference, on the GPU
+# ---------------------------------------------------------------------------------------
+
+def _paged(prefixes, T, hq, hkv, d, dtype, pad_lanes=0, mode=None):
+    from test_triton_backend import paged_batch  # the CPU tests' batch builder (tests/ is on sys.path under pytest)
+
+    from runners.batch import ForwardMode
+
+    return paged_batch(prefixes, T, hq, hkv, d, dtype=dtype, pad_lanes=pad_lanes, mode=mode or ForwardMode.DRAFT_EXTEND_V2)
+
+
+KERNEL_GRID = [(be, dt, mode) for be in ("triton", "flashinfer") for dt in DTYPES for mode in ("extend", "decode")]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend,dtype,mode", KERNEL_GRID, ids=["-".join(g) for g in KERNEL_GRID])
+def test_attention_kernels_match_reference_on_gpu(backend, dtype, mode):
+    _need(backend)
+    from runners.attention import make_backend
+    from runners.attention.torch_ref import TorchAttnBackend
+    from runners.batch import ForwardMode
+
+    tdt = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
+    fm = ForwardMode.DECODE if mode == "decode" else ForwardMode.DRAFT_EXTEND_V2
+    T = 1 if mode == "decode" else 4
+    d = 64 if backend == "flashinfer" else 8
+    prefixes = [5, 40, 17, 59]
+    rp, kp, fb, q, k, v = _paged(prefixes, T, 8, 2, d, tdt, pad_lanes=0 if mode == "decode" else 2, mode=fm)
+    ref = TorchAttnBackend(rp, kp)
+    o_ref = ref.forward(0, q, k, v, fb, ref.init_forward_metadata(fb))
+    be = make_backend(backend, req_pool=rp, kv_pool=kp)
+    o = be.forward(0, q, k, v, fb, be.init_forward_metadata(fb))
+    rows = len(prefixes) * T  # padded lanes: flashinfer gives them kv_len = T (garbage rows by design)
+    tol = attn_vs_reference(dtype, backend)
+    diff = float((o[:rows].float() - o_ref[:rows].float()).abs().max())
+    _record({"check": "attn_vs_reference", "backend": backend, "dtype": dtype, "mode": mode, "max_abs_diff": diff, "tol": tol})
+    torch.testing.assert_close(o[:rows].float(), o_ref[:rows].float(), rtol=tol.rtol, atol=tol.atol, msg=lambda m: f"{m}\n({tol.reason})")
+    assert torch.isfinite(o).all()
+
+
+@pytest.mark.gpu
+def test_flashinfer_replay_without_replan_is_caught(monkeypatch):
+    """The re-plan before replay matters: without it the graph replays the warm-up's plan
+    (the capture-time lengths) and P3 must fail."""
+    _need("flashinfer")
+    from runners.attention.flashinfer_backend import FlashInferAttnBackend
+
+    monkeypatch.setattr(FlashInferAttnBackend, "init_forward_metadata_replay_cuda_graph", lambda self, fb: None)
+    case = make_case("tp1", "flashinfer", "bfloat16", "hd64")
+    runs = run_world(case.scenario, "cuda", "cuda")
+    assert not check_eager_vs_graph(case.scenario, runs, "cuda").ok
+
+
+@pytest.mark.gpu
+def test_bench_runs_on_gpu():
+    from harness.bench import format_table, run_bench
+
+    args = _bench_args(device="cuda", backend="all", bs="1,4", replays=3)
+    res = run_bench(args)
+    assert not res["meta"]["simulation"]
+    assert {b["backend"] for b in res["backends"]} == {b for b in GPU_BACKENDS if b in BACKENDS}
+    assert "real CUDA graphs" in format_table(res)
+
+
+# ---------------------------------------------------------------------------------------
+# CPU: the bench's simulation table (not a GPU test; runs in the CPU suite)
+# ---------------------------------------------------------------------------------------
+
+def _bench_args(**over):
+    import argparse
+
+    from harness.bench import add_parser
+
+    p = argparse.ArgumentParser()
+    add_parser(p.add_subparsers(dest="command"))
+    args = p.parse_args(["bench", "--quick", "--warmup", "0"])
+    for k, v in over.items():
+        setattr(args, k, v)
+    return args
+
+
+def test_bench_cpu_simulation_smoke(tmp_path):
+    from harness.bench import format_table, main, run_bench
+
+    args = _bench_args(device="cpu", backend="torch", bs="1,2", replays=2, num_steps=1)
+    res = run_bench(args)
+    assert res["meta"]["simulation"] and res["meta"]["device_type"] == "cpu"
+    (b,) = res["backends"]
+    assert [r["bs"] for r in b["rows"]] == [1, 2]
+    assert all(r["max_abs_diff_logits"] <= 1e-5 for r in b["rows"])  # the simulated replay computes what eager does
+    assert b["capture"]["graphs"] == 2 and set(b["capture"]["per_bucket_s"]) == {"1", "2"}
+    assert "CPU SIMULATION" in format_table(res)
+    out = tmp_path / "bench.json"
+    args.json = str(out)
+    assert main(args) == 0
+    assert json.loads(out.read_text())["backends"][0]["rows"][0]["bs"] == 1
+
+
+def test_bench_rejects_too_few_replays():
+    from harness.bench import run_bench
+
+    with pytest.raises(SystemExit, match="replays"):
+        run_bench(_bench_args(device="cpu", backend="torch", replays=10, quick=False))
