@@ -263,9 +263,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--record", action="store_true", help="record its golden right away")
     s.set_defaults(func=cmd_new_case)
 
-    from harness import bench
+    from harness import bench, engine_check
 
     bench.add_parser(sub)
+    engine_check.add_parser(sub)
     return p
 
 

@@ -4,57 +4,67 @@
 modules are plain Python; what they compute on the host -- the forward batch that
 `get_forward_batch(bs)` / the capture path bakes per bucket, what replay / prepare fills in,
 the bucket it picks -- is exactly where the seed bug lived. This module is the only place
-that knows SGLang: every stub, shim and patch lives here, is documented here, and is keyed
-to the API generation it serves. harness/engine_check.py sees only our own records
-(runners.cuda_graph.CaptureRecord / ReplayRecord).
+that knows SGLang: every stub, shim and patch lives here and is documented here.
+harness/engine_check.py sees only our own records (runners.cuda_graph.CaptureRecord /
+ReplayRecord) and runs harness.properties on them.
 
-What is real and what is not
-----------------------------
-Real: the runner classes and their __init__, the multi-step composite that owns the shared
-buffers, get_batch_sizes_to_capture, require_*_gather, ServerArgs / the runtime context,
-ForwardBatch, the capture path up to the graph, replay / prepare up to the graph, and the
-logits processor's own row selection (LogitsProcessor._get_pruned_states), which says how
-many rows a captured batch feeds to lm_head.
+What is real
+------------
+The runner classes and their __init__; the multi-step composite that owns the shared
+buffers (its _init_and_capture, reset_buffers / prepare, replay); get_batch_sizes_to_capture;
+require_*_gather; ServerArgs and, where the release has one, the runtime context it is
+published into; ForwardBatch; the capture path (capture_one_batch_size / capture_one_shape,
+get_forward_batch, attention planning, the step body up to the model call, including its
+set_dp_buffer_len); replay / execute / prepare up to the graph launch; and the logits
+processor's own row selection (LogitsMetadata.from_forward_batch +
+LogitsProcessor._get_pruned_states), which says how many rows a captured batch feeds lm_head.
 
-Not real, each for a stated reason:
-  * third-party imports (STUBBED_MODULES): a meta-path finder serves package-like stub
-    modules whose attributes are real, subclassable classes (and whose instances absorb
-    calls and attribute reads). Only the names listed are stubbed, always, even where the
-    host has them installed, so a check does not depend on what else the machine has;
-    anything else missing raises ImportError as usual (SGLang probes optional kernels with
-    try/except ImportError and must keep seeing them absent). REAL_MODULES are imported
-    for real (the runner modules use them at import time: msgspec structs, triton.jit, ...).
-  * the model, the worker and the model runner: strict stand-ins (`_Strict`) that carry the
-    attributes the runner code reads. Reading one they do not carry raises
-    MissingEngineAttribute naming the owner and the attribute, so a release that moves
-    something fails with a message saying what it now reads.
-  * the attention backend: records the forward batch it is asked to plan (at capture) and
-    the seq_lens_sum it is given (at replay); get_cuda_graph_seq_len_fill_value() is 1, as
-    our runners use (runners.draft_extend.SEQ_LEN_FILL_VALUE).
-  * the CUDA graph: capture builds the batch and plans attention exactly as the engine
-    does, then stops before the graph (no step body runs: it needs the model and GPU
-    kernels). Replay runs the engine's replay / prepare code and, where it would launch the
-    graph, snapshots the static buffers the graph would read.
-  * parallel groups: a fake group per axis (world_size / rank_in_group), set where the
-    release reads them (parallel_state globals up to 0.5.14, the published runtime context
-    from the prepare() generation on).
-  * the fused prepare() fill kernel of the prepare() generation is Triton on a GPU; the
-    module ships fill_draft_extend_prepare_buffers_native ("mirrors the triton kernel's
-    semantics exactly", its docstring says), which is swapped in.
-  * between multi-layer steps the engine advances the chain inside the graph
-    (assign_new_state / rotate_input_ids, GPU kernels): not run. Metadata of steps > 0 is
-    therefore read with step 0's token buffers, which does not change any value checked.
+What is not, and why
+--------------------
+* Third-party imports (STUBBED_MODULES): a meta-path finder serves package-like stub
+  modules whose attributes are real, subclassable classes (instances are falsy and absorb
+  calls and attribute reads; a stub called on a function returns it, so decorators work).
+  Only the listed names are stubbed, and always, even where the host has them installed,
+  so a check does not depend on what else the machine has; anything else missing still
+  raises ImportError (SGLang probes optional kernels with try/except ImportError and must
+  keep seeing them absent). REAL_MODULES are imported for real (msgspec structs, triton.jit,
+  regex, dill, packaging at import time); harness/engine_install.py provides them.
+* The worker and the model runner: strict stand-ins (`_Strict`) carrying the attributes the
+  runner code reads. Reading one they lack raises MissingEngineAttribute naming the owner
+  and the attribute: a release that moves something fails saying what it now reads.
+* The model (`_ModelProbe`): never run. The capture body calls it with the capture-time
+  batch; it records the batch, the DP buffer the body just set and the gathered gpu
+  tensors, and stops the body (_StopBody). Nothing after the model call runs (top-k,
+  the in-graph chain writes): they need the model's output and GPU kernels.
+* The attention backend: a subclass of the release's own AttentionBackend (its defaults
+  stay the engine's) that plans nothing and records the view it is given at replay
+  (seq_lens_sum); get_cuda_graph_seq_len_fill_value() is 1, as our runners use.
+* The CUDA graph: `_FakeGraph` (legacy) / `_FakeGraphBackend` (later) stand where the graph
+  is created, captured and launched. At launch they snapshot the static buffers the graph
+  would read (the gathered gpu tensors, seq_lens); the output is the captured batch's
+  logits buffer, so the rows handed back after replay are the engine's own slicing.
+* Parallel groups: fake groups of the right sizes and ranks, set where the release reads
+  them (parallel_state / dp_attention globals), or a rank bundle given to publish().
+* prepare()'s fused fill kernel is Triton on a GPU; the module ships
+  fill_draft_extend_prepare_buffers_native, "mirroring the triton kernel's semantics
+  exactly" (its docstring), which is swapped in. flashinfer autotuning (runs the model) and
+  get_available_gpu_memory (logging) are no-ops.
+* Between multi-layer steps the engine advances the chain inside the graph
+  (assign_new_state / rotate_input_ids, GPU kernels): not run, so steps > 0 are replayed
+  with step 0's token buffers. No value the checks read depends on them.
 
-API generations (detected from the classes, not from the version string):
-  legacy  (0.5.12.post1, 0.5.13.post1): runners own `graphs` / `output_buffers`; capture
-          is `capture_one_batch_size`; replay is `replay(forward_batch, init_state)`;
-          per-step widths num_steps + 1 + step; require_*(server_args).
-  runner  (0.5.14 ..): runners subclass DecodeCudaGraphRunner with a graph backend
-          (`resolve_decode_backend`); capture is `capture_one_shape`; replay is `execute`.
-  prepare (by 0.5.23): the composite owns one buffer set and one width for all steps;
-          `prepare(forward_batch)` fills it with a fused kernel and `replay(step)` replays;
-          logits are pruned to one row per request when no gathered buffer is needed;
-          configuration is published into a runtime context (require_*() take no args).
+API generations (detected from the classes; the versions are the ones checked)
+-------------------------------------------------------------------------------
+  legacy   0.5.12.post1, 0.5.13.post1: runners own `graphs` / `output_buffers`; capture is
+           capture_one_batch_size; replay(forward_batch, init_state); per-step widths
+           num_steps + 1 + step; require_*(server_args); 0.5.12 plans attention with
+           init_forward_metadata_{capture,replay}_cuda_graph.
+  runner   0.5.14: runners subclass DecodeCudaGraphRunner with a graph backend
+           (resolve_decode_backend); capture_one_shape; execute(forward_batch).
+  prepare  0.5.18, 0.5.20, 0.5.23: the composite owns one buffer set and one width for all
+           steps; prepare(forward_batch) fills it (fused kernel), replay(step) replays;
+           logits pruned to a row per request where no gathered buffer is needed; server
+           args published into a runtime context (0.5.23: with the rank bundle).
 """
 from __future__ import annotations
 
@@ -63,6 +73,7 @@ import importlib
 import importlib.abc
 import importlib.machinery
 import importlib.metadata
+import importlib.util
 import inspect
 import logging
 import sys
@@ -105,7 +116,7 @@ STUBBED_MODULES = (
     "aiohttp", "compressed_tensors", "einops", "fastapi", "gguf", "huggingface_hub", "IPython",
     "openai", "orjson", "partial_json_parser", "PIL", "psutil", "pybase64", "pydantic",
     "pydantic_core", "requests", "safetensors", "sentencepiece", "setproctitle", "starlette",
-    "torchao", "torchvision", "tqdm", "transformers", "tvm_ffi", "uvicorn", "uvloop", "zmq",
+    "torchao", "torchvision", "tqdm", "transformers", "tvm_ffi", "uvicorn", "uvloop", "xgrammar", "zmq",
 )
 
 # Dunder attributes a stub answers (SGLang's transformers patches read them at import);
@@ -203,6 +214,23 @@ class _StubClass(metaclass=_StubMeta):
         if name.startswith("__"):
             raise AttributeError(name)
         return _Anything(f"{type(self).__name__}().{name}")
+
+    # an instance is what a stubbed function returns (`is_flash_attn_available()`): falsy and empty,
+    # so feature probes answer "not available"
+    def __bool__(self) -> bool:
+        return False
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(())
+
+    def __len__(self) -> int:
+        return 0
+
+    def __contains__(self, key: Any) -> bool:
+        return False
+
+    def __getitem__(self, key: Any) -> Any:
+        return _Anything(f"{type(self).__name__}()[]")
 
 
 class StubModule(types.ModuleType):
@@ -302,41 +330,50 @@ def _tolist(t: Optional[torch.Tensor]) -> Optional[list[int]]:
     return None if t is None else [int(x) for x in t.reshape(-1).tolist()]
 
 
-class _AttnBackend:
-    """Stand-in attention backend: plans nothing, records what it is asked to plan."""
+class _AttnRecorder:
+    """Mixed into a subclass of the engine's own AttentionBackend (its defaults stay the engine's):
+    plans nothing; records the batch view it is given at replay (its seq_lens_sum)."""
 
-    def __init__(self, owner: "RunnerHandle | None" = None) -> None:
-        self.owner = owner
-        self.captured: dict[int, Any] = {}  # bs -> forward batch planned at capture
+    def __init__(self) -> None:
         self.last_replay_view: Any = None
 
-    # read by the runners' __init__
-    def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
+    def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int, *args: Any, **kwargs: Any) -> None:
         pass
 
     def get_cuda_graph_seq_len_fill_value(self) -> int:
-        return 1
+        return 1  # as runners.draft_extend.SEQ_LEN_FILL_VALUE (flashinfer / triton / fa3 backends say 1 too)
 
     def draft_extend_metadata_captured_in_graph(self) -> bool:
-        return False
+        return False  # so replay plans out of graph, where we can see what it is given
 
-    supports_draft_extend_metadata_staging = False
-
-    def init_forward_metadata_out_graph(self, forward_batch: Any, in_capture: bool = False) -> None:
-        if in_capture:
-            self.captured[int(forward_batch.batch_size)] = forward_batch
-            if self.owner is not None:
-                self.owner._on_capture_plan(forward_batch)
-        else:
+    def init_forward_metadata_out_graph(self, forward_batch: Any, in_capture: bool = False, *args: Any, **kwargs: Any) -> None:
+        if not in_capture:
             self.last_replay_view = forward_batch
 
-    def init_forward_metadata_in_graph(self, forward_batch: Any) -> None:
+    def init_forward_metadata_in_graph(self, forward_batch: Any, *args: Any, **kwargs: Any) -> None:
         pass
 
-    def __getattr__(self, name: str) -> Any:
-        if name.startswith("__"):
-            raise AttributeError(name)
-        raise MissingEngineAttribute(f"the engine read attn_backend.{name}, which the adapter's attention backend does not provide")
+    # the hooks of releases up to 0.5.12 (keyword arguments, no forward batch)
+    def init_forward_metadata_capture_cuda_graph(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def init_forward_metadata_replay_cuda_graph(self, bs: int, req_pool_indices: Any, seq_lens: Any, seq_lens_sum: Any, *args: Any, **kwargs: Any) -> None:
+        self.last_replay_view = types.SimpleNamespace(batch_size=bs, seq_lens=seq_lens, seq_lens_sum=seq_lens_sum)
+
+    def init_forward_metadata(self, forward_batch: Any) -> None:
+        raise EngineAdapterError("the engine planned attention for an eager forward; engine-check drives graph runners only")
+
+    def forward_extend(self, *args: Any, **kwargs: Any) -> Any:
+        raise EngineAdapterError("the engine ran attention; engine-check never runs the model")
+
+    forward_decode = forward_extend
+
+
+def _attn_backend_class(engine: "Engine") -> type:
+    base_mod = importlib.import_module("sglang.srt.layers.attention.base_attn_backend")
+    Base = _require(base_mod, "AttentionBackend", engine.version)
+    cls = type("EngineCheckAttnBackend", (_AttnRecorder, Base), {"__abstractmethods__": frozenset()})
+    return cls
 
 
 class _FakeGraph:
@@ -361,6 +398,7 @@ class _FakeGraphBackend:
 
     def capture_one(self, shape_key: Any, run_once: Callable, *args: Any, **kwargs: Any) -> None:
         bs = int(shape_key.size)
+        self.handle._run_body_until_model(bs, run_once)
         self.outputs[bs] = self.handle._fake_output(bs)
 
     def replay(self, shape_key: Any, forward_batch: Any) -> Any:
@@ -376,6 +414,47 @@ class _FakeGraphBackend:
         if name.startswith("__"):
             raise AttributeError(name)
         raise MissingEngineAttribute(f"the engine read its graph backend's {name}, which the adapter's backend does not provide")
+
+
+class _StopBody(Exception):
+    """Raised by the model stand-in: the step body has run up to the model, which is all we need."""
+
+
+class _ModelProbe:
+    """The draft model: never run. Its forward() hands the batch to the runner handle and stops the body."""
+
+    def __init__(self, shared_experts_config: Any = None) -> None:
+        self.handle: Optional["RunnerHandle"] = None
+        self.shared_experts_config = shared_experts_config  # read by later releases to scope replay
+
+    def forward(self, input_ids: Any, positions: Any, forward_batch: Any, *args: Any, **kwargs: Any) -> Any:
+        if self.handle is None:
+            raise EngineAdapterError("the engine ran the draft model outside a capture the adapter drove")
+        self.handle._on_model_forward(forward_batch)
+
+    __call__ = forward
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        raise MissingEngineAttribute(f"the engine read model.{name}, which the adapter's model stand-in does not provide")
+
+
+# Calls of set_dp_buffer_len made through the runner modules (the step body's DP buffer setup).
+_DP_CALLS: list[dict[str, Any]] = []
+
+
+def _recording_set_dp_buffer_len(real: Callable) -> Callable:
+    sig = inspect.signature(real)
+
+    def set_dp_buffer_len(*args: Any, **kwargs: Any) -> Any:
+        bound = sig.bind(*args, **kwargs)
+        bound.apply_defaults()
+        _DP_CALLS.append(dict(bound.arguments))
+        return real(*args, **kwargs)
+
+    set_dp_buffer_len.__wrapped_engine__ = real  # type: ignore[attr-defined]
+    return set_dp_buffer_len
 
 
 # ----------------------------------------------------------------------------------------
@@ -491,25 +570,46 @@ def load(target: Optional[Path], deps: Optional[Path]) -> Engine:
         mods[key] = importlib.import_module(name)
     composite = _require(ml, "MultiLayerEagleMultiStepDraftExtendCudaGraphRunner", version)
     runner_cls = _require(ml, "MultiLayerEagleDraftExtendCudaGraphRunner", version)
+    mods["parallel_state"] = importlib.import_module("sglang.srt.distributed.parallel_state")
+    mods["dp_attention"] = importlib.import_module("sglang.srt.layers.dp_attention")
+    if importlib.util.find_spec("sglang.srt.runtime_context") is not None:
+        mods["runtime_context"] = importlib.import_module("sglang.srt.runtime_context")
     if hasattr(composite, "prepare"):
         gen = "prepare"
-        mods["runtime_context"] = importlib.import_module("sglang.srt.runtime_context")
         mods["mle_utils"] = importlib.import_module("sglang.srt.speculative.multi_layer_eagle_utils")
     elif hasattr(runner_cls, "capture_one_shape") and hasattr(runner_cls, "execute"):
         gen = "runner"
-        mods["parallel_state"] = importlib.import_module("sglang.srt.distributed.parallel_state")
-        mods["dp_attention"] = importlib.import_module("sglang.srt.layers.dp_attention")
     elif hasattr(runner_cls, "capture_one_batch_size") and hasattr(runner_cls, "replay"):
         gen = "legacy"
-        mods["parallel_state"] = importlib.import_module("sglang.srt.distributed.parallel_state")
-        mods["dp_attention"] = importlib.import_module("sglang.srt.layers.dp_attention")
     else:
         raise EngineAdapterError(
             f"sglang {version}: MultiLayerEagleDraftExtendCudaGraphRunner has neither capture_one_batch_size/replay (legacy), "
             "capture_one_shape/execute (runner) nor a composite prepare() (prepare): a new runner API"
         )
     _LOADED = Engine(version, location, gen, mods, sorted(finder.served))
+    _install_module_shims(_LOADED)
     return _LOADED
+
+
+def _install_module_shims(engine: Engine) -> None:
+    """Process-wide swaps in the runner modules (engine-check runs one engine per process)."""
+    ml, sl = engine.modules["ml"], engine.modules["sl"]
+    # get_available_gpu_memory: only logged around each capture; needs a device
+    ml.get_available_gpu_memory = lambda *a, **k: 0.0
+    # set_dp_buffer_len: recorded (and still run) so the capture-time DP buffer setup is visible
+    for mod in (ml, sl):
+        real = _require(mod, "set_dp_buffer_len", engine.version, "the step body's DP buffer setup")
+        mod.set_dp_buffer_len = _recording_set_dp_buffer_len(real)
+    # flashinfer autotuning runs the step body (the model) before capture: nothing to tune here
+    for mod in (ml, sl):
+        if hasattr(mod, "maybe_flashinfer_autotune_speculative_draft"):
+            mod.maybe_flashinfer_autotune_speculative_draft = _noop
+    if engine.generation == "prepare":
+        # prepare()'s fused fill is a Triton kernel that needs a GPU; the module ships its native twin
+        native = _require(engine.modules["mle_utils"], "fill_draft_extend_prepare_buffers_native", engine.version,
+                          "the native twin of the fused prepare() fill kernel")
+        _require(ml, "fill_draft_extend_prepare_buffers", engine.version, "the fill kernel prepare() calls")
+        ml.fill_draft_extend_prepare_buffers = native
 
 
 def _version_of(sglang: types.ModuleType, location: str) -> str:
@@ -566,32 +666,53 @@ def _server_args(engine: Engine, layout: ParallelLayout, cfg: EngineConfig) -> A
 
 
 def _configure_process(engine: Engine, sa: Any, layout: ParallelLayout, tp_rank: int) -> None:
-    """Make the engine's process-wide state describe `layout` as seen from `tp_rank`."""
+    """Make the engine's process-wide state describe `layout` as seen from `tp_rank`.
+
+    By feature, not by version: releases with a runtime context get the server args
+    published into it (with the rank bundle where publish() takes one: the topology then
+    lives in the context); the others get set_global_server_args_for_scheduler. Where the
+    topology is still read through parallel_state / dp_attention, those globals get fake
+    groups of the right sizes and ranks.
+    """
     attn_tp, attn_dp = layout.attn_tp_size, layout.attn_dp_size
     attn_tp_rank, attn_dp_rank = layout.attn_tp_rank(tp_rank), layout.attn_dp_rank(tp_rank)
     sa_mod, moe = engine.modules["server_args"], engine.modules["moe_utils"]
-    if engine.generation == "prepare":
-        rc = engine.modules["runtime_context"]
-        publish, SpawnRanks = _require(rc, "publish", engine.version), _require(rc, "SpawnRanks", engine.version)
-        publish(sa, role="scheduler", ranks=SpawnRanks(world_rank=tp_rank))
-        got = (rc.get_parallel().attn_tp_size, rc.get_parallel().num_dp_ranks if layout.enable_dp_attention else 1)
-        if got != (attn_tp, attn_dp):
-            raise EngineAdapterError(f"sglang {engine.version}: published layout {layout.describe()} reads back attn_tp/dp {got}, expected {(attn_tp, attn_dp)}")
+    rc = engine.modules.get("runtime_context")
+    publish = getattr(rc, "publish", None) if rc is not None else None
+    ranks_in_context = publish is not None and "ranks" in inspect.signature(publish).parameters
+    if publish is not None:
+        parallel = rc.get_parallel()
+        if hasattr(parallel, "clear_stamp"):
+            parallel.clear_stamp()  # each (layout, rank) re-publishes: drop the previous one's stamped ranks
+        if ranks_in_context:
+            publish(sa, role="scheduler", ranks=_require(rc, "SpawnRanks", engine.version)(world_rank=tp_rank))
+        else:
+            publish(sa, role="scheduler")
     else:
         _require(sa_mod, "set_global_server_args_for_scheduler", engine.version)(sa)
+    if not ranks_in_context:
         ps, dpa = engine.modules["parallel_state"], engine.modules["dp_attention"]
         groups = {"_TP": _FakeGroup("tp", layout.tp_size, tp_rank), "_ATTN_TP": _FakeGroup("attn_tp", attn_tp, attn_tp_rank),
                   "_ATTN_CP": _FakeGroup("attn_cp", 1, 0)}
         for name, group in groups.items():
             _require(ps, name, engine.version, "a parallel_state group global")
             setattr(ps, name, group)
-        for name, value in (("_ATTN_DP_RANK", attn_dp_rank), ("_ATTN_DP_SIZE", attn_dp), ("_LOCAL_ATTN_DP_RANK", attn_dp_rank),
-                            ("_LOCAL_ATTN_DP_SIZE", attn_dp), ("_ENABLE_DP_ATTENTION_FLAG", layout.enable_dp_attention)):
+        for name, value in (("_ATTN_DP_RANK", attn_dp_rank), ("_ATTN_DP_SIZE", attn_dp)):
             _require(dpa, name, engine.version, "a dp_attention global")
             setattr(dpa, name, value)
-    # the MoE a2a backend (read by require_*_gather): from the server args up to 0.5.2x, from the published context later
+        # present up to 0.5.1x only (later releases derive them from the published config)
+        for name, value in (("_LOCAL_ATTN_DP_RANK", attn_dp_rank), ("_LOCAL_ATTN_DP_SIZE", attn_dp),
+                            ("_ENABLE_DP_ATTENTION_FLAG", layout.enable_dp_attention)):
+            if hasattr(dpa, name):
+                setattr(dpa, name, value)
+    # the MoE a2a backend (read by require_*_gather): seeded from the server args, or from the published context
     init_moe = _require(moe, "initialize_moe_config", engine.version, "seeds the MoE a2a backend")
-    init_moe() if engine.generation == "prepare" else init_moe(sa)
+    init_moe(sa) if inspect.signature(init_moe).parameters else init_moe()
+    if rc is not None and ranks_in_context:
+        par = rc.get_parallel()
+        got = (par.attn_tp_size, par.num_dp_ranks if layout.enable_dp_attention else 1)
+        if got != (attn_tp, attn_dp):
+            raise EngineAdapterError(f"sglang {engine.version}: published layout {layout.describe()} reads back attn_tp/dp {got}, expected {(attn_tp, attn_dp)}")
 
 
 # ----------------------------------------------------------------------------------------
@@ -612,10 +733,10 @@ def _patched(obj: Any, name: str, value: Any, version: str, why: str) -> Iterato
 class RunnerHandle:
     """One engine graph runner (a multi-layer step or the single-layer runner) and what it baked."""
 
-    def __init__(self, engine: Engine, kind: str, step: int, runner: Any, attn: _AttnBackend, layout: ParallelLayout, cfg: EngineConfig) -> None:
+    def __init__(self, engine: Engine, kind: str, step: int, runner: Any, attn: _AttnRecorder, layout: ParallelLayout, cfg: EngineConfig) -> None:
         self.engine, self.kind, self.step, self.runner, self.attn, self.layout, self.cfg = engine, kind, step, runner, attn, layout, cfg
-        attn.owner = self
         self.captures: dict[int, CaptureRecord] = {}
+        self._batches: dict[int, Any] = {}  # bs -> the capture-time forward batch the model was called with
         self.capture_rows: dict[int, tuple[int, int]] = {}  # bs -> (rows fed to lm_head, logits rows)
         self.snapshots: list[_Snapshot] = []
 
@@ -646,7 +767,8 @@ class RunnerHandle:
 
     # ---- capture ----
     def _fake_output(self, bs: int) -> Any:
-        fb = self.attn.captured.get(bs)
+        """What the graph's output buffers would hold: the batch's logits buffer, hidden states, top-k."""
+        fb = self._batches.get(bs)
         LPO = self.engine.modules["logits"].LogitsProcessorOutput
         n = bs * self.tokens_per_bs
         logits = fb.next_token_logits_buffer if fb is not None and fb.next_token_logits_buffer is not None else torch.zeros(n, self.cfg.vocab_size)
@@ -655,25 +777,56 @@ class RunnerHandle:
         out.topk_index = torch.zeros(bs, self.cfg.topk, dtype=torch.int64)
         return out
 
-    def _on_capture_plan(self, fb: Any) -> None:
-        """The attention backend is planning the capture-time batch: record it (it is what the graph bakes)."""
-        bs = int(fb.batch_size)
+    def _run_body_until_model(self, bs: int, run_once: Callable) -> None:
+        """Run the captured step body (the warm-up) up to the model call, then stop it there.
+
+        The prefix is the engine's own: it clears the DP-local scratch, sets the DP buffer
+        (set_dp_buffer_len: the token counts DP attention will gather with) and calls the
+        model with the capture-time batch. The model stand-in records the batch, the DP
+        buffer it was given and the rows the logits processor would feed lm_head, and stops.
+        """
+        self._body = None
+        _DP_CALLS.clear()
+        try:
+            run_once()
+        except _StopBody:
+            pass
+        if self._body is None:
+            raise EngineAdapterError(f"sglang {self.engine.version}: the {self.kind} runner's capture body for bucket {bs} never called the model")
+        self._record_capture(bs)
+
+    def _on_model_forward(self, fb: Any) -> None:
+        """The body called the model: the batch, the DP buffer and the gathered gpu tensors are what the graph bakes."""
+        if not _DP_CALLS:
+            raise EngineAdapterError(f"sglang {self.engine.version}: the {self.kind} step body called the model without set_dp_buffer_len")
         buf = self._buffers()
-        mode = getattr(fb.dp_padding_mode, "is_max_len", None)
+        self._body = (fb, dict(_DP_CALLS[-1]), _tolist(buf.global_num_tokens_gpu), _tolist(buf.global_num_tokens_for_logprob_gpu))
+        raise _StopBody
+
+    def _record_capture(self, bs: int) -> None:
+        fb, dp, gpu_tokens, gpu_logprob = self._body
+        if int(fb.batch_size) != bs:
+            raise EngineAdapterError(f"sglang {self.engine.version}: capturing bucket {bs} of the {self.kind} runner ran the model on a batch of {fb.batch_size}")
+        self._batches[bs] = fb
+        def ints(x: Any) -> Optional[list[int]]:
+            return None if x is None else [int(v) for v in x]
+        body_tokens = ints(dp.get("global_num_tokens"))
         host = {
             "forward_mode": getattr(fb.forward_mode, "name", str(fb.forward_mode)).lower(),
-            "batch_size": bs,
+            "batch_size": int(fb.batch_size),
             "num_tokens": int(fb.input_ids.shape[0]),
             "extend_num_tokens": fb.extend_num_tokens,
-            "global_num_tokens_cpu": None if fb.global_num_tokens_cpu is None else [int(x) for x in fb.global_num_tokens_cpu],
-            "global_num_tokens_for_logprob_cpu": (
-                None if fb.global_num_tokens_for_logprob_cpu is None else [int(x) for x in fb.global_num_tokens_for_logprob_cpu]
-            ),
-            "global_dp_buffer_len": fb.global_dp_buffer_len,
-            "dp_padding_mode": None if mode is None else ("max_len" if mode() else "sum_len"),
+            # the host token counts: the step body's set_dp_buffer_len(...) (what DP attention gathers with), else the batch's
+            "global_num_tokens_cpu": body_tokens if body_tokens is not None else ints(fb.global_num_tokens_cpu),
+            "global_num_tokens_for_logprob_cpu": ints(fb.global_num_tokens_for_logprob_cpu),
+            "global_dp_buffer_len": dp.get("global_dp_buffer_len"),
+            "dp_padding_mode": "max_len" if dp.get("dp_max_padding") else "sum_len",
+            # the same values as carried on the forward batch itself (None where the engine leaves them off)
+            "fb_global_num_tokens_cpu": ints(fb.global_num_tokens_cpu),
+            "fb_global_dp_buffer_len": fb.global_dp_buffer_len,
+            "local_dp_buffer_len": dp.get("local_dp_buffer_len"),
         }
-        self.captures[bs] = CaptureRecord(bs, int(fb.input_ids.shape[0]), host, _tolist(buf.global_num_tokens_gpu),
-                                          _tolist(buf.global_num_tokens_for_logprob_gpu))
+        self.captures[bs] = CaptureRecord(bs, int(fb.input_ids.shape[0]), host, gpu_tokens, gpu_logprob)
         self.capture_rows[bs] = (self._rows_fed_to_lm_head(fb), int(fb.next_token_logits_buffer.shape[0]))
 
     def _rows_fed_to_lm_head(self, fb: Any) -> int:
@@ -681,8 +834,7 @@ class RunnerHandle:
         lp = self.engine.modules["logits"]
         meta = lp.LogitsMetadata.from_forward_batch(fb)
         hidden = torch.zeros(int(fb.input_ids.shape[0]), 1)
-        self_stand_in = _Strict("LogitsProcessor")
-        pruned = lp.LogitsProcessor._get_pruned_states(self_stand_in, hidden, None, None, meta)[0]
+        pruned = lp.LogitsProcessor._get_pruned_states(_Strict("LogitsProcessor"), hidden, None, None, meta)[0]
         return int(pruned.shape[0])
 
     def capture_all(self) -> None:
@@ -690,44 +842,33 @@ class RunnerHandle:
         r, gen = self.runner, self.engine.generation
         for bs in reversed(self.capture_bs):
             if gen == "legacy":
+                self._capturing_bs = bs
                 graph, out = r.capture_one_batch_size(bs, None)
                 r.graphs[bs] = graph
                 r.output_buffers[bs] = out
             else:
                 r.capture_one_shape(bs, None)
             if bs not in self.captures:
-                raise EngineAdapterError(
-                    f"sglang {self.engine.version}: capturing bucket {bs} of the {self.kind} runner did not plan attention for a batch "
-                    "of that size (init_forward_metadata_out_graph(..., in_capture=True) was not called)"
-                )
+                raise EngineAdapterError(f"sglang {self.engine.version}: capturing bucket {bs} of the {self.kind} runner recorded nothing")
 
     def install_graph_stand_ins(self) -> None:
-        r = self.runner
+        r, handle = self.runner, self
         if self.engine.generation == "legacy":
-            vars(r).update(
-                graphs={}, output_buffers={}, stream=None,
-                _create_graph=lambda: None,
-                _capture_init=_noop,
-            )
-            handle = self
+            # CudaGraphRunner-era hooks: a graph object, the two warm-ups, the capture itself
+            def capture_init(run_once: Callable) -> None:
+                handle._run_body_until_model(handle._capturing_bs, run_once)
 
             def capture_graph(graph: Any, pool: Any, stream: Any, run_once: Callable) -> Any:
                 return handle._fake_output(handle._capturing_bs)
 
-            def create_graph() -> Any:
-                return _FakeGraph(handle, handle._capturing_bs)
-
-            vars(r).update(_capture_graph=capture_graph, _create_graph=create_graph)
-            orig = r.capture_one_batch_size
-
-            def capture_one_batch_size(bs: int, forward: Any, stream_idx: int = 0) -> Any:
-                handle._capturing_bs = bs
-                return orig(bs, forward, stream_idx)
-
-            vars(r)["capture_one_batch_size"] = capture_one_batch_size
-            vars(r).setdefault("deepep_adapter", _Strict("deepep_adapter", capture=_noop, replay=_noop))
+            vars(r).update(graphs={}, output_buffers={}, stream=None, _capture_init=capture_init, _capture_graph=capture_graph,
+                           _create_graph=lambda: _FakeGraph(handle, handle._capturing_bs))
         else:
             r.backend = _FakeGraphBackend(self)
+        model = r.model_runner.model
+        if not isinstance(model, _ModelProbe):
+            raise EngineAdapterError(f"sglang {self.engine.version}: the {self.kind} runner's model_runner is not the adapter's")
+        model.handle = self
 
     # ---- replay ----
     def _on_replay(self, bs: int) -> None:
@@ -766,11 +907,12 @@ class EngineRunners:
         sa = _server_args(engine, layout, cfg)
         _configure_process(engine, sa, layout, tp_rank)
         self.server_args = sa
+        self._attn_cls = _attn_backend_class(engine)
         self.multi = self._build_multi_layer(sa)
         self.single = self._build_single_layer(sa)
 
     # ---- stand-ins ----
-    def _model_runner(self, sa: Any, attn: _AttnBackend) -> _Strict:
+    def _model_runner(self, sa: Any, attn: _AttnRecorder) -> _Strict:
         cfg = self.cfg
         spec_alg = self.engine.modules["spec_info"].SpeculativeAlgorithm
         hf_config = _Strict("model_config.hf_config")
@@ -779,14 +921,31 @@ class EngineRunners:
         return _Strict(
             "model_runner", server_args=sa, device="cpu", gpu_id=0, tp_size=self.layout.tp_size, dp_size=self.layout.dp_size,
             tp_rank=self.tp_rank, model_config=model_config, spec_algorithm=spec_alg.from_string("EAGLE"),
-            req_to_token_pool=_Strict("req_to_token_pool", size=cfg.max_running_requests), attn_backend=attn,
+            req_to_token_pool=_Strict("req_to_token_pool", size=cfg.max_running_requests), token_to_kv_pool=_Strict("token_to_kv_pool"),
+            attn_backend=attn,
             canary_manager=None, device_timer=None, tp_group=_FakeGroup("tp", self.layout.tp_size, self.tp_rank),
             kv_index_translator=_Strict("kv_index_translator", bind_runner_slots=_noop),
             graph_shared_output=_Strict("graph_shared_output", get_logits_buffer=lambda vocab, rows: torch.zeros(rows, vocab)),
-            model=_Strict("model"), model_context=contextlib.nullcontext, war_fastpath_read_done_event=None,
+            model=self._model_stand_in(), model_context=contextlib.nullcontext, war_fastpath_read_done_event=None,
+            ps=self._parallel_sizes(),
         )
 
-    def _worker(self, sa: Any, backends: list[_AttnBackend], runners: list[_Strict]) -> _Strict:
+    def _parallel_sizes(self) -> _Strict:
+        """model_runner.ps of 0.5.1x-0.5.2x: the rank's parallel sizes and ranks."""
+        lay, r = self.layout, self.tp_rank
+        return _Strict("model_runner.ps", tp_size=lay.tp_size, tp_rank=r, attn_tp_size=lay.attn_tp_size, attn_tp_rank=lay.attn_tp_rank(r),
+                       attn_dp_size=lay.attn_dp_size, attn_dp_rank=lay.attn_dp_rank(r), attn_cp_size=1, attn_cp_rank=0, pp_size=1, pp_rank=0,
+                       attn_dcp_size=1, dcp_size=1, moe_ep_size=1, moe_tp_size=lay.tp_size, moe_dp_size=1)
+
+    def _model_stand_in(self) -> _ModelProbe:
+        """Later releases read the model's shared-experts layout to scope replay: keep the published one."""
+        shared = None
+        rc = self.engine.modules.get("runtime_context")
+        if rc is not None and hasattr(rc, "get_model"):
+            shared = getattr(rc.get_model(), "shared_experts", None)
+        return _ModelProbe(shared)
+
+    def _worker(self, sa: Any, backends: list[_AttnRecorder], runners: list[_Strict]) -> _Strict:
         cfg = self.cfg
         return _Strict(
             "eagle_worker", server_args=sa, device="cpu", gpu_id=0, speculative_num_steps=cfg.num_steps,
@@ -802,7 +961,7 @@ class EngineRunners:
     # ---- building ----
     def _build_multi_layer(self, sa: Any) -> list[RunnerHandle]:
         eng, ml = self.engine, self.engine.modules["ml"]
-        backends = [_AttnBackend() for _ in range(self.cfg.num_steps)]
+        backends = [self._attn_cls() for _ in range(self.cfg.num_steps)]
         mrs = [self._model_runner(sa, b) for b in backends]
         worker = self._worker(sa, backends, mrs)
         Composite = ml.MultiLayerEagleMultiStepDraftExtendCudaGraphRunner
@@ -821,16 +980,11 @@ class EngineRunners:
         stack = contextlib.ExitStack()
         with stack:
             stack.enter_context(_patched(Runner, "capture", _noop, eng.version, "the graph capture loop, left out"))
-            stack.enter_context(_patched(ml, "get_available_gpu_memory", lambda *a, **k: 0.0, eng.version, "logging only"))
             if eng.generation != "legacy":
                 stack.enter_context(_patched(ml, "resolve_decode_backend", lambda runner: None, eng.version, "the graph backend"))
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 comp._init_and_capture()
-        if eng.generation == "prepare":
-            utils = eng.modules["mle_utils"]
-            ml.fill_draft_extend_prepare_buffers = _require(utils, "fill_draft_extend_prepare_buffers_native", eng.version,
-                                                            "the native twin of the fused prepare() fill kernel")
         self.composite = comp
         handles = []
         for step, runner in enumerate(comp.runners):
@@ -845,7 +999,7 @@ class EngineRunners:
 
     def _build_single_layer(self, sa: Any) -> RunnerHandle:
         eng, sl = self.engine, self.engine.modules["sl"]
-        attn = _AttnBackend()
+        attn = self._attn_cls()
         mr = self._model_runner(sa, attn)
         worker = self._worker(sa, [attn], [mr])
         Runner = sl.EAGLEDraftExtendCudaGraphRunner
@@ -906,7 +1060,10 @@ class EngineRunners:
         if eng.generation == "prepare":
             if not comp.can_run_graph(fb):
                 raise EngineAdapterError(f"sglang {eng.version}: the multi-layer composite refused a batch of {live.raw_bs} (can_run_graph)")
-            comp.prepare(fb, staged=False)
+            if "staged" in inspect.signature(comp.prepare).parameters:
+                comp.prepare(fb, staged=False)  # staged: a path where the worker stages shared reads first
+            else:
+                comp.prepare(fb)
             for step, h in enumerate(self.multi):
                 logits, _p, _i = comp.replay(step)
                 out.append(h.record(live, int(logits.next_token_logits.shape[0])))
@@ -932,7 +1089,8 @@ class EngineRunners:
             raise EngineAdapterError(f"sglang {eng.version}: the single-layer runner refused a batch of {live.raw_bs} (can_run)")
         if eng.generation == "legacy":
             res = r.replay(fb)
-        elif eng.generation == "prepare":
+        elif "select_index" in inspect.signature(r.execute).parameters:
+            # later releases hand the worker's select_index (each request's last accepted row) to execute
             accept = fb.spec_info.num_accept_tokens.to(torch.int64)
             select_index = torch.arange(live.raw_bs, dtype=torch.int64) * T + accept - 1
             res = r.execute(fb, select_index)

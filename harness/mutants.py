@@ -179,7 +179,7 @@ _TOKEN_BUFFERS = ("input_ids", "positions", "out_cache_loc")
 def _reset_keeps_token_buffers(self: EagleDraftExtendCudaGraphRunnerBase, raw_bs: int, accept_lens: torch.Tensor) -> None:
     saved = [getattr(self, b).clone() for b in _TOKEN_BUFFERS]
     _REAL_RESET(self, raw_bs, accept_lens)
-    for b, old in zip(_TOKEN_BUFFERS, saved):
+    for b, old in zip(_TOKEN_BUFFERS, saved, strict=True):
         getattr(self, b).copy_(old)  # padded lanes keep the larger batch's tokens, positions and KV slots
 
 

@@ -41,6 +41,9 @@ FORMAT = "specharness-acceptance/1"
 GOLDEN_CASES = ("tp1_neither", "tp2_shrink", "tp4_attn_tp_gather", "tp4_dp2_mlp_tp_gather", "tp4_neither_topk2")
 
 
+DEFAULT_MODEL = ModelConfig()
+
+
 class AcceptanceGoldenError(Exception):
     """Missing, refused or malformed acceptance golden: a message, never a traceback."""
 
@@ -65,7 +68,7 @@ def one_torch_thread() -> Iterator[None]:
 class SpecSession:
     """A layout's SpecEngines on simulated ranks, stepped together; `hook(engine)` instruments each."""
 
-    def __init__(self, layout: ParallelLayout, spec: SpecConfig, model: ModelConfig = ModelConfig(), runner: str = "eager",
+    def __init__(self, layout: ParallelLayout, spec: SpecConfig, model: ModelConfig = DEFAULT_MODEL, runner: str = "eager",
                  proposer: str = "eagle", alignment: Alignment = DEFAULT_ALIGNMENT, tree: Optional[bool] = None,
                  timeout_s: float = 60.0, hook: Optional[Callable[[SpecEngine], None]] = None):
         self.layout, self.spec, self.model, self.alignment = layout, spec, model, alignment
@@ -177,7 +180,7 @@ def oracle(session: SpecSession, reqs: Sequence[Request]) -> dict[int, GreedyOut
         (outs,) = SimulatedWorld(ParallelLayout()).run(
             lambda comm: target_greedy(session.model, [r.prompt for r in reqs], [r.max_new_tokens for r in reqs],
                                        prepare=session.alignment.apply_target, comm=comm))
-    return {r.rid: o for r, o in zip(reqs, outs)}
+    return {r.rid: o for r, o in zip(reqs, outs, strict=True)}
 
 
 # ----------------------------------------------------------------------------------------

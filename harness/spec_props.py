@@ -26,6 +26,7 @@ from harness.checks import crash_detail, crash_name
 from harness.properties import compare_outputs
 from harness.ranks.simulated import RankFailure
 from harness.spec_decode import (
+    DEFAULT_MODEL,
     AcceptanceGoldenError,
     SpecSession,
     Workload,
@@ -73,7 +74,7 @@ def check_lossless(session: SpecSession, where: dict) -> Verdict:
         v.checked += 1
         if len(got) > r.max_new_tokens:
             v.fail("lossless", "length", w, f"<= {r.max_new_tokens}", len(got), "committed past the token budget")
-        bad = next((i for i, (a, b) in enumerate(zip(got, exp.tokens)) if a != b), None)
+        bad = next((i for i, (a, b) in enumerate(zip(got, exp.tokens, strict=False)) if a != b), None)
         if bad is not None:
             if exp.margins[bad] < TIE_MARGIN:
                 v.notes.append(f"P5 {w}: output token {bad} is a near-tie of the target (margin {exp.margins[bad]:.2g}); not compared further")
@@ -107,7 +108,7 @@ def compare_acceptance(v: Verdict, golden: dict, session: SpecSession, where: di
         if g["accept_lens"] == e["accept_lens"] and g["position_accepts"] == e["position_accepts"]:
             continue
         changed = [k + 1 for k in range(S) if g["position_accepts"][k] != e["position_accepts"][k]]
-        rnd = next((i for i, (a, b) in enumerate(zip(g["accept_lens"], e["accept_lens"])) if a != b), min(len(g["accept_lens"]), len(e["accept_lens"])))
+        rnd = next((i for i, (a, b) in enumerate(zip(g["accept_lens"], e["accept_lens"], strict=False)) if a != b), min(len(g["accept_lens"]), len(e["accept_lens"])))
         ga = g["accept_lens"][rnd] if rnd < len(g["accept_lens"]) else "-"
         ea = e["accept_lens"][rnd] if rnd < len(e["accept_lens"]) else "-"
         v.fail("golden", "position_accepts", {**where, "request": int(rid)}, e["position_accepts"], g["position_accepts"],
@@ -141,7 +142,7 @@ def check_acceptance_case(case: Case) -> Verdict:
     return check_spec_case(case, props=("P6",))["P6"]
 
 
-def check_agreeing_draft(layout: ParallelLayout, spec: SpecConfig, wl: Workload, model: ModelConfig = ModelConfig()) -> dict[str, Verdict]:
+def check_agreeing_draft(layout: ParallelLayout, spec: SpecConfig, wl: Workload, model: ModelConfig = DEFAULT_MODEL) -> dict[str, Verdict]:
     """P5's positive control: the target's own weights as the draft accept every token."""
     where = {"layout": layout.describe(), "proposer": "target", "topk": spec.topk}
     try:
@@ -206,7 +207,7 @@ class LanePoison:
         w = r.worker
         for b, t in snap["buf"].items():
             getattr(r, b).copy_(t)
-        for dst, src in zip(w.kv_pool.k + w.kv_pool.v, snap["k"] + snap["v"]):
+        for dst, src in zip(w.kv_pool.k + w.kv_pool.v, snap["k"] + snap["v"], strict=True):
             dst.copy_(src)
         w.req_pool.req_to_token.copy_(snap["rows"])
 
@@ -265,7 +266,7 @@ class LanePoison:
         rows = w.req_pool.req_to_token
         keep = rows.clone()
         rows.fill_(poison_slot)
-        for idx, n in zip(live_rows, live_lens):
+        for idx, n in zip(live_rows, live_lens, strict=True):
             rows[idx, :n] = keep[idx, :n]
         r.hidden_states[raw_n:] = NAN
         r.next_token_logits_buffer.fill_(NAN)
@@ -299,7 +300,7 @@ class LanePoison:
         if not live_slots:
             return
         for name, now, ref in (("draft KV (k)", r.worker.kv_pool.k, s1["k"]), ("draft KV (v)", r.worker.kv_pool.v, s1["v"])):
-            for layer, (a, b) in enumerate(zip(now, ref)):
+            for layer, (a, b) in enumerate(zip(now, ref, strict=True)):
                 self.v.checked += 1
                 if not torch.equal(a[live_slots], b[live_slots]):
                     bad = (a[live_slots] != b[live_slots]).reshape(len(live_slots), -1).any(dim=1).nonzero()
@@ -342,7 +343,7 @@ class ChurnPair:
     rules can pick valid targets; natural finishes are read back after each step.
     """
 
-    def __init__(self, layout: ParallelLayout, spec: SpecConfig, model: ModelConfig = ModelConfig(), seed: int = 0):
+    def __init__(self, layout: ParallelLayout, spec: SpecConfig, model: ModelConfig = DEFAULT_MODEL, seed: int = 0):
         self.layout, self.spec, self.model, self.seed = layout, spec, model, seed
         self.eager = SpecSession(layout, spec, model, runner="eager")
         self.graph = SpecSession(layout, spec, model, runner="graph")
@@ -424,12 +425,12 @@ class ChurnPair:
             self.v.expect_equal("eager-vs-graph", "draft-extend batch", {**where, "dp_rank": d}, e.extend_rids, g.extend_rids)
             return
         T = self.spec.num_tokens_per_bs
-        for step, (oe, og) in enumerate(zip(e.extend_outs, g.extend_outs)):
+        for step, (oe, og) in enumerate(zip(e.extend_outs, g.extend_outs, strict=True)):
             for i, rid in enumerate(e.extend_rids):
                 if rid in self.diverged:
                     continue
                 sl, rq = slice(i * T, (i + 1) * T), slice(i, i + 1)
-                pick = lambda o: {"logits": o.logits[sl], "hidden": o.hidden[sl], "logprobs": o.logprobs[rq], "topk_p": o.topk_p[rq], "topk_index": o.topk_index[rq]}  # noqa: E731
+                pick = lambda o, sl=sl, rq=rq: {"logits": o.logits[sl], "hidden": o.hidden[sl], "logprobs": o.logprobs[rq], "topk_p": o.topk_p[rq], "topk_index": o.topk_index[rq]}  # noqa: E731
                 before = len(self.v.failures)
                 same = compare_outputs(self.v, "eager-vs-graph", {**where, "dp_rank": d, "draft_step": step, "request": rid}, pick(oe), pick(og), self.tol)
                 if not same and len(self.v.failures) == before:  # a near-tie of the draft: the two runs may now part
@@ -437,7 +438,7 @@ class ChurnPair:
 
     def _compare_kv(self, where: dict, er, gr) -> None:
         """Live KV at committed positions: draft and target pools, per rank, eager vs graph."""
-        for ee, ge in zip(self.eager.engines, self.graph.engines):
+        for ee, ge in zip(self.eager.engines, self.graph.engines, strict=True):
             for a in ee.sched.running:
                 b = next((x for x in ge.sched.running if x.rid == a.rid), None)
                 if b is None or not a.has_kv or not b.has_kv or a.rid in self.diverged:
@@ -467,7 +468,7 @@ class ChurnPair:
         for rid, r in sorted(reqs.items()):
             got, exp = r.tokens[len(r.prompt):], self._oracle[rid]
             self.v.checked += 1
-            bad = next((i for i, (a, b) in enumerate(zip(got, exp.tokens)) if a != b), None)
+            bad = next((i for i, (a, b) in enumerate(zip(got, exp.tokens, strict=False)) if a != b), None)
             if bad is not None and exp.margins[bad] >= TIE_MARGIN:
                 self.v.fail("lossless", "tokens", {**where, "request": rid, "position": bad}, exp.tokens[bad], got[bad],
                             "committed token differs from target-only greedy")

@@ -1,9 +1,9 @@
 """Model and speculative-decoding configs (nanoGPT-style dataclasses)."""
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
 import hashlib
 import json
+from dataclasses import asdict, dataclass, field
 
 import torch
 

@@ -91,7 +91,7 @@ class EagleProposer:
         w, T, dev = self.worker, self.worker.tokens_per_bs, self.device
         H = w.cfg.hidden_size
         ids, pos, seq, pool, loc, acc, hid, finals, rows_of = [], [], [], [], [], [], [], [], []
-        for r, h in zip(reqs, hiddens):
+        for r, h in zip(reqs, hiddens, strict=True):
             L = h.shape[0]  # rows 0..L-1 of the prompt
             chunks = -(-L // T)
             tok, h = eagle_pairs(torch.tensor(r.tokens[1 : L + 1], dtype=torch.int64), h)
@@ -122,7 +122,7 @@ class EagleProposer:
             out = draft_extend_step(w, step, eager_forward_batch(w, inp, input_ids, hidden))
             outs.append(out)
             top1 = out.topk_index[finals, 0].tolist() if finals else []
-            for s, L, t in zip(seqs, rows_of, top1):  # shift by one; this step's proposal at the last real row
+            for s, L, t in zip(seqs, rows_of, top1, strict=True):  # shift by one; this step's proposal at the last real row
                 s[: L - 1] = s[1:L]
                 s[L - 1] = int(t)
             input_ids = torch.tensor([t for s in seqs for t in s], **i64)
@@ -157,12 +157,12 @@ class TargetProposer:
         k, cur = self.spec.topk, [r.tokens[-1] for r in reqs]
         cands: list[list[list[int]]] = [[] for _ in reqs]
         for step in range(self.spec.num_steps):
-            lanes = [Lane(r.req_pool_idx, len(r.tokens) - 1 + step, [t], [r.slots[len(r.tokens) - 1 + step]]) for r, t in zip(reqs, cur)]
+            lanes = [Lane(r.req_pool_idx, len(r.tokens) - 1 + step, [t], [r.slots[len(r.tokens) - 1 + step]]) for r, t in zip(reqs, cur, strict=True)]
             out = self.target.forward(lanes)
             if out is None:
                 break
             top = out.logits.float().topk(k, dim=-1).indices.tolist()
-            for c, t in zip(cands, top):
+            for c, t in zip(cands, top, strict=True):
                 c.append([int(x) for x in t])
             cur = [t[0] for t in top]
         return [Proposal([d[0] for d in c], c) for c in cands]

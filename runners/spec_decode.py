@@ -168,11 +168,11 @@ class SpecEngine:
         if out is None:
             return
         rows = out.lane_rows(lanes)
-        for r, sl in zip(fresh, rows):
+        for r, sl in zip(fresh, rows, strict=True):
             if r.num_generated == 0:
                 r.tokens.append(int(out.logits[sl.stop - 1].argmax()))
         props = self.draft.prefill(fresh, [out.hidden[sl] for sl in rows])
-        for r, p in zip(fresh, props):
+        for r, p in zip(fresh, props, strict=True):
             r.proposal = p
         rep.prefilled = [r.rid for r in fresh]
         for r in fresh:
@@ -183,7 +183,7 @@ class SpecEngine:
     def _verify(self, batch: list[Request], rep: StepReport) -> None:
         S, T = self.S, self.T
         n0 = [len(r.tokens) for r in batch]
-        lanes = [Lane(r.req_pool_idx, n - 1, [r.tokens[-1]] + r.proposal.tokens, r.slots[n - 1 : n + S]) for r, n in zip(batch, n0)]
+        lanes = [Lane(r.req_pool_idx, n - 1, [r.tokens[-1]] + r.proposal.tokens, r.slots[n - 1 : n + S]) for r, n in zip(batch, n0, strict=True)]
         sibs = siblings([r.proposal for r in batch]) if self.tree else []
         sib_slots = []
         for node in sibs:
@@ -201,7 +201,7 @@ class SpecEngine:
         sib_arg = torch.stack([argmax[sl.start] for sl in rows[len(batch):]]) if sibs else None
         accs = accept([r.proposal for r in batch], g, sibs, sib_arg)
         keep, ids, hid = set(), [], []
-        for i, (r, acc) in enumerate(zip(batch, accs)):
+        for i, (r, acc) in enumerate(zip(batch, accs, strict=True)):
             row_ids, row_hid = g[i].clone(), out.hidden[rows[i]].clone()  # row j: g_j (token j+1) with the hidden of token j
             if acc.sibling is not None:
                 k = sibs.index(acc.sibling)
@@ -220,7 +220,7 @@ class SpecEngine:
             hid.append(row_hid)
         self.book.drop_scratch(keep)
         live = [i for i, r in enumerate(batch) if r.remaining > 0]
-        for i, r in enumerate(batch):
+        for r in batch:
             if r.remaining <= 0:
                 self.sched.finish(r.rid)
                 rep.finished.append(r.rid)
@@ -239,7 +239,7 @@ class SpecEngine:
             self.book.ensure(r, len(r.tokens) - 1 + T)
         if props is None:
             props = self.draft.propose(reqs) if isinstance(self.draft, TargetProposer) else []
-        for r, p in zip(reqs, props):
+        for r, p in zip(reqs, props, strict=True):
             r.proposal = p
 
     def _extend_inputs(self, reqs, n0, ids, hid, accept_lens) -> Optional[DraftExtendInputs]:
@@ -250,7 +250,7 @@ class SpecEngine:
         T, dev, H = self.T, self.device, self.cfg.hidden_size
         i64 = dict(dtype=torch.int64, device=dev)
         pos = [p for n in n0 for p in range(n - 1, n - 1 + T)]
-        loc = [s for r, n in zip(reqs, n0) for s in r.slots[n - 1 : n - 1 + T]]
+        loc = [s for r, n in zip(reqs, n0, strict=True) for s in r.slots[n - 1 : n - 1 + T]]
         return DraftExtendInputs(
             input_ids=torch.cat(ids).to(dev) if ids else torch.zeros(0, **i64),
             positions=torch.tensor(pos, **i64),

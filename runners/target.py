@@ -133,7 +133,7 @@ def target_greedy(cfg: ModelConfig, prompts: Sequence[Sequence[int]], max_new: S
 
     device = torch.device(device)
     ctx = RankContext(ParallelLayout(), 0, comm=comm)
-    need = [len(p) + m for p, m in zip(prompts, max_new)]
+    need = [len(p) + m for p, m in zip(prompts, max_new, strict=True)]
     req_pool = ReqToTokenPool(len(prompts) + 1, cfg.max_context_len, device)
     runner = TargetRunner(ctx, cfg, req_pool, 1 + sum(need), device)
     if prepare is not None:
@@ -154,7 +154,7 @@ def target_greedy(cfg: ModelConfig, prompts: Sequence[Sequence[int]], max_new: S
         last = res.logits[ends]
         nxt, margins = last.argmax(dim=-1).tolist(), top2_margin(last).tolist()
         next_lanes = []
-        for lane, tok, mg in zip(lanes, nxt, margins):
+        for lane, tok, mg in zip(lanes, nxt, margins, strict=True):
             i = rows.index(lane.req_pool_idx)
             outs[i].tokens.append(int(tok))
             outs[i].margins.append(float(mg))

@@ -3,7 +3,8 @@ import pytest
 
 from harness.layout import all_layouts, branch_sibling, layouts_by_branch
 from runners.parallel.comm import Group
-from runners.parallel.layout import Branch, LayoutError, ParallelLayout as PL
+from runners.parallel.layout import Branch, LayoutError
+from runners.parallel.layout import ParallelLayout as PL
 
 # (layout, attn_tp_size, require_mlp_tp_gather, require_attn_tp_gather, branch) — from the §6.1 rules
 TABLE = [

@@ -11,7 +11,8 @@ from harness.properties import check_cross_layout, check_eager_vs_graph, check_m
 from harness.scenario import Scenario
 from harness.strategies import failure_case, layouts, schedules, specs
 from runners.config import ModelConfig, SpecConfig
-from runners.parallel.layout import Branch, ParallelLayout as PL
+from runners.parallel.layout import Branch
+from runners.parallel.layout import ParallelLayout as PL
 
 
 @st.composite

@@ -1,0 +1,228 @@
+"""`harness engine-check` against real SGLang releases (issue 11).
+
+The releases are installed side by side (python -m harness.engine_install: one
+`pip install --no-deps --target .engines/sglang-VERSION` each, cached by a marker file);
+a test whose wheels cannot be installed is skipped with pip's reason. Each check runs in
+its own process: the engine adapter stubs imports and swaps module globals process-wide.
+
+  0.5.13.post1  carries the seed bug: the multi-layer runner's attn-TP-gather branch bakes
+                global_num_tokens_for_logprob = [bs] where the replay fill says [bs * T]
+  0.5.14        the fix
+  NEWEST        the newest release the registry served when this was written (0.5.23);
+                SPECHARNESS_SGLANG_NEWEST=X.Y.Z checks another one
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from harness.engine_install import EngineSpec, InstallError, ensure_installed
+
+REPO = Path(__file__).resolve().parent.parent
+SEED_BUG = "0.5.13.post1"
+FIXED = "0.5.14"
+NEWEST = os.environ.get("SPECHARNESS_SGLANG_NEWEST", "0.5.23")
+T = 4  # num_draft_tokens of harness.engine_adapter.EngineConfig: tokens per request in draft-extend
+
+pytestmark = pytest.mark.timeout(900)
+
+
+def _installed(version: str) -> Path:
+    try:
+        return ensure_installed(version, log=lambda m: print(m, file=sys.stderr))
+    except InstallError as e:
+        pytest.skip(f"cannot install sglang=={version} here: {e}")
+
+
+def _run(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "harness.engine_check", *args], cwd=REPO, capture_output=True, text=True, timeout=timeout)
+
+
+def _python(code: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], cwd=REPO, capture_output=True, text=True, timeout=timeout)
+
+
+# ----------------------------------------------------------------------------------------
+# the three releases of the issue
+# ----------------------------------------------------------------------------------------
+
+
+def test_seed_bug_release_fails_naming_the_field_branch_and_counts():
+    _installed(SEED_BUG)
+    proc = _run("--engine", f"sglang=={SEED_BUG}")
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = proc.stdout
+    verdict = [ln for ln in out.splitlines() if ln.startswith("verdict:")]
+    assert verdict and verdict[0].startswith("verdict: FAIL"), out[-2000:]
+    # the message our own P1 gives for the seed bug: field, branch, expected bs*T vs got bs
+    m = re.search(r"P1/I1 global_num_tokens_for_logprob_gpu: expected \[(\d+)\], got \[(\d+)\] \[layout=[^\]]*\], branch=attn_tp_gather, "
+                  r"runner=multi_layer, step=0, [^\]]*bs=(\d+)\]", verdict[0])
+    assert m, verdict[0]
+    expected, got, bs = map(int, m.groups())
+    assert (expected, got) == (bs * T, bs)
+    # only the seed bug: every failing line is a multi-layer runner in the attn-TP-gather branch
+    failing = [ln for ln in out.splitlines() if ln.startswith("FAIL ")]
+    assert failing
+    for ln in failing:
+        assert ln.split()[1].startswith("multi_layer[") and ln.split()[2] == "attn_tp_gather", ln
+    # both attn-TP-gather layouts (with and without DP attention) and every step show it
+    assert {ln.split()[3] for ln in failing} == {"tp4-dense_tp1", "tp4-dp2-dense_tp1-dp_lm_head-a2a_deepep"}
+    assert {ln.split()[1] for ln in failing} == {"multi_layer[0]", "multi_layer[1]", "multi_layer[2]"}
+    # the single-layer runner and the other branches pass on the same release
+    assert re.search(r"^ok +single_layer +attn_tp_gather", out, re.M)
+    assert re.search(r"^ok +multi_layer\[0\] +mlp_tp_gather", out, re.M)
+    # I2 (rows fed to lm_head), I3 (branch parity) and I6 (single vs multi) see it too
+    summary = next(ln for ln in out.splitlines() if ln.startswith("failing (check, field, branch)"))
+    for check in ("I1 global_num_tokens_for_logprob_gpu [attn_tp_gather]", "I2 global_num_tokens_for_logprob_gpu (capture) [attn_tp_gather]",
+                  "I3 global_num_tokens_for_logprob [attn_tp_gather]", "I6 global_num_tokens_for_logprob [attn_tp_gather]"):
+        assert check in summary, summary
+
+
+def test_fixed_release_passes_with_json():
+    _installed(FIXED)
+    proc = _run("--engine", f"sglang=={FIXED}", "--json")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rep = json.loads(proc.stdout)
+    assert rep["ok"] and rep["version"] == FIXED and rep["summary"]["failures"] == 0
+    lines = rep["lines"]
+    # one line per (runner, branch, bucket): every branch, both runners, every step, checked on real records
+    assert {ln["branch"] for ln in lines} == {"mlp_tp_gather", "attn_tp_gather", "neither"}
+    assert {(ln["runner"], ln["step"]) for ln in lines} == {("multi_layer", 0), ("multi_layer", 1), ("multi_layer", 2), ("single_layer", 0)}
+    assert all(ln["checked"] > 0 and ln["raw_bs"] and max(ln["raw_bs"]) == ln["bucket"] for ln in lines)
+    attn = [ln for ln in lines if ln["branch"] == "attn_tp_gather"]
+    assert {ln["bucket"] for ln in attn if ln["layout"].startswith("tp4-dense_tp1")} == {4, 8, 16}  # multiples of attn_tp_size
+
+
+def test_newest_release_passes():
+    _installed(NEWEST)
+    proc = _run("--engine", f"sglang=={NEWEST}")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert re.search(r"^verdict: PASS: \d+ \(runner, branch, bucket\) lines", proc.stdout, re.M), proc.stdout[-2000:]
+    assert not re.search(r"^FAIL ", proc.stdout, re.M)
+
+
+# ----------------------------------------------------------------------------------------
+# the check is not vacuous on the newest release, and a moved attribute is named
+# ----------------------------------------------------------------------------------------
+
+
+def test_newest_release_planted_engine_bugs_are_caught_and_moves_are_named():
+    """Plant the seed bug and a stale padded lane in the newest release's own code; then make its
+    runner read an attribute our stand-ins lack, as a new release would."""
+    target = _installed(NEWEST)
+    proc = _python(f"""
+        import json, sys
+        from pathlib import Path
+        from harness import engine_adapter as ea
+        from harness.engine_check import check_engine
+        from harness.engine_install import deps_dir
+        from runners.parallel.layout import ParallelLayout
+        eng = ea.load(Path({str(target)!r}), deps_dir())
+        ml = eng.modules["ml"]
+        out = {{}}
+        layouts = (ParallelLayout(4, 1, False, 1), ParallelLayout(4))
+
+        # 1. the seed bug, in get_forward_batch: the attn-TP-gather branch bakes [bs]
+        Runner = ml.MultiLayerEagleDraftExtendCudaGraphRunner
+        real_gfb = Runner.get_forward_batch
+        def seed_bug(self, bs):
+            fb = real_gfb(self, bs)
+            if self.require_attn_tp_gather and not self.require_mlp_tp_gather:
+                self.buffers.global_num_tokens_for_logprob_gpu.fill_(bs)
+            return fb
+        Runner.get_forward_batch = seed_bug
+        rep = check_engine(eng, layouts[:1])
+        out["seed"] = [f.message() for f in rep.failures()][:1]
+        Runner.get_forward_batch = real_gfb
+
+        # 2. prepare() leaves the padded seq_lens stale
+        real_fill = ml.fill_draft_extend_prepare_buffers
+        def stale_lanes(*args):
+            seq_lens, raw_bs, bs = args[6], args[21], args[22]
+            keep = seq_lens[raw_bs:bs].clone()
+            real_fill(*args)
+            seq_lens[raw_bs:bs] = keep + 7
+        ml.fill_draft_extend_prepare_buffers = stale_lanes
+        rep = check_engine(eng, layouts[1:])
+        out["stale"] = sorted({{(f.check, f.field) for f in rep.failures()}})
+        ml.fill_draft_extend_prepare_buffers = real_fill
+
+        # 3. a release whose runner reads something new off the worker
+        SL = eng.modules["sl"].EAGLEDraftExtendCudaGraphRunner
+        real_init = SL.__init__
+        def moved(self, eagle_worker, *a, **k):
+            eagle_worker.draft_extend_attn_backend_v3
+            return real_init(self, eagle_worker, *a, **k)
+        SL.__init__ = moved
+        try:
+            check_engine(eng, layouts[1:])
+            out["moved"] = None
+        except ea.MissingEngineAttribute as e:
+            out["moved"] = str(e)
+        print(json.dumps(out))
+    """)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["seed"] and re.match(r"P1/I1 global_num_tokens_for_logprob_gpu: expected \[(\d+)\], got \[(\d+)\] .*branch=attn_tp_gather", out["seed"][0])
+    assert ["padding", "padded seq_lens"] in out["stale"] and ["padding", "seq_lens_sum"] in out["stale"], out["stale"]
+    assert out["moved"] and "eagle_worker.draft_extend_attn_backend_v3" in out["moved"], out["moved"]
+
+
+# ----------------------------------------------------------------------------------------
+# the adapter's machinery, without any engine
+# ----------------------------------------------------------------------------------------
+
+
+def test_stub_modules_are_package_like_with_subclassable_classes():
+    from harness.engine_adapter import StubFinder
+
+    finder = StubFinder(("fake_thirdparty_pkg",))
+    assert finder.find_spec("json") is None  # only the listed names
+    assert finder.find_spec("fake_other") is None
+    spec = finder.find_spec("fake_thirdparty_pkg.sub.mod")
+    mod = importlib.util.module_from_spec(spec)
+    assert mod.__path__ == []
+
+    class Mine(mod.PretrainedConfig):  # capitalised attributes are real classes
+        pass
+
+    assert isinstance(Mine(1, x=2), mod.PretrainedConfig)
+
+    class FromLower(mod.tqdm):  # so are lower-case ones (`from tqdm import tqdm`)
+        pass
+
+    def f():
+        return 3
+
+    assert mod.lru_cache(f) is f  # used as a decorator: the function is kept
+    assert mod.model_serializer(mode="wrap")(f) is f  # a decorator factory too
+    assert not mod.is_flash_attn_available()  # calls give falsy stand-ins
+    assert list(mod.CONFIG_MAPPING.items()) == []
+
+
+def test_strict_stand_ins_name_what_the_engine_read():
+    from harness.engine_adapter import MissingEngineAttribute, _Strict
+
+    worker = _Strict("eagle_worker", topk=1)
+    assert worker.topk == 1
+    assert getattr(worker, "hot_token_id", None) is None  # getattr with a default still works (an AttributeError)
+    with pytest.raises(MissingEngineAttribute, match=r"eagle_worker\.speculative_num_steps.*harness/engine_adapter.py"):
+        _ = worker.speculative_num_steps
+
+
+def test_engine_spec_and_missing_install():
+    assert EngineSpec.parse("sglang==0.5.14").version == "0.5.14"
+    assert EngineSpec.parse("sglang").version is None
+    for bad in ("vllm==0.1", "sglang==", "sglang==;rm"):
+        with pytest.raises(ValueError):
+            EngineSpec.parse(bad)
+    proc = _run("--engine", "sglang==0.0.0.dev0", "--target", str(REPO / ".engines" / "nowhere"))
+    assert proc.returncode == 2 and "no sglang package under" in proc.stderr
