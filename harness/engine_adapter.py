@@ -114,7 +114,7 @@ REAL_MODULES = ("triton", "msgspec", "regex", "dill", "packaging")
 # it here.
 STUBBED_MODULES = (
     "aiohttp", "compressed_tensors", "einops", "fastapi", "gguf", "huggingface_hub", "IPython",
-    "openai", "orjson", "partial_json_parser", "PIL", "psutil", "pybase64", "pydantic",
+    "openai", "orjson", "yaml", "partial_json_parser", "PIL", "psutil", "pybase64", "pydantic",
     "pydantic_core", "requests", "safetensors", "sentencepiece", "setproctitle", "starlette",
     "torchao", "torchvision", "tqdm", "transformers", "tvm_ffi", "uvicorn", "uvloop", "xgrammar", "zmq",
 )

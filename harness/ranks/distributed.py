@@ -368,14 +368,7 @@ class DistComm:
         self, op: str, group: Group, t: Optional[torch.Tensor], extra: Sequence[int] = ()
     ) -> Iterator[tuple[Any, int, int]]:
         ranks = self._my[group]
-        call = CollectiveCall(
-            seq=len(self.trace),
-            op=op,
-            group=group.value,
-            group_ranks=ranks,
-            shape=tuple(t.shape) if t is not None else (),
-            dtype=str(t.dtype) if t is not None else "",
-        )
+        call = CollectiveCall.of(len(self.trace), op, group.value, ranks, t)
         key = (group.value, ranks)
         group_seq = self._group_calls[key]
         self._group_calls[key] += 1

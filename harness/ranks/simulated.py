@@ -317,14 +317,7 @@ class SimulatedWorld:
             st = self._ranks[rank]
             k = st.group_seq.get(ranks, 0)
             st.group_seq[ranks] = k + 1
-            call = CollectiveCall(
-                seq=len(st.trace),
-                op=op,
-                group=group.value,
-                group_ranks=ranks,
-                shape=tuple(tensor.shape) if tensor is not None else (),
-                dtype=str(tensor.dtype) if tensor is not None else BARRIER_DTYPE,
-            )
+            call = CollectiveCall.of(len(st.trace), op, group.value, ranks, tensor)
             st.trace.append(call)
             slot = self._slots.setdefault((ranks, k), _Slot(ranks=ranks, k=k, group=group.value))
             try:

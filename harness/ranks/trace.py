@@ -18,6 +18,13 @@ class CollectiveCall:
     shape: tuple[int, ...]
     dtype: str  # str(torch.dtype), e.g. "torch.float32"
 
+    @classmethod
+    def of(cls, seq: int, op: str, group: str, group_ranks: tuple[int, ...], tensor) -> "CollectiveCall":
+        """The record of a call on `tensor` (None for a barrier: shape (), dtype "")."""
+        if tensor is None:
+            return cls(seq, op, group, group_ranks, (), "")
+        return cls(seq, op, group, group_ranks, tuple(tensor.shape), str(tensor.dtype))
+
     def describe(self) -> str:
         return f"{self.op}(group={self.group}, shape={self.shape}, dtype={self.dtype.removeprefix('torch.')})"
 

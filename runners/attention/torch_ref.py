@@ -22,6 +22,12 @@ class AttnMetadata:
     key_mask: torch.Tensor  # [N, max_ctx] bool
 
 
+def token_to_request(fb: ForwardBatch) -> torch.Tensor:
+    """[N] lane of each token, from extend_start_loc alone (static shapes: graph-safe)."""
+    tok = torch.arange(fb.input_ids.shape[0], device=fb.input_ids.device)
+    return (torch.searchsorted(fb.extend_start_loc, tok, right=True) - 1).clamp_(min=0)
+
+
 class TorchAttnBackend:
     name = "torch"
 
@@ -30,10 +36,7 @@ class TorchAttnBackend:
         self.kv_pool = kv_pool
 
     def init_forward_metadata(self, fb: ForwardBatch) -> AttnMetadata:
-        n = fb.input_ids.shape[0]
-        tok = torch.arange(n, device=fb.input_ids.device)
-        token_to_req = torch.searchsorted(fb.extend_start_loc, tok, right=True) - 1
-        token_to_req = token_to_req.clamp_(min=0)
+        token_to_req = token_to_request(fb)
         rows = self.req_pool.req_to_token[fb.req_pool_indices]  # [bs, C]
         kv_slots = rows[token_to_req]  # [N, C]
         key_pos = torch.arange(rows.shape[1], device=rows.device)

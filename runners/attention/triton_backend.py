@@ -33,6 +33,8 @@ from typing import Optional
 
 import torch
 
+from runners.attention.torch_ref import token_to_request
+
 if "triton" not in sys.modules and not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # the only way triton runs without a GPU
 
@@ -189,8 +191,7 @@ class TritonAttnBackend:
 
     def init_forward_metadata(self, fb: ForwardBatch) -> TritonAttnMetadata:
         n = fb.input_ids.shape[0]
-        tok = torch.arange(n, device=fb.input_ids.device)
-        token_to_req = (torch.searchsorted(fb.extend_start_loc, tok, right=True) - 1).clamp_(min=0)
+        token_to_req = token_to_request(fb)
         ext = list(fb.extend_seq_lens_cpu) if fb.extend_seq_lens_cpu else []
         max_ext = max(ext) if ext else (n // max(fb.batch_size, 1) if fb.batch_size else 0)
         decode = fb.forward_mode is ForwardMode.DECODE
