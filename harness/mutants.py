@@ -204,18 +204,9 @@ def _copy_pads_with_last_live_slot(self: EagleDraftExtendCudaGraphRunnerBase, in
         self.out_cache_loc[raw_n:] = inp.out_cache_loc[-1]  # pad by repeating the last live entry, not the padding slot
 
 
-def _attn_reads_masked_kv(self: TorchAttnBackend, layer, q, k, v, fb, meta):
+def _attn_reads_masked_kv(vals: torch.Tensor, meta) -> torch.Tensor:
     """The reference attention before masked values were zeroed: a probability-0 key still multiplies its value."""
-    self.kv_pool.write(layer, fb.out_cache_loc, k, v)
-    keys = self.kv_pool.k[layer][meta.kv_slots]
-    vals = self.kv_pool.v[layer][meta.kv_slots]
-    group = q.shape[1] // keys.shape[2]
-    keys = keys.repeat_interleave(group, dim=2).to(q.dtype)
-    vals = vals.repeat_interleave(group, dim=2).to(q.dtype)
-    scores = torch.einsum("nhd,nchd->nhc", q, keys) * q.shape[-1] ** -0.5
-    scores = scores.masked_fill(~meta.key_mask[:, None, :], float("-inf"))
-    probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
-    return torch.einsum("nhc,nchd->nhd", probs, vals)
+    return vals
 
 
 CATALOG = CATALOG + (
@@ -253,7 +244,7 @@ CATALOG = CATALOG + (
         "attn-reads-masked-kv",
         "reference attention multiplies masked (probability 0) KV entries instead of excluding them: a NaN in the padding slot or a stale slot reaches every real row",
         "padded / stale memory read into a real row",
-        ((TorchAttnBackend, "forward", _attn_reads_masked_kv),),
+        ((TorchAttnBackend, "masked_values", staticmethod(_attn_reads_masked_kv)),),
     ),
 )
 

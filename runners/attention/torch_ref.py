@@ -55,7 +55,10 @@ class TorchAttnBackend:
         scores = torch.einsum("nhd,nchd->nhc", q, keys) * q.shape[-1] ** -0.5
         scores = scores.masked_fill(~meta.key_mask[:, None, :], float("-inf"))
         probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
-        # A masked key has probability 0, but 0 * NaN = NaN: zero masked values so no masked slot
-        # (the padding slot, a freed or stale one) reaches a real row, as a kernel that skips them.
-        vals = vals.masked_fill(~meta.key_mask[:, :, None, None], 0)
-        return torch.einsum("nhc,nchd->nhd", probs, vals)
+        return torch.einsum("nhc,nchd->nhd", probs, self.masked_values(vals, meta))
+
+    @staticmethod
+    def masked_values(vals: torch.Tensor, meta: AttnMetadata) -> torch.Tensor:
+        """A masked key has probability 0, but 0 * NaN = NaN: zero masked values so no masked slot
+        (the padding slot, a freed or stale one) reaches a real row, as a kernel that skips them."""
+        return vals.masked_fill(~meta.key_mask[:, :, None, None], 0)
