@@ -7,7 +7,7 @@
 # 3. harness bench --json: fp32 and bf16 (default model; flashinfer on the head_dim-64 one), fp32 with the head_dim-64
 #    model for every backend -> $OUT/bench.json, bench_bf16.json, bench_hd64.json; the tables in $OUT/bench.txt.
 # Every stage has its own time limit so one slow stage cannot hide the others' output.
-# Exit status: non-zero if any stage failed.
+# GPU_SKIP_BENCH=1 stops after the tests. Exit status: non-zero if any stage failed.
 set -uo pipefail
 OUT=${OUT:-out}
 mkdir -p "$OUT"
@@ -46,6 +46,10 @@ start=$(date +%s)
 timeout "$T_TESTS" $PY -m pytest -m gpu -p no:xdist -p no:cacheprovider --durations=25 -rs $PYTEST_ARGS $TESTS 2>&1 | tee -a "$OUT/gpu_tests.log" || status=1
 echo "pytest -m gpu: $(( $(date +%s) - start )) s, status $status" | tee -a "$OUT/gpu_tests.log"
 
+if [ -n "${GPU_SKIP_BENCH:-}" ]; then
+  echo "bench skipped (GPU_SKIP_BENCH is set)" | tee "$OUT/bench.txt"
+  exit $status
+fi
 start=$(date +%s)
 timeout "$T_BENCH" $PY -m harness.bench --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.txt" || status=1
 timeout "$T_BENCH" $PY -m harness.bench --dtype bfloat16 --json "$OUT/bench_bf16.json" 2>&1 | tee -a "$OUT/bench.txt" || status=1

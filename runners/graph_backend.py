@@ -8,8 +8,11 @@ Nothing at replay can see the live batch's Python values (DESIGN.md §2).
 """
 from __future__ import annotations
 
+import gc
+import threading
+from contextlib import contextmanager
 from dataclasses import dataclass, fields, is_dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -49,6 +52,38 @@ class SimulatedGraph:
         _copy_into(self.output, self.body())
 
 
+_gc_lock = threading.Lock()
+_gc_holders = 0
+_gc_was_enabled = False
+
+
+@contextmanager
+def no_gc_during_capture() -> Iterator[None]:
+    """Keep Python's cyclic collector from running while a CUDA graph is being captured.
+
+    torch >= 2.5 no longer gc.collect()s before capture (torch.compiler.config.force_cudagraph_gc),
+    so a dead reference cycle that owns a CUDAGraph (every runner is one: graph -> body ->
+    runner -> graphs) can be collected in the middle of someone else's capture, and destroying
+    that graph there invalidates the capture (cudaErrorStreamCaptureInvalidated, at whatever
+    kernel happens to come next). SGLang's cuda_graph_runner freezes the GC around capture for
+    the same reason. Process-wide (the collector is) and re-entrant across threads: the collector
+    comes back, as it was, when the last capture ends; the garbage is collected then.
+    """
+    global _gc_holders, _gc_was_enabled
+    with _gc_lock:
+        if _gc_holders == 0:
+            _gc_was_enabled = gc.isenabled()
+            gc.disable()
+        _gc_holders += 1
+    try:
+        yield
+    finally:
+        with _gc_lock:
+            _gc_holders -= 1
+            if _gc_holders == 0 and _gc_was_enabled:
+                gc.enable()
+
+
 class CudaGraph:
     kind = "cuda"
 
@@ -58,7 +93,7 @@ class CudaGraph:
         self.output: Any = None
 
     def capture(self) -> Any:
-        with torch.cuda.graph(self.graph, pool=self.pool, stream=self.stream, capture_error_mode="thread_local"):
+        with no_gc_during_capture(), torch.cuda.graph(self.graph, pool=self.pool, stream=self.stream, capture_error_mode="thread_local"):
             self.output = self.body()
         return self.output
 

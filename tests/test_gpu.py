@@ -266,6 +266,28 @@ def test_flashinfer_replay_without_replan_is_caught(monkeypatch):
 
 
 @pytest.mark.gpu
+def test_capture_survives_the_collector_freeing_dead_graphs():
+    """Regression: dead runners (cycles owning CUDAGraphs) collected mid-capture invalidated it.
+
+    The collector is made to run inside the capture (threshold 1 once capture has begun) with dead
+    graph-owning cycles waiting in generation 0; benchmarks/capture_gc_probe.py runs the same
+    capture without runners.graph_backend.no_gc_during_capture and shows it failing.
+    """
+    import gc
+
+    from benchmarks.capture_gc_probe import capture_once, plant
+
+    saved = gc.get_threshold()
+    try:
+        plant(4, with_graph=True)
+        err = capture_once(guarded=True, explicit_collect=False)
+    finally:
+        gc.set_threshold(*saved)
+    assert err is None, err
+    assert gc.isenabled()
+
+
+@pytest.mark.gpu
 def test_bench_runs_on_gpu():
     from harness.bench import format_table, run_bench
 

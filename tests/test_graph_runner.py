@@ -132,3 +132,67 @@ def test_tp1_graph_is_bitwise_equal_to_eager():
     for e, g in zip(run.eager[0], run.graph[0], strict=True):
         for k in ("logits", "hidden", "logprobs", "topk_index", "next_input_ids"):
             assert torch.equal(e.tensors[k], g.tensors[k]), k
+
+
+def test_no_gc_during_capture_nests_across_threads_and_restores_the_collector():
+    """Two overlapping captures (threads) keep the collector off until the last one ends; a
+    collector that was already off stays off (runners/graph_backend.py's capture guard)."""
+    import gc
+    import threading
+
+    from runners.graph_backend import no_gc_during_capture
+
+    assert gc.isenabled()
+    inside, release = threading.Event(), threading.Event()
+
+    def other_capture():
+        with no_gc_during_capture():
+            inside.set()
+            release.wait(10)
+
+    t = threading.Thread(target=other_capture)
+    with no_gc_during_capture():
+        assert not gc.isenabled()
+        t.start()
+        assert inside.wait(10)
+    assert not gc.isenabled(), "the other thread's capture is still running"
+    release.set()
+    t.join(10)
+    assert gc.isenabled()
+
+    gc.disable()
+    try:
+        with no_gc_during_capture():
+            pass
+        assert not gc.isenabled(), "the guard must not turn on a collector someone else turned off"
+    finally:
+        gc.enable()
+
+
+def test_driver_without_records_replays_the_same_outputs():
+    """record=False (the bench's engine-like iteration: no P1 host read-backs) must change nothing but the records."""
+    from harness.ranks.simulated import SimulatedWorld
+    from harness.scenario import materialize, release
+    from runners.cuda_graph import DraftExtendGraphDriver
+
+    sc = load_case("tp1_neither").scenario
+
+    def rank(comm):
+        ctx = RankContext(sc.layout, comm.rank, comm)
+        driver = DraftExtendGraphDriver(DraftWorker(ctx, sc.model, sc.spec, attention_backend=sc.attention_backend), GraphBackend("sim"))
+        driver.capture()
+        got = {}
+        for record in (True, False):
+            driver.record = record
+            batch = materialize(driver.worker, sc, sc.iterations[1])
+            got[record] = driver.run(batch.inputs)
+            release(driver.worker, batch)
+        return got
+
+    (got,) = SimulatedWorld(sc.layout).run(rank)
+    (outs_rec, recs), (outs, no_recs) = got[True], got[False]
+    assert len(recs) == len(outs_rec) == len(outs) > 0 and no_recs == []
+    assert recs[0].raw_bs < recs[0].bs, "the case should pad (raw_bs below its bucket)"
+    for a, b in zip(outs_rec, outs, strict=True):
+        for name, t in a.tensors().items():
+            assert torch.equal(t, b.tensors()[name]), name
