@@ -212,8 +212,8 @@ class LanePoison:
         w.req_pool.req_to_token.copy_(snap["rows"])
 
     def _wrap(self, r: EagleDraftExtendCudaGraphRunnerBase, replay: Callable):
-        def poisoned_replay(inp: DraftExtendInputs):
-            s0 = self._snap(r)
+        def poisoned_replay(inp: DraftExtendInputs, record: bool = True):
+            s0 = self._snap(r)  # P2 needs the records (the bucket) whatever the driver asked for
             out_c, rec_c = replay(inp)
             self._check_canonical(r, inp.bs, rec_c.bs)
             s1 = self._snap(r)
@@ -223,7 +223,7 @@ class LanePoison:
             self._compare(r, inp.bs, rec_c.bs, out_c, out_p, s1)
             self._restore(r, s1)
             self.replays += 1
-            return out_c, rec_c
+            return out_c, rec_c if record else None
 
         return poisoned_replay
 

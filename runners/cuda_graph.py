@@ -205,12 +205,20 @@ class EagleDraftExtendCudaGraphRunnerBase:
 
     def prepare_replay(self, inp: DraftExtendInputs) -> ReplayRecord:
         """Copy in, choose the bucket, write the replay fill. No graph runs (the fast P1 path)."""
-        raw_bs = inp.bs
+        return self._record(inp, self._fill_for_replay(inp))
+
+    def _fill_for_replay(self, inp: DraftExtendInputs) -> int:
+        """Copy-in and replay fill; returns the bucket. Device work only: no host sync."""
         bs = self._choose_bucket(self._needed_bs(inp))
         self._copy_live_inputs(inp)
         if self.global_num_tokens_gpu is not None:
             self.global_num_tokens_gpu.fill_(self._replay_fill_tokens(bs))
             self.global_num_tokens_for_logprob_gpu.fill_(self._replay_fill_tokens(bs))
+        return bs
+
+    def _record(self, inp: DraftExtendInputs, bs: int) -> ReplayRecord:
+        """What P1 compares: reads the static buffers back to the host (device syncs; an engine skips this)."""
+        raw_bs = inp.bs
         seq_lens_sum = int(inp.seq_lens.sum()) + (bs - raw_bs) * SEQ_LEN_FILL_VALUE
         capture = self.capture_records.get(bs) or self._capture_record_for(bs)
         return ReplayRecord(
@@ -239,17 +247,19 @@ class EagleDraftExtendCudaGraphRunnerBase:
             self.global_num_tokens_for_logprob_gpu.copy_(torch.tensor(saved[1], dtype=torch.int32))
         return self.capture_records[bs]
 
-    def replay(self, inp: DraftExtendInputs) -> tuple[StepOutputs, ReplayRecord]:
-        record = self.prepare_replay(inp)
-        graph = self.graphs[record.bs]
+    def replay(self, inp: DraftExtendInputs, record: bool = True) -> tuple[StepOutputs, Optional[ReplayRecord]]:
+        bs = self._fill_for_replay(inp)
+        rec = self._record(inp, bs) if record else None
+        graph = self.graphs[bs]
         replan = getattr(self.worker.attn, "init_forward_metadata_replay_cuda_graph", None)
         if replan is not None:  # host-planned backends (flashinfer): re-plan with the live lanes, outside the graph
-            replan(self.capture_batches[record.bs])
+            replan(self.capture_batches[bs])
         self.backend.replay(graph)
         out: StepOutputs = graph.output
-        record.rows_fed = int(out.rows_fed)
-        record.logits_rows = int(out.logits.shape[0])
-        return out.sliced(inp.bs, self.T), record
+        if rec is not None:
+            rec.rows_fed = int(out.rows_fed)
+            rec.logits_rows = int(out.logits.shape[0])
+        return out.sliced(inp.bs, self.T), rec
 
 
 class MultiLayerEagleDraftExtendCudaGraphRunner(EagleDraftExtendCudaGraphRunnerBase):
@@ -275,8 +285,10 @@ class DraftExtendGraphDriver:
     EagleDraftExtendCudaGraphRunner.
     """
 
-    def __init__(self, worker: DraftWorker, backend: GraphBackend, single_layer: bool = False):
-        self.worker, self.backend = worker, backend
+    def __init__(self, worker: DraftWorker, backend: GraphBackend, single_layer: bool = False, record: bool = True):
+        """record=False skips the ReplayRecords (P1's host read-back, a few device syncs per step):
+        the driver then runs as an engine would, and `run` returns no records."""
+        self.worker, self.backend, self.record = worker, backend, record
         if single_layer:
             self.runners: list[EagleDraftExtendCudaGraphRunnerBase] = [EagleDraftExtendCudaGraphRunner(worker, backend)]
         else:
@@ -300,9 +312,10 @@ class DraftExtendGraphDriver:
         outs, records = [], []
         step_inp = inp
         for r in self.runners:
-            out, rec = r.replay(step_inp)
+            out, rec = r.replay(step_inp, record=self.record)
             outs.append(out)
-            records.append(rec)
+            if rec is not None:
+                records.append(rec)
             step_inp = with_step_inputs(inp, out.next_input_ids, out.hidden)
         return outs, records
 
