@@ -6,7 +6,9 @@ never requests.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
+
+import torch
 
 from runners.parallel.layout import Branch, ParallelLayout
 
@@ -20,6 +22,17 @@ class GatheredMetadata:
     @property
     def gpu_shape(self) -> Optional[tuple[int]]:
         return None if self.global_num_tokens is None else (len(self.global_num_tokens),)
+
+    def forward_batch_fields(self, device: torch.device | str) -> dict[str, Any]:
+        """The ForwardBatch fields of an eager batch (fresh gpu tensors); graph runners copy into static ones instead."""
+        as_gpu = lambda xs: None if xs is None else torch.tensor(xs, dtype=torch.int32, device=device)  # noqa: E731
+        return dict(
+            global_num_tokens_cpu=self.global_num_tokens,
+            global_num_tokens_gpu=as_gpu(self.global_num_tokens),
+            global_num_tokens_for_logprob_cpu=self.global_num_tokens_for_logprob,
+            global_num_tokens_for_logprob_gpu=as_gpu(self.global_num_tokens_for_logprob),
+            global_dp_buffer_len=self.global_dp_buffer_len,
+        )
 
 
 def gathered_metadata(

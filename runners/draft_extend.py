@@ -142,7 +142,6 @@ def eager_forward_batch(worker: DraftWorker, inp: DraftExtendInputs, input_ids: 
     ctx = worker.ctx
     tokens, lp_tokens = tokens_and_logprob_tokens(inp.dp_batch_sizes, T)
     meta = gathered_metadata(ctx.layout, tokens, lp_tokens, ctx.attn_dp_rank)
-    as_gpu = lambda xs: None if xs is None else torch.tensor(xs, dtype=torch.int32, device=dev)  # noqa: E731
     return ForwardBatch(
         forward_mode=ForwardMode.DRAFT_EXTEND_V2,
         batch_size=bs,
@@ -158,11 +157,7 @@ def eager_forward_batch(worker: DraftWorker, inp: DraftExtendInputs, input_ids: 
         extend_num_tokens=bs * T,
         num_token_non_padded=bs * T,
         seq_lens_sum=int(inp.seq_lens.sum()),
-        global_num_tokens_cpu=meta.global_num_tokens,
-        global_num_tokens_gpu=as_gpu(meta.global_num_tokens),
-        global_num_tokens_for_logprob_cpu=meta.global_num_tokens_for_logprob,
-        global_num_tokens_for_logprob_gpu=as_gpu(meta.global_num_tokens_for_logprob),
-        global_dp_buffer_len=meta.global_dp_buffer_len,
+        **meta.forward_batch_fields(dev),
     )
 
 

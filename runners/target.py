@@ -48,7 +48,6 @@ def extend_batch(ctx: RankContext, lanes: Sequence[Lane], dp_tokens: list[int], 
     for m in lens[:-1]:
         starts.append(starts[-1] + m)
     meta = gathered_metadata(ctx.layout, dp_tokens, dp_tokens, ctx.attn_dp_rank)
-    as_gpu = lambda xs: None if xs is None else torch.tensor(xs, dtype=torch.int32, device=device)  # noqa: E731
     return ForwardBatch(
         forward_mode=ForwardMode.EXTEND,
         batch_size=len(lanes),
@@ -64,11 +63,7 @@ def extend_batch(ctx: RankContext, lanes: Sequence[Lane], dp_tokens: list[int], 
         extend_num_tokens=n,
         num_token_non_padded=n,
         seq_lens_sum=sum(lane.seq_len for lane in lanes),
-        global_num_tokens_cpu=meta.global_num_tokens,
-        global_num_tokens_gpu=as_gpu(meta.global_num_tokens),
-        global_num_tokens_for_logprob_cpu=meta.global_num_tokens_for_logprob,
-        global_num_tokens_for_logprob_gpu=as_gpu(meta.global_num_tokens_for_logprob),
-        global_dp_buffer_len=meta.global_dp_buffer_len,
+        **meta.forward_batch_fields(device),
     )
 
 
