@@ -72,13 +72,13 @@ def run_rank(
         if eager_worker is not None:
             batch = _prepare(eager_worker, sc, it)
             outs, fbs = run_eager(eager_worker, batch.inputs)
-            result.eager.append([StepResult(_cpu(o), fb.host_metadata()) for o, fb in zip(outs, fbs)])
+            result.eager.append([StepResult(_cpu(o), fb.host_metadata()) for o, fb in zip(outs, fbs, strict=True)])
             result.rids.append(batch.rids)
             release(eager_worker, batch)
         if driver is not None:
             batch = _prepare(driver.worker, sc, it)
             outs, recs = driver.run(batch.inputs)
-            result.graph.append([StepResult(_cpu(o), rec.capture.host if rec else {}) for o, rec in zip(outs, recs or [None] * len(outs))])
+            result.graph.append([StepResult(_cpu(o), rec.capture.host if rec else {}) for o, rec in zip(outs, recs or [None] * len(outs), strict=True)])
             result.records.append(recs)
             if eager_worker is None:
                 result.rids.append(batch.rids)

@@ -10,7 +10,7 @@ from dataclasses import replace
 from functools import lru_cache
 from typing import Optional
 
-from runners.config import ModelConfig
+from runners.config import DEFAULT_MODEL, ModelConfig
 from runners.model import check_model_fits_layout
 from runners.parallel.layout import Branch, LayoutError, ParallelLayout
 
@@ -18,7 +18,7 @@ __all__ = ["ParallelLayout", "Branch", "LayoutError", "all_layouts", "layouts_by
 
 
 @lru_cache(maxsize=None)
-def all_layouts(max_world: int = 8, model: ModelConfig = ModelConfig()) -> tuple[ParallelLayout, ...]:
+def all_layouts(max_world: int = 8, model: ModelConfig = DEFAULT_MODEL) -> tuple[ParallelLayout, ...]:
     """Every valid layout with tp in {1, 2, 4, 8} (<= max_world) that the model can be sharded over."""
     out = []
     for tp in (1, 2, 4, 8):

@@ -15,7 +15,7 @@ from harness.layout import branch_sibling
 from harness.scenario import Scenario
 from harness.tolerances import Tol, cross_layout, eager_vs_graph
 from harness.verdict import Verdict
-from runners.config import ModelConfig, SpecConfig
+from runners.config import DEFAULT_MODEL, ModelConfig, SpecConfig
 from runners.cuda_graph import (
     EagleDraftExtendCudaGraphRunner,
     EagleDraftExtendCudaGraphRunnerBase,
@@ -162,7 +162,7 @@ def check_metadata(
     layout: ParallelLayout,
     spec: SpecConfig,
     schedule: Sequence[Sequence[int]],
-    model: ModelConfig = ModelConfig(),
+    model: ModelConfig = DEFAULT_MODEL,
     seed: int = 0,
 ) -> Verdict:
     """P1 over one layout and a schedule (per iteration: each DP group's raw batch size).

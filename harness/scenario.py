@@ -128,6 +128,6 @@ def materialize(worker: DraftWorker, sc: Scenario, it: Iteration) -> Materialize
 
 
 def release(worker: DraftWorker, batch: MaterializedBatch) -> None:
-    for idx, slots in zip(batch.inputs.req_pool_indices.tolist(), batch.slots):
+    for idx, slots in zip(batch.inputs.req_pool_indices.tolist(), batch.slots, strict=True):
         worker.req_pool.release(int(idx))
         worker.kv_pool.release(slots)

@@ -44,6 +44,9 @@ def default_capture_bs() -> list[int]:
     return [1, 2, 4, 8, 16, 24, 32]
 
 
+DEFAULT_MODEL = ModelConfig()  # frozen: one shared instance serves as every default
+
+
 @dataclass(frozen=True)
 class SpecConfig:
     """EAGLE/MTP speculative config. One draft layer per step (multi-layer EAGLE)."""

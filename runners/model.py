@@ -82,7 +82,7 @@ class DecoderLayer:
 
     def __init__(self, cfg: ModelConfig, name: str, ctx: RankContext, kv_layer: int):
         self.cfg, self.ctx, self.kv_layer = cfg, ctx, kv_layer
-        H, d, I = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
+        H, d, inter = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
         layout = ctx.layout
         self.heads = hs = head_shard(cfg, ctx.attn_tp_rank, ctx.attn_tp_size)
         self.ln1 = torch.ones(H, dtype=cfg.torch_dtype)
@@ -96,9 +96,9 @@ class DecoderLayer:
         self.wv = wv[hs.kv_start * d : (hs.kv_start + hs.kv_count) * d].contiguous()
         self.wo = wo[:, hs.q_start * d : (hs.q_start + hs.q_count) * d].contiguous()
 
-        gate = full_weight(cfg, f"{name}.gate", (I, H))
-        up = full_weight(cfg, f"{name}.up", (I, H))
-        down = full_weight(cfg, f"{name}.down", (H, I))
+        gate = full_weight(cfg, f"{name}.gate", (inter, H))
+        up = full_weight(cfg, f"{name}.up", (inter, H))
+        down = full_weight(cfg, f"{name}.down", (H, inter))
         self.branch = layout.branch
         if layout.mlp_replicated:
             self.mlp_rank, self.mlp_size = 0, 1

@@ -608,7 +608,7 @@ def test_concurrent_worlds_are_independent():
     layouts = [L2, L4, L8, L4DP2, L8DP4, L8DP2]
     with ThreadPoolExecutor(max_workers=len(layouts)) as pool:
         results = list(pool.map(job, layouts))
-    for layout, res in zip(layouts, results):
+    for layout, res in zip(layouts, results, strict=True):
         n = layout.world_size
         assert res == [n * (n - 1) / 2] * n
 

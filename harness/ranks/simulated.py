@@ -132,7 +132,7 @@ def _combine_reduce_scatter(ts: list[torch.Tensor], params: tuple) -> list[torch
 
 def _combine_all_gather_v(ts: list[torch.Tensor], params: tuple) -> list[torch.Tensor]:
     (lengths,) = params
-    full = torch.cat([t[:n] for t, n in zip(ts, lengths)], dim=0)
+    full = torch.cat([t[:n] for t, n in zip(ts, lengths, strict=True)], dim=0)
     return [full.clone() for _ in ts]
 
 
@@ -349,7 +349,7 @@ class SimulatedWorld:
                 message = f"{arrival.call.op} failed to combine [{slot.label}]: {_exc_line(exc)}"
                 slot.fail(CollectiveError, message)
                 raise CollectiveError(message) from exc
-            slot.results = dict(zip(slot.ranks, outputs))
+            slot.results = dict(zip(slot.ranks, outputs, strict=True))
             slot.done = True
 
     def _await(self, rank: int, slot: _Slot) -> Optional[torch.Tensor]:
@@ -531,9 +531,9 @@ def compare_traces(
     """
     if len(traces_a) != len(traces_b):
         return f"world sizes differ: a has {len(traces_a)} ranks, b has {len(traces_b)}"
-    longest = max((max(len(a), len(b)) for a, b in zip(traces_a, traces_b)), default=0)
+    longest = max((max(len(a), len(b)) for a, b in zip(traces_a, traces_b, strict=True)), default=0)
     for i in range(longest):
-        for rank, (ta, tb) in enumerate(zip(traces_a, traces_b)):
+        for rank, (ta, tb) in enumerate(zip(traces_a, traces_b, strict=True)):
             ca = ta[i] if i < len(ta) else None
             cb = tb[i] if i < len(tb) else None
             if ca != cb:
