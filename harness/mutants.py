@@ -204,6 +204,12 @@ def _copy_pads_with_last_live_slot(self: EagleDraftExtendCudaGraphRunnerBase, in
         self.out_cache_loc[raw_n:] = inp.out_cache_loc[-1]  # pad by repeating the last live entry, not the padding slot
 
 
+def _reset_marks_padded_lanes_unaccepted(self: EagleDraftExtendCudaGraphRunnerBase, raw_bs: int, accept_lens: torch.Tensor) -> None:
+    _REAL_RESET(self, raw_bs, accept_lens)
+    self.num_accept_tokens[raw_bs:].fill_(0)  # padded lanes "accepted nothing" ...
+    self.num_correct_drafts[raw_bs:].fill_(-1)  # ... so their select index, lane * T - 1, is the previous lane's last token
+
+
 def _attn_reads_masked_kv(vals: torch.Tensor, meta) -> torch.Tensor:
     """The reference attention before masked values were zeroed: a probability-0 key still multiplies its value."""
     return vals
@@ -245,6 +251,12 @@ CATALOG = CATALOG + (
         "reference attention multiplies masked (probability 0) KV entries instead of excluding them: a NaN in the padding slot or a stale slot reaches every real row",
         "padded / stale memory read into a real row",
         ((TorchAttnBackend, "masked_values", staticmethod(_attn_reads_masked_kv)),),
+    ),
+    Mutant(
+        "padded-accept-len-zero",
+        "replay reset gives padded lanes accept length 0 (num_correct_drafts -1) instead of keeping an in-range value: a padded lane's select index is the last token of the lane before it, so the first padded lane overwrites the last real lane's next input id",
+        "padded lane writes into a real lane",
+        ((EagleDraftExtendCudaGraphRunnerBase, "reset_for_iteration", _reset_marks_padded_lanes_unaccepted),),
     ),
 )
 

@@ -41,6 +41,7 @@ def test_p2_checks_every_replay_and_leaves_the_run_unchanged():
         ("stale-padded-seq-lens", "canonical", "seq_lens"),
         ("padded-kv-write-live-slot", "canonical", "out_cache_loc"),
         ("attn-reads-masked-kv", "poison", "logits"),
+        ("padded-accept-len-zero", "canonical", "num_correct_drafts"),  # co-killed by P3, P4, P8
     ],
 )
 def test_p2_kills(mutant, check, field):
@@ -80,7 +81,7 @@ def test_out_of_domain_num_correct_drafts_would_leak_into_a_real_row():
     real_replay = runner.replay
     changed_rows = []
 
-    def replay(inp):
+    def replay(inp, record=True):
         out_clean, rec = real_replay(inp)
         runner.reset_for_iteration(inp.bs, inp.accept_lens)
         runner.num_correct_drafts[inp.bs:] = -1
