@@ -63,3 +63,17 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip_slow)
         if ("gpu" in item.keywords or "multigpu" in item.keywords) and not have_gpu:
             item.add_marker(skip_gpu)
+            continue
+        multi = item.get_closest_marker("multigpu")
+        reason = _multigpu_skip_reason(item.nodeid, multi) if multi is not None else None
+        if reason:
+            item.add_marker(pytest.mark.skip(reason=reason))
+
+
+def _multigpu_skip_reason(nodeid: str, marker: pytest.Mark) -> str | None:
+    """multigpu(n): skip unless this xdist worker's GPU slice holds n GPUs (harness/ranks/gpu_slice.py)."""
+    from harness.ranks.gpu_slice import require_gpus
+
+    if len(marker.args) != 1 or not isinstance(marker.args[0], int) or marker.args[0] < 1:
+        raise pytest.UsageError(f"{nodeid}: @pytest.mark.multigpu takes one positive int, the GPUs it needs; got {marker.args!r}")
+    return require_gpus(marker.args[0])

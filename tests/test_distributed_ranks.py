@@ -238,9 +238,6 @@ def test_every_collective_on_gloo(layout):
 @pytest.mark.multigpu(2)
 @pytest.mark.gpu
 def test_every_collective_on_nccl():
-    reason = require_gpus(2)
-    if reason:
-        pytest.skip(reason)
     out = launch(TP2, _program, backend="nccl", timeout_s=120, check_signatures=True)
     assert out.backend == "nccl"
     _check_collectives(TP2, out, exact_fold=False)
@@ -480,3 +477,18 @@ def test_gpu_slice_examples_and_skip_reasons():
     assert apply_worker_slice(env2) == "2,3" and env2["CUDA_VISIBLE_DEVICES"] == "2,3" and SLICE_ENV in env2
     assert apply_worker_slice(env2) == "2,3"  # idempotent
     assert worker_gpus(2, env2) == [0, 1]  # already sliced: every visible device is this worker's
+
+
+def test_multigpu_marker_is_enforced_by_conftest(monkeypatch):
+    """@pytest.mark.multigpu(n) skips with require_gpus' reason; a malformed marker is a usage error, not a silent run."""
+    from conftest import _multigpu_skip_reason
+    from harness.ranks import gpu_slice as gs
+
+    monkeypatch.setattr(gs, "_visible_device_count", lambda: 2)
+    for var in ("PYTEST_XDIST_WORKER", "PYTEST_XDIST_WORKER_COUNT", gs.SLICE_ENV):  # the same answer under xdist
+        monkeypatch.delenv(var, raising=False)
+    assert _multigpu_skip_reason("t::a", pytest.mark.multigpu(2).mark) is None
+    assert _multigpu_skip_reason("t::b", pytest.mark.multigpu(4).mark) == "needs 4 GPU(s) in this worker's slice: this process has 2 ([0, 1]) of 2 visible"
+    for bad in (pytest.mark.multigpu.mark, pytest.mark.multigpu("2").mark, pytest.mark.multigpu(0).mark):
+        with pytest.raises(pytest.UsageError, match="t::c: @pytest.mark.multigpu takes one positive int"):
+            _multigpu_skip_reason("t::c", bad)
