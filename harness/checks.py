@@ -13,7 +13,7 @@ from harness.ranks.trace import CollectiveError, CollectiveMismatch, CollectiveT
 from harness.scenario import Scenario
 from harness.verdict import Verdict
 
-PROPERTY_ORDER = ("run", "P1", "P3", "P4")  # "run": every rank finished, collectives consistent
+PROPERTY_ORDER = ("run", "P1", "P2", "P3", "P4", "P5", "P6")  # "run": every rank finished, collectives consistent
 
 
 @dataclass
@@ -22,6 +22,7 @@ class CaseReport:
     layout: str
     branch: str
     verdicts: dict[str, Verdict] = field(default_factory=dict)
+    skipped: dict[str, str] = field(default_factory=dict)  # property -> why it could not run on this case (never a pass)
     seconds: float = 0.0
     runs: Optional[list[RankRun]] = None
     oracle: Optional[list[RankRun]] = None
@@ -45,6 +46,7 @@ class CaseReport:
             "ok": self.ok,
             "seconds": round(self.seconds, 3),
             "properties": {k: v.to_json() for k, v in self.verdicts.items()},
+            "skipped": dict(self.skipped),
         }
 
 
@@ -104,8 +106,25 @@ def _crash_verdict(prop: str, sc: Scenario, err: BaseException) -> Verdict:
     return v
 
 
+FAST_PROPS = ("P1", "P3", "P4")  # one run of the case: the draft-extend runners
+SPEC_PROPS = ("P2", "P5", "P6")  # the case's workload through the speculative decoding loop
+CASE_PROPS = FAST_PROPS + SPEC_PROPS  # P7 and P8 need planned schedules: pytest and `harness mutants` run them
+
+
+def parse_props(text: str) -> tuple[str, ...]:
+    """`all`, or a comma list of CASE_PROPS; anything else names what is accepted."""
+    if text == "all":
+        return CASE_PROPS
+    props = tuple(p.strip().upper() for p in text.split(",") if p.strip())
+    bad = [p for p in props if p not in CASE_PROPS]
+    if bad or not props:
+        raise ValueError(f"--props {text!r}: expected 'all' or a comma list of {', '.join(CASE_PROPS)}; "
+                         f"{'unknown: ' + ', '.join(bad) if bad else 'none given'} (P7, P8: pytest / harness mutants)")
+    return props
+
+
 def check_case(
-    case: Case, props: tuple[str, ...] = ("P1", "P3", "P4"), on_progress: Optional[Callable[[str], None]] = None, ranks: str = "sim"
+    case: Case, props: tuple[str, ...] = FAST_PROPS, on_progress: Optional[Callable[[str], None]] = None, ranks: str = "sim"
 ) -> CaseReport:
     t0 = time.perf_counter()
     sc = case.scenario
@@ -132,5 +151,28 @@ def check_case(
             tol = case.tol("cross_layout")  # a case's [tolerances] table overrides harness/tolerances.py
             v = check_cross_layout(sc, rep.runs, rep.oracle, "eager", tol_override=tol)
             rep.verdicts["P4"] = v.merge(check_cross_layout(sc, rep.runs, rep.oracle, "graph", tol_override=tol))
+    if any(p in props for p in SPEC_PROPS):
+        if ranks != "sim":
+            raise ValueError(f"{', '.join(p for p in props if p in SPEC_PROPS)} run on simulated ranks only; drop them or use --ranks sim")
+        # the loop's properties import this module: import them here
+        from harness.spec_props import check_padded_lanes, check_spec_case
+        from runners.spec_decode import loop_unsupported_reason
+
+        if (why := loop_unsupported_reason(sc.spec)) is not None:
+            rep.skipped.update({p: why for p in props if p in SPEC_PROPS})
+        elif "P2" in props:
+            say("P2 padded lanes")
+            _merge_into(rep.verdicts, check_padded_lanes(case))
+        if why is None and ("P5" in props or "P6" in props):
+            say("P5/P6 speculative decoding loop")
+            _merge_into(rep.verdicts, check_spec_case(case, props=tuple(p for p in ("P5", "P6") if p in props)))
     rep.seconds = time.perf_counter() - t0
     return rep
+
+
+def _merge_into(verdicts: dict[str, Verdict], got: dict[str, Verdict]) -> None:
+    for name, v in got.items():
+        if name in verdicts:
+            verdicts[name].merge(v)
+        else:
+            verdicts[name] = v

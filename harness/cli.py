@@ -38,21 +38,30 @@ def cmd_list(args) -> int:
 
 
 def cmd_check(args) -> int:
-    from harness.checks import check_case
+    from harness.checks import SPEC_PROPS, check_case, parse_props
 
+    try:
+        props = parse_props(args.props)
+    except ValueError as e:
+        raise SystemExit(f"harness check: {e}") from None
+    if args.ranks != "sim" and any(p in SPEC_PROPS for p in props):
+        raise SystemExit(f"harness check: --props {args.props} includes {','.join(p for p in props if p in SPEC_PROPS)}, which run on "
+                         f"simulated ranks only; use --ranks sim or --props P1,P3,P4")
     cases = _cases(args.cases)
     reports = []
     t0 = time.perf_counter()
     with _mutant_ctx(args.mutant):
         for i, case in enumerate(cases, 1):
-            rep = check_case(case, ranks=args.ranks)
+            rep = check_case(case, props=props, ranks=args.ranks)
             reports.append(rep)
             if not args.json:
-                verdicts = " ".join(f"{k}:{'ok' if v.ok else 'FAIL'}" for k, v in rep.verdicts.items())
+                verdicts = " ".join([f"{k}:{'ok' if v.ok else 'FAIL'}" for k, v in rep.verdicts.items()] + [f"{k}:skip" for k in rep.skipped])
                 line = f"[{i}/{len(cases)}] {'PASS' if rep.ok else 'FAIL'} {case.name:<28} {rep.layout:<48} {verdicts}  {rep.seconds:.1f}s"
                 print(line, flush=True)
                 if not rep.ok:
                     print(f"      {rep.first_failure()[1]}", flush=True)
+                for why in dict.fromkeys(rep.skipped.values()):
+                    print(f"      skipped {','.join(k for k, w in rep.skipped.items() if w == why)}: {why}", flush=True)
     failed = [r for r in reports if not r.ok]
     total = time.perf_counter() - t0
     if args.json:
@@ -208,6 +217,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--json", action="store_true")
     s.add_argument("--mutant", help="plant a mutant from the catalog first (see `harness mutants`)")
     s.add_argument("--ranks", choices=("sim", "gloo", "nccl"), default="sim", help="simulated ranks (threads), or real ones: a process per rank over gloo (CPU) or nccl (a GPU per rank)")
+    s.add_argument("--props", default="P1,P3,P4", metavar="LIST",
+                   help="properties per case: a comma list of P1,P3,P4 (one run of the runners; the default) and P2,P5,P6 "
+                        "(the case's workload through the speculative decoding loop; simulated ranks), or 'all'")
     s.set_defaults(func=cmd_check)
 
     s = sub.add_parser("replay", help="rerun one case step by step and show the first divergence")

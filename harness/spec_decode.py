@@ -26,19 +26,20 @@ from typing import Callable, Iterator, Optional, Sequence
 
 import torch
 
-from harness.case import Case, load_case
+from harness.case import Case, default_cases, load_case
 from harness.ranks.simulated import SimulatedWorld
 from runners.config import ModelConfig, SpecConfig
 from runners.parallel.dp_attention import RankContext
 from runners.parallel.layout import ParallelLayout
 from runners.scheduler import Request
-from runners.spec_decode import DEFAULT_ALIGNMENT, Alignment, SpecEngine, StepReport
+from runners.spec_decode import DEFAULT_ALIGNMENT, Alignment, SpecEngine, StepReport, loop_unsupported_reason
 from runners.target import GreedyOutput, target_greedy
 
 ACCEPT_DIR = Path(__file__).resolve().parent.parent / "golden" / "acceptance"
 FORMAT = "specharness-acceptance/1"
 # The cases shipped with acceptance goldens: one per branch, a shrink, a tree (topk 2), DP groups.
-GOLDEN_CASES = ("tp1_neither", "tp2_shrink", "tp4_attn_tp_gather", "tp4_dp2_mlp_tp_gather", "tp4_neither_topk2")
+# every shipped case the loop can run has an acceptance golden
+GOLDEN_CASES = tuple(c.name for c in default_cases() if loop_unsupported_reason(c.scenario.spec) is None)
 
 
 DEFAULT_MODEL = ModelConfig()

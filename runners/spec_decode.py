@@ -91,13 +91,21 @@ class StepReport:
     records: list[ReplayRecord] = field(default_factory=list)  # graph replays (empty: eager or fallback)
 
 
+def loop_unsupported_reason(spec: SpecConfig) -> Optional[str]:
+    """Why the speculative decoding loop cannot run this config (None: it can)."""
+    T, S = spec.num_tokens_per_bs, spec.num_steps
+    if T != S + 1:
+        return f"the loop verifies S = num_steps drafts per request, so num_tokens_per_bs must be {S + 1}, got {T}"
+    return None
+
+
 class SpecEngine:
     def __init__(self, ctx: RankContext, cfg: ModelConfig, spec: SpecConfig, proposer: str = "eagle", runner: str = "eager",
                  tree: Optional[bool] = None, device: str | torch.device = "cpu", alignment: Alignment = DEFAULT_ALIGNMENT,
                  attention_backend: str = "torch", num_slots: Optional[int] = None):
         T, S = spec.num_tokens_per_bs, spec.num_steps
-        if T != S + 1:
-            raise ValueError(f"the loop verifies S = num_steps drafts per request, so num_tokens_per_bs must be {S + 1}, got {T}")
+        if (why := loop_unsupported_reason(spec)) is not None:
+            raise ValueError(why)
         self.ctx, self.cfg, self.spec, self.device = ctx, cfg, spec, torch.device(device)
         self.T, self.S = T, S
         self.tree = spec.topk > 1 if tree is None else tree

@@ -34,6 +34,35 @@ def test_check_one_case_passes(capsys):
     assert "PASS tp2_neither" in out and "1 passed, 0 failed" in out
 
 
+def test_check_props_all_runs_the_loop_properties_and_names_what_it_skips(capsys):
+    assert main(["check", "tp1_neither", "tp2_attn_tp_gather_explicit", "--props", "all", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    full, skipped = data["cases"]
+    assert set(full["properties"]) == {"P1", "P2", "P3", "P4", "P5", "P6"} and full["skipped"] == {}
+    assert all(v["ok"] for v in full["properties"].values())
+    assert set(skipped["properties"]) == {"P1", "P3", "P4"}  # T = 5 with num_steps 3: the loop can't run it
+    assert set(skipped["skipped"]) == {"P2", "P5", "P6"} and "num_tokens_per_bs must be 4, got 5" in skipped["skipped"]["P5"]
+    assert main(["check", "tp2_attn_tp_gather_explicit", "--props", "P5"]) == 0
+    out = capsys.readouterr().out
+    assert "P5:skip" in out and "skipped P5: the loop verifies" in out
+
+
+def test_check_props_kill_the_seed_bug_through_p6(capsys):
+    assert main(["check", "tp4_attn_tp_gather", "--props", "P6", "--mutant", "sglang-26416"]) == 1
+    assert "P6:FAIL" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv,msg", [
+    (["--props", "P9"], "expected 'all' or a comma list of P1, P3, P4, P2, P5, P6; unknown: P9"),
+    (["--props", ","], "none given"),
+    (["--props", "P2", "--ranks", "gloo"], "simulated ranks only"),
+])
+def test_check_props_errors_name_what_is_accepted(argv, msg):
+    with pytest.raises(SystemExit) as e:
+        main(["check", "tp1_neither", *argv])
+    assert msg in str(e.value)
+
+
 def test_replay_clean_case_exits_0_and_seed_mutant_exits_1():
     rc, out, _ = run("replay", "tp4_attn_tp_gather")
     assert rc == 0, out
