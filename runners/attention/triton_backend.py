@@ -46,6 +46,31 @@ from runners.memory import ReqToTokenPool, TokenToKVPool
 
 
 @triton.jit
+def _kv_block(K, V, req_to_token, req, kv_len, kvh, n0, offs_d, d_mask,
+              stride_kn, stride_kh, stride_vn, stride_vh, stride_rt, BLOCK_N: tl.constexpr):
+    """One block of a request's keys and values through its req_to_token row; keys >= kv_len read as 0 (masked)."""
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < kv_len
+    slot = tl.load(req_to_token + req * stride_rt + offs_n, mask=n_mask, other=0).to(tl.int64)
+    kv_mask = n_mask[:, None] & d_mask[None, :]
+    k = tl.load(K + slot[:, None] * stride_kn + kvh * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0)
+    v = tl.load(V + slot[:, None] * stride_vn + kvh * stride_vh + offs_d[None, :], mask=kv_mask, other=0.0)
+    return offs_n, n_mask, k, v
+
+
+@triton.jit
+def _online_softmax(s, visible, m_i, l_i):
+    """The flash-attention update for one block of scores: (p, the rescale of what came before, new max, new sum).
+    A row with nothing visible yet keeps max -inf and sum 0 (m_safe avoids inf - inf)."""
+    s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp(s - m_safe[:, None])
+    alpha = tl.exp(m_i - m_safe)
+    return p, alpha, m_new, l_i * alpha + tl.sum(p, 1)
+
+
+@triton.jit
 def _extend_kernel(
     Q, K, V, Out,
     req_to_token, req_pool_indices, seq_lens, positions, start_loc, ext_lens,
@@ -81,22 +106,12 @@ def _extend_kernel(
     l_i = tl.full([BLOCK_M], 0.0, dtype=tl.float32)
     acc = tl.full([BLOCK_M, BLOCK_D], 0.0, dtype=tl.float32)
     for n0 in range(0, MAX_CTX, BLOCK_N):  # a constexpr bound (the interpreter needs one); keys >= kv_len are masked
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        n_mask = offs_n < kv_len
-        slot = tl.load(req_to_token + req * stride_rt + offs_n, mask=n_mask, other=0).to(tl.int64)
-        kv_mask = n_mask[:, None] & d_mask[None, :]
-        k = tl.load(K + slot[:, None] * stride_kn + kvh * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0)
+        offs_n, n_mask, k, v = _kv_block(K, V, req_to_token, req, kv_len, kvh, n0, offs_d, d_mask,
+                                         stride_kn, stride_kh, stride_vn, stride_vh, stride_rt, BLOCK_N)
         s = tl.dot(q, tl.trans(k), input_precision="ieee") * sm_scale  # [BLOCK_M, BLOCK_N], fp32
         visible = n_mask[None, :] & (offs_n[None, :] <= pos[:, None]) & m_mask[:, None]
-        s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp(s - m_safe[:, None])
-        alpha = tl.exp(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(V + slot[:, None] * stride_vn + kvh * stride_vh + offs_d[None, :], mask=kv_mask, other=0.0)
+        p, alpha, m_i, l_i = _online_softmax(s, visible, m_i, l_i)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        m_i = m_new
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     tl.store(Out + tok[:, None] * stride_on + head[:, None] * stride_oh + offs_d[None, :], out.to(Out.dtype.element_ty), mask=qo_mask)
 
@@ -131,22 +146,12 @@ def _decode_kernel(
     l_i = tl.full([BLOCK_G], 0.0, dtype=tl.float32)
     acc = tl.full([BLOCK_G, BLOCK_D], 0.0, dtype=tl.float32)
     for n0 in range(0, MAX_CTX, BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        n_mask = offs_n < kv_len
-        slot = tl.load(req_to_token + req * stride_rt + offs_n, mask=n_mask, other=0).to(tl.int64)
-        kv_mask = n_mask[:, None] & d_mask[None, :]
-        k = tl.load(K + slot[:, None] * stride_kn + kvh * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
-        s = tl.sum(q[:, None, :] * k[None, :, :], 2) * sm_scale  # [BLOCK_G, BLOCK_N]
+        offs_n, n_mask, k, v = _kv_block(K, V, req_to_token, req, kv_len, kvh, n0, offs_d, d_mask,
+                                         stride_kn, stride_kh, stride_vn, stride_vh, stride_rt, BLOCK_N)
+        s = tl.sum(q[:, None, :] * k.to(tl.float32)[None, :, :], 2) * sm_scale  # [BLOCK_G, BLOCK_N]
         visible = (n_mask & (offs_n <= pos))[None, :] & g_mask[:, None]
-        s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp(s - m_safe[:, None])
-        alpha = tl.exp(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(V + slot[:, None] * stride_vn + kvh * stride_vh + offs_d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
-        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], 1)
-        m_i = m_new
+        p, alpha, m_i, l_i = _online_softmax(s, visible, m_i, l_i)
+        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], 1)
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     tl.store(Out + t * stride_on + head[:, None] * stride_oh + offs_d[None, :], out.to(Out.dtype.element_ty), mask=qo_mask)
 
