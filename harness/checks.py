@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 from harness.case import Case
 from harness.execute import RankRun, run_rank
@@ -11,7 +11,7 @@ from harness.properties import check_cross_layout, check_eager_vs_graph, check_m
 from harness.ranks.simulated import RankFailure, SimulatedWorld
 from harness.ranks.trace import CollectiveError, CollectiveMismatch, CollectiveTimeout
 from harness.scenario import Scenario
-from harness.verdict import Verdict
+from harness.verdict import Verdict, merge_verdicts
 
 PROPERTY_ORDER = ("run", "P1", "P2", "P3", "P4", "P5", "P6")  # "run": every rank finished, collectives consistent
 
@@ -123,6 +123,13 @@ def parse_props(text: str) -> tuple[str, ...]:
     return props
 
 
+def require_sim_for_spec_props(props: Sequence[str], ranks: str) -> None:
+    """P2/P5/P6 drive the loop on simulated ranks; asking for them on real ranks is an error, not a silent skip."""
+    spec = [p for p in props if p in SPEC_PROPS]
+    if spec and ranks != "sim":
+        raise ValueError(f"{','.join(spec)} run on simulated ranks only; use --ranks sim or --props {','.join(FAST_PROPS)}")
+
+
 def check_case(
     case: Case, props: tuple[str, ...] = FAST_PROPS, on_progress: Optional[Callable[[str], None]] = None, ranks: str = "sim"
 ) -> CaseReport:
@@ -151,28 +158,28 @@ def check_case(
             tol = case.tol("cross_layout")  # a case's [tolerances] table overrides harness/tolerances.py
             v = check_cross_layout(sc, rep.runs, rep.oracle, "eager", tol_override=tol)
             rep.verdicts["P4"] = v.merge(check_cross_layout(sc, rep.runs, rep.oracle, "graph", tol_override=tol))
-    if any(p in props for p in SPEC_PROPS):
-        if ranks != "sim":
-            raise ValueError(f"{', '.join(p for p in props if p in SPEC_PROPS)} run on simulated ranks only; drop them or use --ranks sim")
-        # the loop's properties import this module: import them here
-        from harness.spec_props import check_padded_lanes, check_spec_case
-        from runners.spec_decode import loop_unsupported_reason
-
-        if (why := loop_unsupported_reason(sc.spec)) is not None:
-            rep.skipped.update({p: why for p in props if p in SPEC_PROPS})
-        elif "P2" in props:
-            say("P2 padded lanes")
-            _merge_into(rep.verdicts, check_padded_lanes(case))
-        if why is None and ("P5" in props or "P6" in props):
-            say("P5/P6 speculative decoding loop")
-            _merge_into(rep.verdicts, check_spec_case(case, props=tuple(p for p in ("P5", "P6") if p in props)))
+    spec_props = [p for p in props if p in SPEC_PROPS]
+    if spec_props:
+        require_sim_for_spec_props(spec_props, ranks)
+        _check_spec_props(case, spec_props, rep, say)
     rep.seconds = time.perf_counter() - t0
     return rep
 
 
-def _merge_into(verdicts: dict[str, Verdict], got: dict[str, Verdict]) -> None:
-    for name, v in got.items():
-        if name in verdicts:
-            verdicts[name].merge(v)
-        else:
-            verdicts[name] = v
+def _check_spec_props(case: Case, spec_props: Sequence[str], rep: CaseReport, say: Callable[[str], None]) -> None:
+    # the loop's properties import this module: import them here
+    from harness.spec_props import check_padded_lanes, check_spec_case
+    from runners.spec_decode import loop_unsupported_reason
+
+    why = loop_unsupported_reason(case.scenario.spec)
+    if why is not None:
+        rep.skipped.update({p: why for p in spec_props})
+        return
+    if "P2" in spec_props:
+        say("P2 padded lanes")
+        merge_verdicts(rep.verdicts, check_padded_lanes(case))
+    loop = tuple(p for p in ("P5", "P6") if p in spec_props)
+    if loop:
+        say("P5/P6 speculative decoding loop")
+        merge_verdicts(rep.verdicts, check_spec_case(case, props=loop))
+

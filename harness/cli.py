@@ -38,15 +38,13 @@ def cmd_list(args) -> int:
 
 
 def cmd_check(args) -> int:
-    from harness.checks import SPEC_PROPS, check_case, parse_props
+    from harness.checks import check_case, parse_props, require_sim_for_spec_props
 
     try:
         props = parse_props(args.props)
+        require_sim_for_spec_props(props, args.ranks)  # before any case runs
     except ValueError as e:
         raise SystemExit(f"harness check: {e}") from None
-    if args.ranks != "sim" and any(p in SPEC_PROPS for p in props):
-        raise SystemExit(f"harness check: --props {args.props} includes {','.join(p for p in props if p in SPEC_PROPS)}, which run on "
-                         f"simulated ranks only; use --ranks sim or --props P1,P3,P4")
     cases = _cases(args.cases)
     reports = []
     t0 = time.perf_counter()

@@ -12,7 +12,7 @@ from typing import Callable, Optional
 
 from harness.mutants import CATALOG, Mutant
 from harness.suite import PROBES
-from harness.verdict import Verdict
+from harness.verdict import Verdict, merge_verdicts
 
 PROPERTY_ORDER = ("P1", "P2", "P3", "P4", "P5", "P6", "P7", "P8", "run")  # "run": a rank crashed or desynced
 
@@ -42,8 +42,7 @@ def _is_timeout(v: Verdict) -> bool:
 def run_probes() -> dict[str, Verdict]:
     merged: dict[str, Verdict] = {}
     for _name, probe in PROBES:
-        for prop, verdict in probe().items():
-            merged.setdefault(prop, Verdict(prop)).merge(verdict)
+        merge_verdicts(merged, probe())
     return merged
 
 

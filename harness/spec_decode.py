@@ -28,7 +28,7 @@ import torch
 
 from harness.case import Case, default_cases, load_case
 from harness.ranks.simulated import SimulatedWorld
-from runners.config import ModelConfig, SpecConfig
+from runners.config import DEFAULT_MODEL, ModelConfig, SpecConfig
 from runners.parallel.dp_attention import RankContext
 from runners.parallel.layout import ParallelLayout
 from runners.scheduler import Request
@@ -37,12 +37,8 @@ from runners.target import GreedyOutput, target_greedy
 
 ACCEPT_DIR = Path(__file__).resolve().parent.parent / "golden" / "acceptance"
 FORMAT = "specharness-acceptance/1"
-# The cases shipped with acceptance goldens: one per branch, a shrink, a tree (topk 2), DP groups.
 # every shipped case the loop can run has an acceptance golden
 GOLDEN_CASES = tuple(c.name for c in default_cases() if loop_unsupported_reason(c.scenario.spec) is None)
-
-
-DEFAULT_MODEL = ModelConfig()
 
 
 class AcceptanceGoldenError(Exception):

@@ -38,7 +38,7 @@ from harness.spec_decode import (
     run_workload,
 )
 from harness.tolerances import eager_vs_graph
-from harness.verdict import Verdict
+from harness.verdict import Verdict, merge_verdicts
 from runners.config import ModelConfig, SpecConfig
 from runners.cuda_graph import EagleDraftExtendCudaGraphRunnerBase
 from runners.draft_extend import SEQ_LEN_FILL_VALUE, DraftExtendInputs, StepOutputs
@@ -516,11 +516,6 @@ def run_churn_script(layout: ParallelLayout, script: Sequence[tuple], spec: Spec
     return {"P8": pair.finish_check()}
 
 
-def _merge(out: dict[str, Verdict], got: dict[str, Verdict]) -> None:
-    for prop, v in got.items():
-        out.setdefault(prop, Verdict(prop)).merge(v)
-
-
 def _guarded(name: str, fn: Callable[[], dict[str, Verdict]]) -> Callable[[], dict[str, Verdict]]:
     """A probe never raises: an exception anywhere (a rank, the oracle, the harness) is a "run" failure."""
 
@@ -545,23 +540,23 @@ def _spec_cases() -> dict[str, Verdict]:
     """P5 and P6 (graph runner) over the probe cases; the agreeing draft (P5) on two layouts."""
     out: dict[str, Verdict] = {}
     for name in PROBE_SPEC_CASES:
-        _merge(out, check_spec_case(load_case(name), runners=("graph",)))
+        merge_verdicts(out, check_spec_case(load_case(name), runners=("graph",)))
     for layout, spec, wl in AGREE_RUNS:
-        _merge(out, check_agreeing_draft(layout, spec, wl))
+        merge_verdicts(out, check_agreeing_draft(layout, spec, wl))
     return out
 
 
 def _padded_lanes() -> dict[str, Verdict]:
     out: dict[str, Verdict] = {}
     for name in P2_CASES:
-        _merge(out, check_padded_lanes(load_case(name)))
+        merge_verdicts(out, check_padded_lanes(load_case(name)))
     return out
 
 
 def _churn() -> dict[str, Verdict]:
     out: dict[str, Verdict] = {}
     for layout, script in CHURN_RUNS:
-        _merge(out, run_churn_script(layout, script))
+        merge_verdicts(out, run_churn_script(layout, script))
     return out
 
 

@@ -12,7 +12,7 @@ from harness.case import load_case
 from harness.checks import check_case
 from harness.layout import all_layouts
 from harness.properties import check_metadata
-from harness.verdict import Verdict
+from harness.verdict import Verdict, merge_verdicts
 from runners.config import SpecConfig
 
 Probe = Callable[[], dict[str, Verdict]]
@@ -51,9 +51,7 @@ def probe_cases() -> dict[str, Verdict]:
     """P1 (run path), P3 and P4 over MUTANT_CASES."""
     out: dict[str, Verdict] = {}
     for case in (load_case(name) for name in MUTANT_CASES):
-        rep = check_case(case)
-        for name, verdict in rep.verdicts.items():
-            out.setdefault(name, Verdict(name)).merge(verdict)
+        merge_verdicts(out, check_case(case).verdicts)
     return out
 
 

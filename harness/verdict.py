@@ -65,3 +65,10 @@ class Verdict:
 
     def to_json(self) -> dict:
         return {"property": self.prop, "ok": self.ok, "checked": self.checked, "failures": [asdict(f) for f in self.failures], "notes": self.notes}
+
+
+def merge_verdicts(into: dict[str, Verdict], got: dict[str, Verdict]) -> dict[str, Verdict]:
+    """Fold per-property verdicts into `into` (one Verdict per property name); returns `into`."""
+    for prop, v in got.items():
+        into.setdefault(prop, Verdict(prop)).merge(v)
+    return into

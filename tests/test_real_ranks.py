@@ -30,7 +30,6 @@ from harness.p7 import (
     run_with_traces,
 )
 from harness.properties import check_cross_layout, check_eager_vs_graph, check_run_metadata
-from harness.ranks.gpu_slice import require_gpus
 from harness.ranks.launcher import (
     DistributedDeadlock,
     DistributedMismatch,
@@ -190,12 +189,10 @@ def test_real_rank_errors_become_run_verdicts(monkeypatch):
     assert v.failures[0].detail == "timed out: not every rank finished | rank 0: stuck in all_reduce(...)"
 
 
+@pytest.mark.multigpu(1)  # conftest: skipped where this xdist worker's GPU slice is empty
 @pytest.mark.gpu
 def test_nccl_world_size_1():
     """NCCL where one GPU allows it: tp1 cases through check_case and against the simulated ranks."""
-    reason = require_gpus(1)
-    if reason:
-        pytest.skip(reason)
     for name in ("tp1_neither",):
         rep = check_case(load_case(name), ranks="nccl")
         assert rep.ok, "\n".join(v.report() for v in rep.verdicts.values())
