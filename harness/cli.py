@@ -201,6 +201,11 @@ def cmd_new_case(args) -> int:
     return 0
 
 
+def _add_ranks(s: argparse.ArgumentParser) -> None:
+    s.add_argument("--ranks", choices=("sim", "gloo", "nccl"), default="sim",
+                   help="simulated ranks (threads), or real ones: a process per rank over gloo (CPU) or nccl (a GPU per rank)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="harness", description="Correctness harness for tensor-parallel speculative decoding (EAGLE draft-extend CUDA graphs).")
     sub = p.add_subparsers(dest="command", required=True)
@@ -214,7 +219,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("cases", nargs="*", help="case names or paths (default: every case in cases/)")
     s.add_argument("--json", action="store_true")
     s.add_argument("--mutant", help="plant a mutant from the catalog first (see `harness mutants`)")
-    s.add_argument("--ranks", choices=("sim", "gloo", "nccl"), default="sim", help="simulated ranks (threads), or real ones: a process per rank over gloo (CPU) or nccl (a GPU per rank)")
+    _add_ranks(s)
     s.add_argument("--props", default="P1,P3,P4", metavar="LIST",
                    help="properties per case: a comma list of P1,P3,P4 (one run of the runners; the default) and P2,P5,P6 "
                         "(the case's workload through the speculative decoding loop; simulated ranks), or 'all'")
@@ -225,7 +230,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--step", type=int, help="only this draft step")
     s.add_argument("--rank", type=int, help="only this rank")
     s.add_argument("--mutant", help="plant a mutant first, e.g. sglang-26416")
-    s.add_argument("--ranks", choices=("sim", "gloo", "nccl"), default="sim", help="simulated ranks (threads), or real ones: a process per rank over gloo (CPU) or nccl (a GPU per rank)")
+    _add_ranks(s)
     s.add_argument("--runner", choices=("eager", "graph", "both"), default="both",
                    help="both: eager vs graph (P3) and each vs TP1 (P4); eager or graph: that runner alone vs the TP1 oracle")
     s.add_argument("--dump", metavar="DIR", help="write every rank's buffers and metadata at the first divergence to DIR (np.load-able .npz)")
