@@ -3,15 +3,19 @@ from __future__ import annotations
 
 from hypothesis import strategies as st
 
-from harness.layout import all_layouts
+from harness.layout import all_layouts, deployed_layouts
 from runners.config import SpecConfig
 from runners.parallel.layout import ParallelLayout
 
-LAYOUTS = all_layouts()
+LAYOUTS = all_layouts() + deployed_layouts()  # world 1..8, then the multi-node DP-attention worlds 16..64
 
 
-def layouts(max_world: int = 8) -> st.SearchStrategy[ParallelLayout]:
-    return st.sampled_from([layout for layout in LAYOUTS if layout.world_size <= max_world])
+def layouts(max_world: int = 8, min_world: int = 1) -> st.SearchStrategy[ParallelLayout]:
+    """Every reachable layout with min_world <= world size <= max_world (shrinks toward the smallest world)."""
+    chosen = [layout for layout in LAYOUTS if min_world <= layout.world_size <= max_world]
+    if not chosen:
+        raise ValueError(f"no reachable layout with world size in {min_world}..{max_world}")
+    return st.sampled_from(chosen)
 
 
 @st.composite

@@ -6,7 +6,7 @@ from hypothesis import strategies as st
 from harness import mutants
 from harness.case import load_case, seeded_requests
 from harness.checks import check_case, run_spmd
-from harness.layout import all_layouts
+from harness.layout import all_layouts, deployed_layouts
 from harness.properties import check_cross_layout, check_eager_vs_graph, check_metadata
 from harness.scenario import Scenario
 from harness.strategies import failure_case, layouts, schedules, specs
@@ -16,8 +16,8 @@ from runners.parallel.layout import ParallelLayout as PL
 
 
 @st.composite
-def metadata_examples(draw):
-    layout = draw(layouts())
+def metadata_examples(draw, min_world: int = 1, max_world: int = 8):
+    layout = draw(layouts(max_world, min_world))
     spec = draw(specs())
     return layout, spec, draw(schedules(layout, max_bs=spec.max_running_requests))
 
@@ -31,7 +31,19 @@ def test_p1_metadata_invariants_hold(example):
         assert v, v.report()
 
 
-@pytest.mark.parametrize("layout", [x for x in all_layouts() if x.branch is Branch.ATTN_TP_GATHER][:6], ids=lambda x: x.describe())
+@given(metadata_examples(min_world=16, max_world=64))  # the profile's budget: a rank per DP group (up to 64) makes each ~10x a single-node one
+def test_p1_metadata_invariants_hold_multi_node(example):
+    layout, spec, schedule = example
+    with failure_case(layout, spec, schedule, prop="P1"):
+        v = check_metadata(layout, spec, schedule)
+        assert v, v.report()
+
+
+ATTN_TP_GATHER_LAYOUTS = [x for x in all_layouts() if x.branch is Branch.ATTN_TP_GATHER][:6] + [
+    x for x in deployed_layouts() if x.branch is Branch.ATTN_TP_GATHER and x.tp_size in (32, 64) and x.dp_size == 8]
+
+
+@pytest.mark.parametrize("layout", ATTN_TP_GATHER_LAYOUTS, ids=lambda x: x.describe())
 def test_p1_names_the_seed_bug(layout):
     with mutants.get("sglang-26416").planted():
         v = check_metadata(layout, SpecConfig(capture_bs=(1, 2, 4, 8), max_running_requests=8), [(3,) * layout.attn_dp_size])
