@@ -1,20 +1,44 @@
-"""Plant each mutant in-process, run every probe, report who killed it.
+"""Plant each mutant in a child process, run the probes that can see it, report who killed it.
 
 Killed means a property reported a failure. A collective timeout is not a kill (a hang
 caught by a deadline says nothing about which property sees the bug), and neither is a
-probe that raised: that is reported as an error so it can't pass for a kill.
+probe that raised, nor a child process that died or overran its time: those are errors,
+so they can't pass for a kill.
+
+Which probes: a mutant names the probes that can see it (`Mutant.probes`, cheapest
+first; unset: every probe in harness.suite.PROBES). By default a mutant stops at the
+first probe that kills it; the report then names the killing property and probe and
+lists the probes it did not run, so it never claims the other properties were checked.
+`all_properties=True` runs every listed probe: the full kill matrix; `every_probe=True`
+ignores the lists (every registered probe), to re-derive them when the runners change.
+
+Why one process per mutant and not a ProcessPoolExecutor: a pool cannot stop one
+overlong task, and a worker that dies breaks every pending future, so the crash could
+not be pinned on its mutant. Children are forked from a forkserver that imported the
+harness once (a fork costs milliseconds, importing torch and the harness seconds); a
+patch lives and dies with its child and the parent never runs mutated code.
 """
 from __future__ import annotations
 
+import importlib
+import multiprocessing as mp
+import os
+import signal
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from multiprocessing.connection import Connection, wait
+from typing import Callable, Optional, Sequence
 
-from harness.mutants import CATALOG, Mutant
-from harness.suite import PROBES
+import torch
+
+from harness.mutants import Mutant
+from harness.suite import PROBES, Probe
 from harness.verdict import Verdict, merge_verdicts
 
 PROPERTY_ORDER = ("P1", "P2", "P3", "P4", "P5", "P6", "P7", "P8", "run")  # "run": a rank crashed or desynced
+CATALOG_REF = "harness.mutants:CATALOG"  # "module:attribute", resolved in the parent and again in each child
+DEFAULT_TIMEOUT_S = 300.0
+HEARTBEAT_S = 30.0
 
 
 @dataclass
@@ -27,11 +51,20 @@ class MutantResult:
     failed_properties: list[str] = field(default_factory=list)
     first_failure: str = ""
     timeouts: int = 0
+    killing_probe: Optional[str] = None
+    probes_run: list[str] = field(default_factory=list)
+    probes_not_run: list[str] = field(default_factory=list)  # listed for the mutant, skipped after the first kill
+    error: str = ""  # a probe raised, or the child died or overran: never a kill
+
+    @property
+    def status(self) -> str:
+        return "killed" if self.killed else "error" if self.error else "survived"
 
     def to_json(self) -> dict:
         return {
-            "id": self.id, "description": self.description, "killed": self.killed, "killed_by": self.killed_by,
-            "seconds": round(self.seconds, 2), "failed_properties": self.failed_properties, "first_failure": self.first_failure,
+            "id": self.id, "description": self.description, "status": self.status, "killed": self.killed, "killed_by": self.killed_by,
+            "killing_probe": self.killing_probe, "seconds": round(self.seconds, 2), "failed_properties": self.failed_properties,
+            "first_failure": self.first_failure, "probes_run": self.probes_run, "probes_not_run": self.probes_not_run, "error": self.error,
         }
 
 
@@ -39,32 +72,155 @@ def _is_timeout(v: Verdict) -> bool:
     return bool(v.failures) and all(f.check == "run" and f.got == "CollectiveTimeout" for f in v.failures)
 
 
-def run_probes() -> dict[str, Verdict]:
-    merged: dict[str, Verdict] = {}
-    for _name, probe in PROBES:
-        merge_verdicts(merged, probe())
-    return merged
+def _killing(verdicts: dict[str, Verdict]) -> list[str]:
+    return [p for p in PROPERTY_ORDER if p in verdicts and not verdicts[p].ok and not _is_timeout(verdicts[p])]
 
 
-def run_mutant(m: Mutant) -> MutantResult:
+def load_catalog(ref: str = CATALOG_REF) -> tuple[Mutant, ...]:
+    module, _, attr = ref.partition(":")
+    return tuple(getattr(importlib.import_module(module), attr))
+
+
+def probes_for(m: Mutant, every_probe: bool = False) -> list[tuple[str, Probe]]:
+    """The mutant's probes in its order (every_probe: all registered ones); every name must be registered."""
+    known = dict(PROBES)
+    names = list(m.probes) if m.probes is not None and not every_probe else list(known)
+    unknown = [n for n in names if n not in known]
+    if unknown or not names:
+        raise KeyError(f"mutant {m.id}: probes {unknown or names!r} not registered; known: {', '.join(known)}")
+    return [(n, known[n]) for n in names]
+
+
+def run_mutant(m: Mutant, all_properties: bool = False, every_probe: bool = False) -> MutantResult:
+    """Plant m in this process and run its probes (the child's job; also usable in-process)."""
     t0 = time.perf_counter()
+    probes = probes_for(m, every_probe)
+    verdicts: dict[str, Verdict] = {}
+    run: list[str] = []
+    errors: list[str] = []
+    killing_probe = None
     with m.planted():
-        verdicts = run_probes()
-    failed = [p for p in PROPERTY_ORDER if p in verdicts and not verdicts[p].ok and not _is_timeout(verdicts[p])]
-    timeouts = sum(1 for v in verdicts.values() if _is_timeout(v))
-    first = verdicts[failed[0]].first() if failed else ""
-    return MutantResult(m.id, m.description, bool(failed), failed[0] if failed else None, time.perf_counter() - t0, failed, first, timeouts)
+        for name, probe in probes:
+            run.append(name)
+            try:
+                out = probe()
+            except Exception as err:  # noqa: BLE001 - reported as an error, never as a kill
+                errors.append(f"probe {name} raised {type(err).__name__}: {err}")
+                continue
+            merge_verdicts(verdicts, out)
+            if killing_probe is None and _killing(out):
+                killing_probe = name
+                if not all_properties:
+                    break
+    failed = _killing(verdicts)
+    return MutantResult(
+        m.id, m.description, bool(failed), failed[0] if failed else None, time.perf_counter() - t0, failed,
+        verdicts[failed[0]].first() if failed else "", sum(1 for v in verdicts.values() if _is_timeout(v)),
+        killing_probe, run, [n for n, _ in probes if n not in run], "; ".join(errors),
+    )
 
 
-def run_catalog(only: Optional[list[str]] = None, on_result: Optional[Callable[[MutantResult], None]] = None) -> list[MutantResult]:
-    chosen = [m for m in CATALOG if only is None or m.id in only]
-    unknown = set(only or ()) - {m.id for m in CATALOG}
+def _child(catalog: str, mutant_id: str, all_properties: bool, every_probe: bool, threads: int, conn: Connection) -> None:
+    torch.set_num_threads(threads)  # jobs x threads <= cores: simulated ranks are threads already
+    m = next(x for x in load_catalog(catalog) if x.id == mutant_id)
+    try:
+        result = run_mutant(m, all_properties, every_probe)
+    except Exception as err:  # noqa: BLE001 - e.g. a patch target that moved: an error for this mutant
+        result = MutantResult(m.id, m.description, False, None, 0.0, error=f"{type(err).__name__}: {err}")
+    conn.send(result)
+    conn.close()
+
+
+@dataclass
+class _Job:
+    mutant: Mutant
+    proc: mp.process.BaseProcess
+    conn: Connection
+    t0: float
+
+
+def _died(job: _Job) -> str:
+    job.proc.join(5)
+    code = job.proc.exitcode
+    how = f"signal {signal.Signals(-code).name}" if code is not None and code < 0 else f"exit code {code}"
+    return f"child process for mutant {job.mutant.id} died ({how}) before reporting"
+
+
+def _finish(job: _Job, timeout_s: float) -> Optional[MutantResult]:
+    """The job's result if it is over (reported, died or overran), else None."""
+    m, elapsed = job.mutant, time.perf_counter() - job.t0
+    if job.conn.poll():
+        try:
+            result = job.conn.recv()
+        except (EOFError, OSError):  # readable because the child closed its end without sending
+            result = MutantResult(m.id, m.description, False, None, elapsed, error=_died(job))
+        job.proc.join(5)
+        return result
+    if not job.proc.is_alive():
+        return MutantResult(m.id, m.description, False, None, elapsed, error=_died(job))
+    if elapsed > timeout_s:
+        job.proc.kill()
+        job.proc.join(5)
+        return MutantResult(m.id, m.description, False, None, elapsed, error=f"mutant {m.id} overran its {timeout_s:.0f}s timeout and was stopped")
+    return None
+
+
+def run_catalog(
+    only: Optional[Sequence[str]] = None,
+    on_result: Optional[Callable[[MutantResult], None]] = None,
+    *,
+    jobs: Optional[int] = None,
+    all_properties: bool = False,
+    every_probe: bool = False,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    on_progress: Optional[Callable[[str], None]] = None,
+    catalog: str = CATALOG_REF,
+) -> list[MutantResult]:
+    """Run the chosen mutants, `jobs` child processes at a time (default: one per core).
+
+    on_result sees each result as it completes; the return value is in catalog order.
+    """
+    mutants = load_catalog(catalog)
+    unknown = set(only or ()) - {m.id for m in mutants}
     if unknown:
-        raise KeyError(f"unknown mutant(s): {', '.join(sorted(unknown))}; known: {', '.join(m.id for m in CATALOG)}")
-    results = []
+        raise KeyError(f"unknown mutant(s): {', '.join(sorted(unknown))}; known: {', '.join(m.id for m in mutants)}")
+    chosen = [m for m in mutants if only is None or m.id in only]
     for m in chosen:
-        r = run_mutant(m)
-        results.append(r)
-        if on_result:
-            on_result(r)
-    return results
+        probes_for(m)  # a misnamed probe fails here, before any child starts
+    if not chosen:
+        return []
+    cores = os.cpu_count() or 1
+    jobs = max(1, min(jobs or cores, len(chosen)))
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload([__name__])
+    pending, running, done = list(chosen), [], {}
+    t_start = last_news = time.perf_counter()
+    try:
+        while pending or running:
+            while pending and len(running) < jobs:
+                m = pending.pop(0)
+                recv, send = ctx.Pipe(duplex=False)
+                proc = ctx.Process(target=_child, args=(catalog, m.id, all_properties, every_probe, max(1, cores // jobs), send), name=f"mutant-{m.id}", daemon=True)
+                proc.start()
+                send.close()  # the child holds the only write end: EOF on our side means it died
+                running.append(_Job(m, proc, recv, time.perf_counter()))
+            wait([j.conn for j in running] + [j.proc.sentinel for j in running], timeout=1.0)
+            for job in list(running):
+                result = _finish(job, timeout_s)
+                if result is None:
+                    continue
+                running.remove(job)
+                job.conn.close()
+                done[result.id] = result
+                last_news = time.perf_counter()
+                if on_result:
+                    on_result(result)
+            if on_progress and running and time.perf_counter() - last_news > HEARTBEAT_S:
+                now = last_news = time.perf_counter()
+                busy = ", ".join(f"{j.mutant.id} {now - j.t0:.0f}s" for j in running)
+                on_progress(f"{now - t_start:.0f}s: {len(done)}/{len(chosen)} done; running {busy}; {len(pending)} queued")
+    finally:
+        for job in running:  # interrupted (Ctrl-C): leave no child behind
+            job.proc.kill()
+            job.proc.join(5)
+    return [done[m.id] for m in chosen]

@@ -1,15 +1,18 @@
 """The built-in mutant catalog: named, reversible patches of one behaviour each.
 
 A mutant never edits a file: it monkeypatches one method or function of `runners` for
-the duration of a `with mutant.planted():` block. `harness mutants` plants each one,
-runs the fast properties and reports which property killed it. A property that cannot
+the duration of a `with mutant.planted():` block. `harness mutants` plants each one in
+a child process, runs the probes that can see it (`probes`, ids from harness.suite.PROBES,
+cheapest first; unset: every probe) and reports which property killed it. A list holds
+every probe that fails with the mutant planted, and the comment beside it which properties
+fail; `harness mutants --all-probes --all-properties --only ID` re-derives it. A property that cannot
 kill any mutant is not shown to work; a mutant no property kills is a hole.
 """
 from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import Iterator, Optional
 from unittest import mock
 
 import torch
@@ -27,6 +30,7 @@ class Mutant:
     description: str
     kind: str  # what family of bug it stands for
     patches: tuple[tuple[object, str, object], ...] = field(default=())  # (target, attribute, replacement)
+    probes: Optional[tuple[str, ...]] = None  # probe ids (harness.suite.PROBES) that can see it, cheapest first; None: all
 
     @contextlib.contextmanager
     def planted(self) -> Iterator["Mutant"]:
@@ -124,48 +128,56 @@ CATALOG: tuple[Mutant, ...] = (
         "multi-layer runner, attn-TP-gather branch: get_forward_batch(bs) sets global_num_tokens_for_logprob = [bs] (requests) instead of [bs * num_tokens_per_bs]",
         "unit: requests vs tokens",
         ((MultiLayerEagleDraftExtendCudaGraphRunner, "_capture_for_logprob", _seed_capture_for_logprob),),
+        ("metadata-grid", "spec-cases", "cases"),  # P1 (grid, cases), P3/P4 (cases), P6; P2, P7, P8 pass with it planted
     ),
     Mutant(
         "capture-num-tokens-gpu-requests",
         "MLP-TP-gather branch: global_num_tokens_gpu baked as [bs] per DP rank at capture; only the replay fill writes bs * num_tokens_per_bs",
         "fixed in replay, not in capture",
         ((EagleDraftExtendCudaGraphRunnerBase, "get_forward_batch", _capture_num_tokens_gpu_requests),),
+        ("metadata-grid", "cases"),  # P1 only: the replay fill rewrites the value before any forward
     ),
     Mutant(
         "stale-padded-seq-lens",
         "replay reset skips seq_lens = fill: after the batch shrinks, padded lanes keep the seq_lens of the earlier, larger batch",
         "stale padded lane after shrink",
         ((EagleDraftExtendCudaGraphRunnerBase, "reset_for_iteration", _reset_without_seq_len_fill),),
+        ("metadata-grid", "padded-lanes", "cases"),  # P1 (grid, cases), P2
     ),
     Mutant(
         "replay-positions-off-by-one",
         "replay copies the live positions shifted by one into the static positions buffer",
         "position off by one",
         ((EagleDraftExtendCudaGraphRunnerBase, "_copy_live_inputs", _copy_positions_off_by_one),),
+        ("batch-churn", "cases"),  # P8, P3/P4 (cases); the grid runs no model
     ),
     Mutant(
         "bucket-floor",
         "replay picks the largest captured bs <= raw_bs instead of the smallest >= raw_bs",
         "padding rule",
         ((EagleDraftExtendCudaGraphRunnerBase, "_choose_bucket", _bucket_floor),),
+        ("metadata-grid", "p7-idle-ranks", "padded-lanes", "batch-churn", "spec-cases", "cases"),  # every probe replays buckets: P1, P7, and a crash (run) in the others
     ),
     Mutant(
         "attn-allreduce-world-group",
         "attention o_proj all-reduce over the world group instead of the attn-TP group under DP attention",
         "collective over the wrong group",
         ((model.DecoderLayer, "forward", _o_proj_all_reduce_world),),
+        ("p7-idle-ranks", "padded-lanes", "cases"),  # P7, a desync (run) in P2 and cases; needs DP attention with attn_tp > 1 and a model
     ),
     Mutant(
         "dp-scatter-wrong-chunk",
         "MLP-TP gather: after the MLP each DP group keeps the next DP group's rows (a broken layout gather)",
         "broken layout gather",
         ((model, "dp_scatter", _dp_scatter_wrong_chunk),),
+        ("padded-lanes", "batch-churn", "spec-cases", "cases"),  # P2, P8, P5, P3/P4; the grid runs no model, P7 passes
     ),
     Mutant(
         "idle-rank-skips-mlp-sync",
         "an idle DP rank (no requests) skips the MLP-sync all_gather of batch sizes over the attn-DP group: busy ranks wait in it while the idle rank runs on",
         "idle DP rank skips a collective",
         ((execute, "mlp_sync_batch_sizes", _mlp_sync_idle_rank_skips),),
+        ("p7-idle-ranks", "cases"),  # P7, a desync (run) in cases; the other probes pass with it planted
     ),
 )
 
@@ -221,42 +233,49 @@ CATALOG = CATALOG + (
         "replay reset leaves input_ids, positions and out_cache_loc alone: after the batch shrinks, padded lanes replay the larger batch's tokens and write their KV into its slots",
         "stale padded lane after shrink",
         ((EagleDraftExtendCudaGraphRunnerBase, "reset_for_iteration", _reset_keeps_token_buffers),),
+        ("padded-lanes", "batch-churn"),  # P2, P8; harmless to outputs here unless poisoned or churned
     ),
     Mutant(
         "accept-per-request",
         "greedy verify decides acceptance once per request (its first draft token) and applies it to all its tokens, instead of token by token along the chain",
         "acceptance per request instead of per token",
         ((verify, "chain_accept_lens", _accept_per_request),),
+        ("batch-churn", "spec-cases"),  # P8, P5/P6: verify runs only in the speculative-loop probes
     ),
     Mutant(
         "seq-len-advanced-for-padded-rows",
         "replay copy-in advances the seq_lens of the padded lanes by num_tokens_per_bs, as if padded rows had extended too (they should stay at the fill value)",
         "seq_len advanced for padded rows",
         ((EagleDraftExtendCudaGraphRunnerBase, "_copy_live_inputs", _copy_advances_padded_seq_lens),),
+        ("metadata-grid", "padded-lanes", "cases"),  # P1 (grid, cases), P2
     ),
     Mutant(
         "draft-hidden-next-step",
         "EAGLE pairing off by one step: draft row j reads token j+1 with the target hidden state of position j+1 instead of j (prefill and draft-extend)",
         "hidden state from the wrong step",
         ((draft_decode, "eagle_pairs", _eagle_pairs_next_step_hidden),),
+        ("spec-cases",),  # P6 only: the EAGLE pairing of the loop
     ),
     Mutant(
         "padded-kv-write-live-slot",
         "replay pads out_cache_loc by repeating the last live slot: the padded rows' KV writes land in the last real token's slot",
         "KV write for padded rows lands in a live slot",
         ((EagleDraftExtendCudaGraphRunnerBase, "_copy_live_inputs", _copy_pads_with_last_live_slot),),
+        ("padded-lanes", "batch-churn", "cases"),  # P2, P8, P3/P4
     ),
     Mutant(
         "attn-reads-masked-kv",
         "reference attention multiplies masked (probability 0) KV entries instead of excluding them: a NaN in the padding slot or a stale slot reaches every real row",
         "padded / stale memory read into a real row",
         ((TorchAttnBackend, "masked_values", staticmethod(_attn_reads_masked_kv)),),
+        ("padded-lanes",),  # P2 only: masked KV is finite here unless poisoned
     ),
     Mutant(
         "padded-accept-len-zero",
         "replay reset gives padded lanes accept length 0 (num_correct_drafts -1) instead of keeping an in-range value: a padded lane's select index is the last token of the lane before it, so the first padded lane overwrites the last real lane's next input id",
         "padded lane writes into a real lane",
         ((EagleDraftExtendCudaGraphRunnerBase, "reset_for_iteration", _reset_marks_padded_lanes_unaccepted),),
+        ("padded-lanes", "batch-churn", "cases"),  # P2, P8, P3/P4
     ),
 )
 
