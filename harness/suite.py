@@ -1,8 +1,8 @@
 """The fast property probes that `harness mutants` (and `harness check`) run.
 
-A probe returns {property: Verdict}. Issues that add properties register a probe here,
-so every mutant is run against every property and the kill report can say which
-property alone kills which mutant.
+A probe returns {property: Verdict}. Issues that add properties register a probe here
+under an id; a mutant runs every registered probe unless it names the ones that can see
+it (Mutant.probes), and the kill report says which property and probe killed it.
 """
 from __future__ import annotations
 
@@ -33,9 +33,9 @@ def probe_metadata_grid() -> dict[str, Verdict]:
     return {"P1": v}
 
 
-# The cases every mutant is run against: one per branch family plus the shrink and idle-rank
-# schedules, world sizes 1..8. `harness check` runs all shipped cases; the mutant run takes
-# this subset so that ~15 mutants x every probe stays within CI's budget on 2 cores.
+# The cases probe's cases: one per branch family plus the shrink and idle-rank
+# schedules, world sizes 1..8. `harness check` runs all shipped cases (world 16 and 32 too);
+# the mutant run takes this subset: it is the costliest probe, so mutants list it last.
 MUTANT_CASES = (
     "tp1_neither",
     "tp2_shrink",
