@@ -6,9 +6,10 @@ probe that raised, nor a child process that died or overran its time: those are 
 so they can't pass for a kill.
 
 Which probes: a mutant names the probes that can see it (`Mutant.probes`, cheapest
-first; unset: every probe in harness.suite.PROBES). By default a mutant stops at the
-first probe that kills it; the report then names the killing property and probe and
-lists the probes it did not run, so it never claims the other properties were checked.
+first; unset: every probe in harness.suite.PROBES, the costly ones last). By default a
+mutant stops at the first probe that kills it; the report then names the killing
+property and probe and lists the probes it did not run, so it never claims the other
+properties were checked.
 `all_properties=True` runs every listed probe: the full kill matrix; `every_probe=True`
 ignores the lists (every registered probe), to re-derive them when the runners change.
 
@@ -32,7 +33,7 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from harness.mutants import Mutant
-from harness.suite import PROBES, Probe
+from harness.suite import COSTLY_PROBES, PROBES, Probe
 from harness.verdict import Verdict, merge_verdicts
 
 PROPERTY_ORDER = ("P1", "P2", "P3", "P4", "P5", "P6", "P7", "P8", "run")  # "run": a rank crashed or desynced
@@ -84,7 +85,8 @@ def load_catalog(ref: str = CATALOG_REF) -> tuple[Mutant, ...]:
 def probes_for(m: Mutant, every_probe: bool = False) -> list[tuple[str, Probe]]:
     """The mutant's probes in its order (every_probe: all registered ones); every name must be registered."""
     known = dict(PROBES)
-    names = list(m.probes) if m.probes is not None and not every_probe else list(known)
+    default = [n for n in known if n not in COSTLY_PROBES] + [n for n in known if n in COSTLY_PROBES]
+    names = list(m.probes) if m.probes is not None and not every_probe else default
     unknown = [n for n in names if n not in known]
     if unknown or not names:
         raise KeyError(f"mutant {m.id}: probes {unknown or names!r} not registered; known: {', '.join(known)}")
