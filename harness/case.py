@@ -68,7 +68,8 @@ _TOP = {"name": str, "description": str, "seed": int, "dtype": str, "backend": s
 _REQUIRED = ("name", "description", "layout", "schedule")
 _LAYOUT = {"tp_size": int, "dp_size": int, "enable_dp_attention": bool, "moe_dense_tp_size": int, "enable_dp_lm_head": bool, "moe_a2a_backend": str,
            "enable_two_batch_overlap": bool}
-_SPEC = {"num_steps": int, "topk": int, "num_tokens_per_bs": int, "capture_bs": list, "max_running_requests": int}
+_SPEC = {"num_steps": int, "topk": int, "num_tokens_per_bs": int, "capture_bs": list, "max_running_requests": int, "page_size": int}
+PAGE_SIZES = (1, 2, 4, 8, 16, 32, 64)  # KV slots per page: a power of two (runners.memory.check_page_size), at most 64
 _MODEL = {f.name: f.type for f in fields(ModelConfig) if f.name not in ("dtype",)}
 _SCHEDULE = {"batches": list, "max_prefix_len": int, "prefix_lens": list, "accept_lens": list, "rids": list}
 _TOLERANCES = {"eager_vs_graph": dict, "cross_layout": dict, "golden": dict}
@@ -258,6 +259,8 @@ def parse_case(data: dict, path: Path | str = "<case>") -> Case:
         if not cbs or not all(_is_int(b) and 1 <= b <= 1024 for b in cbs):
             raise CaseError(path, "spec.capture_bs", "a non-empty list of integers in 1..1024", cbs)
         spec_t["capture_bs"] = tuple(sorted(set(cbs)))
+    if "page_size" in spec_t and spec_t["page_size"] not in PAGE_SIZES:
+        raise CaseError(path, "spec.page_size", f"one of {', '.join(map(str, PAGE_SIZES))} (KV slots per page, a power of two)", spec_t["page_size"])
     if "num_tokens_per_bs" in spec_t:
         spec_t["num_draft_tokens"] = spec_t.pop("num_tokens_per_bs")
     spec = SpecConfig(**spec_t)
@@ -306,8 +309,9 @@ def parse_case(data: dict, path: Path | str = "<case>") -> Case:
     iterations = _with_explicit_lens(seeded_requests(seed, schedule_t, T, max_prefix), prefix, accept, rids)
     for i, it in enumerate(iterations):  # what one rank's pools hold (every rank of a DP group holds its requests)
         for j, reqs in enumerate(it.per_dp):
-            slots = sum(r.prefix_len + T for r in reqs)
-            if slots > MAX_KV_SLOTS_PER_RANK:
+            ps = spec.page_size
+            slots = sum(-(-(r.prefix_len + T) // ps) * ps for r in reqs)  # whole pages
+            if slots > (MAX_KV_SLOTS_PER_RANK + 1) - ps:  # page 0 holds the padding slot
                 raise CaseError(path, f"schedule.batches[{i}][{j}]", f"requests whose prefix + draft tokens fit one rank's KV pool ({MAX_KV_SLOTS_PER_RANK} slots)",
                                 f"{len(reqs)} requests needing {slots} slots")
     tolerances = _parse_tolerances(path, data.get("tolerances", {}))

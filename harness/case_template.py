@@ -80,6 +80,8 @@ def _spec_table(spec: SpecConfig) -> dict:
         out["num_tokens_per_bs"] = spec.num_draft_tokens
     out["capture_bs"] = sorted(set(spec.capture_bs))
     out["max_running_requests"] = spec.max_running_requests
+    if spec.page_size != 1:
+        out["page_size"] = spec.page_size
     return out
 
 

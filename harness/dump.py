@@ -36,7 +36,7 @@ from runners.graph_backend import GraphBackend
 BUFFERS = ("input_ids", "positions", "out_cache_loc", "seq_lens", "req_pool_indices", "num_correct_drafts", "num_accept_tokens",
            "extend_seq_lens", "extend_start_loc", "hidden_states", "next_token_logits_buffer", "global_num_tokens_gpu",
            "global_num_tokens_for_logprob_gpu")
-INPUTS = ("input_ids", "positions", "seq_lens", "req_pool_indices", "out_cache_loc", "hidden_states", "accept_lens")
+INPUTS = ("input_ids", "positions", "seq_lens", "req_pool_indices", "hidden_states", "accept_lens")
 
 
 def _np(t: torch.Tensor) -> np.ndarray:

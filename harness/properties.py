@@ -52,7 +52,6 @@ def _synthetic_inputs(raw_bs: int, T: int, hidden: int, dp_batch_sizes: list[int
         positions=torch.zeros(n, dtype=torch.int64),
         seq_lens=torch.randint(T, 4 * T, (raw_bs,), generator=g),
         req_pool_indices=torch.arange(1, raw_bs + 1),
-        out_cache_loc=torch.zeros(n, dtype=torch.int64),
         hidden_states=torch.zeros(n, hidden),
         accept_lens=torch.randint(1, T + 1, (raw_bs,), generator=g),
         dp_batch_sizes=list(dp_batch_sizes),

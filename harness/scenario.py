@@ -89,7 +89,7 @@ def materialize(worker: DraftWorker, sc: Scenario, it: Iteration) -> Materialize
     shard = head_shard(cfg, ctx.attn_tp_rank, ctx.attn_tp_size)
     kv_sl = slice(shard.kv_start, shard.kv_start + shard.kv_count)
     dev = worker.device
-    ids, pos, locs, hidden, seq_lens, pool_idx, accept, all_slots = [], [], [], [], [], [], [], []
+    ids, pos, hidden, seq_lens, pool_idx, accept, all_slots = [], [], [], [], [], [], []
     for req in reqs:
         if req.prefix_len + T > cfg.max_context_len:
             raise ValueError(f"request {req.rid}: prefix_len {req.prefix_len} + {T} tokens exceeds max_context_len {cfg.max_context_len}")
@@ -104,7 +104,6 @@ def materialize(worker: DraftWorker, sc: Scenario, it: Iteration) -> Materialize
         ids.append(t["input_ids"])
         hidden.append(t["hidden_states"])
         pos.append(torch.arange(req.prefix_len, req.prefix_len + T))
-        locs.append(torch.tensor(slots[req.prefix_len :]))
         seq_lens.append(req.prefix_len + T)
         pool_idx.append(idx)
         accept.append(req.accept_len)
@@ -119,7 +118,6 @@ def materialize(worker: DraftWorker, sc: Scenario, it: Iteration) -> Materialize
         positions=cat(pos, (0,), i64),
         seq_lens=torch.tensor(seq_lens, dtype=i64, device=dev),
         req_pool_indices=torch.tensor(pool_idx, dtype=i64, device=dev),
-        out_cache_loc=cat(locs, (0,), i64),
         hidden_states=cat(hidden, (0, cfg.hidden_size), cfg.torch_dtype),
         accept_lens=torch.tensor(accept, dtype=i64, device=dev),
         dp_batch_sizes=[len(reqs)],  # replaced by the MLP sync (a collective) when the rank runs

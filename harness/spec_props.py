@@ -157,7 +157,7 @@ def check_agreeing_draft(layout: ParallelLayout, spec: SpecConfig, wl: Workload,
 # ----------------------------------------------------------------------------------------
 
 NAN = float("nan")
-POS_SENTINEL_OFFSET = 7  # positions poisoned to max_context_len + 7: out of range, only computed with
+POS_SENTINEL_FROM_END = 1  # positions poisoned to max_context_len - 1: the body indexes req_to_token and the rotary table with them
 SEQ_SENTINEL = 1 << 30  # seq_lens poisoned far out of range (a mask bound only)
 
 _RUNNER_BUFFERS = ("input_ids", "positions", "out_cache_loc", "seq_lens", "req_pool_indices", "num_correct_drafts",
@@ -172,11 +172,12 @@ class LanePoison:
 
     Poison, per buffer: float buffers NaN (hidden_states of padded and unused rows, the whole
     logits output buffer; every KV slot no live request owns, the padding slot included).
-    Index buffers only computed with get out-of-range sentinels (positions, seq_lens,
-    num_accept_tokens). Index buffers the body dereferences get an in-bounds sentinel that
-    points at poisoned memory (out_cache_loc: a non-live slot; req_pool_indices: row 0, whose
-    entries, like those of every non-live row and the tail of every live row, point at a
-    non-live slot; input_ids: vocab_size - 1, the embedding cannot be poisoned). The step
+    Index buffers only computed with get out-of-range sentinels (seq_lens, num_accept_tokens).
+    Index buffers the body dereferences get an in-bounds sentinel that points at poisoned
+    memory (out_cache_loc: a non-live slot; req_pool_indices: row 0, whose entries, like those
+    of every non-live row and the tail of every live row, point at a non-live slot; positions:
+    the last row of req_to_token and of the rotary table; input_ids: vocab_size - 1, the
+    embedding cannot be poisoned). The step
     body selects with num_correct_drafts and writes next_input_ids at those rows, so padded
     lanes get stale but in-domain values [0, T-1]: what the engine can leave there.
     """
@@ -271,7 +272,7 @@ class LanePoison:
         r.hidden_states[raw_n:] = NAN
         r.next_token_logits_buffer.fill_(NAN)
         r.input_ids[raw_n:] = w.cfg.vocab_size - 1
-        r.positions[raw_n:] = w.cfg.max_context_len + POS_SENTINEL_OFFSET
+        r.positions[raw_n:] = w.cfg.max_context_len - POS_SENTINEL_FROM_END
         r.out_cache_loc[raw_n:] = poison_slot
         r.seq_lens[raw_bs:] = SEQ_SENTINEL
         r.req_pool_indices[raw_bs:] = 0
@@ -483,7 +484,7 @@ class ChurnPair:
 # probes for `harness mutants` (each a few seconds on 2 cores)
 # ----------------------------------------------------------------------------------------
 
-PROBE_SPEC_CASES = ("tp1_neither", "tp4_attn_tp_gather", "tp4_neither_topk2")
+PROBE_SPEC_CASES = ("tp1_neither", "tp4_attn_tp_gather", "tp4_neither_topk2", "tp2_page4_shrink")
 P2_CASES = ("tp2_shrink", "tp4_dp2_mlp_tp_gather")
 CHURN_SPEC = SpecConfig(num_steps=3, topk=1, capture_bs=(1, 2, 4, 8), max_running_requests=8)
 # Fixed schedules crossing every bucket boundary (8 -> 4 -> 2 -> 1 and back) with a preemption;

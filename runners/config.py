@@ -56,6 +56,7 @@ class SpecConfig:
     num_draft_tokens: int | None = None  # tokens per request in draft-extend; default num_steps + 1
     capture_bs: tuple[int, ...] = field(default_factory=lambda: tuple(default_capture_bs()))
     max_running_requests: int = 32
+    page_size: int = 1  # KV slots per page of every rank's KV pools (a server arg, not part of the weights)
 
     @property
     def num_tokens_per_bs(self) -> int:

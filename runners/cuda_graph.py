@@ -27,7 +27,7 @@ from runners.draft_extend import (
     with_step_inputs,
 )
 from runners.graph_backend import GraphBackend
-from runners.memory import PADDING_SLOT
+from runners.memory import PADDING_ROW, PADDING_SLOT
 from runners.parallel.comm import Group
 from runners.parallel.layout import Branch, ParallelLayout
 
@@ -185,11 +185,19 @@ class EagleDraftExtendCudaGraphRunnerBase:
         return self.capture_bs[bisect.bisect_left(self.capture_bs, needed)]
 
     def reset_for_iteration(self, raw_bs: int, accept_lens: torch.Tensor) -> None:
-        """Once per decode iteration, before the first step: reset token buffers and seq lens."""
+        """Once per decode iteration, before the first step: reset token buffers, seq lens and request rows.
+
+        The step body looks each token's KV write location up as
+        req_to_token[req_pool_indices[lane], position] and gathers its rotary row by position,
+        so a padded lane must hold request row 0 (the padding row) and position 0: a stale row
+        or position would write KV into a live request's slot. out_cache_loc is written by the
+        body for the whole bucket; its fill only keeps the rows past the bucket canonical.
+        """
         self.input_ids.zero_()
         self.positions.zero_()
         self.out_cache_loc.fill_(PADDING_SLOT)
         self.seq_lens.fill_(SEQ_LEN_FILL_VALUE)
+        self.req_pool_indices.fill_(PADDING_ROW)
         self.num_correct_drafts[:raw_bs].copy_(accept_lens - 1)
         self.num_accept_tokens[:raw_bs].copy_(accept_lens)
 
@@ -198,7 +206,6 @@ class EagleDraftExtendCudaGraphRunnerBase:
         raw_n = inp.bs * self.T
         self.input_ids[:raw_n].copy_(inp.input_ids)
         self.positions[:raw_n].copy_(inp.positions)
-        self.out_cache_loc[:raw_n].copy_(inp.out_cache_loc)
         self.hidden_states[:raw_n].copy_(inp.hidden_states)
         self.seq_lens[: inp.bs].copy_(inp.seq_lens)
         self.req_pool_indices[: inp.bs].copy_(inp.req_pool_indices)

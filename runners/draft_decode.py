@@ -90,7 +90,7 @@ class EagleProposer:
     def prefill(self, reqs: Sequence[Request], hiddens: Sequence[torch.Tensor]) -> list[Proposal]:
         w, T, dev = self.worker, self.worker.tokens_per_bs, self.device
         H = w.cfg.hidden_size
-        ids, pos, seq, pool, loc, acc, hid, finals, rows_of = [], [], [], [], [], [], [], [], []
+        ids, pos, seq, pool, acc, hid, finals, rows_of = [], [], [], [], [], [], [], []
         for r, h in zip(reqs, hiddens, strict=True):
             L = h.shape[0]  # rows 0..L-1 of the prompt
             chunks = -(-L // T)
@@ -99,7 +99,6 @@ class EagleProposer:
             hid.append(torch.cat([h.to(w.cfg.torch_dtype), h.new_zeros(chunks * T - L, H)]))
             for c in range(chunks):
                 pos.extend(range(c * T, c * T + T))
-                loc.extend(r.slots[c * T : c * T + T])
                 seq.append(c * T + T)
                 pool.append(r.req_pool_idx)
                 acc.append(min(T, L - c * T))
@@ -112,7 +111,7 @@ class EagleProposer:
         flat = [t for x in ids for t in x]
         inp = DraftExtendInputs(
             input_ids=torch.tensor(flat, **i64), positions=torch.tensor(pos, **i64), seq_lens=torch.tensor(seq, **i64),
-            req_pool_indices=torch.tensor(pool, **i64), out_cache_loc=torch.tensor(loc, **i64),
+            req_pool_indices=torch.tensor(pool, **i64),
             hidden_states=torch.cat(hid) if hid else torch.zeros(0, H, dtype=w.cfg.torch_dtype, device=dev),
             accept_lens=torch.tensor(acc, **i64), dp_batch_sizes=dp_sizes,
         )
@@ -157,7 +156,7 @@ class TargetProposer:
         k, cur = self.spec.topk, [r.tokens[-1] for r in reqs]
         cands: list[list[list[int]]] = [[] for _ in reqs]
         for step in range(self.spec.num_steps):
-            lanes = [Lane(r.req_pool_idx, len(r.tokens) - 1 + step, [t], [r.slots[len(r.tokens) - 1 + step]]) for r, t in zip(reqs, cur, strict=True)]
+            lanes = [Lane(r.req_pool_idx, len(r.tokens) - 1 + step, [t]) for r, t in zip(reqs, cur, strict=True)]
             out = self.target.forward(lanes)
             if out is None:
                 break

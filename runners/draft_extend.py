@@ -13,11 +13,12 @@ from typing import Optional
 import torch
 
 from runners.attention import make_backend
+from runners.attention.torch_ref import token_to_request
 from runners.batch import EagleDraftInput, ForwardBatch, ForwardMode
 from runners.config import ModelConfig, SpecConfig
 from runners.dp_metadata import gathered_metadata
 from runners.logits import logits_processor
-from runners.memory import ReqToTokenPool, TokenToKVPool
+from runners.memory import ReqToTokenPool, TokenToKVPool, assign_out_cache_loc
 from runners.model import DraftModel, head_shard
 from runners.parallel.dp_attention import RankContext
 
@@ -32,7 +33,6 @@ class DraftExtendInputs:
     positions: torch.Tensor  # [bs*T]
     seq_lens: torch.Tensor  # [bs]
     req_pool_indices: torch.Tensor  # [bs]
-    out_cache_loc: torch.Tensor  # [bs*T]
     hidden_states: torch.Tensor  # [bs*T, H]
     accept_lens: torch.Tensor  # [bs] num_accept_tokens, in 1..T
     dp_batch_sizes: list[int]  # every DP group's bs (from the MLP sync); [bs] without DP attention
@@ -93,7 +93,8 @@ class DraftWorker:
             _move_tensors(self.model, self.device)  # weights are generated on CPU (same bits everywhere)
         kv_heads = head_shard(model_cfg, ctx.attn_tp_rank, ctx.attn_tp_size).kv_count
         self.req_pool = ReqToTokenPool(max_reqs, model_cfg.max_context_len, self.device)
-        self.kv_pool = TokenToKVPool(self.num_layers, num_slots, kv_heads, model_cfg.head_dim, model_cfg.torch_dtype, self.device)
+        self.kv_pool = TokenToKVPool(self.num_layers, num_slots, kv_heads, model_cfg.head_dim, model_cfg.torch_dtype, self.device,
+                                     spec_cfg.page_size)
         self.attn = make_backend(attention_backend, req_pool=self.req_pool, kv_pool=self.kv_pool)
 
     @property
@@ -115,9 +116,15 @@ def _move_tensors(obj, device: torch.device) -> None:
 
 
 def draft_extend_step(worker: DraftWorker, step: int, fb: ForwardBatch) -> StepOutputs:
-    """The body shared by the eager path, graph warm-up, capture and (simulated) replay."""
+    """The body shared by the eager path, graph warm-up, capture and (simulated) replay.
+
+    The KV write locations are looked up here, in the graph, from the request rows and
+    positions (fb.out_cache_loc is their buffer): the replay fill of req_pool_indices and
+    positions is what keeps a padded lane's writes in the padding slot.
+    """
     ctx, head = worker.ctx, worker.model.head
     T, bs = worker.tokens_per_bs, fb.batch_size
+    assign_out_cache_loc(worker.req_pool.req_to_token, fb.req_pool_indices, fb.positions, token_to_request(fb), fb.out_cache_loc)
     meta = worker.attn.init_forward_metadata(fb)
     embeds = head.embed[fb.input_ids]
     hidden, normed = worker.model.layers[step].forward(embeds, fb.spec_info.hidden_states, fb, worker.attn, meta)
@@ -149,7 +156,7 @@ def eager_forward_batch(worker: DraftWorker, inp: DraftExtendInputs, input_ids: 
         positions=inp.positions,
         seq_lens=inp.seq_lens,
         req_pool_indices=inp.req_pool_indices,
-        out_cache_loc=inp.out_cache_loc,
+        out_cache_loc=torch.empty(bs * T, dtype=torch.int64, device=dev),  # written by the step body
         extend_seq_lens=torch.full((bs,), T, dtype=torch.int64, device=dev),
         extend_start_loc=torch.arange(bs, device=dev, dtype=torch.int64) * T,
         spec_info=EagleDraftInput(hidden, inp.accept_lens - 1, inp.accept_lens, worker.spec.topk),

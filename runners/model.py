@@ -49,12 +49,30 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * w
 
 
-def apply_rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
-    """x [N, h, d] rotated by position (rotate-half convention)."""
+def norm_weight(cfg: ModelConfig, name: str) -> torch.Tensor:
+    """Per-channel RMSNorm weight 1 + 0.1 * randn: a hidden state handed on before vs after a norm differs."""
+    g = torch.Generator().manual_seed(cfg.seed * 1_000_003 + zlib.crc32(name.encode()))
+    return (1 + 0.1 * torch.randn(cfg.hidden_size, generator=g, dtype=torch.float32)).to(cfg.torch_dtype)
+
+
+def rope_cos_sin_cache(cfg: ModelConfig) -> torch.Tensor:
+    """[max_context_len, head_dim]: cos | sin of every position, as the engine's RotaryEmbedding caches them.
+
+    Indexed by position inside the step body, with no clamp (the engine has none): a padded
+    lane's position must be a row of the table, which the replay fill (position 0) guarantees;
+    a position past the table raises on CPU (an out-of-bounds read on a GPU).
+    """
+    d = cfg.head_dim
+    inv_freq = cfg.rope_theta ** (-torch.arange(0, d, 2, dtype=torch.float32) / d)
+    freqs = torch.arange(cfg.max_context_len, dtype=torch.float32)[:, None] * inv_freq[None, :]
+    return torch.cat([freqs.cos(), freqs.sin()], dim=-1)
+
+
+def apply_rope(x: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor) -> torch.Tensor:
+    """x [N, h, d] rotated by position (rotate-half convention), cos/sin gathered from the cache."""
     d = x.shape[-1]
-    inv_freq = theta ** (-torch.arange(0, d, 2, device=x.device, dtype=torch.float32) / d)
-    freqs = positions.float()[:, None] * inv_freq[None, :]
-    cos, sin = freqs.cos()[:, None, :], freqs.sin()[:, None, :]
+    cos, sin = cos_sin_cache[positions].chunk(2, dim=-1)
+    cos, sin = cos[:, None, :], sin[:, None, :]
     x1, x2 = x[..., : d // 2].float(), x[..., d // 2 :].float()
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
 
@@ -85,8 +103,9 @@ class DecoderLayer:
         H, d, inter = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
         layout = ctx.layout
         self.heads = hs = head_shard(cfg, ctx.attn_tp_rank, ctx.attn_tp_size)
-        self.ln1 = torch.ones(H, dtype=cfg.torch_dtype)
-        self.ln2 = torch.ones(H, dtype=cfg.torch_dtype)
+        self.ln1 = norm_weight(cfg, f"{name}.ln1")
+        self.ln2 = norm_weight(cfg, f"{name}.ln2")
+        self.cos_sin_cache = rope_cos_sin_cache(cfg)
         wq = full_weight(cfg, f"{name}.q", (cfg.num_heads * d, H))
         wk = full_weight(cfg, f"{name}.k", (cfg.num_kv_heads * d, H))
         wv = full_weight(cfg, f"{name}.v", (cfg.num_kv_heads * d, H))
@@ -116,8 +135,8 @@ class DecoderLayer:
         q = (x @ self.wq.T).view(n, self.heads.q_count, d)
         k = (x @ self.wk.T).view(n, self.heads.kv_count, d)
         v = (x @ self.wv.T).view(n, self.heads.kv_count, d)
-        q = apply_rope(q, fb.positions, self.cfg.rope_theta)
-        k = apply_rope(k, fb.positions, self.cfg.rope_theta)
+        q = apply_rope(q, fb.positions, self.cos_sin_cache)
+        k = apply_rope(k, fb.positions, self.cos_sin_cache)
         o = attn.forward(self.kv_layer, q, k, v, fb, meta)
         return o.reshape(n, self.heads.q_count * d) @ self.wo.T
 
@@ -165,9 +184,9 @@ class DraftLayer:
         H = cfg.hidden_size
         self.cfg = cfg
         self.fc = full_weight(cfg, f"draft{step}.fc", (H, 2 * H))
-        self.enorm = torch.ones(H, dtype=cfg.torch_dtype)
-        self.hnorm = torch.ones(H, dtype=cfg.torch_dtype)
-        self.final_norm = torch.ones(H, dtype=cfg.torch_dtype)
+        self.enorm = norm_weight(cfg, f"draft{step}.enorm")
+        self.hnorm = norm_weight(cfg, f"draft{step}.hnorm")
+        self.final_norm = norm_weight(cfg, f"draft{step}.final_norm")
         self.layer = DecoderLayer(cfg, f"draft{step}", ctx, kv_layer=step)
 
     def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, fb: ForwardBatch, attn, meta) -> tuple[torch.Tensor, torch.Tensor]:
@@ -191,7 +210,7 @@ class TargetModel:
         self.cfg, self.ctx = cfg, ctx
         self.head = SharedHead(cfg, ctx)
         self.layers = [DecoderLayer(cfg, f"target{i}", ctx, kv_layer=kv_layer_offset + i) for i in range(cfg.num_target_layers)]
-        self.norm = torch.ones(cfg.hidden_size, dtype=cfg.torch_dtype)
+        self.norm = norm_weight(cfg, "target.norm")
 
     def forward(self, fb: ForwardBatch, attn, meta) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (last hidden states, normed) for the logits processor and the draft."""

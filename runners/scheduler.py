@@ -1,15 +1,16 @@
-"""Requests and their paged KV bookkeeping (page size 1), and who runs: arrive, finish, preempt.
+"""Requests and their paged KV bookkeeping, and who runs: arrive, finish, preempt.
 
-One `KVBook` per rank owns the slot allocator and the request-to-token map that the target
+One `KVBook` per rank owns the page allocator and the request-to-token map that the target
 and the draft share (as the engine's target and draft workers do): position p of a request
-lives in slot `req.slots[p]` of every KV pool, target layers and draft layers alike. Slot 0
-(the padding slot) and request row 0 are never handed out: padded graph lanes use them.
+lives in slot `req.slots[p]` of every KV pool, target layers and draft layers alike, at
+offset p % page_size of the request's (p // page_size)-th page. Page 0 (with the padding
+slot) and request row 0 are never handed out: padded graph lanes use them.
 
-Slots are allocated per position on demand and freed as soon as they hold nothing the
-request still needs (the rejected draft positions after each round). The free list is a
-stack, the most recently freed slot handed out first, so a finished request's slots belong
-to another request at once: a stale write into a slot that moved on shows (with FIFO reuse
-over a long free list it would land in a slot nobody holds and stay latent).
+Pages are allocated on demand and freed as soon as they hold nothing the request still
+needs (the pages past the last kept position after each round). The free lists are stacks,
+the most recently freed page and row handed out first, so a finished request's memory
+belongs to another request at once: a stale write into a slot that moved on shows (with
+FIFO reuse over a long free list it would land in a slot nobody holds and stay latent).
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from typing import Optional
 
 import torch
 
-from runners.memory import PADDING_SLOT, ReqToTokenPool
+from runners.memory import PADDING_SLOT, PageAllocator, ReqToTokenPool, page_slots, pages_of
 
 
 @dataclass
@@ -37,7 +38,7 @@ class Request:
     dp_rank: int = 0  # the DP attention group that serves it
     tokens: list[int] = field(default_factory=list)  # prompt + committed output
     req_pool_idx: Optional[int] = None
-    slots: list[int] = field(default_factory=list)  # slots[p]: the KV slot of position p
+    slots: list[int] = field(default_factory=list)  # slots[p]: the KV slot of position p (its pages: pages_of(slots))
     proposal: Optional[Proposal] = None
     accept_lens: list[int] = field(default_factory=list)  # per verify round: tokens committed, 1..T
     sibling_accepts: list[bool] = field(default_factory=list)  # per round: the last accepted draft was a top-k sibling
@@ -62,62 +63,63 @@ class Request:
 
 
 class KVBook:
-    """Slot and request-row bookkeeping for one rank, for KV pools of `num_slots` slots."""
+    """Page and request-row bookkeeping for one rank, for KV pools of `num_slots` slots."""
 
-    def __init__(self, req_pool: ReqToTokenPool, num_slots: int):
+    def __init__(self, req_pool: ReqToTokenPool, num_slots: int, page_size: int = 1):
         self.req_pool, self.num_slots = req_pool, num_slots
-        self.free = list(range(num_slots - 1, PADDING_SLOT, -1))  # a stack: slot 1 first, then the most recently freed
+        self.allocator = PageAllocator(num_slots, page_size)
+        self.page_size = page_size
         self.max_context_len = req_pool.req_to_token.shape[1]
-        self.scratch: dict[int, list[int]] = {}  # scratch row -> slots it holds (tree verification)
-
-    def alloc(self, n: int) -> list[int]:
-        if n > len(self.free):
-            raise RuntimeError(f"KV slots exhausted: need {n}, {len(self.free)} free")
-        return [self.free.pop() for _ in range(n)]
-
-    def free_slots(self, slots: list[int]) -> None:
-        self.free.extend(reversed(slots))
+        self.scratch: dict[int, list[int]] = {}  # scratch row -> pages it holds (tree verification)
 
     def admit(self, req: Request) -> None:
         req.req_pool_idx = self.req_pool.alloc()
         req.slots = []
 
     def ensure(self, req: Request, num_positions: int) -> None:
-        """Slots for positions [0, num_positions)."""
+        """Slots for positions [0, num_positions), new pages as needed."""
         have = len(req.slots)
         if num_positions > self.max_context_len:
             raise RuntimeError(f"request {req.rid}: {num_positions} positions exceed max_context_len {self.max_context_len}")
         if num_positions <= have:
             return
-        new = self.alloc(num_positions - have)
+        pages = pages_of(req.slots, self.page_size)
+        pages += self.allocator.alloc(self.allocator.pages_for(num_positions) - len(pages))
+        new = page_slots(pages, num_positions, self.page_size)[have:]
         row = self.req_pool.req_to_token[req.req_pool_idx]
         row[have:num_positions] = torch.tensor(new, dtype=row.dtype, device=row.device)
         req.slots.extend(new)
 
     def truncate(self, req: Request, num_positions: int) -> None:
-        """Free the slots of positions >= num_positions (their row entries go stale, masked by seq_len)."""
+        """Drop positions >= num_positions and free the pages past the last one kept (their row entries
+        go stale, masked by seq_len)."""
         if len(req.slots) > num_positions:
-            self.free_slots(req.slots[num_positions:])
+            pages = pages_of(req.slots, self.page_size)
+            self.allocator.release(pages[self.allocator.pages_for(num_positions):])
             del req.slots[num_positions:]
 
     def replace_slot(self, req: Request, pos: int, slot: int) -> None:
-        """Position `pos` now lives in `slot` (an accepted tree node's KV); its old slot is freed."""
-        self.free_slots([req.slots[pos]])
+        """Position `pos` now lives in `slot` (an accepted tree node's KV; page_size 1 only); its old slot is freed."""
+        if self.page_size != 1:
+            raise RuntimeError("tree verification adopts a sibling's slot, which needs page_size 1")
+        self.allocator.release([req.slots[pos]])
         req.slots[pos] = slot
         self.req_pool.req_to_token[req.req_pool_idx, pos] = slot
 
     def release(self, req: Request) -> None:
         if req.req_pool_idx is None:
             return
-        self.free_slots(req.slots)
+        self.allocator.release(pages_of(req.slots, self.page_size))
         self.req_pool.release(req.req_pool_idx)
         req.req_pool_idx, req.slots = None, []
 
     # ---- scratch rows: a copy of a request's row with one position redirected (tree siblings) ----
     def scratch_row(self, req: Request, pos: int) -> tuple[int, int]:
-        """A request row for a sibling node at `pos`: the request's slots below pos, a fresh slot at pos."""
+        """A request row for a sibling node at `pos`: the request's slots below pos, a fresh slot at pos (page_size 1)."""
+        if self.page_size != 1:
+            raise RuntimeError("tree verification gives a sibling one fresh slot, which needs page_size 1")
         idx = self.req_pool.alloc()
-        (slot,) = self.alloc(1)
+        (slot,) = self.allocator.alloc(1)
         row = self.req_pool.req_to_token
         row[idx, :pos] = row[req.req_pool_idx, :pos]
         row[idx, pos] = slot
@@ -125,17 +127,19 @@ class KVBook:
         return idx, slot
 
     def drop_scratch(self, keep: set[int] = frozenset()) -> None:
-        """Release every scratch row; slots in `keep` (adopted by a request) stay allocated."""
-        for idx, slots in self.scratch.items():
-            self.free_slots([s for s in slots if s not in keep])
+        """Release every scratch row; pages in `keep` (adopted by a request) stay allocated."""
+        for idx, pages in self.scratch.items():
+            self.allocator.release([p for p in pages if p not in keep])
             self.req_pool.release(idx)
         self.scratch.clear()
 
     # ---- invariants (P8) ----
     def problems(self, live: list[Request]) -> list[str]:
-        """Every slot owned once, never the padding slot; owned + free = all; rows match slots."""
+        """Every slot owned once, never in the padding page; slots laid out by page; owned + free pages = all; rows match slots."""
         out = []
+        ps = self.page_size
         owned: dict[int, int] = {}
+        owned_pages: set[int] = set()
         for r in live:
             if r.req_pool_idx is None:
                 out.append(f"request {r.rid} is running without a request row")
@@ -143,20 +147,24 @@ class KVBook:
             row = self.req_pool.req_to_token[r.req_pool_idx, : len(r.slots)].tolist()
             if row != r.slots:
                 out.append(f"request {r.rid}: req_to_token row {r.req_pool_idx} disagrees with its slots")
+            pages = pages_of(r.slots, ps)
+            if r.slots != page_slots(pages, len(r.slots), ps):
+                out.append(f"request {r.rid}: slots are not laid out by page (page_size {ps})")
+            owned_pages.update(pages)
             for p, s in enumerate(r.slots):
-                if s == PADDING_SLOT:
-                    out.append(f"request {r.rid} position {p} holds the padding slot")
+                if s // ps == PADDING_SLOT // ps:
+                    out.append(f"request {r.rid} position {p} holds the padding slot's page")
                 if s in owned:
                     out.append(f"slot {s} owned by requests {owned[s]} and {r.rid}")
                 owned[s] = r.rid
-        free = self.free
+        free = self.allocator.free
         if len(set(free)) != len(free):
-            out.append("a slot is free twice")
-        both = owned.keys() & set(free)
+            out.append("a page is free twice")
+        both = owned_pages & set(free)
         if both:
-            out.append(f"slots {sorted(both)[:5]} are owned and free at once")
-        if len(owned) + len(set(free)) != self.num_slots - 1:
-            out.append(f"slot leak: {self.num_slots - 1} allocatable, {len(owned)} owned + {len(set(free))} free")
+            out.append(f"pages {sorted(both)[:5]} are owned and free at once")
+        if len(owned_pages) + len(set(free)) != self.allocator.num_pages - 1:
+            out.append(f"slot leak: {self.allocator.num_pages - 1} allocatable pages, {len(owned_pages)} owned + {len(set(free))} free")
         rows = [r.req_pool_idx for r in live if r.req_pool_idx is not None]
         if len(set(rows)) != len(rows):
             out.append(f"request rows shared: {rows}")

@@ -65,9 +65,11 @@ DEFAULT_ALIGNMENT = Alignment()
 
 
 def slot_budget(spec: SpecConfig, max_context_len: int) -> int:
-    """Tight on purpose (freed slots come back soon): every running request at full context, tree scratch, slot 0."""
+    """Tight on purpose (freed pages come back soon): every running request at full context in whole
+    pages, tree scratch, the padding page."""
     sib = spec.num_steps * (spec.topk - 1)
-    return 1 + spec.max_running_requests * (max_context_len + sib)
+    pages = -(-max_context_len // spec.page_size)
+    return spec.page_size * (1 + spec.max_running_requests * pages) + spec.max_running_requests * sib
 
 
 @dataclass
@@ -96,6 +98,8 @@ def loop_unsupported_reason(spec: SpecConfig) -> Optional[str]:
     T, S = spec.num_tokens_per_bs, spec.num_steps
     if T != S + 1:
         return f"the loop verifies S = num_steps drafts per request, so num_tokens_per_bs must be {S + 1}, got {T}"
+    if spec.topk > 1 and spec.page_size > 1:
+        return f"tree verification (topk {spec.topk}) gives each sibling one fresh slot, which needs page_size 1, got {spec.page_size}"
     return None
 
 
@@ -113,8 +117,8 @@ class SpecEngine:
         num_slots = num_slots or slot_budget(spec, cfg.max_context_len)
         max_reqs = 1 + spec.max_running_requests * (1 + S * (spec.topk - 1))  # rows for requests and tree scratch
         self.req_pool = ReqToTokenPool(max_reqs, cfg.max_context_len, self.device)
-        self.target = TargetRunner(ctx, cfg, self.req_pool, num_slots, self.device, attention_backend)
-        self.book = KVBook(self.req_pool, num_slots)  # one slot index space for the target's and the draft's pools
+        self.target = TargetRunner(ctx, cfg, self.req_pool, num_slots, self.device, attention_backend, spec.page_size)
+        self.book = KVBook(self.req_pool, num_slots, spec.page_size)  # one slot index space for the target's and the draft's pools
         self.sched = Scheduler(self.book, spec.max_running_requests)
         alignment.apply_target(self.target.model)
         if proposer == "eagle":
@@ -171,7 +175,7 @@ class SpecEngine:
             self.book.admit(r)
             L = len(r.tokens) if r.num_generated == 0 else len(r.tokens) - 1  # a resumed request knows its last token
             self.book.ensure(r, L + self.T)  # the prefix and the first verify's positions
-            lanes.append(Lane(r.req_pool_idx, 0, r.tokens[:L], r.slots[:L]))
+            lanes.append(Lane(r.req_pool_idx, 0, r.tokens[:L]))
         out = self.target.forward(lanes)
         if out is None:
             return
@@ -189,15 +193,15 @@ class SpecEngine:
                 rep.finished.append(r.rid)
 
     def _verify(self, batch: list[Request], rep: StepReport) -> None:
-        S, T = self.S, self.T
+        T = self.T
         n0 = [len(r.tokens) for r in batch]
-        lanes = [Lane(r.req_pool_idx, n - 1, [r.tokens[-1]] + r.proposal.tokens, r.slots[n - 1 : n + S]) for r, n in zip(batch, n0, strict=True)]
+        lanes = [Lane(r.req_pool_idx, n - 1, [r.tokens[-1]] + r.proposal.tokens) for r, n in zip(batch, n0, strict=True)]
         sibs = siblings([r.proposal for r in batch]) if self.tree else []
         sib_slots = []
         for node in sibs:
             pos = n0[node.lane] - 1 + node.depth
             idx, slot = self.book.scratch_row(batch[node.lane], pos)
-            lanes.append(Lane(idx, pos, [node.token], [slot]))
+            lanes.append(Lane(idx, pos, [node.token]))
             sib_slots.append(slot)
         out = self.target.forward(lanes)
         if out is None:
@@ -258,13 +262,11 @@ class SpecEngine:
         T, dev, H = self.T, self.device, self.cfg.hidden_size
         i64 = dict(dtype=torch.int64, device=dev)
         pos = [p for n in n0 for p in range(n - 1, n - 1 + T)]
-        loc = [s for r, n in zip(reqs, n0, strict=True) for s in r.slots[n - 1 : n - 1 + T]]
         return DraftExtendInputs(
             input_ids=torch.cat(ids).to(dev) if ids else torch.zeros(0, **i64),
             positions=torch.tensor(pos, **i64),
             seq_lens=torch.tensor([n - 1 + T for n in n0], **i64),
             req_pool_indices=torch.tensor([r.req_pool_idx for r in reqs], **i64),
-            out_cache_loc=torch.tensor(loc, **i64),
             hidden_states=torch.cat(hid) if hid else torch.zeros(0, H, dtype=self.cfg.torch_dtype, device=dev),
             accept_lens=torch.tensor(accept_lens, **i64),
             dp_batch_sizes=dp_sizes,

@@ -15,23 +15,23 @@ from typing import Optional, Sequence
 import torch
 
 from runners.attention import make_backend
+from runners.attention.torch_ref import token_to_request
 from runners.batch import ForwardBatch, ForwardMode
 from runners.config import ModelConfig
 from runners.dp_metadata import gathered_metadata
 from runners.logits import logits_processor
-from runners.memory import ReqToTokenPool, TokenToKVPool
+from runners.memory import ReqToTokenPool, TokenToKVPool, assign_out_cache_loc
 from runners.model import TargetModel, head_shard
 from runners.parallel.dp_attention import RankContext, mlp_sync_batch_sizes
 
 
 @dataclass
 class Lane:
-    """Tokens of one request row at positions start .. start+len-1, written to `slots`."""
+    """Tokens of one request row at positions start .. start+len-1; their KV goes where the row points."""
 
     req_pool_idx: int
     start: int
     tokens: Sequence[int]
-    slots: Sequence[int]
 
     @property
     def seq_len(self) -> int:
@@ -55,7 +55,7 @@ def extend_batch(ctx: RankContext, lanes: Sequence[Lane], dp_tokens: list[int], 
         positions=cat([range(lane.start, lane.seq_len) for lane in lanes]),
         seq_lens=torch.tensor([lane.seq_len for lane in lanes], **i64),
         req_pool_indices=torch.tensor([lane.req_pool_idx for lane in lanes], **i64),
-        out_cache_loc=cat([lane.slots for lane in lanes]),
+        out_cache_loc=torch.empty(n, **i64),  # written by the pass (assign_out_cache_loc)
         extend_seq_lens=torch.tensor(lens, **i64),
         extend_start_loc=torch.tensor(starts if lanes else [], **i64),
         spec_info=None,
@@ -84,11 +84,12 @@ class TargetRunner:
     """One rank's target model with its KV pool (target layers), reading the shared request map."""
 
     def __init__(self, ctx: RankContext, cfg: ModelConfig, req_pool: ReqToTokenPool, num_slots: int,
-                 device: torch.device, attention_backend: str = "torch"):
+                 device: torch.device, attention_backend: str = "torch", page_size: int = 1):
         self.ctx, self.cfg, self.device = ctx, cfg, device
+        self.req_pool = req_pool
         self.model = TargetModel(cfg, ctx)
         kv_heads = head_shard(cfg, ctx.attn_tp_rank, ctx.attn_tp_size).kv_count
-        self.kv_pool = TokenToKVPool(cfg.num_target_layers, num_slots, kv_heads, cfg.head_dim, cfg.torch_dtype, device)
+        self.kv_pool = TokenToKVPool(cfg.num_target_layers, num_slots, kv_heads, cfg.head_dim, cfg.torch_dtype, device, page_size)
         self.attn = make_backend(attention_backend, req_pool=req_pool, kv_pool=self.kv_pool)
         self.passes = 0
 
@@ -98,6 +99,7 @@ class TargetRunner:
         if sum(dp_tokens) == 0:
             return None
         fb = extend_batch(self.ctx, lanes, dp_tokens, self.device)
+        assign_out_cache_loc(self.req_pool.req_to_token, fb.req_pool_indices, fb.positions, token_to_request(fb), fb.out_cache_loc)
         meta = self.attn.init_forward_metadata(fb)
         hidden, normed = self.model.forward(fb, self.attn, meta)
         lo = logits_processor(self.ctx, self.model.head, normed, fb)
@@ -133,16 +135,15 @@ def target_greedy(cfg: ModelConfig, prompts: Sequence[Sequence[int]], max_new: S
     runner = TargetRunner(ctx, cfg, req_pool, 1 + sum(need), device)
     if prepare is not None:
         prepare(runner.model)
-    rows, slots, at = [], [], 1
+    rows, at = [], 1
     for m in need:
         idx = req_pool.alloc()
         req_pool.req_to_token[idx, :m] = torch.arange(at, at + m)
         rows.append(idx)
-        slots.append(list(range(at, at + m)))
         at += m
     outs = [GreedyOutput([], []) for _ in prompts]
     seqs = [list(p) for p in prompts]
-    lanes = [Lane(rows[i], 0, seqs[i], slots[i][: len(seqs[i])]) for i in range(len(prompts))]
+    lanes = [Lane(rows[i], 0, seqs[i]) for i in range(len(prompts))]
     while lanes:
         res = runner.forward(lanes)
         ends = [s.stop - 1 for s in res.lane_rows(lanes)]
@@ -156,6 +157,6 @@ def target_greedy(cfg: ModelConfig, prompts: Sequence[Sequence[int]], max_new: S
             seqs[i].append(int(tok))
             if len(outs[i].tokens) < max_new[i]:
                 p = len(seqs[i]) - 1
-                next_lanes.append(Lane(lane.req_pool_idx, p, [int(tok)], [slots[i][p]]))
+                next_lanes.append(Lane(lane.req_pool_idx, p, [int(tok)]))
         lanes = next_lanes
     return outs

@@ -90,10 +90,10 @@ def test_p8_fixed_script_holds(layout, script):
 
 
 def test_p8_kills_stale_padded_lanes_after_a_shrink():
-    """Co-killed with P2 (which sees the non-canonical padded lanes): here the stale lanes' KV
-    writes land in slots a live request was handed right after another finished."""
+    """Co-killed with P2 (which sees the non-canonical padded lanes): here the stale lanes' request
+    rows send their in-graph KV writes into slots a live request was handed right after another finished."""
     layout, script = CHURN_RUNS[0]
-    with mutants.get("stale-padded-tokens-after-shrink").planted():
+    with mutants.get("stale-padded-req-pool-indices").planted():
         v = run_churn_script(layout, script)["P8"]
     assert not v
     f = v.failures[0]

@@ -28,7 +28,7 @@ def runner(layout, tp_rank=0, single=False, spec=SPEC):
 def inputs(raw_bs, T=4, dp_sizes=None, seq=10):
     n = raw_bs * T
     return DraftExtendInputs(
-        torch.arange(n), torch.arange(n), torch.full((raw_bs,), seq), torch.arange(1, raw_bs + 1), torch.arange(1, n + 1),
+        torch.arange(n), torch.arange(n), torch.full((raw_bs,), seq), torch.arange(1, raw_bs + 1),
         torch.zeros(n, 64), torch.full((raw_bs,), 2), dp_sizes or [raw_bs],
     )
 
@@ -78,15 +78,16 @@ def test_replay_picks_smallest_bucket_and_fills():
     assert rec.bs == 8
 
 
-def test_padded_lanes_keep_stale_values_but_seq_lens_reset():
-    """§6.4: after a shrink, req_pool_indices of padded lanes are stale; seq_lens are the fill."""
+def test_padded_lanes_get_the_padding_row_and_seq_len_fill_after_a_shrink():
+    """§6.4 (SGLang 0.5.23): after a shrink, padded lanes' req_pool_indices are the padding row 0, not
+    the larger batch's rows (the step body looks KV write slots up through them); seq_lens are the fill."""
     r = runner(PL(1))
     r.reset_for_iteration(7, torch.full((7,), 2))
     r.prepare_replay(inputs(7))
     r.reset_for_iteration(2, torch.full((2,), 2))
     rec = r.prepare_replay(inputs(2))
     assert rec.bs == 2
-    assert r.req_pool_indices[2:7].tolist() == [3, 4, 5, 6, 7]  # stale from the larger batch
+    assert r.req_pool_indices[:7].tolist() == [1, 2, 0, 0, 0, 0, 0]  # the larger batch had rows 1..7
     assert r.seq_lens[2:8].tolist() == [SEQ_LEN_FILL_VALUE] * 6
 
 

@@ -51,7 +51,9 @@ def test_dump_at_the_first_divergence_is_loadable_with_numpy(tmp_path, capsys):
         assert z["meta.graph.s0.fill_global_num_tokens_for_logprob_gpu"].tolist() == [16]
         assert z["buffers.s0.seq_lens"].shape == (8,) and z["inputs.rids"].tolist() == [0, 1, 2]
         err = np.abs(z["graph.s1.logits"] - z["eager.s1.logits"]).max(axis=1)
-        assert (err[:4] == 0).all() and (err[4:] > 1).all()  # rows past bs reach lm_head as zeros from step 1 on
+        # rows past bs reach lm_head as zeros from step 1 on; real rows differ only by the fp32 reorder of
+        # the graph's larger bucket (measured 1.3e-6 with the seeded norm weights)
+        assert (err[:4] < 1e-5).all() and (err[4:] > 1).all()
     with np.load(d / "oracle.npz") as z:
         assert z["inputs.rids"].tolist() == [0, 1, 2] and "eager.s2.logits" in z.files
 

@@ -1,7 +1,8 @@
 """Reference attention over the paged KV cache, written with static shapes only.
 
-Every token gathers its request's slot row from req_to_token and masks keys by
-`key_pos < seq_len` and `key_pos <= position`. No host syncs, no data-dependent shapes:
+Every token reads its request's keys through a page table built from its req_to_token
+row (the slot of each page's first position, divided by page_size), as paged kernels do,
+and masks keys by `key_pos < seq_len` and `key_pos <= position`. No host syncs, no data-dependent shapes:
 the same code runs eagerly and under a CUDA graph, and the padded lanes (seq_len = fill,
 position 0, padding slot) are computed like any other lane.
 """
@@ -37,9 +38,10 @@ class TorchAttnBackend:
 
     def init_forward_metadata(self, fb: ForwardBatch) -> AttnMetadata:
         token_to_req = token_to_request(fb)
-        rows = self.req_pool.req_to_token[fb.req_pool_indices]  # [bs, C]
-        kv_slots = rows[token_to_req]  # [N, C]
-        key_pos = torch.arange(rows.shape[1], device=rows.device)
+        ps = self.kv_pool.page_size
+        page_table = self.req_pool.req_to_token[fb.req_pool_indices, ::ps] // ps  # [bs, ceil(C / ps)]
+        key_pos = torch.arange(self.req_pool.req_to_token.shape[1], device=page_table.device)
+        kv_slots = page_table[token_to_req][:, key_pos // ps] * ps + key_pos % ps  # [N, C]
         seq_len = fb.seq_lens[token_to_req]
         key_mask = (key_pos[None, :] < seq_len[:, None]) & (key_pos[None, :] <= fb.positions[:, None])
         return AttnMetadata(token_to_req, kv_slots, key_mask)
