@@ -268,3 +268,51 @@ def get(mutant_id: str) -> Mutant:
         raise KeyError(f"unknown mutant {mutant_id!r}; known: {', '.join(BY_ID)}")
     return BY_ID[mutant_id]
 
+
+# ---- issue 20 item 3: the TARGET_VERIFY graph runner's replay fill (runners.verify_graph) ----
+# Killed by: the seq_lens fill by P1 (padded seq_lens / seq_lens_sum, the metadata grid); the
+# out_cache_loc fill by P3 (harness.verify_props: live target KV after the pass) and P5/P8 (a
+# corrupted committed KV changes later tokens); the gathered fill by P1 (the replay fill) and
+# P3/P5 on a DP-gather case. input_ids / positions / req_pool_indices of padded lanes have no
+# mutant: nothing on this engine reads them into a real row (TargetVerifyCudaGraphRunner._fill_padded_lanes).
+from runners.verify_graph import TargetVerifyCudaGraphRunner  # noqa: E402
+
+_REAL_VERIFY_FILL = TargetVerifyCudaGraphRunner._fill_padded_lanes
+
+
+def _verify_fill_keeps(buffer: str):
+    def fill(self: TargetVerifyCudaGraphRunner, raw_bs: int) -> None:
+        saved = getattr(self, buffer).clone()
+        _REAL_VERIFY_FILL(self, raw_bs)
+        getattr(self, buffer).copy_(saved)  # padded lanes keep the last, larger batch's values of this buffer
+
+    return fill
+
+
+def _verify_fill_gathered_requests(self: TargetVerifyCudaGraphRunner, bs: int) -> None:
+    if self.global_num_tokens_gpu is not None:
+        self.global_num_tokens_gpu.fill_(bs)  # requests, not tokens: lm_head gets the first bs rows only
+        self.global_num_tokens_for_logprob_gpu.fill_(bs)
+
+
+CATALOG = CATALOG + (
+    Mutant(
+        "verify-stale-padded-seq-lens",
+        "TARGET_VERIFY replay fill skips seq_lens of the padded lanes: after the batch shrinks they keep the larger batch's lengths, so the baked seq_lens_sum no longer matches the buffer",
+        "stale padded lane after shrink",
+        ((TargetVerifyCudaGraphRunner, "_fill_padded_lanes", _verify_fill_keeps("seq_lens")),),
+    ),
+    Mutant(
+        "verify-padded-kv-write-stale-slot",
+        "TARGET_VERIFY replay fill skips out_cache_loc of the padded lanes: they write their KV into the larger batch's slots, which may belong to a request still running",
+        "KV write for padded rows lands in a live slot",
+        ((TargetVerifyCudaGraphRunner, "_fill_padded_lanes", _verify_fill_keeps("out_cache_loc")),),
+    ),
+    Mutant(
+        "verify-gathered-tokens-requests",
+        "TARGET_VERIFY replay fill writes bs (requests) into global_num_tokens_gpu / global_num_tokens_for_logprob_gpu instead of bs * num_draft_tokens",
+        "unit: requests vs tokens",
+        ((TargetVerifyCudaGraphRunner, "_fill_gathered", _verify_fill_gathered_requests),),
+    ),
+)
+BY_ID.update({m.id: m for m in CATALOG})
