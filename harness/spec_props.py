@@ -481,6 +481,9 @@ class ChurnPair:
     def finish_check(self) -> Verdict:
         replays = sum(e.draft.driver.stats.replays for e in self.graph.engines)
         self.v.expect_equal("replayed", "graph replays > 0", {"layout": self.layout.describe()}, True, replays > 0)
+        if not self.graph.engines[0].tree:  # a tree engine verifies eagerly (runners.verify_graph)
+            verify = sum(e.verify_graph.backend.stats.replays for e in self.graph.engines)
+            self.v.expect_equal("replayed", "target verify replays > 0", {"layout": self.layout.describe()}, True, verify > 0)
         return self.v
 
 
