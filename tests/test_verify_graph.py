@@ -2,6 +2,7 @@
 fill, eager vs graph on one pass, its use by the spec loop, and the mutants its properties kill."""
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from harness import mutants
 from harness.case import load_case
@@ -136,6 +137,40 @@ def test_the_loop_verifies_through_the_graph_and_the_shadow_sees_every_replay():
 def test_a_tree_engine_verifies_eagerly():
     s = SpecSession(PL(), SpecConfig(num_steps=2, topk=2, capture_bs=(1, 2, 4), max_running_requests=4), runner="graph")
     assert s.engines[0].tree and s.engines[0].verify_graph is None
+
+
+class HostSyncs(TorchDispatchMode):
+    """Records the ops that read a device value on the host or size a result by the data."""
+
+    SYNCING = {"aten::_local_scalar_dense", "aten::nonzero", "aten::masked_select", "aten::_unique2", "aten::unique_dim"}
+
+    def __init__(self):
+        super().__init__()
+        self.seen: set[str] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func._schema.name in self.SYNCING:
+            self.seen.add(func._schema.name)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("layout", [PL(), PL(2, 2, True), PL(2, 2, True, 1, True, "deepep")], ids=["tp1", "mlp", "attn-dp"])
+def test_the_graph_body_has_no_host_sync(layout):
+    """What a real CUDA graph can't capture: .item() / int(tensor) / data-dependent shapes in the body."""
+    with HostSyncs() as probe:
+        int(torch.ones(2).sum()), torch.arange(3).nonzero()  # the detector sees both kinds
+    assert probe.seen == {"aten::_local_scalar_dense", "aten::nonzero"}
+
+    def fn(comm):
+        ctx, dev = RankContext(layout, comm.rank, comm), torch.device("cpu")
+        target = TargetRunner(ctx, MODEL, ReqToTokenPool(8, MODEL.max_context_len, dev), 64, dev)
+        runner = TargetVerifyCudaGraphRunner(ctx, MODEL, SPEC, target, GraphBackend("sim"))
+        fb = runner.get_forward_batch(4).frozen()
+        with HostSyncs() as seen:
+            runner._body(fb)
+        return seen.seen
+
+    assert SimulatedWorld(layout).run(fn) == [set()] * layout.world_size
 
 
 # ---------------------------------------------------------------- mutants
