@@ -26,6 +26,7 @@ from runners.draft_extend import SEQ_LEN_FILL_VALUE, DraftExtendInputs, DraftWor
 from runners.graph_backend import GraphBackend
 from runners.parallel.dp_attention import RankContext
 from runners.parallel.layout import ParallelLayout
+from runners.verify_graph import TargetVerifyCudaGraphRunner, VerifyInputs
 
 # ----------------------------------------------------------------------------------------
 # P1, fast path: metadata only
@@ -189,6 +190,7 @@ def check_metadata(
                 host_lp = rec.capture.host["global_num_tokens_for_logprob_cpu"]
                 own = None if host_lp is None else host_lp[d if layout.require_mlp_tp_gather else 0]
                 lp_by_runner.setdefault((r.runner_kind, r.step), []).append(own)
+        _check_verify_metadata(v, layout, spec, schedule, model, tp_rank, seed)
         # I6: single-layer and multi-layer agree on for_logprob (each multi-layer step vs single)
         single = lp_by_runner.get(("single_layer", 0), [])
         for (kind, step), vals in lp_by_runner.items():
@@ -197,6 +199,22 @@ def check_metadata(
                                "single-layer vs multi-layer runner, same batches")
     _check_branch_parity(v, layout, spec, schedule, model, seed)
     return v
+
+
+def _check_verify_metadata(v: Verdict, layout: ParallelLayout, spec: SpecConfig, schedule, model: ModelConfig, tp_rank: int, seed: int) -> None:
+    """I1, I4, I5 and the padding rules for the TARGET_VERIFY runner of one rank: logits for every token, like DRAFT_EXTEND_V2."""
+    d = layout.attn_dp_rank(tp_rank)
+    runner = TargetVerifyCudaGraphRunner(RankContext(layout, tp_rank, comm=None), model, spec, None, GraphBackend("sim"))
+    T = spec.num_tokens_per_bs
+    for it, sizes in enumerate(schedule):
+        dp_sizes = list(sizes) if layout.attn_dp_size > 1 else [sizes[0]]
+        g = torch.Generator().manual_seed(seed + 1000 * it + d)
+        raw_bs, n = dp_sizes[d], dp_sizes[d] * T
+        zeros = torch.zeros(n, dtype=torch.int64)
+        inp = VerifyInputs(zeros, zeros, torch.randint(T, 4 * T, (raw_bs,), generator=g), torch.arange(1, raw_bs + 1), dp_sizes)
+        if runner.can_run(inp):
+            needed = max(dp_sizes) if layout.require_mlp_tp_gather else raw_bs
+            check_replay_record(v, layout, runner.prepare_replay(inp), tp_rank, it, needed)
 
 
 def _logprob_rows_per_request(layout: ParallelLayout, spec: SpecConfig, schedule, model: ModelConfig, d: int, seed: int) -> dict[int, int]:

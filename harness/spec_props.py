@@ -21,6 +21,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from harness import verify_props
 from harness.case import Case, load_case
 from harness.checks import crash_detail, crash_name
 from harness.properties import compare_outputs
@@ -116,7 +117,8 @@ def compare_acceptance(v: Verdict, golden: dict, session: SpecSession, where: di
 
 
 def check_spec_case(case: Case, runners: Sequence[str] = ("eager", "graph"), props: Sequence[str] = ("P5", "P6")) -> dict[str, Verdict]:
-    """P5 and P6 on one case's workload, one run per runner."""
+    """P5 and P6 on one case's workload, one run per runner; the graph run also gives the
+    TARGET_VERIFY runner's P3 and P1 (harness.verify_props)."""
     out = {p: Verdict(p) for p in props}
     golden = None
     if "P6" in props:
@@ -126,11 +128,14 @@ def check_spec_case(case: Case, runners: Sequence[str] = ("eager", "graph"), pro
             out["P6"].fail("golden", "file", {"case": case.name}, "a golden for this case", "none usable", str(e))
     for runner in runners:
         where = {"case": case.name, "layout": case.layout.describe(), "runner": runner}
+        shadows: list[verify_props.VerifyShadow] = []  # graph: P3 / P1 on every TARGET_VERIFY replay
         try:
-            s = case_session(case, runner)
+            s = case_session(case, runner, hook=verify_props.install(shadows) if runner == "graph" else None)
         except RankFailure as err:
             out["run"] = out.get("run", Verdict("run")).merge(_crash("run", where, err))
             continue
+        if runner == "graph":
+            merge_verdicts(out, verify_props.shadow_verdicts(shadows, where))
         if "P5" in props:
             out["P5"].merge(check_lossless(s, where))
         if golden is not None:
@@ -477,6 +482,9 @@ class ChurnPair:
     def finish_check(self) -> Verdict:
         replays = sum(e.draft.driver.stats.replays for e in self.graph.engines)
         self.v.expect_equal("replayed", "graph replays > 0", {"layout": self.layout.describe()}, True, replays > 0)
+        if not self.graph.engines[0].tree:  # a tree engine verifies eagerly (runners.verify_graph)
+            verify = sum(e.verify_graph.backend.stats.replays for e in self.graph.engines)
+            self.v.expect_equal("replayed", "target verify replays > 0", {"layout": self.layout.describe()}, True, verify > 0)
         return self.v
 
 

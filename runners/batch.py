@@ -21,9 +21,13 @@ class ForwardMode(Enum):
     DRAFT_EXTEND = auto()
     DRAFT_EXTEND_V2 = auto()  # fixed num_tokens_per_bs tokens per request, logits for all of them
     IDLE = auto()  # a DP rank with no requests still runs the padded dummy path
+    TARGET_VERIFY = auto()  # the target over num_draft_tokens tokens per request, logits for all of them
 
     def is_draft_extend_v2(self) -> bool:
         return self is ForwardMode.DRAFT_EXTEND_V2
+
+    def is_target_verify(self) -> bool:
+        return self is ForwardMode.TARGET_VERIFY
 
 
 class CaptureHiddenMode(Enum):

@@ -5,9 +5,11 @@ of its DP attention group (`Request.dp_rank`) and ignores the others' commands. 
 
 1. prefill every running request without KV (new, or resumed after a preemption): one
    target EXTEND over their tokens but the last, then the draft's prefill -> proposals;
-2. verify every request with a proposal: one target EXTEND over [last token, d_1..d_S]
+2. verify every request with a proposal: one target pass over [last token, d_1..d_S]
    (plus one lane per tree sibling, topk > 1), greedy acceptance (runners.verify), commit
-   (never past max_new_tokens), finish the requests that are done;
+   (never past max_new_tokens), finish the requests that are done. With runner="graph" a
+   chain verify replays the TARGET_VERIFY graph (runners.verify_graph); a tree verify, or a
+   batch no bucket fits, runs the eager EXTEND pass (the same step body);
 3. draft-extend over the verified tokens (eager or graph runner) -> the next proposals;
    free the rejected positions' slots; allocate the next verify's.
 
@@ -29,12 +31,14 @@ from runners.config import ModelConfig, SpecConfig
 from runners.cuda_graph import ReplayRecord
 from runners.draft_decode import EagleProposer, TargetProposer
 from runners.draft_extend import DraftExtendInputs, StepOutputs
+from runners.graph_backend import GraphBackend
 from runners.memory import ReqToTokenPool
 from runners.model import DraftModel, TargetModel
 from runners.parallel.dp_attention import RankContext, mlp_sync_batch_sizes
 from runners.scheduler import KVBook, Request, Scheduler
-from runners.target import Lane, TargetRunner
+from runners.target import Lane, TargetOutput, TargetRunner
 from runners.verify import accept, siblings
+from runners.verify_graph import TargetVerifyCudaGraphRunner, verify_inputs
 
 
 @dataclass(frozen=True)
@@ -91,6 +95,7 @@ class StepReport:
     extend_rids: list[int] = field(default_factory=list)  # row order of the draft-extend below
     extend_outs: list[StepOutputs] = field(default_factory=list)  # per draft step, real rows
     records: list[ReplayRecord] = field(default_factory=list)  # graph replays (empty: eager or fallback)
+    verify_records: list[ReplayRecord] = field(default_factory=list)  # the TARGET_VERIFY replay (empty: eager verify)
 
 
 def loop_unsupported_reason(spec: SpecConfig) -> Optional[str]:
@@ -129,6 +134,12 @@ class SpecEngine:
         else:
             raise ValueError(f"proposer must be 'eagle' or 'target', got {proposer!r}")
         self.draft.capture()
+        # Tree batches always carry one-token sibling lanes, which the fixed-width verify graph
+        # cannot hold: a tree engine verifies eagerly (decided per engine, so every rank agrees).
+        self.verify_graph: Optional[TargetVerifyCudaGraphRunner] = None
+        if runner == "graph" and not self.tree:
+            self.verify_graph = TargetVerifyCudaGraphRunner(ctx, cfg, spec, self.target, GraphBackend("auto", self.device), self.device)
+            self.verify_graph.capture()  # after the alignment: a graph bakes the weights it was captured with
         self.steps = 0
 
     # ---- commands (the harness sends every rank every command; a rank keeps its DP group's) ----
@@ -203,7 +214,7 @@ class SpecEngine:
             idx, slot = self.book.scratch_row(batch[node.lane], pos)
             lanes.append(Lane(idx, pos, [node.token]))
             sib_slots.append(slot)
-        out = self.target.forward(lanes)
+        out = self._target_verify(lanes, rep)
         if out is None:
             self.book.drop_scratch()
             return
@@ -253,6 +264,25 @@ class SpecEngine:
             props = self.draft.propose(reqs) if isinstance(self.draft, TargetProposer) else []
         for r, p in zip(reqs, props, strict=True):
             r.proposal = p
+
+    def _target_verify(self, lanes: list[Lane], rep: StepReport) -> Optional[TargetOutput]:
+        """The verify pass: the TARGET_VERIFY graph when there is one and the batch fits, else eager.
+
+        One MLP sync decides for every rank alike (the MLP-TP-gather branch pads every DP
+        group to the largest one's bucket) and sizes the eager pass's metadata.
+        """
+        dp_tokens = mlp_sync_batch_sizes(self.ctx, sum(len(lane.tokens) for lane in lanes), self.device)
+        if sum(dp_tokens) == 0:
+            return None
+        g = self.verify_graph
+        if g is not None:  # a chain engine: every lane holds T tokens
+            inp = verify_inputs(lanes, [t // self.T for t in dp_tokens], self.device)
+            if g.can_run(inp):
+                out, rec = g.replay(inp)
+                rep.verify_records = [rec]
+                return out
+            g.backend.stats.eager_fallbacks += 1
+        return self.target.forward_synced(lanes, dp_tokens)
 
     def _extend_inputs(self, reqs, n0, ids, hid, accept_lens) -> Optional[DraftExtendInputs]:
         """The verified tokens of every request, T rows each, as DRAFT_EXTEND_V2 lanes."""

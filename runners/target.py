@@ -71,6 +71,7 @@ def extend_batch(ctx: RankContext, lanes: Sequence[Lane], dp_tokens: list[int], 
 class TargetOutput:
     hidden: torch.Tensor  # [N, H] last layer, pre-norm: what the EAGLE draft consumes
     logits: torch.Tensor  # [N, V]
+    rows_fed: Optional[torch.Tensor] = None  # scalar: rows this rank gave lm_head
 
     def lane_rows(self, lanes: Sequence[Lane]) -> list[slice]:
         out, at = [], 0
@@ -98,13 +99,23 @@ class TargetRunner:
         dp_tokens = mlp_sync_batch_sizes(self.ctx, sum(len(lane.tokens) for lane in lanes), self.device)
         if sum(dp_tokens) == 0:
             return None
-        fb = extend_batch(self.ctx, lanes, dp_tokens, self.device)
-        assign_out_cache_loc(self.req_pool.req_to_token, fb.req_pool_indices, fb.positions, token_to_request(fb), fb.out_cache_loc)
-        meta = self.attn.init_forward_metadata(fb)
-        hidden, normed = self.model.forward(fb, self.attn, meta)
-        lo = logits_processor(self.ctx, self.model.head, normed, fb)
+        return self.forward_synced(lanes, dp_tokens)
+
+    def forward_synced(self, lanes: Sequence[Lane], dp_tokens: list[int]) -> TargetOutput:
+        """The eager pass once the MLP sync is done (the verify decides graph or eager from the same sync)."""
+        out = target_step(self, extend_batch(self.ctx, lanes, dp_tokens, self.device))
         self.passes += 1
-        return TargetOutput(hidden, lo.next_token_logits)
+        return out
+
+
+def target_step(runner: TargetRunner, fb: ForwardBatch) -> TargetOutput:
+    """The body shared by the eager pass, the verify graph's warm-up, capture and replay: the KV
+    write slots are looked up from the request map here, inside the graph, as every index is."""
+    assign_out_cache_loc(runner.req_pool.req_to_token, fb.req_pool_indices, fb.positions, token_to_request(fb), fb.out_cache_loc)
+    meta = runner.attn.init_forward_metadata(fb)
+    hidden, normed = runner.model.forward(fb, runner.attn, meta)
+    lo = logits_processor(runner.ctx, runner.model.head, normed, fb)
+    return TargetOutput(hidden, lo.next_token_logits, lo.rows_fed)
 
 
 def top2_margin(logits: torch.Tensor) -> torch.Tensor:

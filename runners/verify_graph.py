@@ -1,0 +1,238 @@
+"""The TARGET_VERIFY CUDA-graph runner: the target model over num_draft_tokens tokens per request.
+
+As the engine's cuda_graph_runner in TARGET_VERIFY mode (DESIGN.md §6.2-6.4): static
+buffers sized for the largest bucket; one graph per capture_bs bucket; `get_forward_batch(bs)`
+bakes the per-branch gathered metadata, counting tokens (bs * num_draft_tokens) with
+logits for every token; replay copies the live lanes in, writes the replay fill into the
+padded lanes and the gathered gpu tensors, replays and slices the real rows out. The body
+is `runners.target.target_step`, the one the eager verify runs.
+
+Tree verify (topk > 1) is not graphed: a tree sibling is a lane of one token with its own
+request row, and this runner has fixed lanes of num_draft_tokens tokens and no tree mask.
+The spec loop builds no verify graph for a tree engine, so every tree batch runs the eager
+verify, as the engine runs eagerly a batch its graphs don't fit (`can_run` False: too many
+requests for the largest bucket).
+"""
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+
+from runners.batch import ForwardBatch, ForwardMode
+from runners.config import ModelConfig, SpecConfig
+from runners.cuda_graph import CaptureRecord, ReplayRecord, _tolist, compute_capture_bs
+from runners.dp_metadata import gathered_metadata
+from runners.draft_extend import SEQ_LEN_FILL_VALUE
+from runners.graph_backend import GraphBackend
+from runners.memory import PADDING_SLOT
+from runners.parallel.comm import Group
+from runners.parallel.dp_attention import RankContext
+from runners.parallel.layout import Branch
+from runners.target import Lane, TargetOutput, TargetRunner, target_step
+
+
+@dataclass
+class VerifyInputs:
+    """One rank's verify batch: num_draft_tokens tokens per request ([last token, d_1..d_S])."""
+
+    input_ids: torch.Tensor  # [bs*T]
+    positions: torch.Tensor  # [bs*T]
+    seq_lens: torch.Tensor  # [bs] incl. the verified tokens
+    req_pool_indices: torch.Tensor  # [bs]
+    dp_batch_sizes: list[int]  # every DP group's bs (from the MLP sync); [bs] without DP attention
+
+    @property
+    def bs(self) -> int:
+        return int(self.seq_lens.shape[0])
+
+
+def verify_inputs(lanes: Sequence[Lane], dp_batch_sizes: list[int], device: torch.device) -> VerifyInputs:
+    """Chain lanes (all of one length T) as the runner's live batch."""
+    i64 = dict(dtype=torch.int64, device=device)
+    flat = lambda xs: torch.tensor([x for lane_xs in xs for x in lane_xs], **i64)  # noqa: E731
+    return VerifyInputs(
+        input_ids=flat([lane.tokens for lane in lanes]),
+        positions=flat([range(lane.start, lane.seq_len) for lane in lanes]),
+        seq_lens=torch.tensor([lane.seq_len for lane in lanes], **i64),
+        req_pool_indices=torch.tensor([lane.req_pool_idx for lane in lanes], **i64),
+        dp_batch_sizes=list(dp_batch_sizes),
+    )
+
+
+class TargetVerifyCudaGraphRunner:
+    """One rank's TARGET_VERIFY graphs. `target=None` gives a metadata-only runner (no model:
+    get_forward_batch and prepare_replay only), which the fast P1 path drives."""
+
+    runner_kind = "target_verify"
+    step = 0  # one pass per verify (records share the draft-extend runners' shape)
+
+    def __init__(self, ctx: RankContext, cfg: ModelConfig, spec: SpecConfig, target: Optional[TargetRunner],
+                 backend: GraphBackend, device: torch.device | str = "cpu"):
+        self.ctx, self.cfg, self.target, self.backend = ctx, cfg, target, backend
+        self.layout = ctx.layout
+        self.T = spec.num_tokens_per_bs
+        self.capture_bs = compute_capture_bs(self.layout, spec.capture_bs, spec.max_running_requests)
+        self.max_bs = max(self.capture_bs)
+        n, dev = self.max_bs * self.T, torch.device(device)
+        i64 = dict(dtype=torch.int64, device=dev)
+        self.input_ids = torch.zeros(n, **i64)
+        self.positions = torch.zeros(n, **i64)
+        self.out_cache_loc = torch.full((n,), PADDING_SLOT, **i64)
+        self.seq_lens = torch.full((self.max_bs,), SEQ_LEN_FILL_VALUE, **i64)
+        self.req_pool_indices = torch.zeros(self.max_bs, **i64)
+        self.extend_seq_lens = torch.full((self.max_bs,), self.T, **i64)
+        self.extend_start_loc = torch.arange(self.max_bs, **i64) * self.T
+        rows = n if target is not None else 0  # outputs only; a metadata-only runner never runs the body
+        self.hidden_buffer = torch.zeros(rows, cfg.hidden_size, dtype=cfg.torch_dtype, device=dev)
+        self.logits_buffer = torch.zeros(rows, cfg.vocab_size, dtype=torch.float32, device=dev)
+        gathered_len = self.layout.attn_dp_size if self.layout.require_mlp_tp_gather else 1
+        if self.layout.require_gathered_buffer:
+            self.global_num_tokens_gpu = torch.zeros(gathered_len, dtype=torch.int32, device=dev)
+            self.global_num_tokens_for_logprob_gpu = torch.zeros(gathered_len, dtype=torch.int32, device=dev)
+        else:
+            self.global_num_tokens_gpu = self.global_num_tokens_for_logprob_gpu = None
+        self.graphs: dict[int, object] = {}
+        self.capture_batches: dict[int, ForwardBatch] = {}
+        self.capture_records: dict[int, CaptureRecord] = {}
+
+    # ---- metadata, per branch (§6.3): every count is tokens, and every token gets logits ----
+    def get_forward_batch(self, bs: int) -> ForwardBatch:
+        n = bs * self.T
+        meta = gathered_metadata(self.layout, [n] * self.layout.attn_dp_size, [n] * self.layout.attn_dp_size, self.ctx.attn_dp_rank)
+        if self.global_num_tokens_gpu is not None:
+            self.global_num_tokens_gpu.copy_(torch.tensor(meta.global_num_tokens, dtype=torch.int32))
+            self.global_num_tokens_for_logprob_gpu.copy_(torch.tensor(meta.global_num_tokens_for_logprob, dtype=torch.int32))
+        fb = ForwardBatch(
+            forward_mode=ForwardMode.TARGET_VERIFY,
+            batch_size=bs,
+            input_ids=self.input_ids[:n],
+            positions=self.positions[:n],
+            seq_lens=self.seq_lens[:bs],
+            req_pool_indices=self.req_pool_indices[:bs],
+            out_cache_loc=self.out_cache_loc[:n],
+            extend_seq_lens=self.extend_seq_lens[:bs],
+            extend_start_loc=self.extend_start_loc[:bs],
+            spec_info=None,
+            extend_seq_lens_cpu=[self.T] * bs,
+            extend_num_tokens=n,
+            num_token_non_padded=n,
+            seq_lens_sum=bs * SEQ_LEN_FILL_VALUE,
+            global_num_tokens_cpu=meta.global_num_tokens,
+            global_num_tokens_gpu=self.global_num_tokens_gpu,
+            global_num_tokens_for_logprob_cpu=meta.global_num_tokens_for_logprob,
+            global_num_tokens_for_logprob_gpu=self.global_num_tokens_for_logprob_gpu,
+            global_dp_buffer_len=meta.global_dp_buffer_len,
+        )
+        self.capture_records[bs] = CaptureRecord(bs, n, fb.host_metadata(), _tolist(self.global_num_tokens_gpu),
+                                                 _tolist(self.global_num_tokens_for_logprob_gpu))
+        return fb
+
+    # ---- capture (§6.2) ----
+    def _body(self, fb: ForwardBatch) -> TargetOutput:
+        out = target_step(self.target, fb)
+        n = fb.batch_size * self.T
+        self.hidden_buffer[:n].copy_(out.hidden)
+        self.logits_buffer[:n].copy_(out.logits)
+        return TargetOutput(self.hidden_buffer[:n], self.logits_buffer[:n], out.rows_fed)
+
+    def capture(self) -> None:
+        comm = self.ctx.comm
+        for bs in reversed(self.capture_bs):
+            fb = self.get_forward_batch(bs).frozen()
+            self.capture_batches[bs] = fb
+            for _ in range(2):  # warm-up with the capture-time metadata, as the engine does
+                self.backend.warmup(lambda fb=fb: self._body(fb))
+                comm.barrier(Group.WORLD)
+            self.graphs[bs] = self.backend.capture(lambda fb=fb: self._body(fb))
+
+    # ---- replay (§6.4) ----
+    def _needed_bs(self, inp: VerifyInputs) -> int:
+        if self.layout.branch is Branch.MLP_TP_GATHER:
+            return max(inp.dp_batch_sizes)  # every DP group must replay the same bucket
+        return inp.bs
+
+    def can_run(self, inp: VerifyInputs) -> bool:
+        return self._needed_bs(inp) <= self.max_bs
+
+    def _choose_bucket(self, needed: int) -> int:
+        return self.capture_bs[bisect.bisect_left(self.capture_bs, needed)]
+
+    def _copy_live_inputs(self, inp: VerifyInputs) -> None:
+        raw_n = inp.bs * self.T
+        self.input_ids[:raw_n].copy_(inp.input_ids)
+        self.positions[:raw_n].copy_(inp.positions)
+        self.seq_lens[: inp.bs].copy_(inp.seq_lens)
+        self.req_pool_indices[: inp.bs].copy_(inp.req_pool_indices)
+
+    def _fill_padded_lanes(self, raw_bs: int) -> None:
+        """The replay fill of the lanes past the live batch (they hold the last, larger batch's values).
+
+        req_pool_indices and positions: the body looks every KV write slot up as
+        req_to_token[row, position]; a padded lane left on a larger batch's row writes its KV
+        into that request's slots, which may belong to a request still running. Row 0 is the
+        padding row (every entry the padding slot), so the fill makes padded writes harmless.
+        Positions also gather the rotary table, which has max_context_len rows: position 0 is
+        always in it. seq_lens: the fill value, so that the baked seq_lens_sum (raw sum +
+        padded lanes * fill) is the buffer's sum. out_cache_loc is rewritten by the body and
+        input_ids only shape the padded rows themselves (sliced off; each row's logits are its
+        own); both are reset as the engine resets them.
+        """
+        raw_n = raw_bs * self.T
+        self.out_cache_loc[raw_n:].fill_(PADDING_SLOT)
+        self.seq_lens[raw_bs:].fill_(SEQ_LEN_FILL_VALUE)
+        self.input_ids[raw_n:].zero_()
+        self.positions[raw_n:].zero_()
+        self.req_pool_indices[raw_bs:].zero_()
+
+    def _fill_gathered(self, bs: int) -> None:
+        """The logits gather reads its row counts from these: bs * T per DP group, as baked at capture."""
+        if self.global_num_tokens_gpu is not None:
+            self.global_num_tokens_gpu.fill_(bs * self.T)
+            self.global_num_tokens_for_logprob_gpu.fill_(bs * self.T)
+
+    def _fill_for_replay(self, inp: VerifyInputs) -> int:
+        """Copy-in and replay fill; returns the bucket. Device work only: no host sync."""
+        bs = self._choose_bucket(self._needed_bs(inp))
+        self._copy_live_inputs(inp)
+        self._fill_padded_lanes(inp.bs)
+        self._fill_gathered(bs)
+        return bs
+
+    def prepare_replay(self, inp: VerifyInputs) -> ReplayRecord:
+        """Copy in, choose the bucket, write the replay fill; no graph runs (the fast P1 path)."""
+        return self._record(inp, self._fill_for_replay(inp))
+
+    def _record(self, inp: VerifyInputs, bs: int) -> ReplayRecord:
+        """What P1 compares: the static buffers read back to the host (device syncs; an engine skips this)."""
+        if bs not in self.capture_records:  # metadata-only: bake the bucket, keep the live fill
+            self.get_forward_batch(bs)
+            self._fill_gathered(bs)
+        return ReplayRecord(
+            runner=self.runner_kind, step=self.step, branch=self.layout.branch.value, raw_bs=inp.bs, bs=bs, tokens_per_bs=self.T,
+            capture=self.capture_records[bs],
+            global_num_tokens_gpu=_tolist(self.global_num_tokens_gpu),
+            global_num_tokens_for_logprob_gpu=_tolist(self.global_num_tokens_for_logprob_gpu),
+            gpu_shape=None if self.global_num_tokens_gpu is None else tuple(self.global_num_tokens_gpu.shape),
+            padded_seq_lens=self.seq_lens[inp.bs : bs].tolist(),
+            seq_lens_sum=int(inp.seq_lens.sum()) + (bs - inp.bs) * SEQ_LEN_FILL_VALUE,
+            seq_lens_sum_actual=int(self.seq_lens[:bs].sum()),
+            captured_bs=list(self.capture_bs),
+        )
+
+    def replay(self, inp: VerifyInputs, record: bool = True) -> tuple[TargetOutput, Optional[ReplayRecord]]:
+        bs = self._fill_for_replay(inp)
+        rec = self._record(inp, bs) if record else None
+        graph = self.graphs[bs]
+        replan = getattr(self.target.attn, "init_forward_metadata_replay_cuda_graph", None)
+        if replan is not None:  # host-planned backends (flashinfer): re-plan with the live lanes, outside the graph
+            replan(self.capture_batches[bs])
+        self.backend.replay(graph)
+        out: TargetOutput = graph.output
+        if rec is not None:
+            rec.rows_fed = int(out.rows_fed)
+            rec.logits_rows = int(out.logits.shape[0])
+        n = inp.bs * self.T
+        return TargetOutput(out.hidden[:n].clone(), out.logits[:n].clone(), out.rows_fed.clone()), rec
