@@ -24,13 +24,13 @@ from pathlib import Path
 
 import pytest
 
-from harness.engine_install import EngineSpec, InstallError, ensure_installed
+from harness.engines.install import EngineSpec, InstallError, ensure_installed
 
 REPO = Path(__file__).resolve().parent.parent
 SEED_BUG = "0.5.13.post1"
 FIXED = "0.5.14"
 NEWEST = os.environ.get("SPECHARNESS_SGLANG_NEWEST", "0.5.23")
-T = 4  # num_draft_tokens of harness.engine_adapter.EngineConfig: tokens per request in draft-extend
+T = 4  # num_draft_tokens of harness.engines.sglang.config.EngineConfig: tokens per request in draft-extend
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -121,11 +121,12 @@ def test_newest_release_planted_engine_bugs_are_caught_and_moves_are_named():
     proc = _python(f"""
         import json, sys
         from pathlib import Path
-        from harness import engine_adapter as ea
-        from harness.engine_check import check_engine
-        from harness.engine_install import deps_dir
+        from harness.engines.check import check_engine
+        from harness.engines.install import deps_dir
+        from harness.engines.sglang.errors import MissingEngineAttribute
+        from harness.engines.sglang.loader import load
         from runners.parallel.layout import ParallelLayout
-        eng = ea.load(Path({str(target)!r}), deps_dir())
+        eng = load(Path({str(target)!r}), deps_dir())
         ml = eng.modules["ml"]
         out = {{}}
         layouts = (ParallelLayout(4, 1, False, 1), ParallelLayout(4))
@@ -165,7 +166,7 @@ def test_newest_release_planted_engine_bugs_are_caught_and_moves_are_named():
         try:
             check_engine(eng, layouts[1:])
             out["moved"] = None
-        except ea.MissingEngineAttribute as e:
+        except MissingEngineAttribute as e:
             out["moved"] = str(e)
         print(json.dumps(out))
     """)
@@ -182,7 +183,7 @@ def test_newest_release_planted_engine_bugs_are_caught_and_moves_are_named():
 
 
 def test_stub_modules_are_package_like_with_subclassable_classes():
-    from harness.engine_adapter import StubFinder
+    from harness.engines.sglang.stubs import StubFinder
 
     finder = StubFinder(("fake_thirdparty_pkg",))
     assert finder.find_spec("json") is None  # only the listed names
@@ -209,12 +210,13 @@ def test_stub_modules_are_package_like_with_subclassable_classes():
 
 
 def test_strict_stand_ins_name_what_the_engine_read():
-    from harness.engine_adapter import MissingEngineAttribute, _Strict
+    from harness.engines.sglang.errors import MissingEngineAttribute
+    from harness.engines.sglang.standins import Strict
 
-    worker = _Strict("eagle_worker", topk=1)
+    worker = Strict("eagle_worker", topk=1)
     assert worker.topk == 1
     assert getattr(worker, "hot_token_id", None) is None  # getattr with a default still works (an AttributeError)
-    with pytest.raises(MissingEngineAttribute, match=r"eagle_worker\.speculative_num_steps.*harness/engine_adapter.py"):
+    with pytest.raises(MissingEngineAttribute, match=r"eagle_worker\.speculative_num_steps.*harness/engines/sglang"):
         _ = worker.speculative_num_steps
 
 
