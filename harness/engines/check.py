@@ -16,9 +16,11 @@ import time
 from fractions import Fraction
 from typing import Optional
 
+from harness.engines.install import version_key
+from harness.engines.lanes import FILLED_SINCE, check_lanes, live_batch
 from harness.engines.report import EngineReport, Line
 from harness.engines.sglang.build import EngineRunners
-from harness.engines.sglang.config import EngineConfig, LiveBatch
+from harness.engines.sglang.config import EngineConfig
 from harness.engines.sglang.loader import Engine
 from harness.layout import branch_sibling
 from harness.properties import check_replay_record, check_replay_rows
@@ -34,6 +36,10 @@ REPRESENTATIVE_LAYOUTS: tuple[ParallelLayout, ...] = (
     ParallelLayout(4),  # neither: plain TP
     ParallelLayout(4, 4, True, 1, True, "deepep"),  # neither: DP attention with dp = tp and the flags of (ii)
 )
+# Where prepare()'s Triton fill kernel runs (interpreted: slow) on the first rank: one layout with
+# gathered buffers and one without, which between them reach every role of the kernel. Every other
+# replay of a release that has the native twin fills through the twin (the NPU path).
+KERNEL_LAYOUTS: tuple[ParallelLayout, ...] = (ParallelLayout(4, 1, False, 1), ParallelLayout(4))
 
 
 
@@ -43,11 +49,12 @@ REPRESENTATIVE_LAYOUTS: tuple[ParallelLayout, ...] = (
 
 
 def _schedule(layout: ParallelLayout, capture_bs: list[int], d: int) -> list[list[int]]:
-    """Per iteration, each DP group's raw batch size: every size up to the largest bucket, growing then
-    shrinking (so a smaller batch follows a larger one and finds its stale lanes). In the MLP-TP branch
-    the bucket follows the largest group: each size also runs with this group the small one."""
-    top = max(capture_bs)
-    sizes = list(range(1, top + 1))
+    """Per iteration, each DP group's raw batch size: both ends of every bucket (the smallest batch it
+    takes and a full one), growing then shrinking (so a smaller batch follows a larger one and finds
+    its stale lanes). In the MLP-TP branch the bucket follows the largest group: each size also runs
+    with this group the small one."""
+    edges = sorted(set(capture_bs))
+    sizes = sorted({b for b in edges} | {a + 1 for a in [0, *edges[:-1]]})
     sizes = sizes + sizes[::-1][1:]
     dp = layout.attn_dp_size
     out = []
@@ -58,25 +65,22 @@ def _schedule(layout: ParallelLayout, capture_bs: list[int], d: int) -> list[lis
     return out
 
 
-def _seq_lens(raw_bs: int, it: int) -> list[int]:
-    return [5 + (3 * i + it) % 11 for i in range(raw_bs)]
-
-
-def _accept_lens(raw_bs: int, it: int, T: int) -> list[int]:
-    return [1 + (i + it) % T for i in range(raw_bs)]
-
-
 # ----------------------------------------------------------------------------------------
 # the check
 # ----------------------------------------------------------------------------------------
 
 
-def check_engine(engine: Engine, layouts: tuple[ParallelLayout, ...] = REPRESENTATIVE_LAYOUTS, cfg: Optional[EngineConfig] = None, progress=None) -> EngineReport:
+def check_engine(engine: Engine, layouts: tuple[ParallelLayout, ...] = REPRESENTATIVE_LAYOUTS, cfg: Optional[EngineConfig] = None, progress=None,
+                 kernel_layouts: tuple[ParallelLayout, ...] = KERNEL_LAYOUTS) -> EngineReport:
     cfg = cfg or EngineConfig()
     t0 = time.perf_counter()
     lines: dict[tuple, Line] = {}
     # (layout, rank, runner, step) -> {bucket: (for_logprob per token at capture, rows fed to lm_head per token, bs * T)}, for I3 / I6
     per_request: dict[tuple, dict[int, tuple[Optional[Fraction], Fraction, int]]] = {}
+
+    # the buffers whose padded lanes this release's fill writes, per runner (lanes.FILLED_SINCE)
+    filled = {kind: frozenset(b for (k, b), since in FILLED_SINCE.items() if k == kind and version_key(since) <= version_key(engine.version))
+              for kind in ("multi_layer", "single_layer")}
 
     def line(layout: ParallelLayout, runner: str, step: int, bucket: int) -> Line:
         key = (layout, runner, step, bucket)
@@ -91,16 +95,24 @@ def check_engine(engine: Engine, layouts: tuple[ParallelLayout, ...] = REPRESENT
         for d in range(layout.attn_dp_size):
             tp_rank = d * layout.attn_tp_size
             own = d if layout.require_mlp_tp_gather else 0
+            if engine.fill is not None:
+                engine.fill.kernel = d == 0 and layout in kernel_layouts
             runners = EngineRunners(engine, layout, tp_rank, cfg)
+            seen_lanes: dict = {}
             # replay first: a line's first failure is then the one our own P1 reports for the same bug (I1)
             sched = _schedule(layout, runners.multi[0].capture_bs, d)
             for it, dp_sizes in enumerate(sched):
                 raw = dp_sizes[d]
                 needed = max(dp_sizes) if layout.require_mlp_tp_gather else raw
-                live = LiveBatch(raw, dp_sizes, _seq_lens(raw, it), _accept_lens(raw, it, cfg.num_draft_tokens))
+                live = live_batch(raw, dp_sizes, it, cfg.num_draft_tokens, cfg.max_running_requests)
                 results = runners.replay_multi_layer(live) + [runners.replay_single_layer(live)]
-                for rec, returned in results:
-                    _check_record(line(layout, rec.runner, rec.step, rec.bs), layout, rec, returned, tp_rank, it, needed)
+                for rec, returned, lane_recs in results:
+                    ln = line(layout, rec.runner, rec.step, rec.bs)
+                    _check_record(ln, layout, rec, returned, tp_rank, it, needed)
+                    w = {"layout": layout.describe(), "branch": layout.branch.value, "runner": rec.runner, "step": rec.step, "rank": tp_rank,
+                         "iteration": it, "raw_bs": rec.raw_bs, "bs": rec.bs}
+                    for lr in lane_recs:
+                        check_lanes(ln.verdict, lr, live, seen_lanes, w, filled[lr.runner])
             for h in runners.handles:
                 for bs in h.capture_bs:
                     ln = line(layout, h.kind, h.step, bs)
@@ -168,16 +180,22 @@ def _check_parity(lines: dict, per_request: dict, layouts: tuple[ParallelLayout,
                      "rank": rank, "bs": bs}
                 _compare(line(layout, kind, step, bs).verdict, "I3", w, (t_lp, t_rows, t_n), (lp, rows, n),
                          "for_logprob per padded token, MLP-TP gather sibling (expected) vs attn-TP gather")
-        # I6
+        # I6, both ways: a disagreement belongs to the runner whose for_logprob is not the rows it feeds lm_head
         if kind != "multi_layer":
             continue
         single = per_request.get((layout, rank, "single_layer", 0), {})
         for bs, (lp, rows, n) in buckets.items():
             if bs not in single:
                 continue
+            s_lp, s_rows, s_n = single[bs]
             w = {"layout": layout.describe(), "branch": layout.branch.value, "runner": kind, "step": step, "rank": rank, "bs": bs}
-            _compare(line(layout, kind, step, bs).verdict, "I6", w, single[bs], (lp, rows, n),
-                     "for_logprob per padded token, single-layer (expected) vs multi-layer runner")
+            multi_wrong, single_wrong = lp != rows, s_lp is not None and s_lp != s_rows
+            if single_wrong and not multi_wrong:
+                _compare(line(layout, "single_layer", 0, bs).verdict, "I6", {**w, "runner": "single_layer", "step": 0, "vs_step": step},
+                         (lp, rows, n), single[bs], "for_logprob per padded token, multi-layer (expected) vs single-layer runner")
+            else:
+                _compare(line(layout, kind, step, bs).verdict, "I6", w, single[bs], (lp, rows, n),
+                         "for_logprob per padded token, single-layer (expected) vs multi-layer runner")
 
 
 def _compare(v: Verdict, check: str, w: dict, ref: tuple, got: tuple, what: str) -> None:

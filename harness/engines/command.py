@@ -27,6 +27,7 @@ from harness.engines.install import (
     installed_versions,
     is_installed,
 )
+from harness.engines.releases import run_releases
 from harness.engines.report import format_report
 from harness.engines.sglang.config import EngineConfig
 from harness.engines.sglang.errors import EngineAdapterError, MissingEngineAttribute
@@ -52,6 +53,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--deps", metavar="DIR", help="where msgspec/dill/regex/packaging live (default .engines/deps)")
     p.add_argument("--install", action="store_true", help="install sglang==VERSION into the default place first if it is missing")
     p.add_argument("--all-layouts", action="store_true", help="every valid layout up to tp8, not one or two per branch")
+    p.add_argument("--releases", metavar="SPEC",
+                   help="with --engine sglang: install and check each release ('all' from the oldest with the multi-layer "
+                        "draft-extend runner, 'A,B,C', or 'A..B'); prints one table (or --json)")
 
 
 def _resolve(args) -> tuple[Optional[Path], Optional[Path]]:
@@ -75,6 +79,12 @@ def _resolve(args) -> tuple[Optional[Path], Optional[Path]]:
 
 
 def main(args) -> int:
+    if args.releases:
+        if EngineSpec.parse(args.engine).version is not None or args.target:
+            print("error: --releases picks the versions: give --engine sglang, without ==VERSION or --target", file=sys.stderr)
+            return 2
+        return run_releases(args.releases, args.json, ["--all-layouts"] if args.all_layouts else [],
+                            lambda m: print(m, file=sys.stderr, flush=True))
     try:
         spec = EngineSpec.parse(args.engine)
         target, deps = _resolve(args)

@@ -87,10 +87,10 @@ def installed_versions(root: Optional[os.PathLike] = None) -> list[str]:
     base = engines_root(root)
     if not base.is_dir():
         return []
-    return sorted((p.name[len("sglang-"):] for p in base.glob("sglang-*") if is_installed(p)), key=_version_key)
+    return sorted((p.name[len("sglang-"):] for p in base.glob("sglang-*") if is_installed(p)), key=version_key)
 
 
-def _version_key(v: str):
+def version_key(v: str):
     parts = re.findall(r"\d+|[A-Za-z]+", v)
     return [(0, int(p)) if p.isdigit() else (1, p) for p in parts]
 

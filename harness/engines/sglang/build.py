@@ -16,7 +16,8 @@ from typing import Any, Optional
 
 import torch
 
-from harness.engines.sglang.config import EngineConfig, LiveBatch
+from harness.engines.lanes import LaneRecord, LiveBatch
+from harness.engines.sglang.config import EngineConfig
 from harness.engines.sglang.errors import EngineAdapterError
 from harness.engines.sglang.graph import AttnRecorder, ModelProbe
 from harness.engines.sglang.handle import RunnerHandle
@@ -162,13 +163,14 @@ class EngineRunners:
             extend_seq_lens_cpu=None, extend_seq_lens_tensor=None,
         )
         dp_sizes = list(live.dp_batch_sizes)
+        tok = {k: torch.tensor(v, dtype=torch.int64) for k, v in live.tokens(T).items()}
         fb = fbi.ForwardBatch(
-            forward_mode=fbi.ForwardMode.DRAFT_EXTEND_V2, batch_size=raw, input_ids=torch.arange(n, dtype=torch.int64) + 3,
-            req_pool_indices=torch.arange(1, raw + 1, dtype=torch.int64), seq_lens=seq_lens, out_cache_loc=torch.arange(n, dtype=torch.int64) + 7,
+            forward_mode=fbi.ForwardMode.DRAFT_EXTEND_V2, batch_size=raw, input_ids=tok["input_ids"],
+            req_pool_indices=torch.tensor(live.req_pool_indices, dtype=torch.int64), seq_lens=seq_lens, out_cache_loc=tok["out_cache_loc"],
             seq_lens_sum=int(seq_lens.sum()),
         )
         extra = dict(
-            seq_lens_cpu=seq_lens.clone(), positions=torch.zeros(n, dtype=torch.int64), spec_info=spec,
+            seq_lens_cpu=seq_lens.clone(), positions=tok["positions"], spec_info=spec,
             extend_seq_lens=torch.full((raw,), T, dtype=torch.int32), extend_start_loc=torch.arange(raw, dtype=torch.int32) * T,
             extend_seq_lens_cpu=[T] * raw, extend_num_tokens=n,
             original_global_num_tokens_cpu=dp_sizes, global_num_tokens_cpu=[b * T for b in dp_sizes],
@@ -179,7 +181,7 @@ class EngineRunners:
             setattr(fb, k, v)
         return fb
 
-    def replay_multi_layer(self, live: LiveBatch) -> list[tuple[ReplayRecord, Optional[int]]]:
+    def replay_multi_layer(self, live: LiveBatch) -> list[tuple[ReplayRecord, Optional[int], list[LaneRecord]]]:
         """One decode iteration of the multi-layer draft-extend, as the worker drives it."""
         eng, comp = self.engine, self.composite
         T0 = self.multi[0].tokens_per_bs
@@ -207,7 +209,7 @@ class EngineRunners:
             out.append(h.record(live, int(res.next_token_logits.shape[0])))
         return out
 
-    def replay_single_layer(self, live: LiveBatch) -> tuple[ReplayRecord, Optional[int]]:
+    def replay_single_layer(self, live: LiveBatch) -> tuple[ReplayRecord, Optional[int], list[LaneRecord]]:
         eng, h = self.engine, self.single
         T = h.tokens_per_bs
         fb = self._forward_batch(live, T)

@@ -1,4 +1,4 @@
-"""The speculative config every engine run uses, and one rank's live batch at replay."""
+"""The speculative config every engine run uses."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -16,12 +16,3 @@ class EngineConfig:
     hidden_size: int = 8
     vocab_size: int = 32
 
-
-@dataclass
-class LiveBatch:
-    """One rank's raw batch at replay: sizes per DP group, this rank's lanes."""
-
-    raw_bs: int
-    dp_batch_sizes: list[int]
-    seq_lens: list[int]
-    accept_lens: list[int]

@@ -39,6 +39,9 @@ class Snapshot:
     global_num_tokens_for_logprob_gpu: Optional[list[int]]
     gpu_shape: Optional[tuple[int, ...]]
     seq_lens: list[int]
+    lanes: dict[str, Optional[list[int]]]  # the buffers the graph reads, whole
+    path: str  # which fill filled them: "" (the runner's Python), "gpu" (the Triton kernel), "npu" (the native twin)
+    native: Optional[dict[str, Optional[list[int]]]]  # the native twin's result beside the kernel's, on clones
 
 
 def tolist(t: Optional[torch.Tensor]) -> Optional[list[int]]:

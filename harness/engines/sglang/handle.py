@@ -12,7 +12,8 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from harness.engines.sglang.config import EngineConfig, LiveBatch
+from harness.engines.lanes import PER_REQUEST, PER_TOKEN, LaneRecord, LiveBatch
+from harness.engines.sglang.config import EngineConfig
 from harness.engines.sglang.errors import EngineAdapterError
 from harness.engines.sglang.graph import (
     DP_CALLS,
@@ -172,13 +173,21 @@ class RunnerHandle:
 
     # ---- replay ----
     def on_replay(self, bs: int) -> None:
+        """At the graph launch: every buffer the graph reads, whole (the padded lanes are the point)."""
         buf = self._buffers()
         g = buf.global_num_tokens_gpu
+        lanes = {name: tolist(getattr(buf, name, None)) for name in (*PER_REQUEST, *PER_TOKEN)}
+        fill = self.engine.fill
+        if self.kind != "multi_layer" or fill is None:
+            path, native = "", None
+        else:  # prepare()'s fused fill: the kernel ran (its twin beside it, on clones), or the twin alone
+            path, native = ("gpu", fill.last_native) if fill.kernel or fill.native is None else ("npu", None)
         self.snapshots.append(Snapshot(bs, tolist(g), tolist(buf.global_num_tokens_for_logprob_gpu),
-                                        None if g is None else tuple(g.shape), [int(x) for x in buf.seq_lens[:bs].tolist()]))
+                                       None if g is None else tuple(g.shape), [int(x) for x in buf.seq_lens[:bs].tolist()],
+                                       lanes, path, native))
 
-    def record(self, live: LiveBatch, returned_rows: Optional[int]) -> tuple[ReplayRecord, Optional[int]]:
-        """Turn the last replay's snapshot into our ReplayRecord (plus the rows the engine handed back)."""
+    def record(self, live: LiveBatch, returned_rows: Optional[int]) -> tuple[ReplayRecord, Optional[int], list[LaneRecord]]:
+        """Turn the last replay's snapshot into our ReplayRecord (plus the rows the engine handed back and its lanes, per fill path)."""
         if not self.snapshots:
             raise EngineAdapterError(f"sglang {self.engine.version}: the {self.kind} runner's replay never reached the graph")
         snap = self.snapshots[-1]
@@ -196,4 +205,11 @@ class RunnerHandle:
             seq_lens_sum_actual=sum(snap.seq_lens), rows_fed=rows_fed, logits_rows=logits_rows, captured_bs=self.capture_bs,
         )
         self.attn.last_replay_view = None
-        return rec, returned_rows
+        # the lanes as the replay fill left them: step 0 only, where the fill is the last writer (later steps
+        # read what the chain wrote inside the graph, which is not run)
+        lanes = []
+        if self.step == 0:
+            lanes.append(LaneRecord(self.kind, self.step, snap.path, live.raw_bs, snap.bs, self.tokens_per_bs, snap.lanes))
+            if snap.native is not None:  # the twin's result on the same inputs
+                lanes.append(LaneRecord(self.kind, self.step, "npu", live.raw_bs, snap.bs, self.tokens_per_bs, snap.native))
+        return rec, returned_rows, lanes

@@ -19,6 +19,7 @@ import importlib
 import importlib.metadata
 import importlib.util
 import logging
+import os
 import sys
 import types
 import warnings
@@ -27,6 +28,7 @@ from pathlib import Path
 from typing import Optional
 
 from harness.engines.sglang.errors import EngineAdapterError, require
+from harness.engines.sglang.fill import FillObserver, fill_name
 from harness.engines.sglang.graph import AttnRecorder, recording_set_dp_buffer_len
 from harness.engines.sglang.standins import noop
 from harness.engines.sglang.stubs import REAL_MODULES, StubFinder
@@ -42,6 +44,7 @@ class Engine:
     generation: str
     modules: dict[str, types.ModuleType]
     stubbed: list[str] = field(default_factory=list)
+    fill: Optional[FillObserver] = None  # prepare()'s fused fill, observed (None: a Python fill)
 
     def describe(self) -> str:
         return f"sglang {self.version} ({self.generation} API) from {self.location}"
@@ -65,6 +68,8 @@ def load(target: Optional[Path], deps: Optional[Path]) -> Engine:
         sys.path.insert(0, str(target))
     if deps is not None and Path(deps).is_dir():
         sys.path.append(str(deps))  # after site-packages: the interpreter's own copies win
+    # the engine's Triton kernels run on CPU tensors under Triton's interpreter; the flag is read when a kernel is jitted
+    os.environ["TRITON_INTERPRET"] = "1"
     finder = StubFinder()
     sys.meta_path.insert(0, finder)
     for name in REAL_MODULES:
@@ -136,11 +141,12 @@ def _install_module_shims(engine: Engine) -> None:
         if hasattr(mod, "maybe_flashinfer_autotune_speculative_draft"):
             mod.maybe_flashinfer_autotune_speculative_draft = noop
     if engine.generation == "prepare":
-        # prepare()'s fused fill is a Triton kernel that needs a GPU; the module ships its native twin
-        native = require(engine.modules["mle_utils"], "fill_draft_extend_prepare_buffers_native", engine.version,
-                          "the native twin of the fused prepare() fill kernel")
-        require(ml, "fill_draft_extend_prepare_buffers", engine.version, "the fill kernel prepare() calls")
-        ml.fill_draft_extend_prepare_buffers = native
+        # the fused fill (where the release has one) stays the engine's; the observer adds its native twin's result
+        name = fill_name(ml)
+        if name is not None:
+            native = getattr(engine.modules["mle_utils"], "fill_draft_extend_prepare_buffers_native", None)
+            engine.fill = FillObserver(getattr(ml, name), native)
+            setattr(ml, name, engine.fill)
 
 
 def _version_of(sglang: types.ModuleType, location: str) -> str:
