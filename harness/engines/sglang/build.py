@@ -55,7 +55,7 @@ class EngineRunners:
             canary_manager=None, device_timer=None, tp_group=FakeGroup("tp", self.layout.tp_size, self.tp_rank),
             kv_index_translator=Strict("kv_index_translator", bind_runner_slots=noop),
             graph_shared_output=Strict("graph_shared_output", get_logits_buffer=lambda vocab, rows: torch.zeros(rows, vocab)),
-            model=self._model_stand_in(), model_context=contextlib.nullcontext, war_fastpath_read_done_event=None,
+            model=self._model_stand_in(), model_context=contextlib.nullcontext, war_fastpath_read_done_event=None, dtype=torch.float32,
             ps=self._parallel_sizes(),
         )
 
@@ -159,6 +159,7 @@ class EngineRunners:
         accept = torch.tensor(live.accept_lens, dtype=torch.int32)
         spec = types.SimpleNamespace(
             hidden_states=torch.zeros(n, self.cfg.hidden_size), num_correct_drafts=accept - 1, num_accept_tokens=accept,
+            num_accepted_drafts=accept - 1, num_accepted_tokens=accept, accept_length=accept,  # the same, as 0.5.11 / up to 0.5.10 name them
             num_tokens_per_req=T, num_tokens_for_logprob_per_req=1, positions=None, select_index=None,
             extend_seq_lens_cpu=None, extend_seq_lens_tensor=None,
         )

@@ -30,6 +30,10 @@ from harness.engines.sglang.standins import Strict
 from runners.cuda_graph import CaptureRecord, ReplayRecord
 from runners.parallel.layout import Branch, ParallelLayout
 
+# Older names of the same buffers: 0.5.11 says num_accepted_*, releases up to 0.5.10 accept_length (drafts + bonus).
+LANE_ALIASES = {"num_correct_drafts": ("num_correct_drafts", "num_accepted_drafts"),
+                "num_accept_tokens": ("num_accept_tokens", "num_accepted_tokens", "accept_length")}
+
 
 class RunnerHandle:
     """One engine graph runner (a multi-layer step or the single-layer runner) and what it baked."""
@@ -64,7 +68,8 @@ class RunnerHandle:
         return Branch.NEITHER.value
 
     def _buffers(self) -> Any:
-        return self.runner.buffers
+        """The runner's static buffers: an InputBuffers from 0.5.10 on, attributes of the runner itself before."""
+        return getattr(self.runner, "buffers", self.runner)
 
     # ---- capture ----
     def fake_output(self, bs: int) -> Any:
@@ -135,6 +140,11 @@ class RunnerHandle:
         lp = self.engine.modules["logits"]
         meta = lp.LogitsMetadata.from_forward_batch(fb)
         hidden = torch.zeros(int(fb.input_ids.shape[0]), 1)
+        if not hasattr(lp.LogitsProcessor, "_get_pruned_states"):
+            # before 0.5.10 the selection is inline in forward(), whose branch for this mode feeds every hidden row
+            if not meta.forward_mode.is_draft_extend_v2():
+                raise EngineAdapterError(f"sglang {self.engine.version}: the capture batch is not DRAFT_EXTEND_V2 and the logits processor has no _get_pruned_states")
+            return int(hidden.shape[0])
         pruned = lp.LogitsProcessor._get_pruned_states(Strict("LogitsProcessor"), hidden, None, None, meta)[0]
         return int(pruned.shape[0])
 
@@ -176,7 +186,8 @@ class RunnerHandle:
         """At the graph launch: every buffer the graph reads, whole (the padded lanes are the point)."""
         buf = self._buffers()
         g = buf.global_num_tokens_gpu
-        lanes = {name: tolist(getattr(buf, name, None)) for name in (*PER_REQUEST, *PER_TOKEN)}
+        lanes = {name: tolist(next((getattr(buf, a) for a in LANE_ALIASES.get(name, (name,)) if hasattr(buf, a)), None))
+                 for name in (*PER_REQUEST, *PER_TOKEN)}
         fill = self.engine.fill
         if self.kind != "multi_layer" or fill is None:
             path, native = "", None

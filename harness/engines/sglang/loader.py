@@ -31,7 +31,7 @@ from harness.engines.sglang.errors import EngineAdapterError, require
 from harness.engines.sglang.fill import FillObserver, fill_name
 from harness.engines.sglang.graph import AttnRecorder, recording_set_dp_buffer_len
 from harness.engines.sglang.standins import noop
-from harness.engines.sglang.stubs import REAL_MODULES, StubFinder
+from harness.engines.sglang.stubs import LATE_STUBBED_MODULES, REAL_MODULES, StubFinder
 
 _ML_MODULE = "sglang.srt.speculative.multi_layer_eagle_draft_extend_cuda_graph_runner"
 _SL_MODULE = "sglang.srt.speculative.eagle_draft_extend_cuda_graph_runner"
@@ -79,20 +79,8 @@ def load(target: Optional[Path], deps: Optional[Path]) -> Engine:
             raise EngineAdapterError(f"the engine adapter needs {name} for real ({e}); run python -m harness.engine_install") from e
     # SGLang logs and warns a lot at import on a CPU box ("only CUDA supports ..."): quiet it.
     logging.getLogger("sglang").setLevel(logging.ERROR)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        try:
-            ml = importlib.import_module(_ML_MODULE)
-            sl = importlib.import_module(_SL_MODULE)
-        except ModuleNotFoundError as e:
-            if e.name and e.name.split(".")[0] != "sglang":
-                raise EngineAdapterError(
-                    f"importing the runner modules needs {e.name!r}, which is neither installed nor stubbed: "
-                    "add it to STUBBED_MODULES in harness/engines/sglang/stubs.py"
-                ) from e
-            raise EngineAdapterError(f"this sglang has no {e.name} (not an EAGLE draft-extend runner release?)") from e
-    import sglang
-
+    ml, sl = _import_runner_modules(finder)
+    sglang = importlib.import_module("sglang")
     location = str(Path(sglang.__file__).resolve().parent.parent)
     version = _version_of(sglang, location)
     mods = {"ml": ml, "sl": sl}
@@ -125,6 +113,28 @@ def load(target: Optional[Path], deps: Optional[Path]) -> Engine:
     _LOADED = Engine(version, location, gen, mods, sorted(finder.served))
     _install_module_shims(_LOADED)
     return _LOADED
+
+
+def _import_runner_modules(finder: StubFinder) -> tuple[types.ModuleType, types.ModuleType]:
+    """The two runner modules; a LATE_STUBBED_MODULES import that fails is stubbed and the import retried once each."""
+    while True:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            try:
+                return importlib.import_module(_ML_MODULE), importlib.import_module(_SL_MODULE)
+            except ModuleNotFoundError as e:
+                top = (e.name or "").split(".")[0]
+                if top in LATE_STUBBED_MODULES and top not in finder.names:
+                    finder.names = finder.names | {top}
+                    for name in [m for m in sys.modules if m == "sglang" or m.startswith("sglang.")]:
+                        del sys.modules[name]  # the half-imported package: import it again with the stub
+                    continue
+                if top and top != "sglang":
+                    raise EngineAdapterError(
+                        f"importing the runner modules needs {e.name!r}, which is neither installed nor stubbed: "
+                        "add it to STUBBED_MODULES in harness/engines/sglang/stubs.py"
+                    ) from e
+                raise EngineAdapterError(f"this sglang has no {e.name} (not an EAGLE draft-extend runner release?)") from e
 
 
 def _install_module_shims(engine: Engine) -> None:

@@ -75,11 +75,17 @@ def configure_process(engine: Engine, sa: Any, layout: ParallelLayout, tp_rank: 
         require(sa_mod, "set_global_server_args_for_scheduler", engine.version)(sa)
     if not ranks_in_context:
         ps, dpa = engine.modules["parallel_state"], engine.modules["dp_attention"]
-        groups = {"_TP": FakeGroup("tp", layout.tp_size, tp_rank), "_ATTN_TP": FakeGroup("attn_tp", attn_tp, attn_tp_rank),
-                  "_ATTN_CP": FakeGroup("attn_cp", 1, 0)}
-        for name, group in groups.items():
-            require(ps, name, engine.version, "a parallel_state group global")
-            setattr(ps, name, group)
+        require(ps, "_TP", engine.version, "a parallel_state group global")
+        ps._TP = FakeGroup("tp", layout.tp_size, tp_rank)
+        attn_group = FakeGroup("attn_tp", attn_tp, attn_tp_rank)
+        if hasattr(ps, "_ATTN_TP"):  # parallel_state owns the attention groups from 0.5.8 on; 0.5.7's dp_attention owns them
+            ps._ATTN_TP = attn_group
+            if hasattr(ps, "_ATTN_CP"):
+                ps._ATTN_CP = FakeGroup("attn_cp", 1, 0)
+        else:
+            for name, value in (("_ATTN_TP_GROUP", attn_group), ("_ATTN_TP_RANK", attn_tp_rank), ("_ATTN_TP_SIZE", attn_tp)):
+                require(dpa, name, engine.version, "the attention TP group, where parallel_state has none")
+                setattr(dpa, name, value)
         for name, value in (("_ATTN_DP_RANK", attn_dp_rank), ("_ATTN_DP_SIZE", attn_dp)):
             require(dpa, name, engine.version, "a dp_attention global")
             setattr(dpa, name, value)
