@@ -86,7 +86,7 @@ def check_release(version: str, extra: list[str], log: Callable[[str], None]) ->
             if ln["failures"]:
                 f = ln["failures"][0]
                 w = ", ".join(f"{k}={x}" for k, x in f["where"].items() if k in ("branch", "runner", "step", "path", "raw_bs", "bs"))
-                first = f"{f['property']}/{f['check']} {f['field']}: expected {f['expected']}, got {f['actual']} [{w}]"
+                first = f"{f['prop']}/{f['check']} {f['field']}: expected {f['expected']}, got {f['got']} [{w}]"
                 break
     else:
         errs = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]
