@@ -234,3 +234,20 @@ def test_engine_spec_and_missing_install():
             EngineSpec.parse(bad)
     proc = _run("--engine", "sglang==0.0.0.dev0", "--target", str(REPO / ".engines" / "nowhere"))
     assert proc.returncode == 2 and "no sglang package under" in proc.stderr
+
+
+def test_release_selection_all_range_and_list():
+    from harness.engines.releases import FIRST_RELEASE, select
+
+    listed = ["0.5.6.post2", FIRST_RELEASE, "0.5.8", "0.5.10", "0.5.10.post1", "0.5.11", "0.5.23"]
+    assert select("all", lambda: listed) == listed[1:]  # from the first release with the multi-layer runner
+    assert select("0.5.10..0.5.11", lambda: listed) == ["0.5.10", "0.5.10.post1", "0.5.11"]
+    assert select("0.5.11..", lambda: listed) == ["0.5.11", "0.5.23"]
+    assert select("0.5.14, 0.5.23", lambda: pytest.fail("a list needs no index")) == ["0.5.14", "0.5.23"]
+    with pytest.raises(ValueError):
+        select("0.6.0..0.7.0", lambda: listed)
+
+
+def test_releases_refuses_a_pinned_engine():
+    proc = _run("--engine", "sglang==0.5.23", "--releases", "all")
+    assert proc.returncode == 2 and "--releases picks the versions" in proc.stderr

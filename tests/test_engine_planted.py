@@ -3,7 +3,8 @@
 Each test links the installed release into a temp dir (files symlinked, the one planted file
 copied and edited: one line), runs engine-check on the copy in its own process, and compares
 the failures with the unmodified release's under the same layouts. NEWEST is the release the
-planted lines were read from; a release without the line skips, naming it.
+planted lines were read from; a release without the line skips, naming it, and so does a
+machine where the release is not installed (these tests never install).
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from harness.engines.install import InstallError, ensure_installed
+from harness.engines.install import engine_dir, is_installed
 
 REPO = Path(__file__).resolve().parent.parent
 NEWEST = os.environ.get("SPECHARNESS_SGLANG_NEWEST", "0.5.23")
@@ -30,10 +31,12 @@ pytestmark = pytest.mark.timeout(900)
 
 
 def _installed(version: str) -> Path:
-    try:
-        return ensure_installed(version, log=lambda m: print(m, file=sys.stderr))
-    except InstallError as e:
-        pytest.skip(f"sglang=={version} is not under .engines/ and cannot be installed here: {e}")
+    """The installed release; never installs (each test here runs engine-check several times: they run
+    where the release is already installed, e.g. after `python -m harness.engine_install sglang==X`)."""
+    target = engine_dir(version)
+    if not is_installed(target):
+        pytest.skip(f"sglang=={version} is not installed under {target.parent}: run `python -m harness.engine_install sglang=={version}`")
+    return target
 
 
 def _plant(src: Path, dst: Path, rel: str, old: str, new: str) -> Path:
@@ -57,7 +60,7 @@ def _failures(target: Path, layouts: str, kernel_layouts: str) -> list[dict]:
         from harness.engines.sglang.loader import load
         from runners.parallel.layout import ParallelLayout
         eng = load(Path({str(target)!r}), deps_dir())
-        rep = check_engine(eng, ({layouts},), kernel_layouts=({kernel_layouts},))
+        rep = check_engine(eng, tuple([{layouts}]), kernel_layouts=tuple([{kernel_layouts}]))
         print(json.dumps([dict(check=f.check, field=f.field, runner=f.where.get("runner"), step=f.where.get("step"),
                                path=f.where.get("path", "")) for f in rep.failures()]))
     """
