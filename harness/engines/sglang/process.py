@@ -99,6 +99,18 @@ def configure_process(engine: Engine, sa: Any, layout: ParallelLayout, tp_rank: 
     init_moe(sa) if inspect.signature(init_moe).parameters else init_moe()
     if rc is not None and ranks_in_context:
         par = rc.get_parallel()
-        got = (par.attn_tp_size, par.num_dp_ranks if layout.enable_dp_attention else 1)
+        got = (par.attn_tp_size, _attn_dp_read_back(par, layout, engine.version))
         if got != (attn_tp, attn_dp):
             raise EngineAdapterError(f"sglang {engine.version}: published layout {layout.describe()} reads back attn_tp/dp {got}, expected {(attn_tp, attn_dp)}")
+
+
+def _attn_dp_read_back(par: Any, layout: ParallelLayout, version: str) -> int:
+    """The attention DP width as the published context says it: num_dp_ranks (0.5.22 on), attn_dp_size (0.5.21)."""
+    try:
+        return par.num_dp_ranks if layout.enable_dp_attention else 1
+    except AttributeError:
+        pass
+    try:
+        return par.attn_dp_size
+    except (AttributeError, RuntimeError, ValueError) as e:
+        raise EngineAdapterError(f"sglang {version}: the published parallel context has neither num_dp_ranks nor attn_dp_size ({e})") from e
