@@ -1,0 +1,221 @@
+"""Our invariants on an engine's own runners: drive the adapter's capture and replay, check the records.
+
+Builds SGLang's multi-layer EAGLE draft-extend graph runner (one per speculative step) and
+the single-layer one for a representative layout of every branch of DESIGN.md §6 (MLP-TP
+gather, attn-TP gather, neither), without a model or a GPU; runs the engine's capture path
+for every bucket (get_forward_batch(bs) and the step body up to the model) and its replay /
+prepare path for every raw batch size up to each bucket; converts what the engine produced
+into our records (runners.cuda_graph.CaptureRecord / ReplayRecord) and runs the same P1
+checks our runners pass: I1 capture = replay, I2 rows fed to lm_head = for_logprob, I3
+branch parity, I4 buffer = Σ for_logprob, I5 for_logprob vs num_tokens, I6 single- vs
+multi-layer, and the padding rules.
+"""
+from __future__ import annotations
+
+import time
+from fractions import Fraction
+from typing import Optional
+
+from harness.engines.install import version_key
+from harness.engines.lanes import FILLED_SINCE, check_lanes, live_batch
+from harness.engines.report import EngineReport, Line
+from harness.engines.sglang.build import EngineRunners
+from harness.engines.sglang.config import EngineConfig
+from harness.engines.sglang.loader import Engine
+from harness.layout import branch_sibling
+from harness.properties import check_replay_record, check_replay_rows
+from harness.verdict import Verdict
+from runners.cuda_graph import ReplayRecord, compute_capture_bs
+from runners.parallel.layout import Branch, ParallelLayout
+
+# One or two representative layouts per branch (DESIGN.md §6.1, "which layouts reach which branch").
+REPRESENTATIVE_LAYOUTS: tuple[ParallelLayout, ...] = (
+    ParallelLayout(4, 2, True),  # MLP-TP gather: DP attention with default flags
+    ParallelLayout(4, 1, False, 1),  # attn-TP gather (i): no DP attention, moe_dense_tp_size = 1
+    ParallelLayout(4, 2, True, 1, True, "deepep"),  # attn-TP gather (ii): DP attention, dp < tp, dense 1, dp lm_head, a2a
+    ParallelLayout(4),  # neither: plain TP
+    ParallelLayout(4, 4, True, 1, True, "deepep"),  # neither: DP attention with dp = tp and the flags of (ii)
+)
+# Where prepare()'s Triton fill kernel runs (interpreted: slow) on the first rank: one layout with
+# gathered buffers and one without, which between them reach every role of the kernel. Every other
+# replay of a release that has the native twin fills through the twin (the NPU path).
+KERNEL_LAYOUTS: tuple[ParallelLayout, ...] = (ParallelLayout(4, 1, False, 1), ParallelLayout(4))
+
+
+
+# ----------------------------------------------------------------------------------------
+# the schedule of live batches
+# ----------------------------------------------------------------------------------------
+
+
+def _schedule(layout: ParallelLayout, capture_bs: list[int], d: int) -> list[list[int]]:
+    """Per iteration, each DP group's raw batch size: both ends of every bucket (the smallest batch it
+    takes and a full one), growing then shrinking (so a smaller batch follows a larger one and finds
+    its stale lanes). In the MLP-TP branch the bucket follows the largest group: each size also runs
+    with this group the small one."""
+    edges = sorted(set(capture_bs))
+    sizes = sorted({b for b in edges} | {a + 1 for a in [0, *edges[:-1]]})
+    sizes = sizes + sizes[::-1][1:]
+    dp = layout.attn_dp_size
+    out = []
+    for r in sizes:
+        out.append([r] * dp)
+        if layout.require_mlp_tp_gather and dp > 1 and r > 1:
+            out.append([1 if g == d else r for g in range(dp)])
+    return out
+
+
+# ----------------------------------------------------------------------------------------
+# the check
+# ----------------------------------------------------------------------------------------
+
+
+def check_engine(engine: Engine, layouts: tuple[ParallelLayout, ...] = REPRESENTATIVE_LAYOUTS, cfg: Optional[EngineConfig] = None, progress=None,
+                 kernel_layouts: tuple[ParallelLayout, ...] = KERNEL_LAYOUTS) -> EngineReport:
+    cfg = cfg or EngineConfig()
+    t0 = time.perf_counter()
+    lines: dict[tuple, Line] = {}
+    # (layout, rank, runner, step) -> {bucket: (for_logprob per token at capture, rows fed to lm_head per token, bs * T)}, for I3 / I6
+    per_request: dict[tuple, dict[int, tuple[Optional[Fraction], Fraction, int]]] = {}
+
+    # the buffers whose padded lanes this release's fill writes, per runner (lanes.FILLED_SINCE)
+    filled = {kind: frozenset(b for (k, b), since in FILLED_SINCE.items() if k == kind and version_key(since) <= version_key(engine.version))
+              for kind in ("multi_layer", "single_layer")}
+
+    def line(layout: ParallelLayout, runner: str, step: int, bucket: int) -> Line:
+        key = (layout, runner, step, bucket)
+        if key not in lines:
+            lines[key] = Line(runner, step, layout, bucket)
+        return lines[key]
+
+    for layout in layouts:
+        if progress:
+            progress(f"{layout.describe()}")
+        expected_capture_bs = compute_capture_bs(layout, cfg.capture_bs, cfg.max_running_requests)
+        for d in range(layout.attn_dp_size):
+            tp_rank = d * layout.attn_tp_size
+            own = d if layout.require_mlp_tp_gather else 0
+            if engine.fill is not None:
+                engine.fill.kernel = d == 0 and layout in kernel_layouts
+            runners = EngineRunners(engine, layout, tp_rank, cfg)
+            seen_lanes: dict = {}
+            # replay first: a line's first failure is then the one our own P1 reports for the same bug (I1)
+            sched = _schedule(layout, runners.multi[0].capture_bs, d)
+            for it, dp_sizes in enumerate(sched):
+                raw = dp_sizes[d]
+                needed = max(dp_sizes) if layout.require_mlp_tp_gather else raw
+                live = live_batch(raw, dp_sizes, it, cfg.num_draft_tokens, cfg.max_running_requests)
+                results = runners.replay_multi_layer(live) + [runners.replay_single_layer(live)]
+                for rec, returned, lane_recs in results:
+                    ln = line(layout, rec.runner, rec.step, rec.bs)
+                    _check_record(ln, layout, rec, returned, tp_rank, it, needed)
+                    w = {"layout": layout.describe(), "branch": layout.branch.value, "runner": rec.runner, "step": rec.step, "rank": tp_rank,
+                         "iteration": it, "raw_bs": rec.raw_bs, "bs": rec.bs}
+                    for lr in lane_recs:
+                        check_lanes(ln.verdict, lr, live, seen_lanes, w, filled[lr.runner])
+            for h in runners.handles:
+                for bs in h.capture_bs:
+                    ln = line(layout, h.kind, h.step, bs)
+                    ln.tokens_per_bs, ln.ranks = h.tokens_per_bs, ln.ranks | {tp_rank}
+                    w = {"layout": layout.describe(), "branch": layout.branch.value, "runner": h.kind, "step": h.step, "rank": tp_rank, "bs": bs}
+                    v = ln.verdict
+                    v.expect_equal("branch", "require_*_gather", w, layout.branch.value, h.engine_branch, "the engine's derived branch for this layout")
+                    v.expect_equal("padding", "capture_bs", w, expected_capture_bs, h.capture_bs, "DESIGN.md §6.2: multiples of the base that fit the pool")
+                    cap = h.captures[bs]
+                    host = cap.host
+                    rows_fed, logits_rows = h.capture_rows[bs]
+                    n = bs * h.tokens_per_bs
+                    ln.pruned = rows_fed == bs and n != bs
+                    v.expect_equal("padding", "dp_padding_mode", w, "max_len", host["dp_padding_mode"], "draft-extend graphs pad every DP rank to the bucket")
+                    v.expect_equal("padding", "local_dp_buffer_len", w, n, host["local_dp_buffer_len"], "the step body's DP buffer holds bs * T tokens")
+                    if host["extend_num_tokens"] is not None:  # the single-layer runner leaves it unset
+                        v.expect_equal("padding", "extend_num_tokens", w, n, host["extend_num_tokens"])
+                    for name in ("global_num_tokens_cpu", "global_dp_buffer_len"):
+                        if host[f"fb_{name}"] is not None:
+                            v.expect_equal("capture", name, w, host[name], host[f"fb_{name}"], "forward batch vs the step body's set_dp_buffer_len")
+                    if cap.global_num_tokens_for_logprob_gpu is not None:
+                        v.expect_equal("I2", "global_num_tokens_for_logprob_gpu (capture)", w, rows_fed, cap.global_num_tokens_for_logprob_gpu[own],
+                                       "rows fed to lm_head in the warm-up and capture runs")
+                    lp = cap.global_num_tokens_for_logprob_gpu
+                    per_request.setdefault((layout, tp_rank, h.kind, h.step), {})[bs] = (
+                        None if lp is None else Fraction(lp[own], n), Fraction(rows_fed, n), n)
+    _check_parity(lines, per_request, layouts, line)
+    ordered = sorted(lines.values(), key=lambda ln: (layouts.index(ln.layout), ln.runner != "multi_layer", ln.step, ln.bucket))
+    return EngineReport("sglang", engine.version, engine.generation, engine.location, ordered, engine.stubbed, time.perf_counter() - t0)
+
+
+def _check_record(ln: Line, layout: ParallelLayout, rec: ReplayRecord, returned: Optional[int], tp_rank: int, it: int, needed: int) -> None:
+    v = ln.verdict
+    ln.raw_bs.add(rec.raw_bs)
+    ln.ranks.add(tp_rank)
+    n = rec.bs * rec.tokens_per_bs
+    pruned = rec.rows_fed == rec.bs and n != rec.bs  # measured: the engine's logits processor feeds lm_head one row per request
+    check_replay_record(v, layout, rec, tp_rank, it, needed, logprob_rows=rec.bs if pruned else None, require_host_lists=False)
+    check_replay_rows(v, layout, rec, tp_rank, it, expected_rows=rec.bs if pruned else n)
+    w = {"layout": layout.describe(), "branch": rec.branch, "runner": rec.runner, "step": rec.step, "rank": tp_rank, "iteration": it,
+         "raw_bs": rec.raw_bs, "bs": rec.bs}
+    v.expect_equal("padding", "returned logits rows", w, rec.raw_bs if pruned else rec.raw_bs * rec.tokens_per_bs, returned,
+                   "rows handed back after replay: the real lanes only")
+
+
+def _check_parity(lines: dict, per_request: dict, layouts: tuple[ParallelLayout, ...], line) -> None:
+    """I3 (MLP-TP vs attn-TP branch, same tp/dp) and I6 (single- vs multi-layer runner), per bucket.
+
+    The comparable quantity is for_logprob per padded token, for_logprob / (bs * T): 1 for
+    DRAFT_EXTEND_V2 (the widths T differ between the runners of some releases, so raw values
+    would not compare). A difference that both runners explain by what they feed lm_head (I2
+    holds on both: one prunes logits to a row per request, 1/T, DESIGN.md §6.3) is the legal
+    pruned variant: it is reported as a note with its evidence, not hidden. Anything else fails.
+    """
+    for (layout, rank, kind, step), buckets in per_request.items():
+        # I3
+        sib = branch_sibling(layout)
+        if sib is not None and sib in layouts and layout.branch is Branch.ATTN_TP_GATHER:
+            theirs = per_request.get((sib, rank, kind, step), {})
+            for bs, (lp, rows, n) in buckets.items():
+                if bs not in theirs:
+                    continue
+                t_lp, t_rows, t_n = theirs[bs]
+                w = {"layout": layout.describe(), "sibling": sib.describe(), "branch": layout.branch.value, "runner": kind, "step": step,
+                     "rank": rank, "bs": bs}
+                _compare(line(layout, kind, step, bs).verdict, "I3", w, (t_lp, t_rows, t_n), (lp, rows, n),
+                         "for_logprob per padded token, MLP-TP gather sibling (expected) vs attn-TP gather")
+        # I6, both ways: a disagreement belongs to the runner whose for_logprob is not the rows it feeds lm_head
+        if kind != "multi_layer":
+            continue
+        single = per_request.get((layout, rank, "single_layer", 0), {})
+        for bs, (lp, rows, n) in buckets.items():
+            if bs not in single:
+                continue
+            s_lp, s_rows, s_n = single[bs]
+            w = {"layout": layout.describe(), "branch": layout.branch.value, "runner": kind, "step": step, "rank": rank, "bs": bs}
+            multi_wrong, single_wrong = lp != rows, s_lp is not None and s_lp != s_rows
+            if single_wrong and not multi_wrong:
+                _compare(line(layout, "single_layer", 0, bs).verdict, "I6", {**w, "runner": "single_layer", "step": 0, "vs_step": step},
+                         (lp, rows, n), single[bs], "for_logprob per padded token, multi-layer (expected) vs single-layer runner")
+            else:
+                _compare(line(layout, kind, step, bs).verdict, "I6", w, single[bs], (lp, rows, n),
+                         "for_logprob per padded token, single-layer (expected) vs multi-layer runner")
+
+
+def _compare(v: Verdict, check: str, w: dict, ref: tuple, got: tuple, what: str) -> None:
+    (r_lp, r_rows, r_n), (g_lp, g_rows, g_n) = ref, got
+    if r_lp is None and g_lp is None:
+        return
+    v.checked += 1
+    if r_lp == g_lp:
+        return
+    explained = r_lp is not None and g_lp is not None and r_lp == r_rows and g_lp == g_rows
+    if explained:
+        v.notes.append(
+            f"P1/{check} global_num_tokens_for_logprob: {_fmt(r_lp, r_n)} vs {_fmt(g_lp, g_n)}, each equal to the rows its runner feeds lm_head: "
+            f"the pruned-logits variant of DESIGN.md §6.3 (legal; reported) [{', '.join(f'{k}={x}' for k, x in w.items())}]"
+        )
+    else:
+        v.fail(check, "global_num_tokens_for_logprob", w, _fmt(r_lp, r_n), _fmt(g_lp, g_n), what)
+
+
+def _fmt(x: Optional[Fraction], n: int) -> str:
+    if x is None:
+        return "absent"
+    return f"{x * n} of {n} tokens" if x != 1 else f"all {n} tokens"

@@ -1,0 +1,116 @@
+"""`harness engine-check --engine sglang[==VERSION] [--json]`: our invariants on the engine's own runners.
+
+One line per (runner, layout/branch, bucket), then a verdict. Exit 0: every check held;
+1: a check failed; 2: the engine could not be checked (not installed, or the adapter cannot
+drive this release: the message says what moved). See docs/engine-check.md.
+
+Every SGLang-specific stub and shim lives in harness/engines/sglang/; installs come from
+harness/engines/install.py (`python -m harness.engine_install sglang==X`, or --install here).
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import sys
+import traceback
+from pathlib import Path
+from typing import Optional
+
+from harness.engines.check import REPRESENTATIVE_LAYOUTS, check_engine
+from harness.engines.install import (
+    EngineSpec,
+    InstallError,
+    deps_dir,
+    engine_dir,
+    ensure_installed,
+    installed_versions,
+    is_installed,
+)
+from harness.engines.releases import run_releases
+from harness.engines.report import format_report
+from harness.engines.sglang.config import EngineConfig
+from harness.engines.sglang.errors import EngineAdapterError, MissingEngineAttribute
+from harness.engines.sglang.loader import load
+from harness.layout import all_layouts
+
+
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser(
+        "engine-check",
+        help="run the P1 invariants on an installed SGLang's draft-extend graph runners (CPU, no model)",
+        description=__doc__.split("\n\n")[1],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_arguments(p)
+    p.set_defaults(func=main)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--engine", required=True, help="sglang or sglang==VERSION")
+    p.add_argument("--json", action="store_true", help="one JSON document on stdout")
+    p.add_argument("--target", metavar="DIR", help="the sglang install to check (a pip --target dir); default .engines/sglang-VERSION")
+    p.add_argument("--deps", metavar="DIR", help="where msgspec/dill/regex/packaging live (default .engines/deps)")
+    p.add_argument("--install", action="store_true", help="install sglang==VERSION into the default place first if it is missing")
+    p.add_argument("--all-layouts", action="store_true", help="every valid layout up to tp8, not one or two per branch")
+    p.add_argument("--releases", metavar="SPEC",
+                   help="with --engine sglang: install and check each release ('all' from the oldest with the multi-layer "
+                        "draft-extend runner, 'A,B,C', or 'A..B'); prints one table (or --json)")
+
+
+def _resolve(args) -> tuple[Optional[Path], Optional[Path]]:
+    spec = EngineSpec.parse(args.engine)
+    deps = Path(args.deps) if args.deps else deps_dir()
+    if args.target:
+        return Path(args.target), deps
+    if spec.version is not None:
+        target = engine_dir(spec.version)
+        if not is_installed(target):
+            if not args.install:
+                raise FileNotFoundError(f"sglang=={spec.version} is not installed at {target}: run `python -m harness.engine_install {spec}` or pass --install")
+            ensure_installed(spec.version, log=lambda m: print(m, file=sys.stderr))
+        return target, deps
+    if importlib.util.find_spec("sglang") is not None:
+        return None, deps  # the environment's own sglang
+    versions = installed_versions()
+    if not versions:
+        raise FileNotFoundError("no sglang in this environment and none under .engines/: give --engine sglang==VERSION --install")
+    return engine_dir(versions[-1]), deps
+
+
+def main(args) -> int:
+    if args.releases:
+        if EngineSpec.parse(args.engine).version is not None or args.target:
+            print("error: --releases picks the versions: give --engine sglang, without ==VERSION or --target", file=sys.stderr)
+            return 2
+        return run_releases(args.releases, args.json, ["--all-layouts"] if args.all_layouts else [],
+                            lambda m: print(m, file=sys.stderr, flush=True))
+    try:
+        spec = EngineSpec.parse(args.engine)
+        target, deps = _resolve(args)
+    except (FileNotFoundError, ValueError, InstallError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    engine = None
+    try:
+        engine = load(target, deps)
+        if spec.version is not None and engine.version != spec.version:
+            raise EngineAdapterError(f"asked for sglang=={spec.version}, found {engine.version} at {engine.location}")
+        layouts = all_layouts(8) if args.all_layouts else REPRESENTATIVE_LAYOUTS
+        progress = None if args.json else (lambda m: print(f"... {m}", file=sys.stderr, flush=True))
+        cfg = EngineConfig()
+        rep = check_engine(engine, tuple(layouts), cfg, progress)
+    except (EngineAdapterError, MissingEngineAttribute) as e:
+        print(f"error: the engine adapter cannot drive this release: {e}", file=sys.stderr)
+        return 2
+    except Exception as e:  # the engine's own code raised while being driven: not a verdict either way
+        traceback.print_exc()
+        what = engine.describe() if engine is not None else str(spec)
+        print(f"error: driving {what} raised {type(e).__name__}: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(rep.to_json(), indent=2, default=str))
+    else:
+        print(format_report(rep, cfg))
+    return 0 if rep.ok else 1
+

@@ -1,0 +1,176 @@
+"""Install an SGLang release for `harness engine-check`, side by side with others, cached.
+
+    python -m harness.engine_install sglang==0.5.14 [sglang==0.5.23 ...] [--root DIR]
+
+Each release goes to its own `pip install --no-deps --target ROOT/sglang-VERSION` (the
+wheels are cp311 and pure Python for the parts we drive; their declared dependencies pin
+CUDA torch builds we must not install). The few modules the runner modules need for real
+(requirements/engine.txt: msgspec, dill, regex, packaging; triton when the interpreter
+has none) go once to ROOT/deps. Everything else is stubbed by harness/engines/sglang/stubs.py.
+
+ROOT defaults to `.engines/` in the repository (git-ignored), or $SPECHARNESS_ENGINES.
+An install is complete when its `.complete` marker exists; it is built in a temporary
+sibling and renamed, under a file lock, so concurrent test workers never see half of one.
+Nothing here is needed by the core suite.
+"""
+from __future__ import annotations
+
+import argparse
+import fcntl
+import importlib.util
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator, Optional
+
+REPO = Path(__file__).resolve().parents[2]
+REQUIREMENTS = REPO / "requirements" / "engine.txt"
+# The triton pin of requirements/cpu.txt (the triton attention backend): used only when the
+# interpreter running the check has no triton of its own.
+TRITON_FALLBACK = "triton==3.6.0"
+MARKER = ".complete"
+_VERSION = re.compile(r"^[0-9][0-9A-Za-z.+!-]*$")
+
+
+class InstallError(RuntimeError):
+    """pip could not install what was asked (no wheel for this interpreter, no network, ...)."""
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    name: str  # "sglang"
+    version: Optional[str]  # None: whatever is installed / the newest under ROOT
+
+    @classmethod
+    def parse(cls, text: str) -> "EngineSpec":
+        name, sep, version = text.strip().partition("==")
+        name = name.strip().lower()
+        if name != "sglang":
+            raise ValueError(f"--engine: only 'sglang' or 'sglang==VERSION' is supported (got {text!r})")
+        version = version.strip() or None
+        if sep and not version:
+            raise ValueError(f"--engine: empty version in {text!r}")
+        if version is not None and not _VERSION.match(version):
+            raise ValueError(f"--engine: {version!r} is not a version")
+        return cls(name, version)
+
+    def __str__(self) -> str:
+        return self.name if self.version is None else f"{self.name}=={self.version}"
+
+
+def engines_root(root: Optional[os.PathLike] = None) -> Path:
+    if root is not None:
+        return Path(root)
+    env = os.environ.get("SPECHARNESS_ENGINES")
+    return Path(env) if env else REPO / ".engines"
+
+
+def engine_dir(version: str, root: Optional[os.PathLike] = None) -> Path:
+    return engines_root(root) / f"sglang-{version}"
+
+
+def deps_dir(root: Optional[os.PathLike] = None) -> Path:
+    return engines_root(root) / "deps"
+
+
+def is_installed(path: Path) -> bool:
+    return (path / MARKER).is_file()
+
+
+def installed_versions(root: Optional[os.PathLike] = None) -> list[str]:
+    base = engines_root(root)
+    if not base.is_dir():
+        return []
+    return sorted((p.name[len("sglang-"):] for p in base.glob("sglang-*") if is_installed(p)), key=version_key)
+
+
+def version_key(v: str):
+    parts = re.findall(r"\d+|[A-Za-z]+", v)
+    return [(0, int(p)) if p.isdigit() else (1, p) for p in parts]
+
+
+@contextmanager
+def _locked(base: Path, name: str) -> Iterator[None]:
+    base.mkdir(parents=True, exist_ok=True)
+    with open(base / f".lock-{name}", "w") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def _pip_target(target: Path, requirements: list[str], log) -> None:
+    tmp = target.with_name(f"{target.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    cmd = [sys.executable, "-m", "pip", "install", "--no-deps", "--no-compile", "--disable-pip-version-check", "-q", "--target", str(tmp), *requirements]
+    log(f"$ {' '.join(cmd)}")
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tail = (proc.stderr or proc.stdout).strip().splitlines()[-6:]
+        raise InstallError(f"pip install {' '.join(requirements)} failed (exit {proc.returncode}): " + " | ".join(tail))
+    (tmp / MARKER).write_text(" ".join(requirements) + "\n")
+    shutil.rmtree(target, ignore_errors=True)
+    tmp.rename(target)
+
+
+def _dep_requirements() -> list[str]:
+    reqs = [ln.split("#")[0].strip() for ln in REQUIREMENTS.read_text().splitlines()]
+    reqs = [r for r in reqs if r]
+    if importlib.util.find_spec("triton") is None:
+        reqs.append(TRITON_FALLBACK)
+    return reqs
+
+
+def ensure_deps(root: Optional[os.PathLike] = None, log=print) -> Path:
+    target = deps_dir(root)
+    with _locked(target.parent, "deps"):
+        if not is_installed(target):
+            _pip_target(target, _dep_requirements(), log)
+    return target
+
+
+def ensure_installed(version: str, root: Optional[os.PathLike] = None, log=print) -> Path:
+    """Install sglang==version (and the shared deps) under root unless already there; return its directory."""
+    if not _VERSION.match(version):
+        raise ValueError(f"not a version: {version!r}")
+    ensure_deps(root, log)
+    target = engine_dir(version, root)
+    with _locked(target.parent, f"sglang-{version}"):
+        if not is_installed(target):
+            t0 = time.perf_counter()
+            _pip_target(target, [f"sglang=={version}"], log)
+            log(f"installed sglang=={version} into {target} in {time.perf_counter() - t0:.1f}s")
+    return target
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m harness.engine_install", description=__doc__.split("\n\n")[0])
+    ap.add_argument("engines", nargs="+", help="sglang==VERSION, one or more")
+    ap.add_argument("--root", default=None, help="where installs live (default .engines/ or $SPECHARNESS_ENGINES)")
+    args = ap.parse_args(argv)
+    rc = 0
+    for text in args.engines:
+        spec = EngineSpec.parse(text)
+        if spec.version is None:
+            print(f"{text}: give a version (sglang==X.Y.Z)", file=sys.stderr)
+            rc = 2
+            continue
+        try:
+            path = ensure_installed(spec.version, args.root)
+            print(f"{spec}: {path}")
+        except InstallError as e:
+            print(f"{spec}: {e}", file=sys.stderr)
+            rc = 1
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main())

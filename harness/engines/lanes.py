@@ -1,0 +1,116 @@
+"""The live batch engine-check replays, and P2's canonical-fill check on the engine's padded lanes.
+
+At every replay an adapter snapshots the buffers the graph reads, whole (LaneRecord): the
+per-request ones (req_pool_indices, seq_lens, num_correct_drafts, num_accept_tokens) and
+the per-token ones (input_ids, positions, out_cache_loc). Two checks, per fill path:
+
+* real rows: rows [:raw_bs] (tokens [:raw_bs * T]) hold exactly the live batch;
+* canonical padded lanes: the replay fill exists so that the padded lanes [raw_bs, bs) (and
+  tokens [raw_bs * T, bs * T)) do not depend on what ran before. The schedule replays every
+  raw batch size twice, growing (its padded lanes were only ever padding) and shrinking
+  (they last held a larger batch's real rows); each padded lane must read the same both
+  times, in every buffer the release's own fill writes (FILLED_SINCE: which release began
+  filling which buffer, per runner, from the release sources). A buffer a release leaves
+  stale by design is reported as a note with its lanes, not hidden.
+
+Live values are distinct per iteration (and never the fill values), so a stale lane shows.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from harness.verdict import Verdict
+
+PER_REQUEST = ("req_pool_indices", "seq_lens", "num_correct_drafts", "num_accept_tokens")
+PER_TOKEN = ("input_ids", "positions", "out_cache_loc")
+
+
+@dataclass
+class LiveBatch:
+    """One rank's raw batch at replay: sizes per DP group, this rank's lanes (values vary with the iteration)."""
+
+    raw_bs: int
+    dp_batch_sizes: list[int]
+    seq_lens: list[int]
+    accept_lens: list[int]
+    req_pool_indices: list[int]
+    iteration: int
+
+    def tokens(self, T: int) -> dict[str, list[int]]:
+        """The per-token inputs for a runner of width T: distinct per iteration, never 0."""
+        n, it = self.raw_bs * T, self.iteration
+        return {"input_ids": [3 + 101 * it + i for i in range(n)], "positions": [1 + it + i for i in range(n)],
+                "out_cache_loc": [7 + 211 * it + i for i in range(n)]}
+
+    def requests(self) -> dict[str, list[int]]:
+        return {"req_pool_indices": list(self.req_pool_indices), "seq_lens": list(self.seq_lens),
+                "num_correct_drafts": [a - 1 for a in self.accept_lens], "num_accept_tokens": list(self.accept_lens)}
+
+
+def live_batch(raw_bs: int, dp_batch_sizes: list[int], it: int, T: int, pool_size: int) -> LiveBatch:
+    """Request rows 1.. (row 0 is the engine's reserved padding row), rotating with the iteration."""
+    return LiveBatch(raw_bs, dp_batch_sizes, [5 + (3 * i + it) % 11 for i in range(raw_bs)], [1 + (i + it) % T for i in range(raw_bs)],
+                     [1 + (i + it) % (pool_size - 1) for i in range(raw_bs)], it)
+
+
+@dataclass
+class LaneRecord:
+    """The buffers one replay's graph would read, as one fill path left them."""
+
+    runner: str
+    step: int
+    path: str  # "" (the runner's Python fill), "gpu" (the Triton kernel), "npu" (its native twin)
+    raw_bs: int
+    bs: int
+    tokens_per_bs: int
+    buffers: dict[str, Optional[list[int]]]
+
+
+# (runner, buffer) -> the first release whose fill writes that buffer's padded lanes; absent: stale by design
+# in every release checked. Read from the sources: the single-layer runner's replay resets its buffers
+# whenever it pads (`if bs * w != num_tokens:`), req_pool_indices too from 0.5.14 on; the multi-layer
+# composite's reset_buffers / prepare() and its fill kernel write seq_lens and the token buffers, and the
+# kernel num_accept_tokens (= -1) from 0.5.16 on; they leave req_pool_indices and num_correct_drafts stale.
+FILLED_SINCE: dict[tuple[str, str], str] = {
+    ("single_layer", "seq_lens"): "0", ("single_layer", "positions"): "0", ("single_layer", "out_cache_loc"): "0",
+    ("single_layer", "num_correct_drafts"): "0", ("single_layer", "num_accept_tokens"): "0",
+    ("single_layer", "req_pool_indices"): "0.5.14",
+    ("multi_layer", "seq_lens"): "0", ("multi_layer", "positions"): "0", ("multi_layer", "out_cache_loc"): "0",
+    ("multi_layer", "input_ids"): "0", ("multi_layer", "num_accept_tokens"): "0.5.16",
+}
+
+
+def check_lanes(v: Verdict, rec: LaneRecord, live: LiveBatch, seen: dict, where: dict, filled: frozenset[str]) -> None:
+    """Real rows = the live batch; padded lanes of the buffers in `filled` independent of the history (see the module doc)."""
+    T, raw, bs = rec.tokens_per_bs, rec.raw_bs, rec.bs
+    want = {**live.requests(), **live.tokens(T)}
+    w = {**where, "path": rec.path or "python"} if rec.path else where
+    for name in (*PER_REQUEST, *PER_TOKEN):
+        buf = rec.buffers.get(name)
+        if buf is None:
+            continue
+        real = want[name]
+        v.checked += 1
+        if buf[: len(real)] != real:
+            i = next(i for i, (a, b) in enumerate(zip(buf, real, strict=False)) if a != b)
+            v.fail("lanes", name, {**w, "row": i}, real[i], buf[i], "a real row after the replay fill: the live batch's value")
+        lo, hi = (raw, bs) if name in PER_REQUEST else (raw * T, bs * T)
+        pad = tuple(buf[lo:hi])
+        key = (rec.runner, rec.step, rec.path, name, raw, bs, tuple(live.dp_batch_sizes))
+        if key not in seen:
+            seen[key] = (pad, live.iteration)
+            continue
+        first, first_it = seen[key]
+        if pad == first:
+            continue
+        i = next(i for i, (a, b) in enumerate(zip(pad, first, strict=True)) if a != b)
+        detail = (f"padded {'lane' if name in PER_REQUEST else 'token row'} {lo + i} holds {pad[i]} at iteration {live.iteration} "
+                  f"(after a larger batch) and held {first[i]} the first time this raw_bs and bucket ran (iteration {first_it})")
+        if name in filled:
+            v.checked += 1
+            v.fail("canonical", name, {**w, "lane": lo + i}, first[i], pad[i], f"the release's replay fill writes {name}: {detail}")
+        elif ("noted", key[:4]) not in seen:  # once per (runner, step, path, buffer) and rank
+            seen[("noted", key[:4])] = True
+            v.notes.append(f"P2/canonical {name}: left stale by this release's fill (by design): {detail} "
+                           f"[{', '.join(f'{k}={x}' for k, x in w.items())}]")

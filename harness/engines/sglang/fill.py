@@ -1,0 +1,66 @@
+"""prepare()'s replay fill: the engine's Triton kernel (GPU path) and its native twin (NPU path), both checked.
+
+From the releases whose composite has prepare(), the multi-layer replay fill is one fused
+Triton kernel (fill_draft_extend_prepare_buffers_triton); later releases also ship a
+PyTorch twin (..._native) that the module selects on NPUs. They differ: the kernel also
+zeroes the token tail and resets seq_lens past bs. A bug in either is a bug on some device,
+so neither may stand in for the other:
+
+* the Triton kernel runs as the engine calls it, under Triton's interpreter
+  (TRITON_INTERPRET=1, set by the loader before anything is jitted): the kernel's own code
+  runs on CPU tensors, program by program;
+* the native twin runs on clones of the same buffers, with the same arguments, just before
+  the kernel; its result is kept and checked as a second path of the same replay.
+
+The interpreter runs the kernel program by program (~10 ms each, max_bs + 2 programs a
+launch), so `kernel` says per (layout, rank) whether the kernel runs: where it does not,
+the native twin fills the real buffers (the NPU path, checked directly), and a release with
+no native twin runs the kernel everywhere.
+"""
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import torch
+
+# The per-request and per-token buffers the fill writes, as the fill's parameters name them.
+FILLED = ("input_ids", "positions", "out_cache_loc", "seq_lens", "req_pool_indices", "num_correct_drafts",
+          "num_accept_tokens", "global_num_tokens", "global_num_tokens_for_logprob")
+
+
+@dataclass
+class FillObserver:
+    """Stands where prepare() looks up its fill: calls the native twin on clones, then the engine's fill."""
+
+    engine_fill: Callable
+    native: Optional[Callable]
+    kernel: bool = True  # run the engine's kernel (and the native twin beside it); False: the native twin alone
+    last_native: Optional[dict[str, Optional[list[int]]]] = None
+    calls: int = field(default=0)
+    kernel_calls: int = field(default=0)
+
+    def __post_init__(self) -> None:
+        self._sig = inspect.signature(self.native) if self.native is not None else None
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self.calls += 1
+        self.last_native = None
+        if not self.kernel and self.native is not None:
+            return self.native(*args, **kwargs)
+        self.kernel_calls += 1
+        if self._sig is not None:
+            bound = self._sig.bind(*args, **kwargs)
+            clones = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in bound.arguments.items()}
+            self.native(**clones)
+            self.last_native = {k: (None if clones.get(k) is None else [int(x) for x in clones[k].reshape(-1).tolist()]) for k in FILLED}
+        return self.engine_fill(*args, **kwargs)
+
+
+def fill_name(ml: Any) -> Optional[str]:
+    """The module global prepare() calls for the fill (the name moved once), or None: a Python fill."""
+    for name in ("fill_draft_extend_prepare_buffers", "fill_draft_extend_prepare_buffers_triton"):
+        if hasattr(ml, name):
+            return name
+    return None

@@ -1,0 +1,226 @@
+"""One engine graph runner (a multi-layer step or the single-layer runner): capture it, snapshot its replays, convert to our records.
+
+The capture path is the engine's own, stopped at the model call (graph.ModelProbe): what the
+step body baked by then -- the batch from get_forward_batch(bs), the DP buffer it set, the
+gathered gpu tensors -- is what the graph would bake. At the graph launch of a replay the
+static buffers the graph would read are snapshotted; `record()` turns both into our
+runners.cuda_graph.CaptureRecord / ReplayRecord, which harness.properties checks.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+import torch
+
+from harness.engines.lanes import PER_REQUEST, PER_TOKEN, LaneRecord, LiveBatch
+from harness.engines.sglang.config import EngineConfig
+from harness.engines.sglang.errors import EngineAdapterError
+from harness.engines.sglang.graph import (
+    DP_CALLS,
+    AttnRecorder,
+    FakeGraph,
+    FakeGraphBackend,
+    ModelProbe,
+    Snapshot,
+    StopBody,
+    tolist,
+)
+from harness.engines.sglang.loader import Engine
+from harness.engines.sglang.standins import Strict
+from runners.cuda_graph import CaptureRecord, ReplayRecord
+from runners.parallel.layout import Branch, ParallelLayout
+
+# Older names of the same buffers: 0.5.11 says num_accepted_*, releases up to 0.5.10 accept_length (drafts + bonus).
+LANE_ALIASES = {"num_correct_drafts": ("num_correct_drafts", "num_accepted_drafts"),
+                "num_accept_tokens": ("num_accept_tokens", "num_accepted_tokens", "accept_length")}
+
+
+class RunnerHandle:
+    """One engine graph runner (a multi-layer step or the single-layer runner) and what it baked."""
+
+    def __init__(self, engine: Engine, kind: str, step: int, runner: Any, attn: AttnRecorder, layout: ParallelLayout, cfg: EngineConfig) -> None:
+        self.engine, self.kind, self.step, self.runner, self.attn, self.layout, self.cfg = engine, kind, step, runner, attn, layout, cfg
+        self.captures: dict[int, CaptureRecord] = {}
+        self._batches: dict[int, Any] = {}  # bs -> the capture-time forward batch the model was called with
+        self.capture_rows: dict[int, tuple[int, int]] = {}  # bs -> (rows fed to lm_head, logits rows)
+        self.snapshots: list[Snapshot] = []
+
+    # ---- what the engine derived ----
+    @property
+    def tokens_per_bs(self) -> int:
+        r = self.runner
+        for name in ("captured_req_width", "num_tokens_per_bs"):
+            if name in vars(r):
+                return int(vars(r)[name])
+        raise EngineAdapterError(f"sglang {self.engine.version}: {type(r).__name__} has neither captured_req_width nor num_tokens_per_bs")
+
+    @property
+    def capture_bs(self) -> list[int]:
+        return [int(b) for b in self.runner.capture_bs]
+
+    @property
+    def engine_branch(self) -> str:
+        r = self.runner
+        if r.require_mlp_tp_gather:
+            return Branch.MLP_TP_GATHER.value
+        if r.require_attn_tp_gather:
+            return Branch.ATTN_TP_GATHER.value
+        return Branch.NEITHER.value
+
+    def _buffers(self) -> Any:
+        """The runner's static buffers: an InputBuffers from 0.5.10 on, attributes of the runner itself before."""
+        return getattr(self.runner, "buffers", self.runner)
+
+    # ---- capture ----
+    def fake_output(self, bs: int) -> Any:
+        """What the graph's output buffers would hold: the batch's logits buffer, hidden states, top-k."""
+        fb = self._batches.get(bs)
+        LPO = self.engine.modules["logits"].LogitsProcessorOutput
+        n = bs * self.tokens_per_bs
+        logits = fb.next_token_logits_buffer if fb is not None and fb.next_token_logits_buffer is not None else torch.zeros(n, self.cfg.vocab_size)
+        out = LPO(next_token_logits=logits, hidden_states=torch.zeros(n, self.cfg.hidden_size))
+        out.topk_p = torch.ones(bs, self.cfg.topk)
+        out.topk_index = torch.zeros(bs, self.cfg.topk, dtype=torch.int64)
+        return out
+
+    def run_body_until_model(self, bs: int, run_once: Callable) -> None:
+        """Run the captured step body (the warm-up) up to the model call, then stop it there.
+
+        The prefix is the engine's own: it clears the DP-local scratch, sets the DP buffer
+        (set_dp_buffer_len: the token counts DP attention will gather with) and calls the
+        model with the capture-time batch. The model stand-in records the batch, the DP
+        buffer it was given and the rows the logits processor would feed lm_head, and stops.
+        """
+        self._body = None
+        DP_CALLS.clear()
+        try:
+            run_once()
+        except StopBody:
+            pass
+        if self._body is None:
+            raise EngineAdapterError(f"sglang {self.engine.version}: the {self.kind} runner's capture body for bucket {bs} never called the model")
+        self._record_capture(bs)
+
+    def on_model_forward(self, fb: Any) -> None:
+        """The body called the model: the batch, the DP buffer and the gathered gpu tensors are what the graph bakes."""
+        if not DP_CALLS:
+            raise EngineAdapterError(f"sglang {self.engine.version}: the {self.kind} step body called the model without set_dp_buffer_len")
+        buf = self._buffers()
+        self._body = (fb, dict(DP_CALLS[-1]), tolist(buf.global_num_tokens_gpu), tolist(buf.global_num_tokens_for_logprob_gpu))
+        raise StopBody
+
+    def _record_capture(self, bs: int) -> None:
+        fb, dp, gpu_tokens, gpu_logprob = self._body
+        if int(fb.batch_size) != bs:
+            raise EngineAdapterError(f"sglang {self.engine.version}: capturing bucket {bs} of the {self.kind} runner ran the model on a batch of {fb.batch_size}")
+        self._batches[bs] = fb
+        def ints(x: Any) -> Optional[list[int]]:
+            return None if x is None else [int(v) for v in x]
+        body_tokens = ints(dp.get("global_num_tokens"))
+        host = {
+            "forward_mode": getattr(fb.forward_mode, "name", str(fb.forward_mode)).lower(),
+            "batch_size": int(fb.batch_size),
+            "num_tokens": int(fb.input_ids.shape[0]),
+            "extend_num_tokens": fb.extend_num_tokens,
+            # the host token counts: the step body's set_dp_buffer_len(...) (what DP attention gathers with), else the batch's
+            "global_num_tokens_cpu": body_tokens if body_tokens is not None else ints(fb.global_num_tokens_cpu),
+            "global_num_tokens_for_logprob_cpu": ints(fb.global_num_tokens_for_logprob_cpu),
+            "global_dp_buffer_len": dp.get("global_dp_buffer_len"),
+            "dp_padding_mode": "max_len" if dp.get("dp_max_padding") else "sum_len",
+            # the same values as carried on the forward batch itself (None where the engine leaves them off)
+            "fb_global_num_tokens_cpu": ints(fb.global_num_tokens_cpu),
+            "fb_global_dp_buffer_len": fb.global_dp_buffer_len,
+            "local_dp_buffer_len": dp.get("local_dp_buffer_len"),
+        }
+        self.captures[bs] = CaptureRecord(bs, int(fb.input_ids.shape[0]), host, gpu_tokens, gpu_logprob)
+        self.capture_rows[bs] = (self._rows_fed_to_lm_head(fb), int(fb.next_token_logits_buffer.shape[0]))
+
+    def _rows_fed_to_lm_head(self, fb: Any) -> int:
+        """Rows the engine's logits processor would give lm_head for this batch: its own row selection."""
+        lp = self.engine.modules["logits"]
+        meta = lp.LogitsMetadata.from_forward_batch(fb)
+        hidden = torch.zeros(int(fb.input_ids.shape[0]), 1)
+        if not hasattr(lp.LogitsProcessor, "_get_pruned_states"):
+            # before 0.5.10 the selection is inline in forward(), whose branch for this mode feeds every hidden row
+            if not meta.forward_mode.is_draft_extend_v2():
+                raise EngineAdapterError(f"sglang {self.engine.version}: the capture batch is not DRAFT_EXTEND_V2 and the logits processor has no _get_pruned_states")
+            return int(hidden.shape[0])
+        pruned = lp.LogitsProcessor._get_pruned_states(Strict("LogitsProcessor"), hidden, None, None, meta)[0]
+        return int(pruned.shape[0])
+
+    def capture_all(self) -> None:
+        """Every bucket, largest first, through the engine's capture path, stopping before the graph."""
+        r, gen = self.runner, self.engine.generation
+        for bs in reversed(self.capture_bs):
+            if gen == "legacy":
+                self._capturing_bs = bs
+                graph, out = r.capture_one_batch_size(bs, None)
+                r.graphs[bs] = graph
+                r.output_buffers[bs] = out
+            else:
+                r.capture_one_shape(bs, None)
+            if bs not in self.captures:
+                raise EngineAdapterError(f"sglang {self.engine.version}: capturing bucket {bs} of the {self.kind} runner recorded nothing")
+
+    def install_graph_stand_ins(self) -> None:
+        r, handle = self.runner, self
+        if self.engine.generation == "legacy":
+            # CudaGraphRunner-era hooks: a graph object, the two warm-ups, the capture itself
+            def capture_init(run_once: Callable) -> None:
+                handle.run_body_until_model(handle._capturing_bs, run_once)
+
+            def capture_graph(graph: Any, pool: Any, stream: Any, run_once: Callable) -> Any:
+                return handle.fake_output(handle._capturing_bs)
+
+            vars(r).update(graphs={}, output_buffers={}, stream=None, _capture_init=capture_init, _capture_graph=capture_graph,
+                           _create_graph=lambda: FakeGraph(handle, handle._capturing_bs))
+        else:
+            r.backend = FakeGraphBackend(self)
+        model = r.model_runner.model
+        if not isinstance(model, ModelProbe):
+            raise EngineAdapterError(f"sglang {self.engine.version}: the {self.kind} runner's model_runner is not the adapter's")
+        model.handle = self
+
+    # ---- replay ----
+    def on_replay(self, bs: int) -> None:
+        """At the graph launch: every buffer the graph reads, whole (the padded lanes are the point)."""
+        buf = self._buffers()
+        g = buf.global_num_tokens_gpu
+        lanes = {name: tolist(next((getattr(buf, a) for a in LANE_ALIASES.get(name, (name,)) if hasattr(buf, a)), None))
+                 for name in (*PER_REQUEST, *PER_TOKEN)}
+        fill = self.engine.fill
+        if self.kind != "multi_layer" or fill is None:
+            path, native = "", None
+        else:  # prepare()'s fused fill: the kernel ran (its twin beside it, on clones), or the twin alone
+            path, native = ("gpu", fill.last_native) if fill.kernel or fill.native is None else ("npu", None)
+        self.snapshots.append(Snapshot(bs, tolist(g), tolist(buf.global_num_tokens_for_logprob_gpu),
+                                       None if g is None else tuple(g.shape), [int(x) for x in buf.seq_lens[:bs].tolist()],
+                                       lanes, path, native))
+
+    def record(self, live: LiveBatch, returned_rows: Optional[int]) -> tuple[ReplayRecord, Optional[int], list[LaneRecord]]:
+        """Turn the last replay's snapshot into our ReplayRecord (plus the rows the engine handed back and its lanes, per fill path)."""
+        if not self.snapshots:
+            raise EngineAdapterError(f"sglang {self.engine.version}: the {self.kind} runner's replay never reached the graph")
+        snap = self.snapshots[-1]
+        view = self.attn.last_replay_view
+        seq_lens_sum = None if view is None else view.seq_lens_sum
+        cap = self.captures.get(snap.bs)
+        if cap is None:
+            raise EngineAdapterError(f"sglang {self.engine.version}: replay chose bucket {snap.bs}, which was never captured")
+        rows_fed, logits_rows = self.capture_rows[snap.bs]
+        rec = ReplayRecord(
+            runner=self.kind, step=self.step, branch=self.layout.branch.value, raw_bs=live.raw_bs, bs=snap.bs,
+            tokens_per_bs=self.tokens_per_bs, capture=cap, global_num_tokens_gpu=snap.global_num_tokens_gpu,
+            global_num_tokens_for_logprob_gpu=snap.global_num_tokens_for_logprob_gpu, gpu_shape=snap.gpu_shape,
+            padded_seq_lens=snap.seq_lens[live.raw_bs:], seq_lens_sum=seq_lens_sum if seq_lens_sum is None else int(seq_lens_sum),
+            seq_lens_sum_actual=sum(snap.seq_lens), rows_fed=rows_fed, logits_rows=logits_rows, captured_bs=self.capture_bs,
+        )
+        self.attn.last_replay_view = None
+        # the lanes as the replay fill left them: step 0 only, where the fill is the last writer (later steps
+        # read what the chain wrote inside the graph, which is not run)
+        lanes = []
+        if self.step == 0:
+            lanes.append(LaneRecord(self.kind, self.step, snap.path, live.raw_bs, snap.bs, self.tokens_per_bs, snap.lanes))
+            if snap.native is not None:  # the twin's result on the same inputs
+                lanes.append(LaneRecord(self.kind, self.step, "npu", live.raw_bs, snap.bs, self.tokens_per_bs, snap.native))
+        return rec, returned_rows, lanes

@@ -1,0 +1,63 @@
+"""Strict stand-ins for the worker, model runner and process groups the runners read.
+
+Reading an attribute a stand-in lacks raises MissingEngineAttribute naming the owner and
+the attribute: a release that moves something fails saying what it now reads (exit 2),
+instead of silently absorbing it.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator
+
+from harness.engines.sglang.errors import MissingEngineAttribute, require
+
+
+class Strict:
+    """Attributes given at construction; reading any other raises MissingEngineAttribute naming it."""
+
+    def __init__(self, _name: str, **attrs: Any) -> None:
+        object.__setattr__(self, "_name", _name)
+        for k, v in attrs.items():
+            object.__setattr__(self, k, v)
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        raise MissingEngineAttribute(
+            f"the engine read {self._name}.{name}, which the engine adapter's stand-in does not provide "
+            f"(a release moved something: add it to harness/engines/sglang/build.py)"
+        )
+
+    def __repr__(self) -> str:
+        return f"<stand-in {self._name}>"
+
+
+def noop(*args: Any, **kwargs: Any) -> None:
+    return None
+
+
+class FakeGroup:
+    """A process group of one axis: sizes and ranks only; any collective is an adapter error."""
+
+    def __init__(self, name: str, world_size: int, rank_in_group: int) -> None:
+        self.name, self.world_size, self.rank_in_group = name, world_size, rank_in_group
+        self.rank = rank_in_group
+
+    def barrier(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        raise MissingEngineAttribute(f"the engine used {self.name}_group.{name}; the adapter's groups have sizes and ranks only")
+
+
+@contextlib.contextmanager
+def patched(obj: Any, name: str, value: Any, version: str, why: str) -> Iterator[None]:
+    """Swap obj.name for the duration (it must exist in this release: else the error names it)."""
+    old = require(obj, name, version, why)
+    setattr(obj, name, value)
+    try:
+        yield
+    finally:
+        setattr(obj, name, old)
