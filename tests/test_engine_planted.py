@@ -3,8 +3,10 @@
 Each test links the installed release into a temp dir (files symlinked, the one planted file
 copied and edited: one line), runs engine-check on the copy in its own process, and compares
 the failures with the unmodified release's under the same layouts. NEWEST is the release the
-planted lines were read from; a release without the line skips, naming it, and so does a
-machine where the release is not installed (these tests never install).
+planted lines were read from; a release without the line skips, naming it. The release is
+installed as tests/test_engine_check.py installs it (cached, under a file lock), so whether
+these run never depends on which test happened to install it first; a machine where pip
+cannot install it skips with pip's reason.
 """
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from harness.engines.install import engine_dir, is_installed
+from harness.engines.install import InstallError, ensure_installed
 
 REPO = Path(__file__).resolve().parent.parent
 NEWEST = os.environ.get("SPECHARNESS_SGLANG_NEWEST", "0.5.23")
@@ -31,12 +33,11 @@ pytestmark = pytest.mark.timeout(900)
 
 
 def _installed(version: str) -> Path:
-    """The installed release; never installs (each test here runs engine-check several times: they run
-    where the release is already installed, e.g. after `python -m harness.engine_install sglang==X`)."""
-    target = engine_dir(version)
-    if not is_installed(target):
-        pytest.skip(f"sglang=={version} is not installed under {target.parent}: run `python -m harness.engine_install sglang=={version}`")
-    return target
+    """The installed release (installed here if missing)."""
+    try:
+        return ensure_installed(version, log=lambda m: print(m, file=sys.stderr))
+    except InstallError as e:
+        pytest.skip(f"cannot install sglang=={version} here: {e}")
 
 
 def _plant(src: Path, dst: Path, rel: str, old: str, new: str) -> Path:
