@@ -6,7 +6,9 @@ and what was expected: no traceback, no silently ignored key.
 from __future__ import annotations
 
 import difflib
+import os
 import re
+import stat
 import tomllib
 import zlib
 from dataclasses import dataclass, fields
@@ -14,6 +16,7 @@ from dataclasses import field as dc_field
 from pathlib import Path
 from typing import Any, Optional
 
+from harness.data import shipped_dir
 from harness.scenario import Iteration, RequestSpec, Scenario
 from harness.tolerances import Tol
 from runners.attention import BACKENDS
@@ -21,7 +24,7 @@ from runners.config import DTYPES, ModelConfig, SpecConfig
 from runners.model import check_model_fits_layout
 from runners.parallel.layout import LayoutError, ParallelLayout
 
-CASES_DIR = Path(__file__).resolve().parent.parent / "cases"
+CASES_DIR = shipped_dir("cases")
 
 
 class CaseError(ValueError):
@@ -83,6 +86,13 @@ _MODEL_RANGES = {"hidden_size": (2, 4096), "num_heads": (1, 64), "num_kv_heads":
                  "num_target_layers": (1, 16), "max_context_len": (2, 4096), "seed": (0, 2**31 - 1)}
 _SPEC_MAX = {"num_steps": 16, "topk": 64, "num_tokens_per_bs": 64, "max_running_requests": MAX_REQUESTS_PER_RANK}
 _PY = {"int": int, "float": float, "str": str, "bool": bool}
+# The resource budget: what one `harness check` of the case may ask of the machine. Simulated ranks
+# are threads of one process, so the whole world's weights and KV pools are in one address space.
+MAX_ITERATIONS = 64  # each iteration runs every draft step on every rank, eager and graph, plus the oracle
+MEMORY_BUDGET_ENV = "SPECHARNESS_MEMORY_BUDGET_GIB"
+DEFAULT_MEMORY_BUDGET_GIB = 4.0
+MAX_CASE_BYTES = 1 << 20  # a case file is a few hundred bytes; more is not a case
+KV_SLOTS = MAX_KV_SLOTS_PER_RANK + 1
 
 
 def _type_name(t) -> str:
@@ -209,6 +219,39 @@ def seeded_requests(seed: int, schedule: tuple[tuple[int, ...], ...], T: int, ma
     return tuple(its)
 
 
+def memory_budget_bytes() -> int:
+    """$SPECHARNESS_MEMORY_BUDGET_GIB (a machine with more memory raises it), else 4 GiB."""
+    try:
+        gib = float(os.environ.get(MEMORY_BUDGET_ENV) or DEFAULT_MEMORY_BUDGET_GIB)
+    except ValueError:
+        gib = DEFAULT_MEMORY_BUDGET_GIB
+    return int(gib * (1 << 30))
+
+
+def estimate_bytes(model: ModelConfig, layout: ParallelLayout, spec: SpecConfig) -> int:
+    """An upper estimate of what checking the case holds at once: per worker the full draft and target
+    weights (each rank builds full fp32 weights before sharding) and a KV pool of every layer; one
+    eager and one graph worker per rank, plus the TP1 oracle. Activations are small beside these."""
+    H, inter, V, d = model.hidden_size, model.intermediate_size, model.vocab_size, model.head_dim
+    layer = H * model.num_heads * d * 2 + H * model.num_kv_heads * d * 2 + 3 * H * inter
+    draft = 2 * V * H + spec.num_steps * (2 * H * H + layer)
+    target = 2 * V * H + model.num_target_layers * layer
+    kv = KV_SLOTS * (spec.num_steps + model.num_target_layers) * model.num_kv_heads * d * 2
+    return 4 * (draft + target + kv) * (2 * layout.world_size + 1)
+
+
+def _check_budget(path, model: ModelConfig, layout: ParallelLayout, spec: SpecConfig, iterations: int) -> None:
+    if iterations > MAX_ITERATIONS:
+        raise CaseError(path, "schedule.batches", f"at most {MAX_ITERATIONS} iterations (the resource budget)", _Verbatim(f"{iterations} iterations"))
+    need, budget = estimate_bytes(model, layout, spec), memory_budget_bytes()
+    if need > budget:
+        gib = lambda b: f"{b / (1 << 30):.3g} GiB"  # noqa: E731
+        raise CaseError(path, "model", f"a model whose weights and KV pools fit the memory budget of {gib(budget)} (${MEMORY_BUDGET_ENV})",
+                        _Verbatim(f"an estimate of {gib(need)} for hidden_size {model.hidden_size}, vocab_size {model.vocab_size}, "
+                                  f"intermediate_size {model.intermediate_size}, {spec.num_steps} draft + {model.num_target_layers} target "
+                                  f"layers on {layout.world_size} rank(s) x 2 runners + the TP1 oracle"))
+
+
 def parse_case(data: dict, path: Path | str = "<case>") -> Case:
     path = Path(path)
     _check_table(path, "", data, _TOP)
@@ -278,6 +321,7 @@ def parse_case(data: dict, path: Path | str = "<case>") -> Case:
     batches = sched_t["batches"]
     if not batches:
         raise CaseError(path, "schedule.batches", "at least one iteration", batches)
+    _check_budget(path, model, layout, spec, len(batches))
     dp = layout.attn_dp_size
     schedule = []
     for i, it in enumerate(batches):
@@ -315,18 +359,40 @@ def parse_case(data: dict, path: Path | str = "<case>") -> Case:
     return Case(data["name"], data["description"], str(path), sc, schedule_t, tolerances)
 
 
-def load_case(path: Path | str) -> Case:
-    path = Path(path)
+def _regular_file(path: Path) -> Path:
+    """Refuse what is not a regular file before opening it: a FIFO would block the read forever."""
+    try:
+        st = os.stat(path)
+    except OSError as e:
+        raise CaseError(path, "<file>", f"a readable case file ({e.strerror or e})") from None
+    if not stat.S_ISREG(st.st_mode):
+        kind = "a directory" if stat.S_ISDIR(st.st_mode) else "not a regular file (a FIFO, socket or device)"
+        raise CaseError(path, "<file>", "a regular .toml file", _Verbatim(kind))
+    if st.st_size > MAX_CASE_BYTES:
+        raise CaseError(path, "<file>", f"a case file of at most {MAX_CASE_BYTES} bytes", _Verbatim(f"{st.st_size} bytes"))
+    return path
+
+
+def load_case(path: Path | str, cases_dir: Optional[Path] = None) -> Case:
+    """A case by path, or by name from `cases_dir` (default: the shipped cases)."""
+    path, cases_dir = Path(path), Path(cases_dir or CASES_DIR)
+    if "\0" in str(path):
+        raise CaseError(path, "<file>", "a path without NUL characters")
     if not path.exists():
-        named = CASES_DIR / f"{path}.toml"
+        named = cases_dir / f"{path}.toml"
         if named.exists():
             path = named
         else:
-            raise CaseError(path, "<file>", f"an existing case file or the name of one in {CASES_DIR}")
+            raise CaseError(path, "<file>", f"an existing case file or the name of one in {cases_dir}")
+    _regular_file(path)
     try:
-        data = tomllib.loads(path.read_text(encoding="utf-8"))
+        with open(path, "rb") as f:
+            raw = f.read(MAX_CASE_BYTES + 1)
+        data = tomllib.loads(raw.decode("utf-8"))
     except tomllib.TOMLDecodeError as e:
         raise CaseError(path, "<toml>", f"valid TOML ({e})") from None
+    except RecursionError:
+        raise CaseError(path, "<toml>", "TOML nested a few levels deep (cases use at most three)", _Verbatim("nesting too deep to parse")) from None
     except UnicodeDecodeError as e:
         raise CaseError(path, "<file>", f"UTF-8 text ({e.reason})") from None
     except OSError as e:
@@ -335,5 +401,5 @@ def load_case(path: Path | str) -> Case:
 
 
 def default_cases(cases_dir: Optional[Path] = None) -> list[Case]:
-    d = cases_dir or CASES_DIR
-    return [load_case(p) for p in sorted(d.glob("*.toml"))]
+    d = Path(cases_dir or CASES_DIR)
+    return [load_case(p) for p in sorted(d.glob("*.toml"))] if d.is_dir() else []

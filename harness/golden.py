@@ -37,11 +37,12 @@ import numpy as np
 import torch
 
 from harness.case import GOLDEN_FLOAT_FIELDS, Case
+from harness.data import shipped_dir
 from harness.execute import RankRun
 from harness.tolerances import Tol
 from runners.cuda_graph import ReplayRecord
 
-GOLDEN_DIR = Path(__file__).resolve().parent.parent / "golden"
+GOLDEN_DIR = shipped_dir("golden")
 FORMAT = "specharness-golden/1"
 
 # Record and check run the same fp32 CPU code: bitwise equal on one machine. Across CPUs, MKL /
@@ -695,12 +696,12 @@ def record_golden(case: Case, golden_dir: Path = GOLDEN_DIR, runs: Optional[Sequ
     return RecordResult(case.name, status, p, len(arrays), p.npz.stat().st_size, diff, changes, recovered)
 
 
-def iter_cases(names: Sequence[str], all_: bool) -> list[Case]:
+def iter_cases(names: Sequence[str], all_: bool, cases_dir: Optional[Path] = None) -> list[Case]:
     from harness.case import default_cases, load_case
 
     if names and all_:
         raise GoldenError("name cases or pass --all, not both")
     if not names and not all_:
         raise GoldenError("name a case (e.g. harness golden record tp2_shrink) or pass --all")
-    return default_cases() if all_ else [load_case(n) for n in names]
+    return default_cases(cases_dir) if all_ else [load_case(n, cases_dir) for n in names]
 
