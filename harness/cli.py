@@ -152,7 +152,7 @@ def cmd_golden_record(args) -> int:
 
 
 def cmd_golden_check(args) -> int:
-    from harness.golden import GoldenError, check_golden
+    from harness.golden import GoldenError, GoldenFormatError, check_golden
 
     cases = _cases(args.cases, args)
     t0 = time.perf_counter()
@@ -163,6 +163,8 @@ def cmd_golden_check(args) -> int:
             with _mutant_ctx(args.mutant):
                 cmp = check_golden(case, _golden_dir(args))
             ok, text, data = cmp.ok, cmp.format(limit=args.limit), cmp.to_json()
+        except GoldenFormatError:
+            raise  # a malformed golden is bad input (exit 2), not a difference
         except GoldenError as e:
             ok, text, data = False, f"{case.name}: {e}", {"case": case.name, "ok": False, "error": str(e)}
         failed += not ok
