@@ -16,6 +16,7 @@ from dataclasses import field as dc_field
 from pathlib import Path
 from typing import Any, Optional
 
+from harness.budget import MAX_ITERATIONS, over_budget
 from harness.data import shipped_dir
 from harness.scenario import Iteration, RequestSpec, Scenario
 from harness.tolerances import Tol
@@ -86,13 +87,7 @@ _MODEL_RANGES = {"hidden_size": (2, 4096), "num_heads": (1, 64), "num_kv_heads":
                  "num_target_layers": (1, 16), "max_context_len": (2, 4096), "seed": (0, 2**31 - 1)}
 _SPEC_MAX = {"num_steps": 16, "topk": 64, "num_tokens_per_bs": 64, "max_running_requests": MAX_REQUESTS_PER_RANK}
 _PY = {"int": int, "float": float, "str": str, "bool": bool}
-# The resource budget: what one `harness check` of the case may ask of the machine. Simulated ranks
-# are threads of one process, so the whole world's weights and KV pools are in one address space.
-MAX_ITERATIONS = 64  # each iteration runs every draft step on every rank, eager and graph, plus the oracle
-MEMORY_BUDGET_ENV = "SPECHARNESS_MEMORY_BUDGET_GIB"
-DEFAULT_MEMORY_BUDGET_GIB = 4.0
 MAX_CASE_BYTES = 1 << 20  # a case file is a few hundred bytes; more is not a case
-KV_SLOTS = MAX_KV_SLOTS_PER_RANK + 1
 
 
 def _type_name(t) -> str:
@@ -219,37 +214,12 @@ def seeded_requests(seed: int, schedule: tuple[tuple[int, ...], ...], T: int, ma
     return tuple(its)
 
 
-def memory_budget_bytes() -> int:
-    """$SPECHARNESS_MEMORY_BUDGET_GIB (a machine with more memory raises it), else 4 GiB."""
-    try:
-        gib = float(os.environ.get(MEMORY_BUDGET_ENV) or DEFAULT_MEMORY_BUDGET_GIB)
-    except ValueError:
-        gib = DEFAULT_MEMORY_BUDGET_GIB
-    return int(gib * (1 << 30))
-
-
-def estimate_bytes(model: ModelConfig, layout: ParallelLayout, spec: SpecConfig) -> int:
-    """An upper estimate of what checking the case holds at once: per worker the full draft and target
-    weights (each rank builds full fp32 weights before sharding) and a KV pool of every layer; one
-    eager and one graph worker per rank, plus the TP1 oracle. Activations are small beside these."""
-    H, inter, V, d = model.hidden_size, model.intermediate_size, model.vocab_size, model.head_dim
-    layer = H * model.num_heads * d * 2 + H * model.num_kv_heads * d * 2 + 3 * H * inter
-    draft = 2 * V * H + spec.num_steps * (2 * H * H + layer)
-    target = 2 * V * H + model.num_target_layers * layer
-    kv = KV_SLOTS * (spec.num_steps + model.num_target_layers) * model.num_kv_heads * d * 2
-    return 4 * (draft + target + kv) * (2 * layout.world_size + 1)
-
-
 def _check_budget(path, model: ModelConfig, layout: ParallelLayout, spec: SpecConfig, iterations: int) -> None:
     if iterations > MAX_ITERATIONS:
         raise CaseError(path, "schedule.batches", f"at most {MAX_ITERATIONS} iterations (the resource budget)", _Verbatim(f"{iterations} iterations"))
-    need, budget = estimate_bytes(model, layout, spec), memory_budget_bytes()
-    if need > budget:
-        gib = lambda b: f"{b / (1 << 30):.3g} GiB"  # noqa: E731
-        raise CaseError(path, "model", f"a model whose weights and KV pools fit the memory budget of {gib(budget)} (${MEMORY_BUDGET_ENV})",
-                        _Verbatim(f"an estimate of {gib(need)} for hidden_size {model.hidden_size}, vocab_size {model.vocab_size}, "
-                                  f"intermediate_size {model.intermediate_size}, {spec.num_steps} draft + {model.num_target_layers} target "
-                                  f"layers on {layout.world_size} rank(s) x 2 runners + the TP1 oracle"))
+    over = over_budget(model, layout, spec)
+    if over is not None:
+        raise CaseError(path, "model", over[0], _Verbatim(over[1]))
 
 
 def parse_case(data: dict, path: Path | str = "<case>") -> Case:

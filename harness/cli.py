@@ -13,8 +13,8 @@ from typing import Optional, Sequence
 
 from harness import __version__
 from harness.case import CASES_DIR, CaseError, default_cases, load_case
-from harness.errors import ExitCode, OutOfMemory, UsageError, is_oom
-from harness.golden import GoldenError
+from harness.errors import ExitCode, UsageError
+from harness.outcome import KINDS, Tee, classify, emit_error, wants_json
 
 
 def _cases_dir(args) -> Path:
@@ -219,6 +219,13 @@ def cmd_new_case(args) -> int:
     return 0
 
 
+def cmd_case_schema(args) -> int:
+    from harness.case_schema import case_json_schema
+
+    print(json.dumps(case_json_schema(), indent=2))
+    return 0
+
+
 def _add_ranks(s: argparse.ArgumentParser) -> None:
     s.add_argument("--ranks", choices=("sim", "gloo", "nccl"), default="sim",
                    help="simulated ranks (threads), or real ones: a process per rank over gloo (CPU) or nccl (a GPU per rank)")
@@ -314,6 +321,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--record", action="store_true", help="record its golden right away")
     s.set_defaults(func=cmd_new_case)
 
+    s = sub.add_parser("case-schema", help="print the JSON Schema of case files (for editors; the loader checks the rest)")
+    s.set_defaults(func=cmd_case_schema)
+
     from harness import bench, engine_check
 
     bench.add_parser(sub)
@@ -321,72 +331,11 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-class _Tee:
-    """Wraps stdout / stderr: knows whether anything reached stdout, and keeps stderr's last error line."""
-
-    def __init__(self, inner, keep_error: bool = False):
-        self.inner, self.keep_error, self.wrote, self.last_error = inner, keep_error, False, ""
-
-    def write(self, text: str) -> int:
-        self.wrote = self.wrote or bool(text)
-        if self.keep_error:
-            lines = [ln for ln in text.splitlines() if ln.startswith("error:")]
-            self.last_error = lines[-1][len("error:"):].strip() if lines else self.last_error
-        return self.inner.write(text)
-
-    def __getattr__(self, name):
-        return getattr(self.inner, name)
-
-
-def _user_error_types() -> tuple[type[BaseException], ...]:
-    from harness.ranks.launcher import LaunchSkipped
-
-    types: list[type[BaseException]] = [UsageError, CaseError, GoldenError, LaunchSkipped, KeyError]
-    spec = sys.modules.get("harness.spec_decode")  # only raised once that module is in use
-    if spec is not None:
-        types.append(spec.AcceptanceGoldenError)
-    return tuple(types)
-
-
-def classify(err: BaseException) -> tuple[ExitCode, str, str]:
-    """(exit code, kind, one-line message) for an error that ended a command."""
-    from harness.ranks.launcher import LaunchSkipped
-    from harness.ranks.simulated import RankFailure
-
-    root = err.root_exception if isinstance(err, RankFailure) else err
-    if isinstance(err, OutOfMemory) or is_oom(root):
-        return ExitCode.INTERNAL, "out-of-memory", f"out of memory: {str(err).splitlines()[0] if str(err) else type(root).__name__}"
-    if isinstance(err, LaunchSkipped):
-        return ExitCode.BAD_INPUT, "bad-input", f"--ranks: {err.reason}"
-    if isinstance(err, KeyError):  # unknown mutant id and the like: a user mistake, not a crash
-        return ExitCode.BAD_INPUT, "bad-input", str(err.args[0] if err.args else err)
-    if isinstance(err, UsageError):
-        return ExitCode.BAD_INPUT, "usage", str(err)
-    if isinstance(err, _user_error_types()):
-        return ExitCode.BAD_INPUT, "bad-input", str(err).replace("\n", " ")
-    head = str(err).splitlines()[0] if str(err) else ""
-    return ExitCode.INTERNAL, "internal", f"internal error: {type(err).__name__}: {head}"
-
-
-def _wants_json(argv: Sequence[str]) -> bool:
-    return any(a == "--json" or a.startswith("--json=") for a in argv)
-
-
-_KINDS = {ExitCode.PROPERTY_FAILED: "property-failed", ExitCode.BAD_INPUT: "bad-input", ExitCode.INTERNAL: "internal"}
-
-
-def _emit_error(code: ExitCode, kind: str, message: str, as_json: bool, to_stderr: bool = True) -> None:
-    if to_stderr:
-        print(f"error: {message}", file=sys.stderr, flush=True)
-    if as_json:
-        print(json.dumps({"ok": False, "exit_code": int(code), "error": {"kind": kind, "message": message}}, indent=2), flush=True)
-
-
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Run one command; the exit code is an ExitCode, and under --json stdout holds exactly one JSON document."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    as_json = _wants_json(argv)
-    out, err = _Tee(sys.stdout), _Tee(sys.stderr, keep_error=True)
+    as_json = wants_json(argv)
+    out, err = Tee(sys.stdout), Tee(sys.stderr, keep_error=True)
     try:
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
             rc = _run(argv)
@@ -394,7 +343,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if e.code is None or isinstance(e.code, int):
             return int(e.code or 0)
         msg = str(e.code).removeprefix("error: ")
-        _emit_error(ExitCode.BAD_INPUT, "usage", msg, as_json)
+        emit_error(ExitCode.BAD_INPUT, "usage", msg, as_json)
         return ExitCode.BAD_INPUT
     except BrokenPipeError:  # `harness list | head`: the reader left; not an error of ours
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
@@ -403,11 +352,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         code, kind, msg = classify(e)
         if code is ExitCode.INTERNAL and kind == "internal":
             traceback.print_exc(file=sys.stderr)  # ours to fix: the report needs the traceback
-        _emit_error(code, kind, msg, as_json)
+        emit_error(code, kind, msg, as_json)
         return code
     if as_json and rc and not out.wrote:  # a command that reported its error on stderr only
         code = ExitCode(rc) if rc in (1, 2, 3) else ExitCode.INTERNAL
-        _emit_error(code, _KINDS[code], err.last_error or f"exit {rc}; see stderr", True, to_stderr=False)
+        emit_error(code, KINDS[code], err.last_error or f"exit {rc}; see stderr", True, to_stderr=False)
     return rc
 
 

@@ -21,7 +21,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from harness.case import CASES_DIR, MAX_ITERATIONS, estimate_bytes, load_case, memory_budget_bytes
+from harness.budget import MAX_ITERATIONS, estimate_bytes, memory_budget_bytes
+from harness.case import CASES_DIR, load_case
 from harness.case_template import toml_value
 from harness.cli import main
 from harness.golden import GOLDEN_DIR, npz_bytes
@@ -296,3 +297,56 @@ def test_malformed_inputs_through_a_real_process(tmp_path):
     for path in (paths[0], next(p for p in paths if p.stem == "deep_tables"), next(p for p in paths if p.stem == "budget0")):
         rc, out, err = harness_proc("check", str(path), "--json")
         assert_one_line_error(rc, out, err, path, True)
+
+
+# ---------------------------------------------------------------------------------------
+# the JSON Schema for editors, generated from the loader's tables
+# ---------------------------------------------------------------------------------------
+
+_TYPES = {"integer": lambda v: isinstance(v, int) and not isinstance(v, bool), "number": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+          "string": lambda v: isinstance(v, str), "boolean": lambda v: isinstance(v, bool), "array": lambda v: isinstance(v, list),
+          "object": lambda v: isinstance(v, dict)}
+
+
+def schema_errors(s: dict, v, where: str = "") -> list[str]:
+    """The subset of JSON Schema the case schema uses (no jsonschema package in the venv)."""
+    if "type" in s and not _TYPES[s["type"]](v):
+        return [f"{where}: not {s['type']}"]
+    errs = []
+    if "enum" in s and v not in s["enum"]:
+        errs.append(f"{where}: not in enum")
+    if "pattern" in s and not re.fullmatch(s["pattern"].strip("^$"), v):
+        errs.append(f"{where}: pattern")
+    for key, bad in (("minimum", lambda lim: v < lim), ("maximum", lambda lim: v > lim), ("exclusiveMinimum", lambda lim: v <= lim)):
+        if key in s and bad(s[key]):
+            errs.append(f"{where}: {key}")
+    if isinstance(v, list):
+        if len(v) < s.get("minItems", 0) or len(v) > s.get("maxItems", len(v)):
+            errs.append(f"{where}: items count")
+        for i, x in enumerate(v):
+            errs += schema_errors(s.get("items", {}), x, f"{where}[{i}]")
+    if isinstance(v, dict):
+        errs += [f"{where}.{k}: required" for k in s.get("required", []) if k not in v]
+        for k, x in v.items():
+            if k in s.get("properties", {}):
+                errs += schema_errors(s["properties"][k], x, f"{where}.{k}")
+            elif s.get("additionalProperties") is False:
+                errs.append(f"{where}.{k}: unknown")
+    return errs
+
+
+def test_case_schema_command_accepts_every_shipped_case_and_rejects_type_and_key_mistakes(tmp_path, capsys):
+    assert main(["case-schema"]) == 0
+    schema = json.loads(capsys.readouterr().out)
+    assert schema["$schema"].endswith("2020-12/schema") and schema["additionalProperties"] is False
+    for path in sorted(CASES_DIR.glob("*.toml")):
+        assert schema_errors(schema, tomllib.loads(path.read_text())) == [], path.name
+    rejected = 0
+    for path in generated_cases(tmp_path):
+        if path.stem.startswith(("wrong", "unknown", "missing")):
+            doc = tomllib.loads(path.read_text())
+            assert schema_errors(schema, doc), path.name  # the loader refuses it (test above): so must the schema
+            rejected += 1
+    assert rejected > 100
+    assert schema_errors(schema, with_value(("schedule", "batches"), [[1, 1]] * 20_000))  # the iteration budget
+    assert schema_errors(schema, with_value(("model", "hidden_size"), 8192))
