@@ -82,3 +82,19 @@ def test_installed_wheel_without_cases_exits_2_saying_where_it_looked(installed,
     venv, purelib, env, work, _ = installed
     rc, out, err = _sh(venv / "bin" / "harness", "check", "--cases-dir", tmp_path, "--json", cwd=work, env=env)
     assert rc == 2 and f"looked in {tmp_path}" in json.loads(out)["error"]["message"]
+
+
+def test_installed_plugin_is_inert_until_a_conftest_enables_it(installed, tmp_path):
+    """The wheel's pytest11 entry point loads harness.plugin everywhere; it adds items only where a
+    conftest asks for it, and that conftest line does not register it twice."""
+    venv, purelib, env, work, _ = installed
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "test_x.py").write_text("def test_x():\n    pass\n")
+    rc, out, err = _sh(venv / "bin" / "python", "-m", "pytest", "-q", "-p", "no:randomly", "--collect-only", cwd=other, env=env)
+    assert rc == 0 and "1 test collected" in out and "specharness" not in out, out + err
+    project = tmp_path / "project"
+    shutil.copytree(REPO / "tests" / "external_project", project, ignore=shutil.ignore_patterns("__pycache__", ".pytest_cache"))
+    rc, out, err = _sh(venv / "bin" / "python", "-m", "pytest", "-q", "-p", "no:randomly", "--collect-only", "-k", "tp1_neither", cwd=project, env=env)
+    assert rc == 0, out + err
+    assert [ln for ln in out.splitlines() if "::specharness::" in ln] == [f".::specharness::tp1_neither::{p}" for p in ("P1", "P3", "P4", "golden")]
