@@ -28,6 +28,9 @@ settings.register_profile(
     suppress_health_check=[HealthCheck.too_slow],
 )
 
+# a separate pytest project (its own pytest.ini and conftest enabling harness.plugin): tests/test_plugin.py runs it
+collect_ignore = ["tests/external_project"]
+
 MARKERS = {
     "gpu": "needs a CUDA GPU; skipped with a reason where none is present",
     "multigpu(n)": "needs n CUDA GPUs in this xdist worker's slice",

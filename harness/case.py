@@ -6,7 +6,9 @@ and what was expected: no traceback, no silently ignored key.
 from __future__ import annotations
 
 import difflib
+import os
 import re
+import stat
 import tomllib
 import zlib
 from dataclasses import dataclass, fields
@@ -14,6 +16,8 @@ from dataclasses import field as dc_field
 from pathlib import Path
 from typing import Any, Optional
 
+from harness.budget import MAX_ITERATIONS, over_budget
+from harness.data import shipped_dir
 from harness.scenario import Iteration, RequestSpec, Scenario
 from harness.tolerances import Tol
 from runners.attention import BACKENDS
@@ -21,7 +25,7 @@ from runners.config import DTYPES, ModelConfig, SpecConfig
 from runners.model import check_model_fits_layout
 from runners.parallel.layout import LayoutError, ParallelLayout
 
-CASES_DIR = Path(__file__).resolve().parent.parent / "cases"
+CASES_DIR = shipped_dir("cases")
 
 
 class CaseError(ValueError):
@@ -84,6 +88,7 @@ _MODEL_RANGES = {"hidden_size": (2, 4096), "num_heads": (1, 64), "num_kv_heads":
                  "num_target_layers": (1, 16), "max_context_len": (2, 4096), "seed": (0, 2**31 - 1)}
 _SPEC_MAX = {"num_steps": 16, "topk": 64, "num_tokens_per_bs": 64, "max_running_requests": MAX_REQUESTS_PER_RANK}
 _PY = {"int": int, "float": float, "str": str, "bool": bool}
+MAX_CASE_BYTES = 1 << 20  # a case file is a few hundred bytes; more is not a case
 
 
 def _type_name(t) -> str:
@@ -210,6 +215,14 @@ def seeded_requests(seed: int, schedule: tuple[tuple[int, ...], ...], T: int, ma
     return tuple(its)
 
 
+def _check_budget(path, model: ModelConfig, layout: ParallelLayout, spec: SpecConfig, iterations: int) -> None:
+    if iterations > MAX_ITERATIONS:
+        raise CaseError(path, "schedule.batches", f"at most {MAX_ITERATIONS} iterations (the resource budget)", _Verbatim(f"{iterations} iterations"))
+    over = over_budget(model, layout, spec)
+    if over is not None:
+        raise CaseError(path, "model", over[0], _Verbatim(over[1]))
+
+
 def parse_case(data: dict, path: Path | str = "<case>") -> Case:
     path = Path(path)
     _check_table(path, "", data, _TOP)
@@ -281,6 +294,7 @@ def parse_case(data: dict, path: Path | str = "<case>") -> Case:
     batches = sched_t["batches"]
     if not batches:
         raise CaseError(path, "schedule.batches", "at least one iteration", batches)
+    _check_budget(path, model, layout, spec, len(batches))
     dp = layout.attn_dp_size
     schedule = []
     for i, it in enumerate(batches):
@@ -319,18 +333,40 @@ def parse_case(data: dict, path: Path | str = "<case>") -> Case:
     return Case(data["name"], data["description"], str(path), sc, schedule_t, tolerances)
 
 
-def load_case(path: Path | str) -> Case:
-    path = Path(path)
+def _regular_file(path: Path) -> Path:
+    """Refuse what is not a regular file before opening it: a FIFO would block the read forever."""
+    try:
+        st = os.stat(path)
+    except OSError as e:
+        raise CaseError(path, "<file>", f"a readable case file ({e.strerror or e})") from None
+    if not stat.S_ISREG(st.st_mode):
+        kind = "a directory" if stat.S_ISDIR(st.st_mode) else "not a regular file (a FIFO, socket or device)"
+        raise CaseError(path, "<file>", "a regular .toml file", _Verbatim(kind))
+    if st.st_size > MAX_CASE_BYTES:
+        raise CaseError(path, "<file>", f"a case file of at most {MAX_CASE_BYTES} bytes", _Verbatim(f"{st.st_size} bytes"))
+    return path
+
+
+def load_case(path: Path | str, cases_dir: Optional[Path] = None) -> Case:
+    """A case by path, or by name from `cases_dir` (default: the shipped cases)."""
+    path, cases_dir = Path(path), Path(cases_dir or CASES_DIR)
+    if "\0" in str(path):
+        raise CaseError(path, "<file>", "a path without NUL characters")
     if not path.exists():
-        named = CASES_DIR / f"{path}.toml"
+        named = cases_dir / f"{path}.toml"
         if named.exists():
             path = named
         else:
-            raise CaseError(path, "<file>", f"an existing case file or the name of one in {CASES_DIR}")
+            raise CaseError(path, "<file>", f"an existing case file or the name of one in {cases_dir}")
+    _regular_file(path)
     try:
-        data = tomllib.loads(path.read_text(encoding="utf-8"))
+        with open(path, "rb") as f:
+            raw = f.read(MAX_CASE_BYTES + 1)
+        data = tomllib.loads(raw.decode("utf-8"))
     except tomllib.TOMLDecodeError as e:
         raise CaseError(path, "<toml>", f"valid TOML ({e})") from None
+    except RecursionError:
+        raise CaseError(path, "<toml>", "TOML nested a few levels deep (cases use at most three)", _Verbatim("nesting too deep to parse")) from None
     except UnicodeDecodeError as e:
         raise CaseError(path, "<file>", f"UTF-8 text ({e.reason})") from None
     except OSError as e:
@@ -339,5 +375,5 @@ def load_case(path: Path | str) -> Case:
 
 
 def default_cases(cases_dir: Optional[Path] = None) -> list[Case]:
-    d = cases_dir or CASES_DIR
-    return [load_case(p) for p in sorted(d.glob("*.toml"))]
+    d = Path(cases_dir or CASES_DIR)
+    return [load_case(p) for p in sorted(d.glob("*.toml"))] if d.is_dir() else []

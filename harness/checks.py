@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
 from harness.case import Case
+from harness.errors import OutOfMemory, is_oom
 from harness.execute import RankRun, run_rank
 from harness.properties import check_cross_layout, check_eager_vs_graph, check_metadata, check_run_metadata
 from harness.ranks.simulated import RankFailure, SimulatedWorld
@@ -145,6 +146,8 @@ def check_case(
         try:
             rep.runs = run_spmd(sc, ranks=ranks)
         except (RankFailure, CollectiveError) as err:  # simulated or real ranks
+            if is_oom(getattr(err, "root_exception", err), crash_name(err)):  # the machine ran short: no property was judged
+                raise OutOfMemory(f"{case.name}: a rank ran out of memory ({crash_detail(err)})") from err
             rep.verdicts["run"] = _crash_verdict("run", sc, err)  # P3/P4 can't be judged on a run that didn't finish
             rep.seconds = time.perf_counter() - t0
             return rep

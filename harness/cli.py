@@ -7,14 +7,30 @@ import json
 import os
 import sys
 import time
+import traceback
+from pathlib import Path
 from typing import Optional, Sequence
 
-from harness.case import CaseError, default_cases, load_case
-from harness.golden import GoldenError
+from harness import __version__
+from harness.case import CASES_DIR, CaseError, default_cases, load_case
+from harness.errors import ExitCode, UsageError
+from harness.outcome import KINDS, Tee, classify, emit_error, wants_json
 
 
-def _cases(names: Sequence[str]):
-    return [load_case(n) for n in names] if names else default_cases()
+def _cases_dir(args) -> Path:
+    return Path(getattr(args, "cases_dir", None) or CASES_DIR)
+
+
+def _cases(names: Sequence[str], args=None):
+    """The named cases, else every case in --cases-dir (default: the shipped ones); none at all is an error."""
+    d = _cases_dir(args)
+    if names:
+        return [load_case(n, d) for n in names]
+    cases = default_cases(d)
+    if not cases:
+        where = f"{d} (no such directory)" if not d.is_dir() else f"{d} (no *.toml in it)"
+        raise UsageError(f"no cases: looked in {where}; name case files, or pass --cases-dir DIR")
+    return cases
 
 
 def _mutant_ctx(mutant_id: Optional[str]):
@@ -26,7 +42,7 @@ def _mutant_ctx(mutant_id: Optional[str]):
 
 
 def cmd_list(args) -> int:
-    cases = _cases(args.cases)
+    cases = _cases(args.cases, args)
     if args.json:
         print(json.dumps([{"case": c.name, "layout": c.layout.describe(), "branch": c.layout.branch.value, "world_size": c.layout.world_size,
                            "description": c.description, "path": c.path} for c in cases], indent=2))
@@ -44,8 +60,8 @@ def cmd_check(args) -> int:
         props = parse_props(args.props)
         require_sim_for_spec_props(props, args.ranks)  # before any case runs
     except ValueError as e:
-        raise SystemExit(f"harness check: {e}") from None
-    cases = _cases(args.cases)
+        raise UsageError(f"harness check: {e}") from None
+    cases = _cases(args.cases, args)
     reports = []
     t0 = time.perf_counter()
     with _mutant_ctx(args.mutant):
@@ -72,7 +88,7 @@ def cmd_check(args) -> int:
 def cmd_replay(args) -> int:
     from harness.replay import format_table, replay_case
 
-    case = load_case(args.case)
+    case = load_case(args.case, _cases_dir(args))
     with _mutant_ctx(args.mutant):
         progress = None if args.json else (lambda msg: print(f"... {msg}", file=sys.stderr, flush=True))
         rep = replay_case(case, step=args.step, rank=args.rank, progress=progress, ranks=args.ranks, runner=args.runner)
@@ -153,7 +169,7 @@ def cmd_golden_record(args) -> int:
     from harness.golden import iter_cases, record_golden, refuse_under_xdist
 
     refuse_under_xdist(_golden_dir(args))
-    cases = iter_cases(args.cases, args.all)
+    cases = iter_cases(args.cases, args.all, _cases_dir(args))
     t0 = time.perf_counter()
     changed = 0
     for i, case in enumerate(cases, 1):
@@ -166,9 +182,9 @@ def cmd_golden_record(args) -> int:
 
 
 def cmd_golden_check(args) -> int:
-    from harness.golden import GoldenError, check_golden
+    from harness.golden import GoldenError, GoldenFormatError, check_golden
 
-    cases = _cases(args.cases)
+    cases = _cases(args.cases, args)
     t0 = time.perf_counter()
     results, failed = [], 0
     for i, case in enumerate(cases, 1):
@@ -177,6 +193,8 @@ def cmd_golden_check(args) -> int:
             with _mutant_ctx(args.mutant):
                 cmp = check_golden(case, _golden_dir(args))
             ok, text, data = cmp.ok, cmp.format(limit=args.limit), cmp.to_json()
+        except GoldenFormatError:
+            raise  # a malformed golden is bad input (exit 2), not a difference
         except GoldenError as e:
             ok, text, data = False, f"{case.name}: {e}", {"case": case.name, "ok": False, "error": str(e)}
         failed += not ok
@@ -231,18 +249,39 @@ def cmd_new_case(args) -> int:
     return 0
 
 
+def cmd_case_schema(args) -> int:
+    from harness.case_schema import case_json_schema
+
+    print(json.dumps(case_json_schema(), indent=2))
+    return 0
+
+
 def _add_ranks(s: argparse.ArgumentParser) -> None:
     s.add_argument("--ranks", choices=("sim", "gloo", "nccl"), default="sim",
                    help="simulated ranks (threads), or real ones: a process per rank over gloo (CPU) or nccl (a GPU per rank)")
 
 
+def _add_cases_dir(s: argparse.ArgumentParser) -> None:
+    s.add_argument("--cases-dir", metavar="DIR", help=f"where case names are looked up and what runs by default (default: {CASES_DIR})")
+
+
+class _Parser(argparse.ArgumentParser):
+    """Usage errors become a UsageError, so main() reports them like any bad input (exit 2, JSON under --json)."""
+
+    def error(self, message: str):  # type: ignore[override]
+        raise UsageError(f"{self.prog}: {message}")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="harness", description="Correctness harness for tensor-parallel speculative decoding (EAGLE draft-extend CUDA graphs).")
+    p = _Parser(prog="harness", description="Correctness harness for tensor-parallel speculative decoding (EAGLE draft-extend CUDA graphs).",
+                epilog="exit codes: 0 every property held, 1 a property failed, 2 bad input or usage, 3 internal error (out of memory included)")
+    p.add_argument("--version", action="version", version=f"harness (specharness) {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
 
     s = sub.add_parser("list", help="list cases with layout and branch")
     s.add_argument("cases", nargs="*", help="case names or paths (default: every case in cases/)")
     s.add_argument("--json", action="store_true")
+    _add_cases_dir(s)
     s.set_defaults(func=cmd_list)
 
     s = sub.add_parser("check", help="run the properties over cases (the main job)")
@@ -250,6 +289,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--json", action="store_true")
     s.add_argument("--mutant", help="plant a mutant from the catalog first (see `harness mutants`)")
     _add_ranks(s)
+    _add_cases_dir(s)
     s.add_argument("--props", default="P1,P3,P4", metavar="LIST",
                    help="properties per case: a comma list of P1,P3,P4 (one run of the runners; the default) and P2,P5,P6 "
                         "(the case's workload through the speculative decoding loop; simulated ranks), or 'all'")
@@ -265,6 +305,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="both: eager vs graph (P3) and each vs TP1 (P4); eager or graph: that runner alone vs the TP1 oracle")
     s.add_argument("--dump", metavar="DIR", help="write every rank's buffers and metadata at the first divergence to DIR (np.load-able .npz)")
     s.add_argument("--json", action="store_true")
+    _add_cases_dir(s)
     s.set_defaults(func=cmd_replay)
 
     s = sub.add_parser("mutants", help="plant each mutant, run the fast properties, report kills")
@@ -284,6 +325,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("cases", nargs="*", help="case names or paths")
     s.add_argument("--all", action="store_true", help="every case in cases/")
     s.add_argument("--golden-dir", help="where goldens live (default: golden/)")
+    _add_cases_dir(s)
     s.set_defaults(func=cmd_golden_record)
     s = gsub.add_parser("check", help="compare fresh runs with the goldens: %% differing, max abs/rel error, first indices, by rank and step")
     s.add_argument("cases", nargs="*", help="case names or paths (default: every case in cases/)")
@@ -291,6 +333,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--limit", type=int, default=12, help="differing keys shown per case (default 12)")
     s.add_argument("--mutant", help="plant a mutant first (what a regression looks like to the goldens)")
     s.add_argument("--json", action="store_true")
+    _add_cases_dir(s)
     s.set_defaults(func=cmd_golden_check)
 
     s = sub.add_parser("new-case", help="write cases/<name>.toml for a parallel config (then: harness golden record <name>)")
@@ -314,6 +357,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--record", action="store_true", help="record its golden right away")
     s.set_defaults(func=cmd_new_case)
 
+    s = sub.add_parser("case-schema", help="print the JSON Schema of case files (for editors; the loader checks the rest)")
+    s.set_defaults(func=cmd_case_schema)
+
     from harness import bench, engine_check
 
     bench.add_parser(sub)
@@ -322,29 +368,39 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    args = build_parser().parse_args(argv)
-    if getattr(args, "mutant", None) and getattr(args, "ranks", "sim") != "sim":
-        print("error: --mutant is planted in this process only; real ranks would run unmutated: use --ranks sim", file=sys.stderr)
-        return 2
-    from harness.ranks.launcher import LaunchSkipped
-
+    """Run one command; the exit code is an ExitCode, and under --json stdout holds exactly one JSON document."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    as_json = wants_json(argv)
+    out, err = Tee(sys.stdout), Tee(sys.stderr, keep_error=True)
     try:
-        return args.func(args)
-    except LaunchSkipped as e:  # e.g. --ranks nccl without a GPU per rank
-        print(f"error: --ranks {args.ranks}: {e.reason}", file=sys.stderr)
-        return 2
-    except CaseError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except GoldenError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except KeyError as e:  # unknown mutant id and the like: a user mistake, not a crash
-        print(f"error: {e.args[0]}", file=sys.stderr)
-        return 2
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            rc = _run(argv)
+    except SystemExit as e:  # --help, --version (code 0); a command that exits with a message is a usage error
+        if e.code is None or isinstance(e.code, int):
+            return int(e.code or 0)
+        msg = str(e.code).removeprefix("error: ")
+        emit_error(ExitCode.BAD_INPUT, "usage", msg, as_json)
+        return ExitCode.BAD_INPUT
     except BrokenPipeError:  # `harness list | head`: the reader left; not an error of ours
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 0
+        return ExitCode.OK
+    except Exception as e:  # noqa: BLE001 - every error becomes an exit code and a message, never a bare traceback
+        code, kind, msg = classify(e)
+        if code is ExitCode.INTERNAL and kind == "internal":
+            traceback.print_exc(file=sys.stderr)  # ours to fix: the report needs the traceback
+        emit_error(code, kind, msg, as_json)
+        return code
+    if as_json and rc and not out.wrote:  # a command that reported its error on stderr only
+        code = ExitCode(rc) if rc in (1, 2, 3) else ExitCode.INTERNAL
+        emit_error(code, KINDS[code], err.last_error or f"exit {rc}; see stderr", True, to_stderr=False)
+    return rc
+
+
+def _run(argv: Sequence[str]) -> int:
+    args = build_parser().parse_args(argv)
+    if getattr(args, "mutant", None) and getattr(args, "ranks", "sim") != "sim":
+        raise UsageError("--mutant is planted in this process only; real ranks would run unmutated: use --ranks sim")
+    return args.func(args)
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ import io
 import json
 import os
 import platform
+import stat
 import sys
 import time
 import zipfile
@@ -37,11 +38,12 @@ import numpy as np
 import torch
 
 from harness.case import GOLDEN_FLOAT_FIELDS, Case
+from harness.data import shipped_dir
 from harness.execute import RankRun
 from harness.tolerances import Tol
 from runners.cuda_graph import ReplayRecord
 
-GOLDEN_DIR = Path(__file__).resolve().parent.parent / "golden"
+GOLDEN_DIR = shipped_dir("golden")
 FORMAT = "specharness-golden/1"
 
 # Record and check run the same fp32 CPU code: bitwise equal on one machine. Across CPUs, MKL /
@@ -66,6 +68,10 @@ PAUSE_ENV = "SPECHARNESS_GOLDEN_TEST_PAUSE"  # "<point>:<seconds>", point in {wr
 
 class GoldenError(Exception):
     """A user-facing golden problem (missing, refused, inconsistent): a message, never a traceback."""
+
+
+class GoldenFormatError(GoldenError):
+    """A golden file that is not one (wrong JSON shape, object arrays, not a regular file): bad input, exit 2."""
 
 
 def show(path) -> str:
@@ -383,6 +389,63 @@ class Golden:
         return out
 
 
+_META_TYPES = {"format": str, "npz_sha256": str, "aliases": dict, "versions": dict, "config": dict, "tolerances": dict, "model_fingerprint": str,
+               "weights_fingerprint": str, "config_hash": str}
+MAX_JSON_BYTES = 16 << 20
+
+
+def _read_regular(path: Path, name: str) -> bytes:
+    """The file's bytes; what is not a regular file (a FIFO would block the read) is refused first."""
+    try:
+        st = os.stat(path)
+    except OSError as e:
+        raise GoldenFormatError(f"{path}: <file>: expected a readable file ({e.strerror or e}): re-record with `harness golden record {name}`") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise GoldenFormatError(f"{path}: <file>: expected a regular file, got a directory, FIFO or device: "
+                                f"re-record with `harness golden record {name}`")
+    try:
+        return path.read_bytes()
+    except OSError as e:
+        raise GoldenFormatError(f"{path}: <file>: expected a readable file ({e.strerror or e})") from None
+
+
+def _check_meta(path: Path, name: str, meta: object) -> dict:
+    """One line naming the file and the field for a golden JSON of the wrong shape."""
+    redo = f"re-record with `harness golden record {name}`"
+    if not isinstance(meta, dict):
+        raise GoldenFormatError(f"{path}: <top level>: expected a JSON object, got {type(meta).__name__}: {redo}")
+    for key, want in _META_TYPES.items():
+        if key in meta and not isinstance(meta[key], want):
+            raise GoldenFormatError(f"{path}: {key}: expected {'an object' if want is dict else 'a string'}, got {type(meta[key]).__name__}: {redo}")
+    for key in ("aliases", "versions"):
+        bad = [k for k, v in meta.get(key, {}).items() if not isinstance(v, str)]
+        if bad:
+            raise GoldenFormatError(f"{path}: {key}.{bad[0]}: expected a string, got {type(meta[key][bad[0]]).__name__}: {redo}")
+    return meta
+
+
+def _load_arrays(path: Path, name: str, data: bytes) -> dict[str, np.ndarray]:
+    redo = f"re-record with `harness golden record {name}`"
+    arrays: dict[str, np.ndarray] = {}
+    try:
+        with np.load(io.BytesIO(data), allow_pickle=False) as z:
+            for key in z.files:
+                try:
+                    arrays[key] = z[key]
+                except ValueError as e:  # object arrays: allow_pickle=False refuses them
+                    raise GoldenFormatError(f"{path}: {key}: expected a numeric array ({e}): {redo}") from None
+    except GoldenFormatError:
+        raise
+    except (ValueError, OSError, EOFError, zipfile.BadZipFile, KeyError) as e:
+        raise GoldenFormatError(f"{path}: <npz>: expected an .npz of numeric arrays ({type(e).__name__}: {e}): {redo}") from None
+    for key, a in arrays.items():
+        if a.dtype.kind not in "fiub" or a.dtype.names is not None:
+            raise GoldenFormatError(f"{path}: {key}: expected a numeric array, got dtype {a.dtype}: {redo}")
+        if key.endswith(".meta") and (a.dtype.kind not in "iu" or a.ndim != 1):
+            raise GoldenFormatError(f"{path}: {key}: expected a 1-D integer array (packed metadata), got {a.dtype} of shape {a.shape}: {redo}")
+    return arrays
+
+
 def load_golden(golden_dir: Path, name: str) -> Golden:
     golden_dir = Path(golden_dir)
     p = GoldenPaths.of(golden_dir, name)
@@ -392,18 +455,27 @@ def load_golden(golden_dir: Path, name: str) -> Golden:
     if not p.json.exists() or not p.npz.exists():
         missing = " and ".join(str(x) for x in (p.npz, p.json) if not x.exists())
         raise GoldenError(f"{name}: no golden ({missing} missing): record it with `harness golden record {name}`")
+    raw = _read_regular(p.json, name)
+    if len(raw) > MAX_JSON_BYTES:
+        raise GoldenFormatError(f"{p.json}: <file>: expected at most {MAX_JSON_BYTES} bytes, got {len(raw)}")
     try:
-        meta = json.loads(p.json.read_text())
+        meta = json.loads(raw)
     except ValueError as e:
-        raise GoldenError(f"{p.json}: not valid JSON ({e}): re-record with `harness golden record {name}`") from None
-    data = p.npz.read_bytes()
+        raise GoldenFormatError(f"{p.json}: <json>: expected valid JSON ({e}): re-record with `harness golden record {name}`") from None
+    except RecursionError:
+        raise GoldenFormatError(f"{p.json}: <json>: expected JSON nested a few levels deep (too deep to parse): re-record with `harness golden record {name}`") from None
+    meta = _check_meta(p.json, name, meta)
+    data = _read_regular(p.npz, name)
     if meta.get("format") != FORMAT:
         raise GoldenError(f"{p.json}: format {meta.get('format')!r}, this harness reads {FORMAT!r}: re-record with `harness golden record {name}`")
     if meta.get("npz_sha256") != _sha(data):
         raise GoldenError(f"{p.npz} does not match {p.json} (sha256 differs: the pair comes from two records): "
                           f"re-record with `harness golden record {name}`")
-    with np.load(io.BytesIO(data), allow_pickle=False) as z:
-        arrays = {k: z[k] for k in z.files}
+    arrays = _load_arrays(p.npz, name, data)
+    for key, target in meta.get("aliases", {}).items():
+        if target not in arrays:
+            raise GoldenFormatError(f"{p.json}: aliases.{key}: expected the name of an array in {p.npz.name}, got {target!r}: "
+                                    f"re-record with `harness golden record {name}`")
     return Golden(name, p, meta, arrays)
 
 
@@ -695,12 +767,12 @@ def record_golden(case: Case, golden_dir: Path = GOLDEN_DIR, runs: Optional[Sequ
     return RecordResult(case.name, status, p, len(arrays), p.npz.stat().st_size, diff, changes, recovered)
 
 
-def iter_cases(names: Sequence[str], all_: bool) -> list[Case]:
+def iter_cases(names: Sequence[str], all_: bool, cases_dir: Optional[Path] = None) -> list[Case]:
     from harness.case import default_cases, load_case
 
     if names and all_:
         raise GoldenError("name cases or pass --all, not both")
     if not names and not all_:
         raise GoldenError("name a case (e.g. harness golden record tp2_shrink) or pass --all")
-    return default_cases() if all_ else [load_case(n) for n in names]
+    return default_cases(cases_dir) if all_ else [load_case(n, cases_dir) for n in names]
 

@@ -27,6 +27,7 @@ from typing import Callable, Iterator, Optional, Sequence
 import torch
 
 from harness.case import Case, default_cases, load_case
+from harness.data import shipped_dir
 from harness.ranks.simulated import SimulatedWorld
 from runners.config import DEFAULT_MODEL, ModelConfig, SpecConfig
 from runners.parallel.dp_attention import RankContext
@@ -35,7 +36,7 @@ from runners.scheduler import Request
 from runners.spec_decode import DEFAULT_ALIGNMENT, Alignment, SpecEngine, StepReport, loop_unsupported_reason
 from runners.target import GreedyOutput, target_greedy
 
-ACCEPT_DIR = Path(__file__).resolve().parent.parent / "golden" / "acceptance"
+ACCEPT_DIR = shipped_dir("golden") / "acceptance"
 FORMAT = "specharness-acceptance/1"
 # every shipped case the loop can run has an acceptance golden
 GOLDEN_CASES = tuple(c.name for c in default_cases() if loop_unsupported_reason(c.scenario.spec) is None)

@@ -14,9 +14,7 @@ def run(*args):
 
 
 def test_help_lists_commands(capsys):
-    with pytest.raises(SystemExit) as e:
-        main(["--help"])
-    assert e.value.code == 0
+    assert main(["--help"]) == 0
     out = capsys.readouterr().out
     for cmd in ("list", "check", "replay", "mutants"):
         assert cmd in out
@@ -57,10 +55,10 @@ def test_check_props_kill_the_seed_bug_through_p6(capsys):
     (["--props", ","], "none given"),
     (["--props", "P2", "--ranks", "gloo"], "simulated ranks only"),
 ])
-def test_check_props_errors_name_what_is_accepted(argv, msg):
-    with pytest.raises(SystemExit) as e:
-        main(["check", "tp1_neither", *argv])
-    assert msg in str(e.value)
+def test_check_props_errors_name_what_is_accepted(argv, msg, capsys):
+    assert main(["check", "tp1_neither", *argv]) == 2
+    err = capsys.readouterr().err
+    assert msg in err and "Traceback" not in err
 
 
 def test_replay_clean_case_exits_0_and_seed_mutant_exits_1():
@@ -97,3 +95,128 @@ def test_missing_case_is_a_clear_error(capsys):
     assert main(["check", "no_such_case"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and "no_such_case" in err and "Traceback" not in err
+
+
+# ---------------------------------------------------------------------------------------
+# exit codes: 0 pass, 1 a property failed, 2 bad input or usage, 3 internal error (OOM included)
+# ---------------------------------------------------------------------------------------
+
+
+def one_json(out: str) -> dict:
+    """stdout under --json: exactly one JSON document (json.loads refuses trailing text)."""
+    return json.loads(out)
+
+
+def test_version(capsys):
+    assert main(["--version"]) == 0
+    from harness import __version__
+
+    assert capsys.readouterr().out.strip() == f"harness (specharness) {__version__}"
+    rc, out, _ = run("--version")
+    assert rc == 0 and __version__ in out
+
+
+@pytest.mark.parametrize("argv,code,kind", [
+    (["check", "tp1_neither", "--json"], 0, None),
+    (["check", "tp4_attn_tp_gather", "--mutant", "sglang-26416", "--json"], 1, None),
+    (["check", "tp1_neither", "--props", "P9", "--json"], 2, "usage"),
+    (["check", "--no-such-flag", "--json"], 2, "usage"),
+    (["check", "no_such_case", "--json"], 2, "bad-input"),
+    (["list", "no_such_case", "--json"], 2, "bad-input"),
+    (["replay", "no_such_case", "--json"], 2, "bad-input"),
+    (["check", "tp1_neither", "--mutant", "no-such-mutant", "--json"], 2, "bad-input"),
+    (["check", "tp1_neither", "--mutant", "sglang-26416", "--ranks", "gloo", "--json"], 2, "usage"),
+    (["golden", "check", "tp1_neither", "--golden-dir", "/nonexistent/golden", "--json"], 1, None),
+])
+def test_json_exit_codes_one_document_for_every_outcome(argv, code, kind, capsys):
+    assert main(argv) == code
+    cap = capsys.readouterr()
+    doc = one_json(cap.out)
+    assert doc["ok"] is (code == 0)
+    if kind is not None:
+        assert doc["exit_code"] == code and doc["error"]["kind"] == kind and doc["error"]["message"]
+        assert cap.err.startswith("error: ") and "Traceback" not in cap.err
+
+
+def test_usage_error_without_json_exits_2_on_stderr(capsys):
+    assert main(["check", "--props"]) == 2
+    cap = capsys.readouterr()
+    assert cap.out == "" and "expected one argument" in cap.err
+
+
+def test_internal_error_exits_3_with_a_traceback_and_json(monkeypatch, capsys):
+    import harness.checks
+
+    def boom(*a, **k):
+        raise ZeroDivisionError("a bug of ours")
+
+    monkeypatch.setattr(harness.checks, "check_case", boom)
+    assert main(["check", "tp1_neither", "--json"]) == 3
+    cap = capsys.readouterr()
+    doc = one_json(cap.out)
+    assert doc == {"ok": False, "exit_code": 3, "error": {"kind": "internal", "message": "internal error: ZeroDivisionError: a bug of ours"}}
+    assert "Traceback" in cap.err  # ours to fix: the traceback goes with it
+
+
+def test_out_of_memory_is_its_own_error_never_a_property_failure(monkeypatch, capsys):
+    """A rank's MemoryError (CPU) ends the run with exit 3, kind out-of-memory; no verdict is reported."""
+    import harness.checks
+
+    def oom(*a, **k):
+        raise MemoryError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 40000000000 bytes")
+
+    monkeypatch.setattr(harness.checks, "run_rank", oom)
+    assert main(["check", "tp2_neither", "--json"]) == 3
+    doc = one_json(capsys.readouterr().out)
+    assert doc["error"]["kind"] == "out-of-memory" and "tp2_neither" in doc["error"]["message"]
+    assert "cases" not in doc  # no property verdicts for a run that judged nothing
+    assert main(["check", "tp2_neither"]) == 3
+    cap = capsys.readouterr()
+    assert "FAIL" not in cap.out and "out of memory" in cap.err
+
+
+def test_a_command_reporting_on_stderr_only_still_gives_one_json_document(monkeypatch, capsys):
+    """engine-check reports some errors itself (stderr, exit 2): --json still gets its document."""
+    import harness.cli
+
+    def quiet(args):
+        print("error: the engine is not installed", file=sys.stderr)
+        return 2
+
+    parser = harness.cli.build_parser
+    monkeypatch.setattr(harness.cli, "build_parser", lambda: _with_func(parser(), quiet))
+    assert main(["list", "--json"]) == 2
+    assert one_json(capsys.readouterr().out)["error"] == {"kind": "bad-input", "message": "the engine is not installed"}
+
+
+def _with_func(parser, func):
+    for action in parser._subparsers._group_actions:
+        for sub in action.choices.values():
+            sub.set_defaults(func=func)
+    return parser
+
+
+def test_no_cases_exits_2_saying_where_it_looked(tmp_path, capsys):
+    for argv in (["check"], ["list"], ["golden", "check"]):
+        assert main([*argv, "--cases-dir", str(tmp_path)]) == 2
+        err = capsys.readouterr().err
+        assert f"looked in {tmp_path} (no *.toml in it)" in err
+    assert main(["check", "--cases-dir", str(tmp_path / "nope"), "--json"]) == 2
+    assert "(no such directory)" in one_json(capsys.readouterr().out)["error"]["message"]
+
+
+def test_cases_dir_finds_cases_by_name(tmp_path, capsys):
+    from harness.case import CASES_DIR
+
+    (tmp_path / "mine.toml").write_text((CASES_DIR / "tp1_neither.toml").read_text().replace('name = "tp1_neither"', 'name = "mine"'))
+    assert main(["list", "--cases-dir", str(tmp_path), "--json"]) == 0
+    assert [c["case"] for c in one_json(capsys.readouterr().out)] == ["mine"]
+    assert main(["check", "mine", "--cases-dir", str(tmp_path)]) == 0
+    assert "PASS mine" in capsys.readouterr().out
+
+
+def test_exit_codes_through_a_real_process():
+    rc, out, err = run("check", "tp1_neither", "--props", "P9", "--json")
+    assert rc == 2 and json.loads(out)["error"]["kind"] == "usage" and "Traceback" not in err
+    rc, out, err = run("list", "/dev/null", "--json")
+    assert rc == 2 and "not a regular file" in json.loads(out)["error"]["message"]

@@ -1,0 +1,72 @@
+"""How a command's end becomes an exit code and, under --json, exactly one JSON document on stdout.
+
+Errors are sorted into the few ExitCode classes (harness/errors.py): a user's mistake (exit 2)
+gets its one-line message; anything else is ours (exit 3) and keeps its traceback on stderr.
+"""
+from __future__ import annotations
+
+import json
+import sys
+from typing import Sequence
+
+from harness.case import CaseError
+from harness.errors import ExitCode, OutOfMemory, UsageError, is_oom
+from harness.golden import GoldenError
+from harness.ranks.launcher import LaunchSkipped
+from harness.ranks.simulated import RankFailure
+
+
+class Tee:
+    """Wraps stdout / stderr: knows whether anything reached stdout, and keeps stderr's last error line."""
+
+    def __init__(self, inner, keep_error: bool = False):
+        self.inner, self.keep_error, self.wrote, self.last_error = inner, keep_error, False, ""
+
+    def write(self, text: str) -> int:
+        self.wrote = self.wrote or bool(text)
+        if self.keep_error:
+            lines = [ln for ln in text.splitlines() if ln.startswith("error:")]
+            self.last_error = lines[-1][len("error:"):].strip() if lines else self.last_error
+        return self.inner.write(text)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+def _user_error_types() -> tuple[type[BaseException], ...]:
+    types: list[type[BaseException]] = [UsageError, CaseError, GoldenError, LaunchSkipped, KeyError]
+    spec = sys.modules.get("harness.spec_decode")  # only raised once that module is in use
+    if spec is not None:
+        types.append(spec.AcceptanceGoldenError)
+    return tuple(types)
+
+
+def classify(err: BaseException) -> tuple[ExitCode, str, str]:
+    """(exit code, kind, one-line message) for an error that ended a command."""
+    root = err.root_exception if isinstance(err, RankFailure) else err
+    if isinstance(err, OutOfMemory) or is_oom(root):
+        return ExitCode.INTERNAL, "out-of-memory", f"out of memory: {str(err).splitlines()[0] if str(err) else type(root).__name__}"
+    if isinstance(err, LaunchSkipped):
+        return ExitCode.BAD_INPUT, "bad-input", f"--ranks: {err.reason}"
+    if isinstance(err, KeyError):  # unknown mutant id and the like: a user mistake, not a crash
+        return ExitCode.BAD_INPUT, "bad-input", str(err.args[0] if err.args else err)
+    if isinstance(err, UsageError):
+        return ExitCode.BAD_INPUT, "usage", str(err)
+    if isinstance(err, _user_error_types()):
+        return ExitCode.BAD_INPUT, "bad-input", str(err).replace("\n", " ")
+    head = str(err).splitlines()[0] if str(err) else ""
+    return ExitCode.INTERNAL, "internal", f"internal error: {type(err).__name__}: {head}"
+
+
+def wants_json(argv: Sequence[str]) -> bool:
+    return any(a == "--json" or a.startswith("--json=") for a in argv)
+
+
+KINDS = {ExitCode.PROPERTY_FAILED: "property-failed", ExitCode.BAD_INPUT: "bad-input", ExitCode.INTERNAL: "internal"}
+
+
+def emit_error(code: ExitCode, kind: str, message: str, as_json: bool, to_stderr: bool = True) -> None:
+    if to_stderr:
+        print(f"error: {message}", file=sys.stderr, flush=True)
+    if as_json:
+        print(json.dumps({"ok": False, "exit_code": int(code), "error": {"kind": kind, "message": message}}, indent=2), flush=True)

@@ -1,0 +1,195 @@
+"""The pytest plugin: every (case x property) of specharness as a test item of an engine's own suite.
+
+Enable it with one line in the project's top-level conftest.py:
+
+    pytest_plugins = ["harness.plugin"]
+
+(the wheel also registers it as the `harness.plugin` pytest11 entry point, so the line is a
+no-op where it is already loaded; it is what turns the case items on). Items live under the
+conftest's directory as `<dir>::specharness::<case>::<property>`, so `pytest -k tp4_attn_tp_gather`
+selects one case, `-k P3` one property, and `--lf` reruns what failed. Each case also gets a
+`golden` item: its graph run against golden/<case>.npz. `--specharness-force-regen` rewrites the
+goldens and fails those items (as pytest-regressions' --force-regen does); it is refused under
+pytest-xdist, whose workers would race on the files.
+
+Fixtures: `specharness_cases` (the configured cases), `specharness_check` (run properties on a
+case, optionally with a mutant planted) and `specharness_golden_dir`.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+from pathlib import Path
+from typing import Callable, Iterator, Optional, Sequence
+
+import pytest
+
+from harness.case import CASES_DIR, Case, CaseError, default_cases, load_case
+from harness.checks import CASE_PROPS, FAST_PROPS, CaseReport, check_case, parse_props
+from harness.golden import GOLDEN_DIR, GoldenError, check_golden, record_golden
+from harness.mutants import get as get_mutant
+
+PLUGIN = "harness.plugin"
+GOLDEN_ITEM = "golden"
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    g = parser.getgroup("specharness", "specharness: speculative decoding correctness properties")
+    g.addoption("--specharness-cases-dir", metavar="DIR", help=f"the cases to run (default: ini specharness_cases_dir, else the shipped ones: {CASES_DIR})")
+    g.addoption("--specharness-golden-dir", metavar="DIR", help="where the goldens are (default: ini specharness_golden_dir, else the shipped ones)")
+    g.addoption("--specharness-props", metavar="LIST", help=f"properties per case: a comma list of {', '.join(CASE_PROPS)} or 'all' (default: {','.join(FAST_PROPS)})")
+    g.addoption("--specharness-force-regen", action="store_true", help="rewrite the goldens and fail their items (never under pytest-xdist)")
+    g.addoption("--specharness-mutant", metavar="ID", help="plant a mutant of the catalog for the whole session (see `harness mutants`)")
+    parser.addini("specharness_cases_dir", "directory of case files (relative to the ini file)", type="paths", default=[])
+    parser.addini("specharness_golden_dir", "directory of goldens (relative to the ini file)", type="paths", default=[])
+    parser.addini("specharness_props", "properties per case, as --specharness-props", default=",".join(FAST_PROPS))
+
+
+def _dir(config: pytest.Config, name: str, default: Path) -> Path:
+    given = config.getoption(f"--specharness-{name.replace('_', '-')}")
+    if given:
+        return Path(given).resolve()
+    ini = config.getini(f"specharness_{name}")
+    return Path(ini[0]) if ini else default
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if config.getoption("--specharness-force-regen") and (os.environ.get("PYTEST_XDIST_WORKER") or getattr(config.option, "numprocesses", None)):
+        raise pytest.UsageError("--specharness-force-regen is refused under pytest-xdist: workers would race on the goldens; rerun without -n")
+    try:
+        parse_props(config.getoption("--specharness-props") or config.getini("specharness_props"))
+    except ValueError as e:
+        raise pytest.UsageError(f"--specharness-props: {e}") from None
+    mutant_id = config.getoption("--specharness-mutant")
+    if mutant_id:
+        try:
+            mutant = get_mutant(mutant_id)
+        except KeyError as e:
+            raise pytest.UsageError(f"--specharness-mutant: {e.args[0]}") from None
+        stack = contextlib.ExitStack()
+        stack.enter_context(mutant.planted())
+        config.add_cleanup(stack.close)
+
+
+@pytest.fixture(scope="session")
+def specharness_cases(pytestconfig: pytest.Config) -> list[Case]:
+    return default_cases(_dir(pytestconfig, "cases_dir", CASES_DIR))
+
+
+@pytest.fixture(scope="session")
+def specharness_golden_dir(pytestconfig: pytest.Config) -> Path:
+    return _dir(pytestconfig, "golden_dir", GOLDEN_DIR)
+
+
+@pytest.fixture
+def specharness_check(pytestconfig: pytest.Config) -> Callable[..., CaseReport]:
+    """check(case or name, props=("P1", "P3", "P4"), mutant=None) -> CaseReport (report.ok, report.verdicts)."""
+    cases_dir = _dir(pytestconfig, "cases_dir", CASES_DIR)
+
+    def check(case: Case | str, props: Sequence[str] = FAST_PROPS, mutant: Optional[str] = None) -> CaseReport:
+        case = case if isinstance(case, Case) else load_case(case, cases_dir)
+        with get_mutant(mutant).planted() if mutant else contextlib.nullcontext():
+            return check_case(case, props=tuple(props))
+
+    return check
+
+
+def _declares_plugin(config: pytest.Config, conftest: Path) -> bool:
+    for plugin in config.pluginmanager.get_plugins():
+        if getattr(plugin, "__file__", None) and Path(plugin.__file__).resolve() == conftest.resolve():
+            wanted = getattr(plugin, "pytest_plugins", ())
+            return PLUGIN in ([wanted] if isinstance(wanted, str) else list(wanted))
+    return False
+
+
+def pytest_collect_file(file_path: Path, parent: pytest.Collector) -> Optional[pytest.Collector]:
+    if file_path.name == "conftest.py" and _declares_plugin(parent.config, file_path):
+        return Suite.from_parent(parent, name="specharness")
+    return None
+
+
+class SpecharnessItemError(Exception):
+    """A property failed or a golden differs: reported as its text, not a traceback into the harness."""
+
+
+class Suite(pytest.Collector):
+    def collect(self) -> Iterator[pytest.Collector]:
+        cases_dir = _dir(self.config, "cases_dir", CASES_DIR)
+        paths = sorted(cases_dir.glob("*.toml")) if cases_dir.is_dir() else []
+        if not paths:
+            raise CaseError(cases_dir, "<cases>", "a directory of case files (*.toml): set --specharness-cases-dir or ini specharness_cases_dir")
+        for path in paths:
+            yield CaseNode.from_parent(self, name=path.stem, path=path)
+
+    def repr_failure(self, excinfo):  # type: ignore[override]
+        return str(excinfo.value) if isinstance(excinfo.value, (CaseError, GoldenError)) else super().repr_failure(excinfo)
+
+
+class CaseNode(pytest.Collector):
+    """One case: its property items share one run of the case (P1/P3/P4 need the same runs)."""
+
+    def __init__(self, *, path: Path, **kw) -> None:
+        super().__init__(path=path, **kw)
+        self.case_path = path
+        self._report: Optional[CaseReport] = None
+        self._case: Optional[Case] = None
+
+    def collect(self) -> Iterator[pytest.Item]:
+        self._case = load_case(self.case_path)
+        props = parse_props(self.config.getoption("--specharness-props") or self.config.getini("specharness_props"))
+        for prop in props:
+            yield PropertyItem.from_parent(self, name=prop)
+        yield PropertyItem.from_parent(self, name=GOLDEN_ITEM)
+
+    def repr_failure(self, excinfo):  # type: ignore[override]
+        return str(excinfo.value) if isinstance(excinfo.value, CaseError) else super().repr_failure(excinfo)
+
+    @property
+    def case(self) -> Case:
+        assert self._case is not None
+        return self._case
+
+    def report(self) -> CaseReport:
+        """The case checked once, for every property of it that this session runs."""
+        if self._report is None:
+            selected = {it.name for it in self.session.items if it.parent is self and it.name != GOLDEN_ITEM}
+            self._report = check_case(self.case, props=tuple(p for p in CASE_PROPS if p in selected))
+        return self._report
+
+
+class PropertyItem(pytest.Item):
+    parent: CaseNode
+
+    def runtest(self) -> None:
+        if self.name == GOLDEN_ITEM:
+            self._golden()
+            return
+        rep = self.parent.report()
+        if self.name in rep.skipped:
+            pytest.skip(f"{self.name} can't run on {rep.case}: {rep.skipped[self.name]}")
+        run = rep.verdicts.get("run")
+        if run is not None and not run.ok:
+            raise SpecharnessItemError(f"{rep.case} ({rep.layout}): the run did not finish, {self.name} not judged\n{run.report()}")
+        v = rep.verdicts[self.name]
+        if not v.ok:
+            raise SpecharnessItemError(f"{rep.case} ({rep.layout}):\n{v.report()}")
+
+    def _golden(self) -> None:
+        golden_dir = _dir(self.config, "golden_dir", GOLDEN_DIR)
+        case = self.parent.case
+        if self.config.getoption("--specharness-force-regen"):
+            res = record_golden(case, golden_dir)
+            if res.status != "unchanged":
+                raise SpecharnessItemError(f"--specharness-force-regen: {res.format()}\nrerun without --specharness-force-regen")
+            return
+        cmp = check_golden(case, golden_dir, runs=self.parent.report().runs)
+        if not cmp.ok:
+            raise SpecharnessItemError(cmp.format() + f"\nif the change is intended: pytest --specharness-force-regen -k {case.name}")
+
+    def repr_failure(self, excinfo):  # type: ignore[override]
+        if isinstance(excinfo.value, (SpecharnessItemError, GoldenError, CaseError)):
+            return str(excinfo.value)
+        return super().repr_failure(excinfo)
+
+    def reportinfo(self):
+        return self.parent.case_path, None, f"specharness {self.parent.name} {self.name}"

@@ -1,0 +1,100 @@
+"""The wheel as a user gets it: built from this checkout, installed into a fresh venv, run outside the repo.
+
+torch and numpy come from the running interpreter's site-packages through a .pth file
+(pip could not download torch here quickly); the wheel itself is installed with --no-deps,
+and PYTHONPATH is unset, so `harness` resolves to the installed copy only.
+"""
+import json
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+import pytest
+
+import harness
+
+REPO = Path(__file__).resolve().parent.parent
+SOURCES = ("harness", "runners", "cases", "golden", "pyproject.toml", "setup.py", "MANIFEST.in", "README.md")
+
+
+def _sh(*args, cwd=None, env=None, timeout=240):
+    p = subprocess.run([str(a) for a in args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    return p.returncode, p.stdout, p.stderr
+
+
+@pytest.fixture(scope="module")
+def installed(tmp_path_factory):
+    pytest.importorskip("setuptools")
+    tmp = tmp_path_factory.mktemp("wheel")
+    src = tmp / "src"
+    src.mkdir()
+    ignore = shutil.ignore_patterns("__pycache__", "*.egg-info", "build", ".*")
+    for name in SOURCES:
+        (shutil.copytree if (REPO / name).is_dir() else shutil.copy2)(REPO / name, src / name, **({"ignore": ignore} if (REPO / name).is_dir() else {}))
+    rc, out, err = _sh(sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index", "-q", "-w", tmp / "dist", src)
+    assert rc == 0, err[-3000:]
+    (wheel,) = (tmp / "dist").glob("specharness-*.whl")
+    venv = tmp / "venv"
+    rc, _, err = _sh(sys.executable, "-m", "venv", "--without-pip", venv)
+    assert rc == 0, err
+    py = venv / "bin" / "python"
+    rc, _, err = _sh(sys.executable, "-m", "pip", "--python", py, "install", "--no-deps", "--no-index", "-q", wheel)
+    assert rc == 0, err[-3000:]
+    rc, purelib, err = _sh(py, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])")
+    (Path(purelib.strip()) / "_shared_deps.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    work = tmp / "elsewhere"  # outside the repo: nothing to find by accident
+    work.mkdir()
+    return venv, Path(purelib.strip()), env, work, wheel
+
+
+def test_wheel_ships_cases_and_goldens_as_package_data(installed):
+    venv, purelib, env, work, wheel = installed
+    import zipfile
+
+    names = zipfile.ZipFile(wheel).namelist()
+    for kind, pattern in (("cases", "*.toml"), ("golden", "*.npz"), ("golden", "*.json"), ("golden", "acceptance/*.json")):
+        want = {f"harness/_data/{kind}/{p.relative_to(REPO / kind)}" for p in (REPO / kind).glob(pattern)}
+        assert want and want <= set(names), sorted(want - set(names))[:5]
+
+
+def test_installed_wheel_checks_a_shipped_case_green_outside_the_repo(installed):
+    venv, purelib, env, work, _ = installed
+    harness_bin = venv / "bin" / "harness"
+    rc, out, err = _sh(harness_bin, "--version", cwd=work, env=env)
+    assert rc == 0 and out.strip() == f"harness (specharness) {harness.__version__}", (out, err)
+    rc, out, err = _sh(harness_bin, "list", "--json", cwd=work, env=env)
+    assert rc == 0, err
+    listed = json.loads(out)
+    assert {c["case"] for c in listed} == {p.stem for p in (REPO / "cases").glob("*.toml")}
+    assert all(c["path"].startswith(str(purelib / "harness" / "_data" / "cases")) for c in listed)  # the installed copy, not the repo
+    rc, out, err = _sh(harness_bin, "check", "tp1_neither", "--json", cwd=work, env=env)
+    assert rc == 0, (out[-2000:], err[-2000:])
+    assert json.loads(out)["ok"] and "Traceback" not in err
+    rc, out, err = _sh(harness_bin, "golden", "check", "tp1_neither", cwd=work, env=env)
+    assert rc == 0 and "1 passed, 0 failed" in out, (out[-2000:], err[-2000:])
+
+
+def test_installed_wheel_without_cases_exits_2_saying_where_it_looked(installed, tmp_path):
+    venv, purelib, env, work, _ = installed
+    rc, out, err = _sh(venv / "bin" / "harness", "check", "--cases-dir", tmp_path, "--json", cwd=work, env=env)
+    assert rc == 2 and f"looked in {tmp_path}" in json.loads(out)["error"]["message"]
+
+
+def test_installed_plugin_is_inert_until_a_conftest_enables_it(installed, tmp_path):
+    """The wheel's pytest11 entry point loads harness.plugin everywhere; it adds items only where a
+    conftest asks for it, and that conftest line does not register it twice."""
+    venv, purelib, env, work, _ = installed
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "test_x.py").write_text("def test_x():\n    pass\n")
+    rc, out, err = _sh(venv / "bin" / "python", "-m", "pytest", "-q", "-p", "no:randomly", "--collect-only", cwd=other, env=env)
+    assert rc == 0 and "1 test collected" in out and "specharness" not in out, out + err
+    project = tmp_path / "project"
+    shutil.copytree(REPO / "tests" / "external_project", project, ignore=shutil.ignore_patterns("__pycache__", ".pytest_cache"))
+    rc, out, err = _sh(venv / "bin" / "python", "-m", "pytest", "-q", "-p", "no:randomly", "--collect-only", "-k", "tp1_neither", cwd=project, env=env)
+    assert rc == 0, out + err
+    assert [ln for ln in out.splitlines() if "::specharness::" in ln] == [f".::specharness::tp1_neither::{p}" for p in ("P1", "P3", "P4", "golden")]

@@ -1,0 +1,114 @@
+"""The pytest plugin and the public API, as an engine team uses them.
+
+tests/external_project is such a team's project: its own pytest.ini, and a conftest.py whose one
+line enables harness.plugin. It is copied to tmp_path and run with pytest in a subprocess, so its
+.pytest_cache (what --lf reads) and any goldens it writes stay out of the repo.
+"""
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import harness
+from harness.case import CASES_DIR
+
+REPO = Path(__file__).resolve().parent.parent
+PROJECT = Path(__file__).resolve().parent / "external_project"
+SHIPPED_ITEMS = 4 * len(list(CASES_DIR.glob("*.toml")))  # P1, P3, P4 and golden per case
+
+
+@pytest.fixture
+def project(tmp_path):
+    dst = tmp_path / "project"
+    shutil.copytree(PROJECT, dst, ignore=shutil.ignore_patterns("__pycache__", ".pytest_cache"))
+    return dst
+
+
+def pytest_in(project: Path, *args: str):
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    env.pop("PYTEST_XDIST_WORKER", None)
+    env.pop("PYTEST_ADDOPTS", None)
+    p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:randomly", *args], cwd=project, env=env,
+                       capture_output=True, text=True, timeout=280)
+    return p.returncode, p.stdout + p.stderr
+
+
+def counts(out: str) -> dict[str, int]:
+    summary = [ln for ln in out.splitlines() if re.search(r"\d+ (passed|failed|deselected|error)", ln)][-1]
+    return {k: int(n) for n, k in re.findall(r"(\d+) (passed|failed|deselected|errors?|skipped)", summary)}
+
+
+def test_one_conftest_line_enables_the_plugin():
+    lines = [ln for ln in (PROJECT / "conftest.py").read_text().splitlines() if ln.strip() and not ln.lstrip().startswith("#")]
+    assert lines == ['pytest_plugins = ["harness.plugin"]  # specharness: every (case x property) of the shipped cases as a test']
+
+
+def test_k_selects_a_case_and_lf_reruns_only_what_failed(project):
+    rc, out = pytest_in(project, "-k", "tp4_attn_tp_gather or test_engine", "-rA")
+    assert rc == 0, out[-3000:]
+    assert counts(out) == {"passed": 6, "deselected": SHIPPED_ITEMS + 2 - 6}
+    for prop in ("P1", "P3", "P4", "golden"):
+        assert f"PASSED .::specharness::tp4_attn_tp_gather::{prop}" in out
+
+    # the seed bug planted: tp4_attn_tp_gather's items fail, tp1_neither's (the oracle layout) pass
+    rc, out = pytest_in(project, "-k", "tp4_attn_tp_gather or tp1_neither", "--specharness-mutant", "sglang-26416")
+    assert rc == 1 and counts(out) == {"failed": 4, "passed": 4, "deselected": SHIPPED_ITEMS + 2 - 8}, out[-3000:]
+    assert "P1/I1 global_num_tokens_for_logprob_gpu: expected [16], got [4]" in out
+    assert "Traceback" not in out  # a property failure reads as its verdict
+
+    rc, out = pytest_in(project, "--lf", "-rA")  # the mutant gone: only the four failures rerun, and pass
+    assert rc == 0 and counts(out) == {"passed": 4, "deselected": SHIPPED_ITEMS + 2 - 4}, out[-3000:]
+    assert {ln.split("::")[-1] for ln in out.splitlines() if ln.startswith("PASSED")} == {"P1", "P3", "P4", "golden"}
+
+
+def test_force_regen_rewrites_the_golden_and_fails_then_passes(project, tmp_path):
+    cases, golden = tmp_path / "cases", tmp_path / "golden"
+    cases.mkdir()
+    shutil.copy(CASES_DIR / "tp1_neither.toml", cases)
+    # DIR joined with '=': a separate path argument would be taken for a test path before the conftest loads the plugin
+    dirs = (f"--specharness-cases-dir={cases}", f"--specharness-golden-dir={golden}", "-k", "golden and not test_engine")
+    rc, out = pytest_in(project, *dirs)
+    assert rc == 1 and "no golden" in out and "harness golden record tp1_neither" in out, out[-2000:]
+    rc, out = pytest_in(project, *dirs, "--specharness-force-regen")
+    assert rc == 1 and "new golden" in out and "rerun without --specharness-force-regen" in out, out[-2000:]
+    assert (golden / "tp1_neither.npz").is_file() and (golden / "tp1_neither.json").is_file()
+    rc, out = pytest_in(project, *dirs)
+    assert rc == 0 and counts(out)["passed"] == 1, out[-2000:]
+
+
+def test_force_regen_is_refused_under_xdist_and_bad_options_are_usage_errors(project):
+    rc, out = pytest_in(project, "-n", "2", "--specharness-force-regen", "--collect-only")
+    assert rc == 4 and "refused under pytest-xdist" in out, out[-2000:]
+    rc, out = pytest_in(project, "--specharness-props", "P9", "--collect-only")
+    assert rc == 4 and "unknown: P9" in out, out[-2000:]
+    rc, out = pytest_in(project, "--specharness-mutant", "no-such", "--collect-only")
+    assert rc == 4 and "unknown mutant" in out, out[-2000:]
+
+
+# ---------------------------------------------------------------------------------------
+# the public API
+# ---------------------------------------------------------------------------------------
+
+
+def readme_api_example() -> str:
+    text = (REPO / "README.md").read_text()
+    m = re.search(r"<!-- api-example -->\n```python\n(.*?)```", text, re.S)
+    assert m, "README.md lost its API example (marked <!-- api-example -->)"
+    return m.group(1)
+
+
+def test_readme_api_example_runs():
+    code = readme_api_example()
+    assert len(code.strip().splitlines()) <= 12
+    exec(compile(code, "README.md:api-example", "exec"), {})
+
+
+def test_public_api_is_what_all_names():
+    assert sorted(harness.__all__) == sorted(set(harness.__all__))
+    for name in harness.__all__:
+        assert hasattr(harness, name), name
+    assert {m.id for m in harness.MUTANTS} >= {"sglang-26416"}
