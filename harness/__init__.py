@@ -9,7 +9,8 @@ __version__ = "0.1.0"
 
 from harness.case import Case, CaseError, default_cases, load_case  # noqa: E402
 from harness.checks import CASE_PROPS, FAST_PROPS, CaseReport, check_case  # noqa: E402
-from harness.engine_check import EngineReport, check_engine  # noqa: E402
+from harness.engines.check import check_engine  # noqa: E402
+from harness.engines.report import EngineReport  # noqa: E402
 from harness.errors import ExitCode, OutOfMemory  # noqa: E402
 from harness.golden import GoldenError, check_golden, record_golden  # noqa: E402
 from harness.mutants import CATALOG as MUTANTS  # noqa: E402

@@ -23,6 +23,7 @@ from harness.case import (
     _TOP,
     GOLDEN_FLOAT_FIELDS,
     NAME_RE,
+    PAGE_SIZES,
 )
 from runners.config import DTYPES
 
@@ -50,8 +51,9 @@ def case_json_schema() -> dict:
     model = _table(_MODEL, {k: {"minimum": lo, "maximum": hi} for k, (lo, hi) in _MODEL_RANGES.items()}
                    | {"rope_theta": {"exclusiveMinimum": 0}, "rms_eps": {"exclusiveMinimum": 0}})
     spec = _table(_SPEC, {k: {"minimum": 1, "maximum": hi} for k, hi in _SPEC_MAX.items()}
-                  | {"capture_bs": {"minItems": 1, "items": {"type": "integer", "minimum": 1, "maximum": 1024}}})
-    layout = _table(_LAYOUT, {"tp_size": {"minimum": 1, "maximum": 8}, "dp_size": {"minimum": 1, "maximum": 8},
+                  | {"capture_bs": {"minItems": 1, "items": {"type": "integer", "minimum": 1, "maximum": 1024}},
+                     "page_size": {"enum": list(PAGE_SIZES)}})
+    layout = _table(_LAYOUT, {"tp_size": {"minimum": 1, "maximum": 64}, "dp_size": {"minimum": 1, "maximum": 64},
                               "moe_a2a_backend": {"enum": ["none", "deepep", "mooncake", "flashinfer"]}}, required=("tp_size",))
     schedule = _table(_SCHEDULE, {"batches": {"minItems": 1, "maxItems": MAX_ITERATIONS,
                                               "items": {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0}}},
