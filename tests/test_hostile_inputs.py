@@ -71,7 +71,7 @@ FIELDS = {
 WRONG = {"s": [1, True, [1], {"a": 1}], "i": ["3", 2.5, True, [1], {"a": 1}], "b": [1, "yes", [True]], "f": ["1e-6", [1.0], True],
          "l": ["1,2", 3, {"a": 1}, [[["deep"]]]], "t": ["x", 1, [1]]}
 OUT_OF_RANGE = [
-    (("seed",), -1), (("seed",), 2**62), (("layout", "tp_size"), 0), (("layout", "tp_size"), 3), (("layout", "tp_size"), 16), (("layout", "dp_size"), 3),
+    (("seed",), -1), (("seed",), 2**62), (("layout", "tp_size"), 0), (("layout", "tp_size"), 3), (("layout", "tp_size"), 12), (("layout", "tp_size"), 256), (("layout", "dp_size"), 3),
     (("layout", "dp_size"), 0), (("layout", "moe_a2a_backend"), "nccl"), (("dtype",), "float64"),
     (("backend",), "cuda"), (("name",), "../escape"), (("name",), "other_name"), (("name",), ""),
     (("spec", "num_steps"), 0), (("spec", "num_steps"), 10_000), (("spec", "topk"), 0), (("spec", "topk"), 100_000), (("spec", "capture_bs"), []),
