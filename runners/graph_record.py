@@ -38,8 +38,7 @@ import os
 import sys
 import threading
 from contextlib import contextmanager
-from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, NamedTuple, Optional
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -91,7 +90,6 @@ def _has_mask(indices: Any) -> bool:
 _OK, _REFUSED, _MASKABLE_READ, _MASKABLE_WRITE = range(4)
 
 
-@functools.cache
 def _capturability(func: torch._ops.OpOverload) -> int:
     if func is _INDEX:
         return _MASKABLE_READ
@@ -102,16 +100,13 @@ def _capturability(func: torch._ops.OpOverload) -> int:
     return _OK
 
 
-def _check_capturable(func: torch._ops.OpOverload, args: tuple) -> None:
+def _check_capturable(func: torch._ops.OpOverload, args: tuple, kind: int) -> None:
     """Refuse what a CUDA capture refuses: host reads and data-dependent output shapes.
 
     aten.index.Tensor carries the dynamic-shape tag for every index, but only a boolean
     mask makes its shape depend on the data (an integer gather is static); a masked
     index_put with a single value is a masked fill (no sync), with several it is not.
     """
-    kind = _capturability(func)
-    if kind == _OK:
-        return
     if kind == _REFUSED:
         what = "(.item(), int(t), float(t), bool(t))" if func is _LOCAL_SCALAR else "(data-dependent output)"
         raise _refuse(f"{func} {what}")
@@ -179,27 +174,18 @@ def _capturing_as(value: bool) -> Iterator[None]:
 # ---- the record ----
 
 
-@dataclass(frozen=True)
-class RecordedOp:
+class RecordedOp(NamedTuple):
     """One dispatcher call as capture saw it, and how a replay leaves its result in the captured tensors.
 
-    Out-of-place ops with an out= overload write straight into their captured outputs
-    (`refresh` empty, the outputs in kwargs); the others are computed and copied in,
-    `refresh` pairing result positions with the captured tensors they overwrite.
+    Out-of-place ops with an out= overload are recorded as that overload writing straight
+    into their captured outputs; the others are computed and copied in, `refresh` pairing
+    result positions with the captured tensors they overwrite.
     """
 
     func: torch._ops.OpOverload
     args: tuple
     kwargs: dict
     refresh: tuple[tuple[int, torch.Tensor], ...] = ()
-
-    def replay(self) -> None:
-        out = self.func(*self.args, **self.kwargs)
-        if not self.refresh:
-            return
-        leaves = (out,) if isinstance(out, torch.Tensor) else tree_leaves(out)
-        for i, dst in self.refresh:
-            dst.copy_(leaves[i])
 
     def __str__(self) -> str:
         return str(self.func)
@@ -209,7 +195,6 @@ _MUTATES, _VIEW, _FUNCTIONAL = range(3)
 _UNANNOTATED_VIEWS = (torch.ops.aten._unsafe_view.default,)  # aliases its input without saying so in its schema
 
 
-@functools.cache
 def _effect(func: torch._ops.OpOverload) -> int:
     schema = func._schema
     if any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments):
@@ -223,7 +208,6 @@ def _signature(schema: torch._C.FunctionSchema) -> list[tuple[str, str]]:
     return [(a.name, str(a.type)) for a in schema.arguments if not a.is_out]
 
 
-@functools.cache
 def _out_overload(func: torch._ops.OpOverload) -> Optional[tuple[torch._ops.OpOverload, tuple[str, ...]]]:
     """The out= overload of a functional op with the same arguments, and its out argument names."""
     want = _signature(func._schema)
@@ -236,24 +220,52 @@ def _out_overload(func: torch._ops.OpOverload) -> Optional[tuple[torch._ops.OpOv
     return None
 
 
-def _record(func: torch._ops.OpOverload, args: tuple, kwargs: dict, out: Any) -> Optional[RecordedOp]:
+class _Plan(NamedTuple):
+    """What the recorder does with one op, decided once per op."""
+
+    func: torch._ops.OpOverload  # held, so the id keying the plan stays this op's
+    capturability: int
+    effect: int
+    out: Optional[tuple[torch._ops.OpOverload, tuple[str, ...]]]
+
+
+_PLANS: dict[int, _Plan] = {}  # by id(func): an OpOverload's own hash is Python code, run per op otherwise
+
+
+def _plan(func: torch._ops.OpOverload) -> _Plan:
+    plan = _PLANS.get(id(func))
+    if plan is None:
+        effect = _effect(func)
+        plan = _PLANS[id(func)] = _Plan(func, _capturability(func), effect, _out_overload(func) if effect == _FUNCTIONAL else None)
+    return plan
+
+
+def _record(plan: _Plan, args: tuple, kwargs: dict, out: Any) -> Optional[RecordedOp]:
     """The op to replay, or None for a view (its captured output aliases its base for good)."""
-    effect = _effect(func)
-    if effect == _VIEW:
+    if plan.effect == _VIEW:
         return None
-    if effect == _MUTATES:
-        return RecordedOp(func, args, kwargs)
-    leaves = (out,) if isinstance(out, torch.Tensor) else tree_leaves(out)
-    if not any(isinstance(t, torch.Tensor) and t.numel() for t in leaves):
+    if plan.effect == _MUTATES:
+        return RecordedOp(plan.func, args, kwargs)
+    if isinstance(out, torch.Tensor):  # the common case, one output
+        if not out.numel():
+            return None
+        if plan.out is not None and len(plan.out[1]) == 1:
+            return RecordedOp(plan.out[0], args, {**kwargs, plan.out[1][0]: out})
+        return RecordedOp(plan.func, args, kwargs, ((0, out),))
+    leaves = tree_leaves(out)
+    tensors = [t for t in leaves if isinstance(t, torch.Tensor)]
+    if not any(t.numel() for t in tensors):
         return None  # no data to refresh (a metadata query, an empty result)
-    variant = _out_overload(func)
-    if variant is not None and len(leaves) == len(variant[1]) and all(isinstance(t, torch.Tensor) for t in leaves):
-        return RecordedOp(variant[0], args, {**kwargs, **dict(zip(variant[1], leaves, strict=True))})
-    refresh = tuple((i, t) for i, t in enumerate(leaves) if isinstance(t, torch.Tensor) and t.numel())
-    return RecordedOp(func, args, kwargs, refresh)
+    if plan.out is not None and len(tensors) == len(leaves) == len(plan.out[1]):
+        return RecordedOp(plan.out[0], args, {**kwargs, **dict(zip(plan.out[1], leaves, strict=True))})
+    return RecordedOp(plan.func, args, kwargs, tuple((i, t) for i, t in enumerate(leaves) if isinstance(t, torch.Tensor) and t.numel()))
 
 
 class _Recorder(TorchDispatchMode):
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        return False  # no torch.compile inside a capture: spare every op the disable-dynamo wrapper
+
     def __init__(self) -> None:
         super().__init__()
         self.ops: list[RecordedOp] = []
@@ -261,13 +273,15 @@ class _Recorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        _check_capturable(func, args)
+        plan = _plan(func)
+        if plan.capturability != _OK:
+            _check_capturable(func, args, plan.capturability)
         _state.capturing = False  # the op's own implementation may read the host (collective bookkeeping, interpreter)
         try:
             out = func(*args, **kwargs)
         finally:
             _state.capturing = True
-        op = _record(func, args, kwargs, out)
+        op = _record(plan, args, kwargs, out)
         if op is None:
             self.views += 1
         else:
@@ -288,6 +302,7 @@ class RecordedGraph:
         self.output: Any = None
         self.ops: list[RecordedOp] = []
         self.num_views = 0  # view ops seen at capture, not re-run (their outputs alias their bases)
+        self._calls: list[tuple[Callable, tuple, dict, tuple]] = []
 
     @property
     def num_ops(self) -> int:
@@ -300,11 +315,17 @@ class RecordedGraph:
         with _host_read_guard(), _capturing_as(True), recorder:
             self.output = self._body()
         self.ops, self.num_views, self._body = recorder.ops, recorder.views, None
+        # OpOverload.__call__ only forwards to the C++ op: call that directly
+        self._calls = [(getattr(op.func, "_op", op.func), op.args, op.kwargs, op.refresh) for op in self.ops]
         return self.output
 
     def replay(self) -> None:
-        for op in self.ops:
-            op.replay()
+        for call, args, kwargs, refresh in self._calls:
+            out = call(*args, **kwargs)
+            if refresh:
+                leaves = (out,) if isinstance(out, torch.Tensor) else tree_leaves(out)
+                for i, dst in refresh:
+                    dst.copy_(leaves[i])
 
     def op_counts(self) -> dict[str, int]:
         """Recorded ops by name, for reports."""
