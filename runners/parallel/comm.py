@@ -102,17 +102,23 @@ def _undispatched(comm: "DispatchedCollectives", op: str, t: torch.Tensor, group
     return getattr(comm, f"_{op}")(t, group)
 
 
-@torch.library.custom_op("specharness::collective", mutates_args=())
-def _collective_op(t: torch.Tensor, op: str, group: str, params: list[int], comm: int) -> torch.Tensor:
+def _collective_kernel(t: torch.Tensor, op: str, group: str, params: list[int], comm: int) -> torch.Tensor:
     return _undispatched(_communicator(comm), op, t, Group(group), params)
 
 
-@_collective_op.register_fake
-def _(t: torch.Tensor, op: str, group: str, params: list[int], comm: int) -> torch.Tensor:
+def _collective_fake(t: torch.Tensor, op: str, group: str, params: list[int], comm: int) -> torch.Tensor:
     n = group_size(_communicator(comm), Group(group))
     rows = {"all_gather": n * t.shape[0] if t.dim() else 0, "reduce_scatter": t.shape[0] // n if t.dim() else 0,
             "all_gather_v": sum(params)}.get(op)
     return t.new_empty(t.shape if rows is None else (rows, *t.shape[1:]))
+
+
+# A plain library op, not torch.library.custom_op: that wraps its kernel so that the first call
+# imports torch._dynamo (seconds, in every fresh rank process).
+LIBRARY = torch.library.Library("specharness", "FRAGMENT")
+LIBRARY.define("collective(Tensor t, str op, str group, int[] params, int comm) -> Tensor")
+LIBRARY.impl("collective", _collective_kernel, "CompositeExplicitAutograd")
+torch.library.register_fake("specharness::collective", _collective_fake, lib=LIBRARY)
 
 
 class DispatchedCollectives:
