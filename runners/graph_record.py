@@ -126,6 +126,12 @@ def _capturing() -> bool:
     return getattr(_state, "capturing", False)
 
 
+def recording() -> bool:
+    """True while this thread runs a body under a recording capture: the CPU graph's
+    torch.cuda.is_current_stream_capturing(), for code that plans on the host outside capture."""
+    return _capturing()
+
+
 def _guarded(name: str, original: Callable) -> Callable:
     @functools.wraps(original)
     def method(self, *args, **kwargs):
