@@ -264,3 +264,12 @@ def test_recorded_cpu_graph_agrees_with_the_real_cuda_graph():
             for step, (sa, sb) in enumerate(zip(xa, xb, strict=True)):
                 compare_outputs(v, "recorded-vs-cuda", {"rank": a.rank, "iteration": it, "step": step}, sa.tensors, sb.tensors, tol)
     assert v.ok, v.first()
+
+
+def test_recording_is_true_only_inside_a_capture_on_this_thread():
+    from runners.graph_record import recording
+
+    seen = []
+    g = _capture(lambda: seen.append(recording()) or torch.ones(1) + 1)
+    g.replay()
+    assert seen == [True] and not recording()
