@@ -9,8 +9,9 @@ no lane is padded) it times, after warm-up, the median of >= 50 repetitions of
   replay fill and slicing): `run_eager` against `DraftExtendGraphDriver.run`;
 and the capture time of every bucket (warm-ups included), after one eager step has
 compiled the backend's kernels. On a GPU each repetition is timed with a pair of CUDA
-events; on CPU with perf_counter, and the "graph" there is the CPU simulation (a replay
-re-runs the step body with the baked metadata): the table says so in its header.
+events; on CPU with perf_counter, and the "graph" there is the recorded CPU graph (a replay
+re-issues the ops recorded at capture, no Python of the body): the table says so in its
+header, and gives the number of recorded ops per captured graph.
 
 Also reported, per row: max |graph - eager| over the step's logits, so a fast graph that
 computes something else shows.
@@ -166,6 +167,7 @@ def _bench_backend(comm, backend: str, args, device: torch.device, bs_list: list
     capture_s = time.perf_counter() - t0
     gb.capture = real_capture
     order = [bs for r in driver.runners for bs in reversed(r.capture_bs)]
+    graph_ops = [{str(bs): g.num_ops for bs, g in sorted(r.graphs.items())} for r in driver.runners] if gkind == "sim" else None
     per_bucket: dict[int, float] = {}
     prev = t0
     for bs, end in zip(order, ends, strict=True):
@@ -221,7 +223,7 @@ def _bench_backend(comm, backend: str, args, device: torch.device, bs_list: list
         "backend": backend, "model": model_name, "model_config": asdict(model), "tokens_per_bs": T, "graph_kind": gkind,
         "first_eager_run_s": first_run_s,
         "capture": {"seconds_total": capture_s, "graphs": len(order), "per_bucket_s": {str(k): v for k, v in sorted(per_bucket.items())}},
-        "graph_stats": asdict(gb.stats), "rows": rows,
+        "graph_stats": asdict(gb.stats), "graph_ops": graph_ops, "rows": rows,
     }
 
 
@@ -275,7 +277,7 @@ def run_bench(args) -> dict:
 def format_table(res: dict) -> str:
     m = res["meta"]
     lines = []
-    kind = ("CPU SIMULATION: 'graph' re-runs the step body with the baked metadata (no CUDA graph); the numbers are not GPU numbers"
+    kind = ("CPU SIMULATION: 'graph' replays the ops recorded at capture (no CUDA graph, no Python of the body); the numbers are not GPU numbers"
             if m["simulation"] else "real CUDA graphs (torch.cuda.CUDAGraph replay)")
     lines.append(f"harness bench: draft-extend, TP1, {m['dtype']}, {m['num_steps']} draft layers, {m['date']}")
     lines.append(f"device: {m['device']}; {kind}")
@@ -295,6 +297,9 @@ def format_table(res: dict) -> str:
         only = [f"bs {r['bs']}: {r['graph_replay_only_ms']:.3f}ms" for r in b["rows"] if r.get("graph_replay_only_ms") is not None]
         if only:
             lines.append(f"graph step includes the host re-plan before each replay; the replay alone: {', '.join(only)}")
+        if b.get("graph_ops"):
+            ops = "; ".join(f"layer {k}: " + ", ".join(f"bs {bs} {n}" for bs, n in layer.items()) for k, layer in enumerate(b["graph_ops"]))
+            lines.append(f"recorded ops per graph: {ops}")
         c = b["capture"]
         per = ", ".join(f"{k}: {v:.2f}s" for k, v in c["per_bucket_s"].items())
         lines.append(f"capture: {c['graphs']} graphs ({len(c['per_bucket_s'])} buckets x {b['graph_stats']['captures'] // max(len(c['per_bucket_s']), 1)} "

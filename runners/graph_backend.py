@@ -1,20 +1,25 @@
-"""Graph capture/replay: torch.cuda.CUDAGraph on a GPU, an honest simulation on CPU.
+"""Graph capture/replay: torch.cuda.CUDAGraph on a GPU, a recording graph on CPU.
 
-The simulation captures by running the body once with the capture-time ForwardBatch and
-replays by running the same body with exactly that (frozen) batch again: host values
-are the ones baked at capture, tensors are the static buffers' current contents, and
-results are copied into the captured output tensors, as a real graph would leave them.
-Nothing at replay can see the live batch's Python values (DESIGN.md §2).
+The CPU graph (runners.graph_record.RecordedGraph) captures by recording the ops the body
+launches and replays that record: host values are the ones baked at capture, tensors
+are the static buffers' current contents, and the captured outputs are overwritten in
+place, as a real graph leaves them. No Python of the body runs at replay, so nothing
+the body reads on the host (the live batch, a runner attribute) can reach a replay
+(DESIGN.md §2, §7).
 """
 from __future__ import annotations
 
 import gc
 import threading
 from contextlib import contextmanager
-from dataclasses import dataclass, fields, is_dataclass
+from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
 import torch
+
+from runners.graph_record import GraphCaptureError, RecordedGraph
+
+__all__ = ["CudaGraph", "GraphBackend", "GraphCaptureError", "GraphStats", "RecordedGraph", "no_gc_during_capture"]
 
 
 @dataclass
@@ -22,34 +27,6 @@ class GraphStats:
     captures: int = 0
     replays: int = 0
     eager_fallbacks: int = 0
-
-
-def _copy_into(dst: Any, src: Any) -> None:
-    if isinstance(dst, torch.Tensor):
-        dst.copy_(src)
-    elif is_dataclass(dst):
-        for f in fields(dst):
-            _copy_into(getattr(dst, f.name), getattr(src, f.name))
-    elif isinstance(dst, (list, tuple)):
-        for d, s in zip(dst, src, strict=True):
-            _copy_into(d, s)
-    else:
-        raise TypeError(f"graph output of type {type(dst).__name__} cannot be replayed into")
-
-
-class SimulatedGraph:
-    kind = "sim"
-
-    def __init__(self, body: Callable[[], Any]):
-        self.body = body
-        self.output: Any = None
-
-    def capture(self) -> Any:
-        self.output = self.body()
-        return self.output
-
-    def replay(self) -> None:
-        _copy_into(self.output, self.body())
 
 
 _gc_lock = threading.Lock()
@@ -126,12 +103,12 @@ class GraphBackend:
             return out
         return body()
 
-    def capture(self, body: Callable[[], Any]) -> SimulatedGraph | CudaGraph:
-        g = CudaGraph(body, self.pool, self.stream) if self.kind == "cuda" else SimulatedGraph(body)
+    def capture(self, body: Callable[[], Any]) -> RecordedGraph | CudaGraph:
+        g = CudaGraph(body, self.pool, self.stream) if self.kind == "cuda" else RecordedGraph(body)
         g.capture()
         self.stats.captures += 1
         return g
 
-    def replay(self, graph: SimulatedGraph | CudaGraph) -> None:
+    def replay(self, graph: RecordedGraph | CudaGraph) -> None:
         graph.replay()
         self.stats.replays += 1

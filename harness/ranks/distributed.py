@@ -49,7 +49,7 @@ import torch
 import torch.distributed as dist
 
 from harness.ranks.trace import CollectiveCall, CollectiveMismatch
-from runners.parallel.comm import Group
+from runners.parallel.comm import DispatchedCollectives, Group
 from runners.parallel.layout import ParallelLayout
 
 HEARTBEAT_ENV = "SPECHARNESS_HEARTBEAT_FILE"  # path of this rank's heartbeat file (set by the launcher)
@@ -206,7 +206,7 @@ def group_instances(layout: ParallelLayout, group: Group) -> list[tuple[int, ...
 _LOCAL = object()  # marker: a singleton group, no process group needed
 
 
-class DistComm:
+class DistComm(DispatchedCollectives):
     """The Communicator protocol on an initialised torch.distributed default process group.
 
     check_signatures: exchange a collective signature before every collective and raise
@@ -265,7 +265,7 @@ class DistComm:
     def group_ranks(self, group: Group) -> list[int]:
         return list(self._my[Group(group)])
 
-    def all_reduce(self, t: torch.Tensor, group: Group) -> torch.Tensor:
+    def _all_reduce(self, t: torch.Tensor, group: Group) -> torch.Tensor:
         group = Group(group)
         with self._collective("all_reduce", group, t) as (pg, n, _):
             if pg is _LOCAL or t.numel() == 0:
@@ -276,7 +276,7 @@ class DistComm:
                 return x.to(t.device)
             return _fold(self._gather_parts(t, pg, n)).to(t.device)
 
-    def all_gather(self, t: torch.Tensor, group: Group) -> torch.Tensor:
+    def _all_gather(self, t: torch.Tensor, group: Group) -> torch.Tensor:
         group = Group(group)
         if t.dim() == 0:
             raise ValueError("all_gather concatenates along dim 0: a 0-dim tensor has none")
@@ -290,7 +290,7 @@ class DistComm:
                 return out.to(t.device)
             return torch.cat(self._gather_parts(t, pg, n), dim=0).to(t.device)
 
-    def reduce_scatter(self, t: torch.Tensor, group: Group) -> torch.Tensor:
+    def _reduce_scatter(self, t: torch.Tensor, group: Group) -> torch.Tensor:
         group = Group(group)
         n = len(self._my[group])
         if t.dim() == 0 or t.shape[0] % n:
@@ -306,7 +306,7 @@ class DistComm:
                 return out.to(t.device)
             return _fold(self._gather_parts(t, pg, n))[me * c : (me + 1) * c].clone().to(t.device)
 
-    def all_gather_v(self, t: torch.Tensor, lengths: Sequence[int], group: Group) -> torch.Tensor:
+    def _all_gather_v(self, t: torch.Tensor, lengths: Sequence[int], group: Group) -> torch.Tensor:
         group = Group(group)
         lengths = [int(x) for x in lengths]
         n = len(self._my[group])
@@ -330,7 +330,7 @@ class DistComm:
                 parts = self._gather_parts(buf, pg, n)
             return torch.cat([p[:k] for p, k in zip(parts, lengths, strict=True)], dim=0).to(t.device)
 
-    def broadcast(self, t: torch.Tensor, src: int, group: Group) -> torch.Tensor:
+    def _broadcast(self, t: torch.Tensor, src: int, group: Group) -> torch.Tensor:
         group = Group(group)
         n = len(self._my[group])
         if not 0 <= src < n:

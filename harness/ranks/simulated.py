@@ -44,7 +44,7 @@ from typing import Callable, Optional, Sequence, TypeVar
 import torch
 
 from harness.ranks.trace import CollectiveCall, CollectiveError, CollectiveMismatch, CollectiveTimeout
-from runners.parallel.comm import Group
+from runners.parallel.comm import DispatchedCollectives, Group
 from runners.parallel.layout import ParallelLayout
 
 T = TypeVar("T")
@@ -438,7 +438,7 @@ def _consistent(a: _Arrival, b: _Arrival) -> bool:
 # ---------------------------------------------------------------- per-rank communicator
 
 
-class SimComm:
+class SimComm(DispatchedCollectives):
     """One rank's view of a SimulatedWorld; implements runners.parallel.comm.Communicator."""
 
     def __init__(self, world: SimulatedWorld, rank: int) -> None:
@@ -460,14 +460,14 @@ class SimComm:
         if t.dim() == 0:
             raise ValueError(f"rank {self.rank}: {op} needs a tensor with a dim 0 (got a 0-d tensor)")
 
-    def all_reduce(self, t: torch.Tensor, group: Group) -> torch.Tensor:
+    def _all_reduce(self, t: torch.Tensor, group: Group) -> torch.Tensor:
         return self._run("all_reduce", t, group, (), _combine_all_reduce)
 
-    def all_gather(self, t: torch.Tensor, group: Group) -> torch.Tensor:
+    def _all_gather(self, t: torch.Tensor, group: Group) -> torch.Tensor:
         self._need_dim0("all_gather", t)
         return self._run("all_gather", t, group, (), _combine_all_gather)
 
-    def reduce_scatter(self, t: torch.Tensor, group: Group) -> torch.Tensor:
+    def _reduce_scatter(self, t: torch.Tensor, group: Group) -> torch.Tensor:
         self._need_dim0("reduce_scatter", t)
         size = len(self.group_ranks(group))
         if t.shape[0] % size:
@@ -476,7 +476,7 @@ class SimComm:
             )
         return self._run("reduce_scatter", t, group, (), _combine_reduce_scatter)
 
-    def all_gather_v(self, t: torch.Tensor, lengths: Sequence[int], group: Group) -> torch.Tensor:
+    def _all_gather_v(self, t: torch.Tensor, lengths: Sequence[int], group: Group) -> torch.Tensor:
         self._need_dim0("all_gather_v", t)
         ranks = self.group_ranks(group)
         lengths = tuple(int(n) for n in lengths)
@@ -493,7 +493,7 @@ class SimComm:
             )
         return self._run("all_gather_v", t, group, (lengths,), _combine_all_gather_v)
 
-    def broadcast(self, t: torch.Tensor, src: int, group: Group) -> torch.Tensor:
+    def _broadcast(self, t: torch.Tensor, src: int, group: Group) -> torch.Tensor:
         size = len(self.group_ranks(group))
         if not 0 <= src < size:
             raise ValueError(f"rank {self.rank}: broadcast src is a group rank in 0..{size - 1}, got {src}")

@@ -34,6 +34,7 @@ from typing import Any, Optional
 
 import torch
 
+from runners import graph_record
 from runners.batch import ForwardBatch, ForwardMode
 from runners.memory import ReqToTokenPool, TokenToKVPool
 
@@ -152,6 +153,11 @@ class FlashInferAttnBackend:
 
     # ---- the backend interface ----
     def init_forward_metadata(self, fb: ForwardBatch) -> FlashInferMetadata:
+        if graph_record.recording():
+            # flashinfer launches its kernels through its own FFI, not the torch dispatcher: a
+            # recording graph would replay everything but the attention. Refuse, don't mislead.
+            raise graph_record.GraphCaptureError("flashinfer kernels bypass the torch dispatcher; the recording CPU graph "
+                                                 "cannot capture them: use the cuda graph backend with flashinfer")
         kind = self._kind(fb)
         entry = self._entry(kind, fb.batch_size)
         if torch.cuda.is_current_stream_capturing():

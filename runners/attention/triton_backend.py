@@ -168,15 +168,43 @@ def interpreter_error(device: torch.device) -> Optional[str]:
             "first imported; triton was imported without it in this process")
 
 
+def _run_kernel(kernel, grid: tuple[int, ...], *args) -> None:
+    if INTERPRET:
+        with _INTERPRETER_LOCK:
+            kernel[grid](*args)
+    else:
+        kernel[grid](*args)
+
+
+_KERNELS = {k.fn.__name__: k for k in (_extend_kernel, _decode_kernel)}
+
+
+def _triton_attention(kernel: str, grid: list[int], out: torch.Tensor, tensors: list[torch.Tensor], ints: list[int],
+                      floats: list[float], kinds: str) -> None:
+    """One kernel launch as a dispatcher op, so a recording graph sees it (runners.graph_record).
+    `kinds` spells the kernel's positional arguments: o = out, t / i / f = the next tensor, int, float."""
+    it = {"t": iter(tensors), "i": iter(ints), "f": iter(floats)}
+    args = [out if k == "o" else next(it[k]) for k in kinds]
+    _run_kernel(_KERNELS[kernel], tuple(grid), *args)
+
+
+LIBRARY = torch.library.Library("specharness", "FRAGMENT")  # a plain library op: see runners/parallel/comm.py
+LIBRARY.define("triton_attention(str kernel, int[] grid, Tensor(a!) out, Tensor[] tensors, int[] ints, float[] floats, str kinds) -> ()")
+LIBRARY.impl("triton_attention", _triton_attention, "CompositeExplicitAutograd")
+torch.library.register_fake("specharness::triton_attention", lambda *args: None, lib=LIBRARY)
+
+
 def _launch(kernel, device: torch.device, grid: tuple[int, ...], *args, **meta) -> None:
+    """Launch through `specharness::triton_attention`; the kernel's `Out` is the tensor it writes."""
     err = interpreter_error(device)
     if err is not None:
         raise RuntimeError(err)
-    if INTERPRET:
-        with _INTERPRETER_LOCK:
-            kernel[grid](*args, **meta)
-    else:
-        kernel[grid](*args, **meta)
+    args = (*args, *(meta[name] for name in kernel.arg_names[len(args):]))
+    out_at = kernel.arg_names.index("Out")
+    kinds = "".join("o" if i == out_at else "t" if isinstance(a, torch.Tensor) else "f" if isinstance(a, float) else "i"
+                    for i, a in enumerate(args))
+    pick = {k: [a for a, c in zip(args, kinds, strict=True) if c == k] for k in "tif"}
+    torch.ops.specharness.triton_attention(kernel.fn.__name__, list(grid), args[out_at], pick["t"], pick["i"], pick["f"], kinds)
 
 
 @dataclass

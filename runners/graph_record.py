@@ -1,0 +1,341 @@
+"""The CPU graph: record the ops a step body launches at capture, replay the record (DESIGN.md §2, §7).
+
+A CUDA graph replays kernels, not Python: every host value the body computed during
+capture (an int read from an attribute, a branch taken, a shape) is frozen into the
+recorded kernels, and a host read of device data cannot be captured at all. Re-running
+the body's Python at replay would hide both. So the CPU graph captures by running the
+body once under a dispatcher-level recorder (a TorchDispatchMode, thread-local, so each
+simulated rank records its own graph) and replays the list of ops it saw; no Python
+frame of the body runs at replay.
+
+What an op refers to is kept by identity, as a CUDA graph keeps device addresses:
+tensors that existed before capture (static buffers, weights, KV pools) are the same
+objects at every replay, so a replay reads their current contents; tensors made during
+capture are the graph's private pool. A replay writes every op's result into the
+tensor capture produced: an out-of-place op is computed and copied in, an in-place or
+out= op runs on the captured tensors, and a view is not re-run at all (a view made at
+capture aliases its base for good, a static buffer or a pool tensor). The body's
+outputs are therefore overwritten in place by each replay, and a consumer holding a
+view of one sees it change, as on a GPU. Non-tensor arguments (ints, shapes, dtypes)
+are the values the dispatcher received at capture.
+
+Everything the body launches must reach the dispatcher to be recorded: aten ops do;
+the collectives (runners.parallel.comm) and the Triton launches are torch custom ops
+for that reason.
+
+Capture-time guards: an op that returns device data to the host or whose output shape
+depends on device data (`.item()`, `int(t)`, `bool(t)`, `nonzero`, `unique`, boolean
+mask indexing), and the Tensor methods that read device data without a dispatcher op
+on CPU (`.tolist()`, `.numpy()`, `.cpu()`), raise GraphCaptureError naming the op and
+the body's file:line, where a CUDA capture fails. Inside a recorded op (a collective's
+own bookkeeping, the Triton interpreter) host reads are the op's business and allowed.
+"""
+from __future__ import annotations
+
+import functools
+import linecache
+import os
+import sys
+import threading
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator, NamedTuple, Optional
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+
+class GraphCaptureError(RuntimeError):
+    """The body did something a CUDA graph capture refuses (a host read of device data)."""
+
+
+_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+_GRAPH_FILES = {os.path.abspath(__file__), os.path.join(os.path.dirname(os.path.abspath(__file__)), "graph_backend.py")}
+_HOST_READ_METHODS = ("tolist", "numpy", "cpu")  # device-to-host reads that dispatch no op on a CPU tensor
+_MASK_DTYPES = (torch.bool, torch.uint8)
+
+
+def _body_site() -> str:
+    """file:line of the innermost frame outside torch and the graph machinery: the body's line."""
+    f = sys._getframe(1)
+    while f is not None:
+        name = os.path.abspath(f.f_code.co_filename)
+        if not name.startswith(_TORCH_DIR) and name not in _GRAPH_FILES:
+            code = linecache.getline(f.f_code.co_filename, f.f_lineno).strip()
+            try:
+                shown = os.path.relpath(name)
+            except ValueError:  # another drive (Windows)
+                shown = name
+            return f"{shown}:{f.f_lineno} in {f.f_code.co_name}" + (f": {code}" if code else "")
+        f = f.f_back
+    return "<no frame outside torch>"
+
+
+def _refuse(what: str) -> GraphCaptureError:
+    return GraphCaptureError(
+        f"graph capture: {what} needs device data on the host, which a CUDA graph cannot capture "
+        f"(at {_body_site()}); keep host values in the ForwardBatch's host metadata or compute on the device"
+    )
+
+
+_LOCAL_SCALAR = torch.ops.aten._local_scalar_dense.default
+_INDEX = torch.ops.aten.index.Tensor
+_INDEX_PUTS = (torch.ops.aten.index_put.default, torch.ops.aten.index_put_.default, torch.ops.aten._index_put_impl_.default)
+
+
+def _has_mask(indices: Any) -> bool:
+    return any(isinstance(i, torch.Tensor) and i.dtype in _MASK_DTYPES for i in indices or ())
+
+
+_OK, _REFUSED, _MASKABLE_READ, _MASKABLE_WRITE = range(4)
+
+
+def _capturability(func: torch._ops.OpOverload) -> int:
+    if func is _INDEX:
+        return _MASKABLE_READ
+    if func in _INDEX_PUTS:
+        return _MASKABLE_WRITE
+    if func is _LOCAL_SCALAR or torch.Tag.data_dependent_output in func.tags or torch.Tag.dynamic_output_shape in func.tags:
+        return _REFUSED
+    return _OK
+
+
+def _check_capturable(func: torch._ops.OpOverload, args: tuple, kind: int) -> None:
+    """Refuse what a CUDA capture refuses: host reads and data-dependent output shapes.
+
+    aten.index.Tensor carries the dynamic-shape tag for every index, but only a boolean
+    mask makes its shape depend on the data (an integer gather is static); a masked
+    index_put with a single value is a masked fill (no sync), with several it is not.
+    """
+    if kind == _REFUSED:
+        what = "(.item(), int(t), float(t), bool(t))" if func is _LOCAL_SCALAR else "(data-dependent output)"
+        raise _refuse(f"{func} {what}")
+    if _has_mask(args[1]) and (kind == _MASKABLE_READ or args[2].numel() != 1):
+        raise _refuse(f"{func} with a boolean mask (data-dependent shape)")
+
+
+# ---- Tensor methods that read device data without a dispatcher op (on CPU) ----
+
+_state = threading.local()  # .capturing: this thread runs a body under capture (and not inside a recorded op)
+_guard_lock = threading.Lock()
+_guard_holders = 0
+_originals: dict[str, Callable] = {}
+
+
+def _capturing() -> bool:
+    return getattr(_state, "capturing", False)
+
+
+def recording() -> bool:
+    """True while this thread runs a body under a recording capture: the CPU graph's
+    torch.cuda.is_current_stream_capturing(), for code that plans on the host outside capture."""
+    return _capturing()
+
+
+def _guarded(name: str, original: Callable) -> Callable:
+    @functools.wraps(original)
+    def method(self, *args, **kwargs):
+        if _capturing():
+            raise _refuse(f"Tensor.{name}()")
+        return original(self, *args, **kwargs)
+
+    return method
+
+
+@contextmanager
+def _host_read_guard() -> Iterator[None]:
+    """Guard the host-read methods while any thread captures; the guard passes other threads through.
+
+    Process-wide (the methods are torch.Tensor's) and re-entrant across threads, as
+    no_gc_during_capture is: installed by the first capture, removed after the last.
+    """
+    global _guard_holders
+    with _guard_lock:
+        if _guard_holders == 0:
+            for name in _HOST_READ_METHODS:
+                _originals[name] = getattr(torch.Tensor, name)
+                setattr(torch.Tensor, name, _guarded(name, _originals[name]))
+        _guard_holders += 1
+    try:
+        yield
+    finally:
+        with _guard_lock:
+            _guard_holders -= 1
+            if _guard_holders == 0:
+                for name, original in _originals.items():
+                    setattr(torch.Tensor, name, original)
+                _originals.clear()
+
+
+@contextmanager
+def _capturing_as(value: bool) -> Iterator[None]:
+    saved = _capturing()
+    _state.capturing = value
+    try:
+        yield
+    finally:
+        _state.capturing = saved
+
+
+# ---- the record ----
+
+
+class RecordedOp(NamedTuple):
+    """One dispatcher call as capture saw it, and how a replay leaves its result in the captured tensors.
+
+    Out-of-place ops with an out= overload are recorded as that overload writing straight
+    into their captured outputs; the others are computed and copied in, `refresh` pairing
+    result positions with the captured tensors they overwrite.
+    """
+
+    func: torch._ops.OpOverload
+    args: tuple
+    kwargs: dict
+    refresh: tuple[tuple[int, torch.Tensor], ...] = ()
+
+    def __str__(self) -> str:
+        return str(self.func)
+
+
+_MUTATES, _VIEW, _FUNCTIONAL = range(3)
+_UNANNOTATED_VIEWS = (torch.ops.aten._unsafe_view.default,)  # aliases its input without saying so in its schema
+
+
+def _effect(func: torch._ops.OpOverload) -> int:
+    schema = func._schema
+    if any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments):
+        return _MUTATES  # in-place, out= and mutating custom ops: re-run on the captured tensors
+    if func in _UNANNOTATED_VIEWS or (schema.returns and all(r.alias_info is not None for r in schema.returns)):
+        return _VIEW
+    return _FUNCTIONAL
+
+
+def _signature(schema: torch._C.FunctionSchema) -> list[tuple[str, str]]:
+    return [(a.name, str(a.type)) for a in schema.arguments if not a.is_out]
+
+
+def _out_overload(func: torch._ops.OpOverload) -> Optional[tuple[torch._ops.OpOverload, tuple[str, ...]]]:
+    """The out= overload of a functional op with the same arguments, and its out argument names."""
+    want = _signature(func._schema)
+    packet = func.overloadpacket
+    for name in packet.overloads():
+        cand = getattr(packet, name)
+        outs = tuple(a.name for a in cand._schema.arguments if a.is_out)
+        if outs and len(outs) == len(func._schema.returns) and _signature(cand._schema) == want:
+            return cand, outs
+    return None
+
+
+class _Plan(NamedTuple):
+    """What the recorder does with one op, decided once per op."""
+
+    func: torch._ops.OpOverload  # held, so the id keying the plan stays this op's
+    capturability: int
+    effect: int
+    out: Optional[tuple[torch._ops.OpOverload, tuple[str, ...]]]
+
+
+_PLANS: dict[int, _Plan] = {}  # by id(func): an OpOverload's own hash is Python code, run per op otherwise
+
+
+def _plan(func: torch._ops.OpOverload) -> _Plan:
+    plan = _PLANS.get(id(func))
+    if plan is None:
+        effect = _effect(func)
+        plan = _PLANS[id(func)] = _Plan(func, _capturability(func), effect, _out_overload(func) if effect == _FUNCTIONAL else None)
+    return plan
+
+
+def _record(plan: _Plan, args: tuple, kwargs: dict, out: Any) -> Optional[RecordedOp]:
+    """The op to replay, or None for a view (its captured output aliases its base for good)."""
+    if plan.effect == _VIEW:
+        return None
+    if plan.effect == _MUTATES:
+        return RecordedOp(plan.func, args, kwargs)
+    if isinstance(out, torch.Tensor):  # the common case, one output
+        if not out.numel():
+            return None
+        if plan.out is not None and len(plan.out[1]) == 1:
+            return RecordedOp(plan.out[0], args, {**kwargs, plan.out[1][0]: out})
+        return RecordedOp(plan.func, args, kwargs, ((0, out),))
+    leaves = tree_leaves(out)
+    tensors = [t for t in leaves if isinstance(t, torch.Tensor)]
+    if not any(t.numel() for t in tensors):
+        return None  # no data to refresh (a metadata query, an empty result)
+    if plan.out is not None and len(tensors) == len(leaves) == len(plan.out[1]):
+        return RecordedOp(plan.out[0], args, {**kwargs, **dict(zip(plan.out[1], leaves, strict=True))})
+    return RecordedOp(plan.func, args, kwargs, tuple((i, t) for i, t in enumerate(leaves) if isinstance(t, torch.Tensor) and t.numel()))
+
+
+class _Recorder(TorchDispatchMode):
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        return False  # no torch.compile inside a capture: spare every op the disable-dynamo wrapper
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[RecordedOp] = []
+        self.views = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        plan = _plan(func)
+        if plan.capturability != _OK:
+            _check_capturable(func, args, plan.capturability)
+        _state.capturing = False  # the op's own implementation may read the host (collective bookkeeping, interpreter)
+        try:
+            out = func(*args, **kwargs)
+        finally:
+            _state.capturing = True
+        op = _record(plan, args, kwargs, out)
+        if op is None:
+            self.views += 1
+        else:
+            self.ops.append(op)
+        return out
+
+
+class RecordedGraph:
+    """The CPU graph: `capture` runs the body once under the recorder, `replay` re-issues the recorded ops.
+
+    The body is dropped after capture: a replay has no Python of the body to run.
+    """
+
+    kind = "sim"
+
+    def __init__(self, body: Callable[[], Any]):
+        self._body: Optional[Callable[[], Any]] = body
+        self.output: Any = None
+        self.ops: list[RecordedOp] = []
+        self.num_views = 0  # view ops seen at capture, not re-run (their outputs alias their bases)
+        self._calls: list[tuple[Callable, tuple, dict, tuple]] = []
+
+    @property
+    def num_ops(self) -> int:
+        return len(self.ops)
+
+    def capture(self) -> Any:
+        if self._body is None:
+            raise RuntimeError("this graph was captured already")
+        recorder = _Recorder()
+        with _host_read_guard(), _capturing_as(True), recorder:
+            self.output = self._body()
+        self.ops, self.num_views, self._body = recorder.ops, recorder.views, None
+        # OpOverload.__call__ only forwards to the C++ op: call that directly
+        self._calls = [(getattr(op.func, "_op", op.func), op.args, op.kwargs, op.refresh) for op in self.ops]
+        return self.output
+
+    def replay(self) -> None:
+        for call, args, kwargs, refresh in self._calls:
+            out = call(*args, **kwargs)
+            if refresh:
+                leaves = (out,) if isinstance(out, torch.Tensor) else tree_leaves(out)
+                for i, dst in refresh:
+                    dst.copy_(leaves[i])
+
+    def op_counts(self) -> dict[str, int]:
+        """Recorded ops by name, for reports."""
+        counts: dict[str, int] = {}
+        for op in self.ops:
+            counts[str(op)] = counts.get(str(op), 0) + 1
+        return counts
