@@ -420,7 +420,6 @@ BY_ID.update({m.id: m for m in CATALOG})
 # Each body is correct whenever its Python runs with live host state, so a CPU graph that
 # re-ran the body at replay passed them all; the recorded graph (runners.graph_record)
 # freezes host values at capture and refuses host reads, as a CUDA graph does.
-from runners.attention.torch_ref import AttnMetadata  # noqa: E402
 from runners.draft_extend import SEQ_LEN_FILL_VALUE  # noqa: E402
 from runners.memory import ReqToTokenPool  # noqa: E402
 
