@@ -9,7 +9,6 @@ must prove harmless.
 """
 from __future__ import annotations
 
-import bisect
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -27,9 +26,9 @@ from runners.draft_extend import (
     with_step_inputs,
 )
 from runners.graph_backend import GraphBackend
+from runners.graph_runner import BucketedGraphRunner
 from runners.memory import PADDING_ROW, PADDING_SLOT
-from runners.parallel.comm import Group
-from runners.parallel.layout import Branch, ParallelLayout
+from runners.parallel.layout import ParallelLayout
 
 
 def compute_capture_bs(layout: ParallelLayout, configured: tuple[int, ...] | list[int], max_running_requests: int) -> list[int]:
@@ -75,7 +74,7 @@ class ReplayRecord:
     captured_bs: list[int] = field(default_factory=list)
 
 
-class EagleDraftExtendCudaGraphRunnerBase:
+class EagleDraftExtendCudaGraphRunnerBase(BucketedGraphRunner):
     runner_kind = "base"
 
     def __init__(self, worker: DraftWorker, step: int, backend: GraphBackend):
@@ -162,28 +161,11 @@ class EagleDraftExtendCudaGraphRunnerBase:
         out.logits = self.next_token_logits_buffer[:n]
         return out
 
-    def capture(self) -> None:
-        comm = self.worker.ctx.comm
-        for bs in reversed(self.capture_bs):
-            fb = self.get_forward_batch(bs).frozen()
-            self.capture_batches[bs] = fb
-            for _ in range(2):  # warm-up, as the engine does, with the capture-time metadata
-                self.backend.warmup(lambda fb=fb: self._body(fb))
-                comm.barrier(Group.WORLD)
-            self.graphs[bs] = self.backend.capture(lambda fb=fb: self._body(fb))
+    @property
+    def comm(self):
+        return self.worker.ctx.comm
 
     # ---- replay (§6.4) ----
-    def can_run(self, inp: DraftExtendInputs) -> bool:
-        return self._needed_bs(inp) <= self.max_bs
-
-    def _needed_bs(self, inp: DraftExtendInputs) -> int:
-        if self.layout.branch is Branch.MLP_TP_GATHER:
-            return max(inp.dp_batch_sizes)  # every DP group must replay the same bucket
-        return inp.bs
-
-    def _choose_bucket(self, needed: int) -> int:
-        return self.capture_bs[bisect.bisect_left(self.capture_bs, needed)]
-
     def reset_for_iteration(self, raw_bs: int, accept_lens: torch.Tensor) -> None:
         """Once per decode iteration, before the first step: reset token buffers, seq lens and request rows.
 

@@ -15,7 +15,6 @@ requests for the largest bucket).
 """
 from __future__ import annotations
 
-import bisect
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -27,10 +26,9 @@ from runners.cuda_graph import CaptureRecord, ReplayRecord, _tolist, compute_cap
 from runners.dp_metadata import gathered_metadata
 from runners.draft_extend import SEQ_LEN_FILL_VALUE
 from runners.graph_backend import GraphBackend
+from runners.graph_runner import BucketedGraphRunner
 from runners.memory import PADDING_SLOT
-from runners.parallel.comm import Group
 from runners.parallel.dp_attention import RankContext
-from runners.parallel.layout import Branch
 from runners.target import Lane, TargetOutput, TargetRunner, target_step
 
 
@@ -62,7 +60,7 @@ def verify_inputs(lanes: Sequence[Lane], dp_batch_sizes: list[int], device: torc
     )
 
 
-class TargetVerifyCudaGraphRunner:
+class TargetVerifyCudaGraphRunner(BucketedGraphRunner):
     """One rank's TARGET_VERIFY graphs. `target=None` gives a metadata-only runner (no model:
     get_forward_batch and prepare_replay only), which the fast P1 path drives."""
 
@@ -138,28 +136,11 @@ class TargetVerifyCudaGraphRunner:
         self.logits_buffer[:n].copy_(out.logits)
         return TargetOutput(self.hidden_buffer[:n], self.logits_buffer[:n], out.rows_fed)
 
-    def capture(self) -> None:
-        comm = self.ctx.comm
-        for bs in reversed(self.capture_bs):
-            fb = self.get_forward_batch(bs).frozen()
-            self.capture_batches[bs] = fb
-            for _ in range(2):  # warm-up with the capture-time metadata, as the engine does
-                self.backend.warmup(lambda fb=fb: self._body(fb))
-                comm.barrier(Group.WORLD)
-            self.graphs[bs] = self.backend.capture(lambda fb=fb: self._body(fb))
+    @property
+    def comm(self):
+        return self.ctx.comm
 
     # ---- replay (§6.4) ----
-    def _needed_bs(self, inp: VerifyInputs) -> int:
-        if self.layout.branch is Branch.MLP_TP_GATHER:
-            return max(inp.dp_batch_sizes)  # every DP group must replay the same bucket
-        return inp.bs
-
-    def can_run(self, inp: VerifyInputs) -> bool:
-        return self._needed_bs(inp) <= self.max_bs
-
-    def _choose_bucket(self, needed: int) -> int:
-        return self.capture_bs[bisect.bisect_left(self.capture_bs, needed)]
-
     def _copy_live_inputs(self, inp: VerifyInputs) -> None:
         raw_n = inp.bs * self.T
         self.input_ids[:raw_n].copy_(inp.input_ids)
