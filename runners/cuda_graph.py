@@ -9,7 +9,6 @@ must prove harmless.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
@@ -26,57 +25,11 @@ from runners.draft_extend import (
     with_step_inputs,
 )
 from runners.graph_backend import GraphBackend
-from runners.graph_runner import BucketedGraphRunner
+from runners.graph_runner import BucketedGraphRunner, CaptureRecord, ReplayRecord, compute_capture_bs
 from runners.memory import PADDING_ROW, PADDING_SLOT
-from runners.parallel.layout import ParallelLayout
-
-
-def compute_capture_bs(layout: ParallelLayout, configured: tuple[int, ...] | list[int], max_running_requests: int) -> list[int]:
-    """Buckets: multiples of the base that fit the request pool, plus the rounded pool size if it was cut."""
-    base = layout.capture_bs_base
-    kept = sorted({b for b in configured if b % base == 0 and b <= max_running_requests})
-    if max(configured) > max_running_requests or not kept:
-        top = -(-max_running_requests // base) * base
-        kept = sorted(set(kept) | {top})
-    return kept
-
-
-@dataclass
-class CaptureRecord:
-    """Host and gpu metadata as baked for one bucket (the capture side of invariant I1)."""
-
-    bs: int
-    num_tokens: int
-    host: dict
-    global_num_tokens_gpu: Optional[list[int]]
-    global_num_tokens_for_logprob_gpu: Optional[list[int]]
-
-
-@dataclass
-class ReplayRecord:
-    """What one replay used: the baked host values of its bucket and the gpu values after the fill."""
-
-    runner: str
-    step: int
-    branch: str
-    raw_bs: int
-    bs: int
-    tokens_per_bs: int
-    capture: CaptureRecord
-    global_num_tokens_gpu: Optional[list[int]]
-    global_num_tokens_for_logprob_gpu: Optional[list[int]]
-    gpu_shape: Optional[tuple[int, ...]]
-    padded_seq_lens: list[int]
-    seq_lens_sum: int
-    seq_lens_sum_actual: int
-    rows_fed: Optional[int] = None
-    logits_rows: Optional[int] = None
-    captured_bs: list[int] = field(default_factory=list)
 
 
 class EagleDraftExtendCudaGraphRunnerBase(BucketedGraphRunner):
-    runner_kind = "base"
-
     def __init__(self, worker: DraftWorker, step: int, backend: GraphBackend):
         self.worker, self.step, self.backend = worker, step, backend
         self.layout = worker.ctx.layout
@@ -98,12 +51,7 @@ class EagleDraftExtendCudaGraphRunnerBase(BucketedGraphRunner):
         # Output only; a metadata-only worker (no model) never runs the body, so skips its 256 KiB.
         logits_rows = n if worker.model is not None else 0
         self.next_token_logits_buffer = torch.zeros(logits_rows, cfg.vocab_size, dtype=torch.float32, device=dev)
-        gathered_len = self.layout.attn_dp_size if self.layout.require_mlp_tp_gather else 1
-        if self.layout.require_gathered_buffer:
-            self.global_num_tokens_gpu = torch.zeros(gathered_len, dtype=torch.int32, device=dev)
-            self.global_num_tokens_for_logprob_gpu = torch.zeros(gathered_len, dtype=torch.int32, device=dev)
-        else:
-            self.global_num_tokens_gpu = self.global_num_tokens_for_logprob_gpu = None
+        self._init_gathered(dev)
         self.graphs: dict[int, object] = {}
         self.capture_batches: dict[int, ForwardBatch] = {}  # the frozen batch each bucket's graph was captured with
         self.capture_records: dict[int, CaptureRecord] = {}
@@ -124,9 +72,7 @@ class EagleDraftExtendCudaGraphRunnerBase(BucketedGraphRunner):
         dp = self.layout.attn_dp_size
         num_tokens, lp_tokens = self._capture_num_tokens(bs), self._capture_for_logprob(bs)
         meta = gathered_metadata(self.layout, [num_tokens] * dp, [lp_tokens] * dp, self.worker.ctx.attn_dp_rank)
-        if self.global_num_tokens_gpu is not None:
-            self.global_num_tokens_gpu.copy_(torch.tensor(meta.global_num_tokens, dtype=torch.int32))
-            self.global_num_tokens_for_logprob_gpu.copy_(torch.tensor(meta.global_num_tokens_for_logprob, dtype=torch.int32))
+        self._bake_gathered(meta)
         fb = ForwardBatch(
             forward_mode=ForwardMode.DRAFT_EXTEND_V2,
             batch_size=bs,
@@ -148,10 +94,7 @@ class EagleDraftExtendCudaGraphRunnerBase(BucketedGraphRunner):
             global_num_tokens_for_logprob_gpu=self.global_num_tokens_for_logprob_gpu,
             global_dp_buffer_len=meta.global_dp_buffer_len,
         )
-        self.capture_records[bs] = CaptureRecord(
-            bs, n, fb.host_metadata(), _tolist(self.global_num_tokens_gpu), _tolist(self.global_num_tokens_for_logprob_gpu)
-        )
-        return fb
+        return self._keep_capture_record(fb)
 
     # ---- capture (§6.2) ----
     def _body(self, fb: ForwardBatch) -> StepOutputs:
@@ -205,49 +148,10 @@ class EagleDraftExtendCudaGraphRunnerBase(BucketedGraphRunner):
             self.global_num_tokens_for_logprob_gpu.fill_(self._replay_fill_tokens(bs))
         return bs
 
-    def _record(self, inp: DraftExtendInputs, bs: int) -> ReplayRecord:
-        """What P1 compares: reads the static buffers back to the host (device syncs; an engine skips this)."""
-        raw_bs = inp.bs
-        seq_lens_sum = int(inp.seq_lens.sum()) + (bs - raw_bs) * SEQ_LEN_FILL_VALUE
-        capture = self.capture_records.get(bs) or self._capture_record_for(bs)
-        return ReplayRecord(
-            runner=self.runner_kind,
-            step=self.step,
-            branch=self.layout.branch.value,
-            raw_bs=raw_bs,
-            bs=bs,
-            tokens_per_bs=self.T,
-            capture=capture,
-            global_num_tokens_gpu=_tolist(self.global_num_tokens_gpu),
-            global_num_tokens_for_logprob_gpu=_tolist(self.global_num_tokens_for_logprob_gpu),
-            gpu_shape=None if self.global_num_tokens_gpu is None else tuple(self.global_num_tokens_gpu.shape),
-            padded_seq_lens=self.seq_lens[raw_bs:bs].tolist(),
-            seq_lens_sum=seq_lens_sum,
-            seq_lens_sum_actual=int(self.seq_lens[:bs].sum()),
-            captured_bs=list(self.capture_bs),
-        )
-
-    def _capture_record_for(self, bs: int) -> CaptureRecord:
-        """Metadata-only mode: bake the bucket's batch without capturing a graph; keep the live fill."""
-        saved = (_tolist(self.global_num_tokens_gpu), _tolist(self.global_num_tokens_for_logprob_gpu))
-        self.get_forward_batch(bs)
-        if saved[0] is not None:
-            self.global_num_tokens_gpu.copy_(torch.tensor(saved[0], dtype=torch.int32))
-            self.global_num_tokens_for_logprob_gpu.copy_(torch.tensor(saved[1], dtype=torch.int32))
-        return self.capture_records[bs]
-
     def replay(self, inp: DraftExtendInputs, record: bool = True) -> tuple[StepOutputs, Optional[ReplayRecord]]:
         bs = self._fill_for_replay(inp)
         rec = self._record(inp, bs) if record else None
-        graph = self.graphs[bs]
-        replan = getattr(self.worker.attn, "init_forward_metadata_replay_cuda_graph", None)
-        if replan is not None:  # host-planned backends (flashinfer): re-plan with the live lanes, outside the graph
-            replan(self.capture_batches[bs])
-        self.backend.replay(graph)
-        out: StepOutputs = graph.output
-        if rec is not None:
-            rec.rows_fed = int(out.rows_fed)
-            rec.logits_rows = int(out.logits.shape[0])
+        out: StepOutputs = self._replay_graph(bs, self.worker.attn, rec)
         return out.sliced(inp.bs, self.T), rec
 
 
@@ -307,7 +211,3 @@ class DraftExtendGraphDriver:
                 records.append(rec)
             step_inp = with_step_inputs(inp, out.next_input_ids, out.hidden)
         return outs, records
-
-
-def _tolist(t: Optional[torch.Tensor]) -> Optional[list[int]]:
-    return None if t is None else [int(x) for x in t.tolist()]

@@ -22,11 +22,10 @@ import torch
 
 from runners.batch import ForwardBatch, ForwardMode
 from runners.config import ModelConfig, SpecConfig
-from runners.cuda_graph import CaptureRecord, ReplayRecord, _tolist, compute_capture_bs
 from runners.dp_metadata import gathered_metadata
 from runners.draft_extend import SEQ_LEN_FILL_VALUE
 from runners.graph_backend import GraphBackend
-from runners.graph_runner import BucketedGraphRunner
+from runners.graph_runner import BucketedGraphRunner, CaptureRecord, ReplayRecord, compute_capture_bs
 from runners.memory import PADDING_SLOT
 from runners.parallel.dp_attention import RankContext
 from runners.target import Lane, TargetOutput, TargetRunner, target_step
@@ -65,7 +64,6 @@ class TargetVerifyCudaGraphRunner(BucketedGraphRunner):
     get_forward_batch and prepare_replay only), which the fast P1 path drives."""
 
     runner_kind = "target_verify"
-    step = 0  # one pass per verify (records share the draft-extend runners' shape)
 
     def __init__(self, ctx: RankContext, cfg: ModelConfig, spec: SpecConfig, target: Optional[TargetRunner],
                  backend: GraphBackend, device: torch.device | str = "cpu"):
@@ -86,12 +84,7 @@ class TargetVerifyCudaGraphRunner(BucketedGraphRunner):
         rows = n if target is not None else 0  # outputs only; a metadata-only runner never runs the body
         self.hidden_buffer = torch.zeros(rows, cfg.hidden_size, dtype=cfg.torch_dtype, device=dev)
         self.logits_buffer = torch.zeros(rows, cfg.vocab_size, dtype=torch.float32, device=dev)
-        gathered_len = self.layout.attn_dp_size if self.layout.require_mlp_tp_gather else 1
-        if self.layout.require_gathered_buffer:
-            self.global_num_tokens_gpu = torch.zeros(gathered_len, dtype=torch.int32, device=dev)
-            self.global_num_tokens_for_logprob_gpu = torch.zeros(gathered_len, dtype=torch.int32, device=dev)
-        else:
-            self.global_num_tokens_gpu = self.global_num_tokens_for_logprob_gpu = None
+        self._init_gathered(dev)
         self.graphs: dict[int, object] = {}
         self.capture_batches: dict[int, ForwardBatch] = {}
         self.capture_records: dict[int, CaptureRecord] = {}
@@ -100,9 +93,7 @@ class TargetVerifyCudaGraphRunner(BucketedGraphRunner):
     def get_forward_batch(self, bs: int) -> ForwardBatch:
         n = bs * self.T
         meta = gathered_metadata(self.layout, [n] * self.layout.attn_dp_size, [n] * self.layout.attn_dp_size, self.ctx.attn_dp_rank)
-        if self.global_num_tokens_gpu is not None:
-            self.global_num_tokens_gpu.copy_(torch.tensor(meta.global_num_tokens, dtype=torch.int32))
-            self.global_num_tokens_for_logprob_gpu.copy_(torch.tensor(meta.global_num_tokens_for_logprob, dtype=torch.int32))
+        self._bake_gathered(meta)
         fb = ForwardBatch(
             forward_mode=ForwardMode.TARGET_VERIFY,
             batch_size=bs,
@@ -124,9 +115,7 @@ class TargetVerifyCudaGraphRunner(BucketedGraphRunner):
             global_num_tokens_for_logprob_gpu=self.global_num_tokens_for_logprob_gpu,
             global_dp_buffer_len=meta.global_dp_buffer_len,
         )
-        self.capture_records[bs] = CaptureRecord(bs, n, fb.host_metadata(), _tolist(self.global_num_tokens_gpu),
-                                                 _tolist(self.global_num_tokens_for_logprob_gpu))
-        return fb
+        return self._keep_capture_record(fb)
 
     # ---- capture (§6.2) ----
     def _body(self, fb: ForwardBatch) -> TargetOutput:
@@ -186,34 +175,9 @@ class TargetVerifyCudaGraphRunner(BucketedGraphRunner):
         """Copy in, choose the bucket, write the replay fill; no graph runs (the fast P1 path)."""
         return self._record(inp, self._fill_for_replay(inp))
 
-    def _record(self, inp: VerifyInputs, bs: int) -> ReplayRecord:
-        """What P1 compares: the static buffers read back to the host (device syncs; an engine skips this)."""
-        if bs not in self.capture_records:  # metadata-only: bake the bucket, keep the live fill
-            self.get_forward_batch(bs)
-            self._fill_gathered(bs)
-        return ReplayRecord(
-            runner=self.runner_kind, step=self.step, branch=self.layout.branch.value, raw_bs=inp.bs, bs=bs, tokens_per_bs=self.T,
-            capture=self.capture_records[bs],
-            global_num_tokens_gpu=_tolist(self.global_num_tokens_gpu),
-            global_num_tokens_for_logprob_gpu=_tolist(self.global_num_tokens_for_logprob_gpu),
-            gpu_shape=None if self.global_num_tokens_gpu is None else tuple(self.global_num_tokens_gpu.shape),
-            padded_seq_lens=self.seq_lens[inp.bs : bs].tolist(),
-            seq_lens_sum=int(inp.seq_lens.sum()) + (bs - inp.bs) * SEQ_LEN_FILL_VALUE,
-            seq_lens_sum_actual=int(self.seq_lens[:bs].sum()),
-            captured_bs=list(self.capture_bs),
-        )
-
     def replay(self, inp: VerifyInputs, record: bool = True) -> tuple[TargetOutput, Optional[ReplayRecord]]:
         bs = self._fill_for_replay(inp)
         rec = self._record(inp, bs) if record else None
-        graph = self.graphs[bs]
-        replan = getattr(self.target.attn, "init_forward_metadata_replay_cuda_graph", None)
-        if replan is not None:  # host-planned backends (flashinfer): re-plan with the live lanes, outside the graph
-            replan(self.capture_batches[bs])
-        self.backend.replay(graph)
-        out: TargetOutput = graph.output
-        if rec is not None:
-            rec.rows_fed = int(out.rows_fed)
-            rec.logits_rows = int(out.logits.shape[0])
+        out: TargetOutput = self._replay_graph(bs, self.target.attn, rec)
         n = inp.bs * self.T
         return TargetOutput(out.hidden[:n].clone(), out.logits[:n].clone(), out.rows_fed.clone()), rec
