@@ -23,8 +23,9 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from engine_releases import installed_release
 
-from harness.engines.install import EngineSpec, InstallError, ensure_installed
+from harness.engines.install import EngineSpec
 
 REPO = Path(__file__).resolve().parent.parent
 SEED_BUG = "0.5.13.post1"
@@ -33,13 +34,6 @@ NEWEST = os.environ.get("SPECHARNESS_SGLANG_NEWEST", "0.5.23")
 T = 4  # num_draft_tokens of harness.engines.sglang.config.EngineConfig: tokens per request in draft-extend
 
 pytestmark = pytest.mark.timeout(900)
-
-
-def _installed(version: str) -> Path:
-    try:
-        return ensure_installed(version, log=lambda m: print(m, file=sys.stderr))
-    except InstallError as e:
-        pytest.skip(f"cannot install sglang=={version} here: {e}")
 
 
 def _run(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
@@ -56,7 +50,7 @@ def _python(code: str, timeout: float = 600) -> subprocess.CompletedProcess:
 
 
 def test_seed_bug_release_fails_naming_the_field_branch_and_counts():
-    _installed(SEED_BUG)
+    installed_release(SEED_BUG)
     proc = _run("--engine", f"sglang=={SEED_BUG}")
     assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
     out = proc.stdout
@@ -87,7 +81,7 @@ def test_seed_bug_release_fails_naming_the_field_branch_and_counts():
 
 
 def test_fixed_release_passes_with_json():
-    _installed(FIXED)
+    installed_release(FIXED)
     proc = _run("--engine", f"sglang=={FIXED}", "--json")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rep = json.loads(proc.stdout)
@@ -104,7 +98,7 @@ def test_fixed_release_passes_with_json():
 def test_newest_release_passes_on_the_gpu_path_and_fails_only_the_native_twins_token_tail():
     """The Triton fill kernel (the GPU path) zeroes the padded token rows; its native twin (the NPU path)
     leaves them as the last, larger batch wrote them: the only failures, and each says path=npu."""
-    _installed(NEWEST)
+    installed_release(NEWEST)
     proc = _run("--engine", f"sglang=={NEWEST}", "--json")
     assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
     rep = json.loads(proc.stdout)
@@ -123,7 +117,7 @@ def test_newest_release_passes_on_the_gpu_path_and_fails_only_the_native_twins_t
 def test_newest_release_planted_engine_bugs_are_caught_and_moves_are_named():
     """Plant the seed bug and a stale padded lane in the newest release's own code; then make its
     runner read an attribute our stand-ins lack, as a new release would."""
-    target = _installed(NEWEST)
+    target = installed_release(NEWEST)
     proc = _python(f"""
         import json, sys
         from pathlib import Path

@@ -19,8 +19,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
-
-from harness.engines.install import InstallError, ensure_installed
+from engine_releases import installed_release
 
 REPO = Path(__file__).resolve().parent.parent
 NEWEST = os.environ.get("SPECHARNESS_SGLANG_NEWEST", "0.5.23")
@@ -30,14 +29,6 @@ ATTN_TP = "ParallelLayout(4, 1, False, 1)"  # attn-TP gather: gathered buffers, 
 PLAIN = "ParallelLayout(4)"  # neither branch
 
 pytestmark = pytest.mark.timeout(900)
-
-
-def _installed(version: str) -> Path:
-    """The installed release (installed here if missing)."""
-    try:
-        return ensure_installed(version, log=lambda m: print(m, file=sys.stderr))
-    except InstallError as e:
-        pytest.skip(f"cannot install sglang=={version} here: {e}")
 
 
 def _plant(src: Path, dst: Path, rel: str, old: str, new: str) -> Path:
@@ -76,7 +67,7 @@ def _kinds(fails: list[dict]) -> set[tuple]:
 
 @pytest.fixture(scope="module")
 def newest() -> Path:
-    return _installed(NEWEST)
+    return installed_release(NEWEST)
 
 
 @pytest.fixture(scope="module")
