@@ -42,6 +42,7 @@ from typing import Any, Callable, Iterator, Optional
 
 from harness.ranks.child import child_main
 from harness.ranks.heartbeat import HEARTBEAT_ENV
+from harness.ranks.joined import current_world
 from harness.ranks.outcomes import (  # noqa: F401 - the launch's outcomes, importable from here
     FAIL_EXIT_CODE,
     ORPHAN_EXIT_CODE,
@@ -144,6 +145,10 @@ def launch(
     """
     import torch.multiprocessing as tmp_mp
 
+    world = current_world()
+    if world is not None:  # started by torchrun / srun: the launched processes are the ranks
+        return world.launch(layout, fn, *args, backend=backend, timeout_s=timeout_s, failure_grace_s=failure_grace_s,
+                            check_signatures=check_signatures)
     ws = layout.world_size
     backend = resolve_backend(backend, ws)
     try:
