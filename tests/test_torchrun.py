@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from harness.case_template import new_case
 from harness.errors import UsageError
@@ -105,6 +106,12 @@ def test_world_size_mismatch_is_a_usage_error_on_every_rank_slurm():
     assert "needs world size 4" in err0 and "WORLD_SIZE=2" in err0 and "slurm" in err0
     assert "Traceback" not in err0
     assert ranks[1][1:] == ("", "")  # rank 1 is quiet: rank 0 reports for it
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for a machine without a GPU")
+def test_nccl_without_a_gpu_is_a_usage_error():
+    (code, out, err), = _launch_by_env(1, ["check", "--ranks", "nccl", "tp1_neither"])
+    assert code == 2 and "--ranks: rank 0: backend nccl needs a GPU per rank: LOCAL_RANK=0, and this node has 0" in err, err
 
 
 def test_planted_desync_fails_every_rank_naming_rank_and_collective():

@@ -176,6 +176,9 @@ class JoinedWorld:
         try:
             try:
                 if backend == "nccl":
+                    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+                    if self.env.local_rank >= gpus:
+                        raise RankSkip(f"backend nccl needs a GPU per rank: LOCAL_RANK={self.env.local_rank}, and this node has {gpus}")
                     torch.cuda.set_device(self.env.local_rank)
                 store = dist.PrefixStore(f"{self.prefix}pg/{n}/", self.store)
                 dist.init_process_group(backend, store=store, rank=self.rank, world_size=self.world_size,
