@@ -162,8 +162,7 @@ class JoinedWorld:
             if kind == "exit":
                 return int(body)
             layout, backend, fn, args, timeout_s, check_signatures = pickle.loads(body)
-            out = self._run_part(n, layout, backend, fn, args, timeout_s, check_signatures)
-            del out
+            self._run_part(n, layout, backend, fn, args, timeout_s, check_signatures)
             n += 1
 
     def _run_part(self, n: int, layout: ParallelLayout, backend: str, fn: Callable[..., Any], args: tuple,
@@ -188,7 +187,9 @@ class JoinedWorld:
                 out = Outcome(self.rank, "ok", to_cpu(fn(comm, *args)))
             except RankSkip as e:
                 out = Outcome(self.rank, "skip", str(e) or "RankSkip")
-            except Exception as e:  # noqa: BLE001 - every failure goes to rank 0 through the store
+            except KeyboardInterrupt:
+                raise
+            except BaseException as e:  # noqa: BLE001 - every failure (pytest.skip too) goes to rank 0 through the store
                 if is_pytest_skip(e):
                     out = Outcome(self.rank, "skip", str(getattr(e, "msg", e)))
                 else:
