@@ -61,6 +61,7 @@ def test_wheel_ships_cases_and_goldens_as_package_data(installed):
         assert want and want <= set(names), sorted(want - set(names))[:5]
 
 
+@pytest.mark.timeout(900)  # every shipped case on 2 loaded cores; quiet, about a minute
 def test_installed_wheel_checks_the_shipped_cases_green_outside_the_repo(installed):
     venv, purelib, env, work, _ = installed
     harness_bin = venv / "bin" / "harness"

@@ -52,7 +52,8 @@ def _torchrun(nproc: int, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, cwd=ROOT, env=_base_env(), capture_output=True, text=True, timeout=LIMIT_S)
 
 
-def _launch_by_env(nproc: int, args: list[str], slurm: bool = False, extra_env: dict[str, str] | None = None) -> list[tuple[int, str, str]]:
+def _launch_by_env(nproc: int, args: list[str], slurm: bool = False, extra_env: dict[str, str] | None = None,
+                   program: tuple[str, ...] = ("-m", "harness.cli")) -> list[tuple[int, str, str]]:
     """Start nproc `python -m harness.cli ...` as a launcher would; (exit code, stdout, stderr) per rank."""
     port = str(_free_port())
     procs = []
@@ -62,7 +63,7 @@ def _launch_by_env(nproc: int, args: list[str], slurm: bool = False, extra_env: 
             env |= {"SLURM_PROCID": str(r), "SLURM_NTASKS": str(nproc), "SLURM_LOCALID": str(r), "SLURM_JOB_ID": "7"}
         else:
             env |= {"RANK": str(r), "WORLD_SIZE": str(nproc), "LOCAL_RANK": str(r)}
-        procs.append(subprocess.Popen([sys.executable, "-m", "harness.cli", *args], cwd=ROOT, env=env,
+        procs.append(subprocess.Popen([sys.executable, *program, *args], cwd=ROOT, env=env,
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     out = []
     try:
@@ -136,6 +137,20 @@ def test_rank_returning_early_is_a_deadlock_not_a_hang(tmp_path):
     out0 = ranks[0][1]
     assert "deadlock after" in out0
     assert "rank 0 waits in all_gather(group=attn_dp" in out0 and "for rank(s) 1, which returned from fn" in out0
+
+
+def test_rank_failure_names_the_rank_and_the_collective_its_peer_waits_in():
+    """Rank 1 raises while rank 0 waits for it in an all_gather: rank 1 leaves its process group,
+    so rank 0's collective fails at once instead of at the 60 s timeout, and the report leads
+    with rank 1's exception, rank 0's collective named as a consequence."""
+    ranks = _launch_by_env(2, [], program=(str(ROOT / "tests" / "joined_rank_fails.py"),))
+    assert [code for code, _, _ in ranks] == [1, 1], ranks
+    out0 = ranks[0][1]
+    assert out0.startswith("DistributedRankFailure: rank 1 failed in all_reduce(group=world, shape=(3,), dtype=float32) "
+                           "[collective #0, left]: ValueError: planted failure on rank 1"), out0
+    assert "rank 0: lost its peer while in all_gather(group=world, shape=(2, 5), dtype=float32) [collective #1, entered]" in out0
+    assert "in rank1_raises" in out0  # rank 1's traceback came along
+    assert ranks[1][1] == ""
 
 
 # ---- the launcher's environment ----------------------------------------------------------------
