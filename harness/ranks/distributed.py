@@ -1,11 +1,12 @@
 """Real ranks: the Communicator protocol over torch.distributed (gloo on CPU, NCCL on GPUs).
 
 `DistComm(layout, rank)` runs inside one rank process whose default process group is
-already initialised (harness.ranks.launcher does that). It creates one process group per
+already initialised (harness.ranks.launcher, harness.ranks.joined do that). It creates one process group per
 distinct group instance of the layout, records a `CollectiveCall` trace exactly like the
-simulated ranks, keeps a one-line heartbeat file up to date (so that the launching parent
-can say which collective each rank is stuck in), and, optionally, checks before every
-collective that every member of the group is calling the same collective.
+simulated ranks, keeps a one-line heartbeat file up to date (harness.ranks.heartbeat: so
+that the launching parent can say which collective each rank is stuck in), and, optionally,
+checks before every collective that every member of the group is calling the same collective
+(harness.ranks.signature).
 
 Semantics (the contract of runners.parallel.comm):
 

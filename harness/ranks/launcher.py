@@ -1,9 +1,13 @@
 """Spawning real ranks: `launch(layout, fn, *args)` runs `fn(comm, *args)` on every rank of the
 layout, each in a fresh process, and returns every rank's result and collective trace.
 
+When torchrun or srun started this process as one rank of a world (harness.ranks.joined),
+launch runs fn on those processes instead of spawning any: everything below is the spawned
+case. The parent's side lives in harness.ranks.supervisor, the child's in harness.ranks.child.
+
 Hang-proof:
 * The parent supervises: it never blocks on a child. Every rank keeps a heartbeat file
-  (harness.ranks.distributed) saying which collective it is in; on a timeout the parent
+  (harness.ranks.heartbeat) saying which collective it is in; on a timeout the parent
   raises DistributedTimeout listing every rank's state (``rank 1: stuck in all_reduce(...)
   [collective #3, entered]``, ``rank 0: finished``).
 * Deadlocks are reported at once, without waiting for the timeout: a rank stuck in a
