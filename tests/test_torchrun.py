@@ -170,6 +170,7 @@ def test_launcher_env_torchrun_and_slurm():
     assert env.env_vars() == {"RANK": "5", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "MASTER_ADDR": "n0", "MASTER_PORT": "29400"}
     assert launcher_env(slurm | tr).source == "torchrun"  # torchrun's variables win
     assert launcher_env(slurm | {"SLURM_NTASKS": "1", "SLURM_PROCID": "0"}) is None  # one task: spawn our own ranks
+    assert launcher_env(tr | {"SPECHARNESS_LAUNCHER": "spawn"}) is None  # the opt-out
 
 
 @pytest.mark.parametrize("env, words", [

@@ -12,6 +12,8 @@ ranks (harness.ranks.joined).
   WORLD_SIZE, SLURM_LOCALID -> LOCAL_RANK, and only for a step of more than one task (a
   shell inside an allocation, or `srun -n 1`, keeps spawning its own ranks). SLURM does not
   say where rank 0 listens: MASTER_ADDR and MASTER_PORT must be exported by the job script.
+* SPECHARNESS_LAUNCHER=spawn: never a launched rank (a batch script of a many-task job sets
+  SLURM_PROCID and SLURM_NTASKS in its own process too; there the harness should spawn).
 """
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ from harness.errors import UsageError
 
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 SLURM_VARS = ("SLURM_PROCID", "SLURM_NTASKS")
+OPT_OUT_ENV = "SPECHARNESS_LAUNCHER"  # "spawn": ignore any launcher's variables
 
 
 @dataclass(frozen=True)
@@ -64,6 +67,8 @@ def _int(environ: Mapping[str, str], name: str, default: Optional[int] = None) -
 def launcher_env(environ: Optional[Mapping[str, str]] = None) -> Optional[LauncherEnv]:
     """The outside launcher's view of this process, or None when nothing launched it as a rank."""
     env = os.environ if environ is None else environ
+    if env.get(OPT_OUT_ENV, "") == "spawn":
+        return None
     if all(env.get(v) for v in TORCHRUN_VARS):
         source = "torchrun" if env.get("TORCHELASTIC_RUN_ID") else "env://"
         rank, ws, local = _int(env, "RANK"), _int(env, "WORLD_SIZE"), _int(env, "LOCAL_RANK", 0)
