@@ -79,7 +79,8 @@ def launcher_env(environ: Optional[Mapping[str, str]] = None) -> Optional[Launch
         missing = [v for v in ("MASTER_ADDR", "MASTER_PORT") if not env.get(v)]
         if missing:
             raise UsageError(f"srun started {ws} tasks but {' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} not set: "
-                             "export MASTER_ADDR (the first node's host name) and MASTER_PORT (a free port) in the job script")
+                             "export MASTER_ADDR (the first node's host name) and MASTER_PORT (a free port) in the job script, "
+                             f"or set {OPT_OUT_ENV}=spawn to spawn the ranks from this one process")
         run_id = f"slurm.{env.get('SLURM_JOB_ID', '')}.{env.get('SLURM_STEP_ID', '')}"
     else:
         return None
