@@ -13,8 +13,10 @@ from typing import Optional, Sequence
 
 from harness import __version__
 from harness.case import CASES_DIR, CaseError, default_cases, load_case
+from harness.cli_ranks import finish, mutant_ctx, quiet, run_command
 from harness.errors import ExitCode, UsageError
 from harness.outcome import KINDS, Tee, classify, emit_error, wants_json
+from harness.ranks.joined import check_world
 
 
 def _cases_dir(args) -> Path:
@@ -31,14 +33,6 @@ def _cases(names: Sequence[str], args=None):
         where = f"{d} (no such directory)" if not d.is_dir() else f"{d} (no *.toml in it)"
         raise UsageError(f"no cases: looked in {where}; name case files, or pass --cases-dir DIR")
     return cases
-
-
-def _mutant_ctx(mutant_id: Optional[str]):
-    if not mutant_id:
-        return contextlib.nullcontext()
-    from harness.mutants import get
-
-    return get(mutant_id).planted()
 
 
 def cmd_list(args) -> int:
@@ -62,9 +56,10 @@ def cmd_check(args) -> int:
     except ValueError as e:
         raise UsageError(f"harness check: {e}") from None
     cases = _cases(args.cases, args)
+    check_world([(c.name, c.layout) for c in cases])  # launched ranks: each case needs exactly that many
     reports = []
     t0 = time.perf_counter()
-    with _mutant_ctx(args.mutant):
+    with mutant_ctx(args.mutant):
         for i, case in enumerate(cases, 1):
             rep = check_case(case, props=props, ranks=args.ranks)
             reports.append(rep)
@@ -89,7 +84,7 @@ def cmd_replay(args) -> int:
     from harness.replay import format_table, replay_case
 
     case = load_case(args.case, _cases_dir(args))
-    with _mutant_ctx(args.mutant):
+    with mutant_ctx(args.mutant):
         progress = None if args.json else (lambda msg: print(f"... {msg}", file=sys.stderr, flush=True))
         rep = replay_case(case, step=args.step, rank=args.rank, progress=progress, ranks=args.ranks, runner=args.runner)
         if args.dump:
@@ -190,7 +185,7 @@ def cmd_golden_check(args) -> int:
     for i, case in enumerate(cases, 1):
         t = time.perf_counter()
         try:
-            with _mutant_ctx(args.mutant):
+            with mutant_ctx(args.mutant):
                 cmp = check_golden(case, _golden_dir(args))
             ok, text, data = cmp.ok, cmp.format(limit=args.limit), cmp.to_json()
         except GoldenFormatError:
@@ -369,8 +364,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Run one command; the exit code is an ExitCode, and under --json stdout holds exactly one JSON document."""
+    return finish(_main(argv))
+
+
+def _main(argv: Optional[Sequence[str]]) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    as_json = wants_json(argv)
+    as_json = wants_json(argv) and not quiet()
     out, err = Tee(sys.stdout), Tee(sys.stderr, keep_error=True)
     try:
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
@@ -379,7 +378,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if e.code is None or isinstance(e.code, int):
             return int(e.code or 0)
         msg = str(e.code).removeprefix("error: ")
-        emit_error(ExitCode.BAD_INPUT, "usage", msg, as_json)
+        if not quiet():
+            emit_error(ExitCode.BAD_INPUT, "usage", msg, as_json)
         return ExitCode.BAD_INPUT
     except BrokenPipeError:  # `harness list | head`: the reader left; not an error of ours
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
@@ -388,7 +388,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         code, kind, msg = classify(e)
         if code is ExitCode.INTERNAL and kind == "internal":
             traceback.print_exc(file=sys.stderr)  # ours to fix: the report needs the traceback
-        emit_error(code, kind, msg, as_json)
+        if kind == "internal" or not quiet():  # launched ranks but 0: rank 0 reports what they all saw
+            emit_error(code, kind, msg, as_json)
         return code
     if as_json and rc and not out.wrote:  # a command that reported its error on stderr only
         code = ExitCode(rc) if rc in (1, 2, 3) else ExitCode.INTERNAL
@@ -397,10 +398,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 def _run(argv: Sequence[str]) -> int:
-    args = build_parser().parse_args(argv)
-    if getattr(args, "mutant", None) and getattr(args, "ranks", "sim") != "sim":
-        raise UsageError("--mutant is planted in this process only; real ranks would run unmutated: use --ranks sim")
-    return args.func(args)
+    return run_command(build_parser().parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -14,8 +14,7 @@ import time
 import pytest
 import torch
 
-from harness.ranks import launcher
-from harness.ranks.distributed import describe_signature, encode_signature, mismatch_message
+from harness.ranks import launcher, supervisor
 from harness.ranks.gpu_slice import (
     SLICE_ENV,
     apply_worker_slice,
@@ -37,6 +36,7 @@ from harness.ranks.launcher import (
     RankSkip,
     launch,
 )
+from harness.ranks.signature import describe_signature, encode_signature, mismatch_message
 from harness.ranks.trace import CollectiveCall, CollectiveMismatch, CollectiveTimeout
 from runners.parallel.comm import Group
 from runners.parallel.layout import ParallelLayout
@@ -352,7 +352,7 @@ def _sleep(comm, s):
 
 
 def test_parent_interrupt_leaves_no_child(monkeypatch):
-    real = launcher._decode_message
+    real = supervisor.decode_message
 
     def interrupted(data):
         msg = real(data)
@@ -360,7 +360,7 @@ def test_parent_interrupt_leaves_no_child(monkeypatch):
             raise KeyboardInterrupt
         return msg
 
-    monkeypatch.setattr(launcher, "_decode_message", interrupted)
+    monkeypatch.setattr(supervisor, "decode_message", interrupted)
     with pytest.raises(KeyboardInterrupt):
         launch(TP2, _sleep, 120, backend="gloo", timeout_s=300)
     # the autouse fixture asserts that no child survived

@@ -39,113 +39,20 @@ import threading
 import time
 import traceback
 from dataclasses import dataclass, field
-from typing import Callable, Optional, Sequence, TypeVar
+from typing import Callable, Optional, TypeVar
 
 import torch
 
-from harness.ranks.trace import CollectiveCall, CollectiveError, CollectiveMismatch, CollectiveTimeout
-from runners.parallel.comm import DispatchedCollectives, Group
+from harness.ranks.sim_combine import Combine
+from harness.ranks.sim_comm import SimComm
+from harness.ranks.sim_failures import PeerFailed, RankFailure, exc_line
+from harness.ranks.trace import CollectiveCall, CollectiveError, CollectiveMismatch, CollectiveTimeout, compare_traces
+from runners.parallel.comm import Group
 from runners.parallel.layout import ParallelLayout
 
 T = TypeVar("T")
 
 BARRIER_DTYPE = ""  # a barrier carries no tensor: recorded with shape () and dtype "" (as harness.ranks.distributed does)
-
-
-class PeerFailed(CollectiveError):
-    """A collective abandoned because a peer failed; a consequence, never a root cause."""
-
-    def __init__(self, peer: int, cause: str) -> None:
-        super().__init__(f"peer rank {peer} failed: {cause}")
-        self.peer = peer
-
-
-class RankFailure(RuntimeError):
-    """One or more ranks raised in fn. The message leads with the root cause.
-
-    failures: rank -> (exception, formatted traceback), for every rank that raised.
-    root_rank: the first rank to fail on its own (not with PeerFailed); falls back to the
-    first rank to fail when every failure is a consequence of another.
-    """
-
-    def __init__(self, failures: dict[int, tuple[BaseException, str]], order: Sequence[int]) -> None:
-        own = [r for r in order if not _is_consequence(failures[r][0])]
-        self.root_rank = own[0] if own else order[0]
-        self.failures = dict(sorted(failures.items()))
-        root_exc, root_tb = failures[self.root_rank]
-        lines = [f"rank {self.root_rank} failed: {_exc_line(root_exc)}"]
-        others = [r for r in self.failures if r != self.root_rank]
-        if others:
-            lines.append("other failed ranks:")
-            lines += [f"  rank {r}: {_exc_line(self.failures[r][0])}" for r in others]
-        lines.append(f"traceback of rank {self.root_rank}:")
-        lines.append(root_tb.rstrip())
-        super().__init__("\n".join(lines))
-
-    @property
-    def root_exception(self) -> BaseException:
-        return self.failures[self.root_rank][0]
-
-
-def _exc_line(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {exc}"
-
-
-def _is_consequence(exc: BaseException) -> bool:
-    """True when exc is (or was raised while handling / from) a PeerFailed."""
-    seen: set[int] = set()
-    cur: Optional[BaseException] = exc
-    while cur is not None and id(cur) not in seen:
-        if isinstance(cur, PeerFailed):
-            return True
-        seen.add(id(cur))
-        cur = cur.__cause__ or cur.__context__
-    return False
-
-
-# ---------------------------------------------------------------- combine steps
-# Pure functions: contributions in group-rank order -> one fresh output per member.
-
-
-def _sum_in_order(ts: list[torch.Tensor]) -> torch.Tensor:
-    acc = ts[0].clone()
-    for t in ts[1:]:
-        acc.add_(t)
-    return acc
-
-
-def _combine_all_reduce(ts: list[torch.Tensor], params: tuple) -> list[torch.Tensor]:
-    acc = _sum_in_order(ts)
-    return [acc.clone() for _ in ts]
-
-
-def _combine_all_gather(ts: list[torch.Tensor], params: tuple) -> list[torch.Tensor]:
-    full = torch.cat(ts, dim=0)
-    return [full.clone() for _ in ts]
-
-
-def _combine_reduce_scatter(ts: list[torch.Tensor], params: tuple) -> list[torch.Tensor]:
-    acc = _sum_in_order(ts)
-    chunk = acc.shape[0] // len(ts)
-    return [acc[i * chunk : (i + 1) * chunk].clone() for i in range(len(ts))]
-
-
-def _combine_all_gather_v(ts: list[torch.Tensor], params: tuple) -> list[torch.Tensor]:
-    (lengths,) = params
-    full = torch.cat([t[:n] for t, n in zip(ts, lengths, strict=True)], dim=0)
-    return [full.clone() for _ in ts]
-
-
-def _combine_broadcast(ts: list[torch.Tensor], params: tuple) -> list[torch.Tensor]:
-    (src,) = params
-    return [ts[src].clone() for _ in ts]
-
-
-def _combine_barrier(ts: list[Optional[torch.Tensor]], params: tuple) -> list[None]:
-    return [None for _ in ts]
-
-
-Combine = Callable[[list, tuple], list]
 
 
 # ---------------------------------------------------------------- world state
@@ -346,7 +253,7 @@ class SimulatedWorld:
             try:
                 outputs = combine([a.tensor for a in ordered], ordered[0].params)
             except Exception as exc:
-                message = f"{arrival.call.op} failed to combine [{slot.label}]: {_exc_line(exc)}"
+                message = f"{arrival.call.op} failed to combine [{slot.label}]: {exc_line(exc)}"
                 slot.fail(CollectiveError, message)
                 raise CollectiveError(message) from exc
             slot.results = dict(zip(slot.ranks, outputs, strict=True))
@@ -385,7 +292,7 @@ class SimulatedWorld:
         missing = [(r, self._ranks[r]) for r in slot.missing()]
         for r, st in missing:
             if st.status == "raised":
-                return PeerFailed(r, _exc_line(st.exc))  # type: ignore[arg-type]
+                return PeerFailed(r, exc_line(st.exc))  # type: ignore[arg-type]
         ref = slot.arrivals[slot.first].describe() if slot.first is not None else "?"
         for r, st in missing:
             if st.status == "returned":
@@ -418,7 +325,7 @@ class SimulatedWorld:
         if st.status == "returned":
             return "returned from fn"
         if st.status == "raised":
-            return f"raised {_exc_line(st.exc)}"  # type: ignore[arg-type]
+            return f"raised {exc_line(st.exc)}"  # type: ignore[arg-type]
         if st.slot is not None and st.slot.pending:
             return f"waiting in {st.slot.arrivals[rank].describe()} [{st.slot.label}], missing ranks {st.slot.missing()}"
         if st.trace:
@@ -435,74 +342,6 @@ def _consistent(a: _Arrival, b: _Arrival) -> bool:
     return ca.shape == cb.shape
 
 
-# ---------------------------------------------------------------- per-rank communicator
-
-
-class SimComm(DispatchedCollectives):
-    """One rank's view of a SimulatedWorld; implements runners.parallel.comm.Communicator."""
-
-    def __init__(self, world: SimulatedWorld, rank: int) -> None:
-        self._world = world
-        self.rank = rank
-        self.world_size = world.world_size
-
-    def group_ranks(self, group: Group) -> list[int]:
-        return self._world.layout.group_ranks(Group(group), self.rank)
-
-    def _run(self, op: str, t: Optional[torch.Tensor], group: Group, params: tuple, combine: Combine):
-        if t is not None and not isinstance(t, torch.Tensor):
-            raise TypeError(f"{op}: expected a torch.Tensor, got {type(t).__name__}")
-        return self._world._collective(
-            self.rank, op, Group(group), t.detach() if t is not None else None, params, combine
-        )
-
-    def _need_dim0(self, op: str, t: torch.Tensor) -> None:
-        if t.dim() == 0:
-            raise ValueError(f"rank {self.rank}: {op} needs a tensor with a dim 0 (got a 0-d tensor)")
-
-    def _all_reduce(self, t: torch.Tensor, group: Group) -> torch.Tensor:
-        return self._run("all_reduce", t, group, (), _combine_all_reduce)
-
-    def _all_gather(self, t: torch.Tensor, group: Group) -> torch.Tensor:
-        self._need_dim0("all_gather", t)
-        return self._run("all_gather", t, group, (), _combine_all_gather)
-
-    def _reduce_scatter(self, t: torch.Tensor, group: Group) -> torch.Tensor:
-        self._need_dim0("reduce_scatter", t)
-        size = len(self.group_ranks(group))
-        if t.shape[0] % size:
-            raise ValueError(
-                f"rank {self.rank}: reduce_scatter over {Group(group).value} needs dim 0 ({t.shape[0]}) divisible by the group size ({size})"
-            )
-        return self._run("reduce_scatter", t, group, (), _combine_reduce_scatter)
-
-    def _all_gather_v(self, t: torch.Tensor, lengths: Sequence[int], group: Group) -> torch.Tensor:
-        self._need_dim0("all_gather_v", t)
-        ranks = self.group_ranks(group)
-        lengths = tuple(int(n) for n in lengths)
-        if len(lengths) != len(ranks):
-            raise ValueError(
-                f"rank {self.rank}: all_gather_v over {Group(group).value} needs one length per member ({len(ranks)}), got {list(lengths)}"
-            )
-        if any(n < 0 for n in lengths):
-            raise ValueError(f"rank {self.rank}: all_gather_v lengths must be >= 0, got {list(lengths)}")
-        mine = lengths[ranks.index(self.rank)]
-        if t.shape[0] < mine:
-            raise ValueError(
-                f"rank {self.rank}: all_gather_v contributes t[:{mine}] but t has only {t.shape[0]} rows (shape {tuple(t.shape)})"
-            )
-        return self._run("all_gather_v", t, group, (lengths,), _combine_all_gather_v)
-
-    def _broadcast(self, t: torch.Tensor, src: int, group: Group) -> torch.Tensor:
-        size = len(self.group_ranks(group))
-        if not 0 <= src < size:
-            raise ValueError(f"rank {self.rank}: broadcast src is a group rank in 0..{size - 1}, got {src}")
-        return self._run("broadcast", t, group, (int(src),), _combine_broadcast)
-
-    def barrier(self, group: Group) -> None:
-        self._run("barrier", None, group, (), _combine_barrier)
-
-
 # ---------------------------------------------------------------- helpers
 
 
@@ -514,31 +353,6 @@ def run_spmd(
     results = world.run(fn)
     return results, world.traces
 
-
-def _call_text(call: Optional[CollectiveCall], trace_len: int) -> str:
-    if call is None:
-        return f"nothing (its trace ends after {trace_len} calls)"
-    return f"{call.describe()} over ranks {call.group_ranks}"
-
-
-def compare_traces(
-    traces_a: Sequence[Sequence[CollectiveCall]], traces_b: Sequence[Sequence[CollectiveCall]]
-) -> Optional[str]:
-    """None when both runs issued the same collectives; else a one-line description of the first difference.
-
-    "First" is the lowest call index across ranks (lowest rank on ties): the earliest point
-    where the two runs diverge, which is where to look.
-    """
-    if len(traces_a) != len(traces_b):
-        return f"world sizes differ: a has {len(traces_a)} ranks, b has {len(traces_b)}"
-    longest = max((max(len(a), len(b)) for a, b in zip(traces_a, traces_b, strict=True)), default=0)
-    for i in range(longest):
-        for rank, (ta, tb) in enumerate(zip(traces_a, traces_b, strict=True)):
-            ca = ta[i] if i < len(ta) else None
-            cb = tb[i] if i < len(tb) else None
-            if ca != cb:
-                return f"rank {rank} call #{i}: a called {_call_text(ca, len(ta))}, b called {_call_text(cb, len(tb))}"
-    return None
 
 
 __all__ = [
