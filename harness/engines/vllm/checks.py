@@ -54,6 +54,7 @@ def check_capture(ln: VLine, runner: str, cap: RankCapture, cfg: VllmCheckConfig
     full = [(d, g) for d, g in cap.graphs[runner] if d.cg_mode.name == "FULL"]
     reqs = [d.num_reqs for d, _ in full]
     ln.ranks.add(rank)
+    ln.captured = reqs
     for d, g in full:
         w = {"dp": dp, "rank": rank, "runner": runner, "num_reqs": d.num_reqs}
         v.expect_equal("capture sizes", "uniform_token_count", w, q, d.uniform_token_count, "1 + K for verify-width graphs, 1 for draft decode")

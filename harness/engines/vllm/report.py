@@ -18,10 +18,11 @@ class VLine:
     verdict: Verdict = field(default_factory=lambda: Verdict("P1"))
     raw_bs: set[int] = field(default_factory=set)
     ranks: set[int] = field(default_factory=set)
+    captured: list[int] = field(default_factory=list)  # a capture line: the graphs' request counts
 
     def to_json(self) -> dict:
         return {"runner": self.runner, "dp": self.dp, "bucket": self.bucket, "raw_bs": sorted(self.raw_bs), "ranks": sorted(self.ranks),
-                "ok": self.verdict.ok, "checked": self.verdict.checked, "failures": [asdict(f) for f in self.verdict.failures],
+                "captured_requests": self.captured, "ok": self.verdict.ok, "checked": self.verdict.checked, "failures": [asdict(f) for f in self.verdict.failures],
                 "notes": list(self.verdict.notes)}
 
 
@@ -68,9 +69,13 @@ def format_report(rep: VllmReport) -> str:
         v = ln.verdict
         raw = sorted(ln.raw_bs)
         raws = f"{raw[0]}..{raw[-1]}" if raw else "-"
+        if ln.captured:
+            tail_info = f" graphs at {','.join(map(str, ln.captured))} requests"
+        else:
+            tail_info = ""
         head = f"{'ok  ' if v.ok else 'FAIL'} {ln.runner:<13} dp={ln.dp} {ln.bucket:<19} raw_bs {raws:<6} ranks {','.join(map(str, sorted(ln.ranks))):<8}"
         if v.ok:
-            tail = f"{v.checked} checks" + (f"; {len(v.notes)} n/a note(s)" if v.notes else "")
+            tail = f"{v.checked} checks" + (f"; {len(v.notes)} n/a note(s)" if v.notes else "") + tail_info
         else:
             more = f" (+{len(v.failures) - 1} more)" if len(v.failures) > 1 else ""
             tail = v.failures[0].message() + more
