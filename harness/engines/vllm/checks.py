@@ -13,9 +13,9 @@ reuses; the draft prefill graphs at 1 + K tokens per request; the draft decode g
 * DP padding: every rank of an iteration runs the same mode and token count; with graphs,
   num_tokens_across_dp is that count on every rank; the bucket is the smallest captured one
   holding the largest rank's requests (eager exactly when none does).
-* padded tail (draft decode, after _prepare_decode_inputs): real lanes hold the live batch;
-  padded lanes [raw, bs) are canonical (query_start_loc = raw: zero-length queries; seq_lens
-  = 0) and independent of the history (the schedule replays each size after smaller and
+* padded tail (draft decode, after _prepare_decode_inputs and compute_slot_mappings): real
+  lanes hold the live batch; padded lanes [raw, bs) are canonical (query_start_loc = raw:
+  zero-length queries; seq_lens = 0; slot_mapping = PAD_SLOT_ID) and independent of the history (the schedule replays each size after smaller and
   after larger batches). input_ids / positions of padded lanes are left as the last larger
   batch wrote them by design: reported as n/a with the lanes, never as a pass.
 """
@@ -24,9 +24,11 @@ from __future__ import annotations
 from typing import Optional
 
 from harness.engines.vllm.config import VllmCheckConfig
-from harness.engines.vllm.drive import RankCapture, VllmReplay
+from harness.engines.vllm.drive import KV_BLOCK_SIZE, RankCapture, VllmReplay
 from harness.engines.vllm.report import VLine
 from harness.verdict import Verdict
+
+PAD_SLOT_ID = -1  # vllm.v1.attention.backends.utils: a slot the KV write skips
 
 NOT_APPLICABLE = (
     "I2/I4/I5 (for-logprob counts, rows fed to lm_head, the gathered DP buffer): n/a: vLLM's proposer has no "
@@ -37,8 +39,6 @@ NOT_APPLICABLE = (
     "I6 (single- vs multi-layer draft-extend runner): n/a: one proposer, with a prefill and a decode graph manager",
     "target_verify I1 (bake): n/a: the target's graphs are captured with the model by ModelCudaGraphManager, not driven "
     "here; its DP agreement, which the proposer reuses, is checked",
-    "slot_mapping padded tail: n/a here: BlockTables' kernel reads device block-table pointers; with query_start_loc "
-    "collapsed on padded lanes it writes PAD_SLOT_ID from query_start_loc[num_reqs] on (engine comment, not driven)",
 )
 
 
@@ -128,16 +128,22 @@ def check_lanes(v: Verdict, r: VllmReplay, cfg: VllmCheckConfig, seen: dict, w: 
         "seq_lens": [min(s - j + 1, cfg.max_model_len) for s, j in zip(live["target_seq_lens"], live["num_rejected"], strict=True)],
         "query_start_loc": list(range(raw + 1)),
     }
+    if "slot_mapping" in lanes:  # one KV group, block table row r = blocks 100 + r * width .. (drive.py)
+        width = -(-cfg.max_model_len // KV_BLOCK_SIZE)
+        real["slot_mapping"] = [(100 + req * width + p // KV_BLOCK_SIZE) * KV_BLOCK_SIZE + p % KV_BLOCK_SIZE
+                                for req, p in zip(live["idx_mapping"], real["positions"], strict=True)]
     for name, want in real.items():
         v.expect_equal("lanes", f"{name} (real lanes)", w, want, lanes[name][: len(want)], "the live batch after _prepare_decode_inputs")
     if bs <= raw:
         return
     canonical = {"query_start_loc": (raw + 1, bs + 1, raw), "seq_lens": (raw, bs, 0)}
+    if "slot_mapping" in lanes:
+        canonical["slot_mapping"] = (raw, bs, PAD_SLOT_ID)
     for name, (lo, hi, value) in canonical.items():
         v.expect_equal("padded tail", name, {**w, "lanes": f"{lo}..{hi - 1}"}, [value] * (hi - lo), lanes[name][lo:hi],
-                       "padded lanes: zero-length queries of seq_len 0, whatever ran before")
+                       "padded lanes: zero-length queries of seq_len 0 writing no KV, whatever ran before")
     key = (r.rank, raw, bs, tuple(r.dp_raw))
-    for name in ("query_start_loc", "seq_lens", "input_ids", "positions"):
+    for name in (*canonical, "input_ids", "positions"):
         lo, hi = (raw + 1, bs + 1) if name == "query_start_loc" else (raw, bs)
         pad = lanes[name][lo:hi]
         first = seen.setdefault((name, *key), (pad, r.iteration))

@@ -24,6 +24,7 @@ from runners.graph_runner import CaptureRecord, ReplayRecord
 
 RUNNERS = ("target_verify", "draft_prefill", "draft_decode")
 LANE_BUFFERS = ("input_ids", "positions", "query_start_loc", "seq_lens")
+KV_BLOCK_SIZE = 16
 
 
 @dataclass
@@ -88,14 +89,15 @@ class RankDriver:
         eagle = self.engine.attr("eagle", "EagleSpeculator")
         ib = self.engine.attr("input_batch", "InputBuffers")
         n, max_tokens = self.cfg.max_num_seqs, self.cfg.max_num_seqs * self.q
-        cls = type("EngineCheckEagleSpeculator", (eagle,), {"_prefill": _recorder(self.engine), "_decode": _recorder(self.engine)})
+        cls = type("EngineCheckEagleSpeculator", (eagle,), {"_prefill": _recorder(self.engine), "_decode": _recorder(self.engine),
+                                                            "_build_uniform_attn_metadata": lambda *a, **k: None})
         s = object.__new__(cls)  # the engine's __init__ builds the draft model's state; the fields the paths read are set here
         s.__dict__.update(
             vllm_config=self.vcfg, device=torch.device("cpu"), speculative_config=self.vcfg.speculative_config,
             num_speculative_steps=self.K, max_num_reqs=n, max_num_tokens=max_tokens,
             dp_size=self.dp_size, dp_rank=self.rank, enable_adaptive_verification=False, supports_decode_metadata_update=False,
             input_buffers=ib(n, max_tokens, torch.device("cpu")), target_input_buffers=ib(n, max_tokens, torch.device("cpu")),
-            can_reuse_target_attn_metadata=True, target_attn_groups=[], attn_groups=[], model_state=None, block_tables=None,
+            can_reuse_target_attn_metadata=True, target_attn_groups=[], attn_groups=[], model_state=None, block_tables=self._block_tables(),
             kv_cache_config=None, model=None,
             last_token_indices=torch.zeros(n, dtype=torch.int64), current_draft_step=torch.tensor(0, dtype=torch.int64),
             idx_mapping=torch.zeros(n, dtype=torch.int32), draft_tokens=torch.zeros(n, self.K, dtype=torch.int64),
@@ -109,6 +111,19 @@ class RankDriver:
 
         s._multi_step_decode = multi_step_decode
         return s
+
+    def _block_tables(self) -> Any:
+        """BlockTables with the engine's compute_slot_mappings (its Triton kernel) over one KV group whose
+        block table row r holds blocks 100 + r * width .. : the fields that method reads, set here."""
+        bt = object.__new__(self.engine.attr("block_table", "BlockTables"))
+        n, width = self.cfg.max_num_seqs, -(-self.cfg.max_model_len // KV_BLOCK_SIZE)
+        self.kv_table = torch.arange(n * width, dtype=torch.int32).reshape(n, width) + 100
+        bt.__dict__.update(
+            num_kv_cache_groups=1, slot_mappings=torch.zeros(1, n * self.q, dtype=torch.int64),
+            block_table_ptrs=torch.tensor([self.kv_table.data_ptr()], dtype=torch.uint64),
+            block_table_strides=torch.tensor([width], dtype=torch.int64), block_sizes_tensor=torch.tensor([KV_BLOCK_SIZE], dtype=torch.int32),
+            slot_mapping_enabled=torch.tensor([True]), dcp_sharded=torch.tensor([True]), cp_rank=0, cp_size=1, cp_interleave=1)
+        return bt
 
     def capture(self) -> RankCapture:
         self.spec.capture()
@@ -146,10 +161,11 @@ class RankDriver:
         live = self._live_decode_inputs(it, raw)
         self.decode_calls.clear()
         batch = Strict("input_batch", seq_lens=torch.tensor(live["target_seq_lens"], dtype=torch.int32))
-        self.spec._run_multi_step_decode(batch, torch.tensor(live["num_rejected"], dtype=torch.int32), raw, True, tsync,
+        self.spec._run_multi_step_decode(batch, torch.tensor(live["num_rejected"], dtype=torch.int32), raw, False, tsync,
                                          torch.tensor(live["target_seq_lens"]), False, self.K)
         num_reqs, ddesc, across = self.decode_calls[-1]
         lanes = {name: getattr(self.spec.input_buffers, name).tolist() for name in LANE_BUFFERS}
+        lanes["slot_mapping"] = self.spec.block_tables.slot_mappings[0].tolist()
         rec = self._record("draft_decode", it, dp_raw, ddesc, across, self.spec.decode_cudagraph_manager, replay=False, raw=num_reqs)
         rec.lanes, rec.live = lanes, live
         out.append(rec)
@@ -157,9 +173,14 @@ class RankDriver:
 
     def _live_decode_inputs(self, it: int, raw: int) -> dict[str, list[int]]:
         """Distinct per iteration and never a fill value; written where the target's step leaves them."""
+        n = self.cfg.max_num_seqs
         live = {"draft_tokens": [1000 + 97 * it + i for i in range(raw)], "positions": [30 + 5 * it + i for i in range(raw)],
-                "target_seq_lens": [40 + 7 * it + 2 * i for i in range(raw)], "num_rejected": [(i + it) % self.q for i in range(raw)]}
+                "target_seq_lens": [40 + 7 * it + 2 * i for i in range(raw)], "num_rejected": [(i + it) % self.q for i in range(raw)],
+                "idx_mapping": [(i + it) % n for i in range(raw)]}
         self.spec.draft_tokens[:raw, 0] = torch.tensor(live["draft_tokens"])
+        # as _copy_request_inputs leaves it: the live requests' rows, -1 (no blocks) past them
+        self.spec.idx_mapping[:raw] = torch.tensor(live["idx_mapping"])
+        self.spec.idx_mapping[raw:] = -1
         self.spec.input_buffers.positions[:raw] = torch.tensor(live["positions"])
         return live
 

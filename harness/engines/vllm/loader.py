@@ -3,8 +3,10 @@
 What stays the engine's: the graph managers (CudaGraphManager, SpeculatorCudaGraphManager:
 their capture tables, capture loop and dispatch), the capture-shape rules in vllm.config,
 the DP agreement (dispatch_cg_and_sync_dp / sync_cudagraph_and_dp_padding), the proposer's
-multi-step decode drive (_run_multi_step_decode, _build_uniform_batch_dp_sync) and its
-input-prep Triton kernel (run by Triton's interpreter on CPU tensors, the code a GPU runs).
+multi-step decode drive (_run_multi_step_decode, _build_uniform_batch_dp_sync), its
+input-prep Triton kernel and BlockTables.compute_slot_mappings' kernel (run by Triton's
+interpreter on CPU tensors, the code a GPU runs). The attention metadata of a draft step
+(_build_uniform_attn_metadata) is a stand-in: no attention backend runs.
 
 What is swapped, process-wide (one engine per process), each for its reason:
   torch.cuda.graph / CUDAGraph   no device: the capture pass's forward is recorded as the bake
@@ -13,6 +15,7 @@ What is swapped, process-wide (one engine per process), each for its reason:
   get_offloader, current_stream   weight offload and streams sync on a device
   is_global_first_rank            False: no progress bars
   prepare_inputs_to_capture       builds attention metadata for the model (never run here)
+  build_slot_mappings_by_layer    per-layer views of the KV cache config (no layers here)
   get_dp_group                    the calling thread's rank of a DPWorld (standins.py)
   should_skip_dp_coordination     False: the ranks really agree
 """
@@ -44,6 +47,7 @@ MODULES = {
     "compilation": "vllm.config.compilation",
     "config": "vllm.config.vllm",
     "input_batch": "vllm.v1.worker.gpu.input_batch",
+    "block_table": "vllm.v1.worker.gpu.block_table",
 }
 
 
@@ -132,6 +136,8 @@ def _install_shims(engine: VllmEngine) -> None:
     cg.is_global_first_rank = lambda: False
     engine.attr("scg", "prepare_inputs_to_capture")
     scg.prepare_inputs_to_capture = lambda *a, **k: (None, None)
+    engine.attr("ar", "build_slot_mappings_by_layer")
+    engine.modules["ar"].build_slot_mappings_by_layer = lambda slot_mappings, kv_cache_config: slot_mappings
     engine.attr("dp", "get_dp_group")
     engine.attr("dp", "should_skip_dp_coordination")
 
