@@ -45,7 +45,7 @@ PLANTED = {
     "capture_limit_ignores_query_len": [(COMPILATION, "limit = min(max_reqs, max_tokens // q)", "limit = min(max_reqs, max_tokens)")],
 }
 # the planted copies run fewer DP worlds (their time is the interpreted kernels'); the release runs the default (1, 2, 4)
-PLANTED_DP = {"padded_tail_not_written": (1, 2), "dp_pads_to_own_count": (2,), "capture_limit_ignores_query_len": (1,)}
+PLANTED_DP = {"padded_tail_not_written": (1, 2), "dp_pads_to_own_count": (1, 2), "capture_limit_ignores_query_len": (1,)}
 
 pytestmark = pytest.mark.timeout(900)
 
