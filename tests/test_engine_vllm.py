@@ -17,10 +17,12 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import torch
 
 from harness.engines.command import main as engine_check_main
 from harness.engines.install import InstallError, engines_root
 from harness.engines.vllm.install import ensure_vllm_installed
+from harness.engines.vllm.standins import DPWorld
 
 REPO = Path(__file__).resolve().parent.parent
 VERSION = os.environ.get("SPECHARNESS_VLLM_NEWEST", "0.34.0")
@@ -165,3 +167,24 @@ def test_not_installed_is_exit_2(capsys, monkeypatch, tmp_path):
     assert engine_check_main(parser_args) == 2
     assert "vllm==0.0.1 is not installed" in capsys.readouterr().err
     assert engines_root() == tmp_path
+
+
+def test_dp_world_all_reduce_sums_every_rank_and_raises_the_real_error():
+    world = DPWorld(3)
+
+    def vote(rank: int) -> list[int]:
+        t = torch.zeros(2, 3, dtype=torch.int32)
+        t[0][rank], t[1][rank] = 10 + rank, rank * rank
+        world.group().cpu_all_reduce_(t)
+        return t.tolist()
+
+    assert world.run(vote) == [[[10, 11, 12], [0, 1, 4]]] * 3
+
+    def fail_on_one(rank: int) -> None:
+        if rank == 1:
+            raise KeyError("rank 1")
+        world.group().cpu_all_reduce_(torch.zeros(1))
+
+    with pytest.raises(KeyError):
+        world.run(fail_on_one)
+    assert world.run(vote) == [[[10, 11, 12], [0, 1, 4]]] * 3  # usable again after a failed round

@@ -14,7 +14,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Callable, Optional
 
-from harness.engines.install import EngineSpec, InstallError, deps_dir
+from harness.engines.install import EngineSpec, InstallError, deps_dir, is_installed
 from harness.engines.sglang.errors import EngineAdapterError, MissingEngineAttribute
 from harness.engines.vllm.checks import NOT_APPLICABLE, check_capture, check_iteration, line_for
 from harness.engines.vllm.config import VllmCheckConfig
@@ -55,7 +55,7 @@ def _resolve(spec: EngineSpec, args) -> Path:
         return Path(args.target)
     if spec.version is not None:
         target = vllm_dir(spec.version)
-        if not (target / ".complete").is_file():
+        if not is_installed(target):
             if not args.install:
                 raise FileNotFoundError(f"vllm=={spec.version} is not installed at {target}: pass --install")
             ensure_vllm_installed(spec.version, log=lambda m: print(m, file=sys.stderr))
