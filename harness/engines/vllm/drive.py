@@ -42,10 +42,9 @@ class VllmReplay:
 
 @dataclass
 class RankCapture:
-    """One rank's captured graphs per runner: descriptor fields and the bake."""
+    """One rank's captured graphs per runner: (descriptor, graph with its bake), by token count."""
 
     graphs: dict[str, list[tuple[Any, FakeGraph]]] = field(default_factory=dict)
-    request_sizes: dict[str, list[int]] = field(default_factory=dict)
 
 
 def vllm_config(engine: VllmEngine, cfg: VllmCheckConfig, dp_size: int, dp_rank: int) -> Strict:
