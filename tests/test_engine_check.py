@@ -223,7 +223,7 @@ def test_strict_stand_ins_name_what_the_engine_read():
 def test_engine_spec_and_missing_install():
     assert EngineSpec.parse("sglang==0.5.14").version == "0.5.14"
     assert EngineSpec.parse("sglang").version is None
-    for bad in ("vllm==0.1", "sglang==", "sglang==;rm"):
+    for bad in ("trtllm==0.1", "sglang==", "sglang==;rm"):
         with pytest.raises(ValueError):
             EngineSpec.parse(bad)
     proc = _run("--engine", "sglang==0.0.0.dev0", "--target", str(REPO / ".engines" / "nowhere"))

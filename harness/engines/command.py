@@ -32,6 +32,7 @@ from harness.engines.report import format_report
 from harness.engines.sglang.config import EngineConfig
 from harness.engines.sglang.errors import EngineAdapterError, MissingEngineAttribute
 from harness.engines.sglang.loader import load
+from harness.engines.vllm.command import main as vllm_main
 from harness.layout import all_layouts
 
 
@@ -47,7 +48,7 @@ def add_parser(subparsers) -> None:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--engine", required=True, help="sglang or sglang==VERSION")
+    p.add_argument("--engine", required=True, help="sglang[==VERSION] or vllm[==VERSION] (vLLM's EAGLE proposer: docs/engine-check.md)")
     p.add_argument("--json", action="store_true", help="one JSON document on stdout")
     p.add_argument("--target", metavar="DIR", help="the sglang install to check (a pip --target dir); default .engines/sglang-VERSION")
     p.add_argument("--deps", metavar="DIR", help="where msgspec/dill/regex/packaging live (default .engines/deps)")
@@ -79,6 +80,8 @@ def _resolve(args) -> tuple[Optional[Path], Optional[Path]]:
 
 
 def main(args) -> int:
+    if args.engine.strip().lower().startswith("vllm"):
+        return vllm_main(args)
     if args.releases:
         if EngineSpec.parse(args.engine).version is not None or args.target:
             print("error: --releases picks the versions: give --engine sglang, without ==VERSION or --target", file=sys.stderr)

@@ -44,15 +44,15 @@ class InstallError(RuntimeError):
 
 @dataclass(frozen=True)
 class EngineSpec:
-    name: str  # "sglang"
+    name: str  # "sglang" or "vllm"
     version: Optional[str]  # None: whatever is installed / the newest under ROOT
 
     @classmethod
     def parse(cls, text: str) -> "EngineSpec":
         name, sep, version = text.strip().partition("==")
         name = name.strip().lower()
-        if name != "sglang":
-            raise ValueError(f"--engine: only 'sglang' or 'sglang==VERSION' is supported (got {text!r})")
+        if name not in ("sglang", "vllm"):  # vllm: harness/engines/vllm/install.py
+            raise ValueError(f"--engine: 'sglang[==VERSION]' or 'vllm[==VERSION]' (got {text!r})")
         version = version.strip() or None
         if sep and not version:
             raise ValueError(f"--engine: empty version in {text!r}")

@@ -1,0 +1,168 @@
+"""Our invariants on what vLLM's EAGLE proposer captured and replayed (drive.py's records).
+
+Per DP world and runner (the target's uniform-decode graphs, whose DP agreement the proposer
+reuses; the draft prefill graphs at 1 + K tokens per request; the draft decode graphs at one):
+
+* capture sizes: every uniform-decode graph holds q tokens per request (q = 1 + K for the
+  target and the draft prefill, 1 for draft decode), num_tokens = num_reqs * q, within
+  max_num_seqs and the token cap; the captured request counts are the configured ones below
+  the limit min(max_num_seqs, cap // q) plus the limit itself (the max a batch can pad to);
+  draft decode graphs reach max_num_seqs (or the cap), starting at 1.
+* capture = replay (I1): a replayed graph's bake (num_tokens, num_tokens_across_dp of its
+  capture pass) equals what the replay agreed; every bake holds [num_tokens] * dp.
+* DP padding: every rank of an iteration runs the same mode and token count; with graphs,
+  num_tokens_across_dp is that count on every rank; the bucket is the smallest captured one
+  holding the largest rank's requests (eager exactly when none does).
+* padded tail (draft decode, after _prepare_decode_inputs and compute_slot_mappings): real
+  lanes hold the live batch; padded lanes [raw, bs) are canonical (query_start_loc = raw:
+  zero-length queries; seq_lens = 0; slot_mapping = PAD_SLOT_ID) and independent of the history (the schedule replays each size after smaller and
+  after larger batches). input_ids / positions of padded lanes are left as the last larger
+  batch wrote them by design: reported as n/a with the lanes, never as a pass.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+from harness.engines.vllm.config import VllmCheckConfig
+from harness.engines.vllm.drive import KV_BLOCK_SIZE, RankCapture, VllmReplay
+from harness.engines.vllm.report import VLine
+from harness.verdict import Verdict
+
+PAD_SLOT_ID = -1  # vllm.v1.attention.backends.utils: a slot the KV write skips
+
+NOT_APPLICABLE = (
+    "I2/I4/I5 (for-logprob counts, rows fed to lm_head, the gathered DP buffer): n/a: vLLM's proposer has no "
+    "global_num_tokens_for_logprob and no logits buffer sized from DP token counts; each draft step samples one row "
+    "per request (last_token_indices)",
+    "I3 (MLP-TP vs attn-TP gather branch parity): n/a: vLLM pads DP through one path (dispatch_cg_and_sync_dp), "
+    "there are no gather branches",
+    "I6 (single- vs multi-layer draft-extend runner): n/a: one proposer, with a prefill and a decode graph manager",
+    "target_verify I1 (bake): n/a: the target's graphs are captured with the model by ModelCudaGraphManager, not driven "
+    "here; its DP agreement, which the proposer reuses, is checked",
+)
+
+
+def query_len(runner: str, cfg: VllmCheckConfig) -> int:
+    return 1 if runner == "draft_decode" else 1 + cfg.num_speculative_tokens
+
+
+def check_capture(ln: VLine, runner: str, cap: RankCapture, cfg: VllmCheckConfig, dp: int, rank: int,
+                  decode_sizes: Optional[list[int]]) -> None:
+    v, q = ln.verdict, query_len(runner, cfg)
+    cap_tokens = cfg.max_cudagraph_capture_size
+    limit = min(cfg.max_num_seqs, cap_tokens // q)
+    full = [(d, g) for d, g in cap.graphs[runner] if d.cg_mode.name == "FULL"]
+    reqs = [d.num_reqs for d, _ in full]
+    ln.ranks.add(rank)
+    ln.captured = reqs
+    for d, g in full:
+        w = {"dp": dp, "rank": rank, "runner": runner, "num_reqs": d.num_reqs}
+        v.expect_equal("capture sizes", "uniform_token_count", w, q, d.uniform_token_count, "1 + K for verify-width graphs, 1 for draft decode")
+        v.expect_equal("capture sizes", "num_tokens", w, d.num_reqs * q, d.num_tokens, "num_reqs * q")
+        v.expect_equal("capture sizes", "num_reqs <= max_num_seqs", w, True, d.num_reqs <= cfg.max_num_seqs)
+        v.expect_equal("capture sizes", "num_tokens <= cap", w, True, d.num_tokens <= cap_tokens, f"max_cudagraph_capture_size {cap_tokens}")
+        if runner == "target_verify":
+            continue  # the bake is the adapter's own capture pass (NOT_APPLICABLE)
+        if not v.expect_equal("I1", "captured", w, True, g.baked is not None, "the capture pass ran the forward inside the graph"):
+            continue
+        v.expect_equal("I1", "baked num_tokens", w, d.num_tokens, g.baked["num_tokens"])
+        v.expect_equal("I1", "baked num_tokens_across_dp", w, [d.num_tokens] * dp if dp > 1 else None, g.baked["num_tokens_across_dp"],
+                       "every DP rank runs the graph's token count")
+        if runner == "draft_decode":
+            v.expect_equal("capture sizes", "num_speculative_steps", w, cfg.num_speculative_tokens, g.baked["num_speculative_steps"])
+    w = {"dp": dp, "rank": rank, "runner": runner}
+    if runner == "draft_decode":
+        v.expect_equal("capture sizes", "draft decode request sizes", w, [n for n in decode_sizes or [] if n <= limit], reqs,
+                       "the engine's draft-decode request grid, each captured once")
+        v.expect_equal("capture sizes", "smallest / largest graph", w, (1, limit), (reqs[0], reqs[-1]) if reqs else None,
+                       f"one-token draft decodes have graphs up to min(max_num_seqs, cap) = {limit} requests")
+    else:
+        sizes = sorted(set(cfg.decode_request_sizes))
+        want = [n for n in sizes if n < limit] + ([limit] if any(n >= limit for n in sizes) else [])
+        v.expect_equal("capture sizes", "request sizes at 1 + K", w, want, reqs,
+                       f"configured sizes below min(max_num_seqs, cap // (1 + K)) = {limit}, and that limit for the first size above it")
+
+
+def check_iteration(lines: dict, seen: dict, reps: list[VllmReplay], caps: list[RankCapture], cfg: VllmCheckConfig, dp: int) -> None:
+    """One iteration's replays of one runner, every rank."""
+    runner = reps[0].rec.runner
+    q = query_len(runner, cfg)
+    needed = max(reps[0].dp_raw)
+    # with graphs every rank runs one shape; eager ranks agree on the mode only (each runs its own count)
+    agreed = {(r.cg_mode, r.rec.capture.num_tokens if r.cg_mode != "NONE" else None) for r in reps}
+    for r in reps:
+        rec = r.rec
+        ln = line_for(lines, dp, runner, r)
+        ln.raw_bs.add(rec.raw_bs)
+        ln.ranks.add(r.rank)
+        v = ln.verdict
+        w = {"dp": dp, "runner": runner, "rank": r.rank, "iteration": r.iteration, "dp_raw": r.dp_raw, "raw_bs": rec.raw_bs, "bs": rec.bs}
+        captured = sorted(d.num_reqs for d, _ in caps[r.rank].graphs[runner] if d.cg_mode.name == "FULL")
+        fits = [n for n in captured if n >= needed]
+        want = ("FULL", min(fits)) if fits else ("NONE", rec.raw_bs)
+        v.expect_equal("padding", "graph (mode, requests)", w, want, (r.cg_mode, rec.bs),
+                       f"the smallest captured graph holding the largest rank's {needed} requests; eager when none does")
+        if dp > 1:
+            v.expect_equal("DP", "(mode, num_tokens) on every rank", w, 1, len(agreed), f"the ranks ran {sorted(agreed, key=str)}")
+        num_tokens = rec.capture.num_tokens
+        if r.cg_mode == "FULL":
+            v.expect_equal("padding", "num_tokens", w, rec.bs * q, num_tokens)
+            v.expect_equal("DP", "num_tokens_across_dp", w, [num_tokens] * dp if dp > 1 else None, rec.global_num_tokens_gpu,
+                           "every rank pads to the graph's count")
+            if runner != "target_verify":
+                v.expect_equal("I1", "num_tokens_across_dp", w, rec.capture.global_num_tokens_gpu, rec.global_num_tokens_gpu,
+                               "baked at capture vs agreed at replay")
+                v.expect_equal("I1", "num_tokens", w, rec.capture.host.get("num_tokens"), num_tokens, "baked at capture vs replayed")
+        elif dp > 1 and runner == "target_verify":
+            v.expect_equal("DP", "num_tokens_across_dp (eager)", w, [n * q for n in r.dp_raw], rec.global_num_tokens_gpu,
+                           "eager: every rank's own count, unpadded")
+        if r.lanes is not None:
+            check_lanes(v, r, cfg, seen, w)
+
+
+def check_lanes(v: Verdict, r: VllmReplay, cfg: VllmCheckConfig, seen: dict, w: dict) -> None:
+    raw, bs, lanes, live = r.rec.raw_bs, r.rec.bs, r.lanes, r.live
+    real = {
+        "input_ids": live["draft_tokens"],
+        "positions": [min(p + 1, cfg.max_model_len - 1) for p in live["positions"]],
+        "seq_lens": [min(s - j + 1, cfg.max_model_len) for s, j in zip(live["target_seq_lens"], live["num_rejected"], strict=True)],
+        "query_start_loc": list(range(raw + 1)),
+    }
+    if "slot_mapping" in lanes:  # one KV group, block table row r = blocks 100 + r * width .. (drive.py)
+        width = -(-cfg.max_model_len // KV_BLOCK_SIZE)
+        real["slot_mapping"] = [(100 + req * width + p // KV_BLOCK_SIZE) * KV_BLOCK_SIZE + p % KV_BLOCK_SIZE
+                                for req, p in zip(live["idx_mapping"], real["positions"], strict=True)]
+    for name, want in real.items():
+        v.expect_equal("lanes", f"{name} (real lanes)", w, want, lanes[name][: len(want)], "the live batch after _prepare_decode_inputs")
+    if bs <= raw:
+        return
+    canonical = {"query_start_loc": (raw + 1, bs + 1, raw), "seq_lens": (raw, bs, 0)}
+    if "slot_mapping" in lanes:
+        canonical["slot_mapping"] = (raw, bs, PAD_SLOT_ID)
+    for name, (lo, hi, value) in canonical.items():
+        v.expect_equal("padded tail", name, {**w, "lanes": f"{lo}..{hi - 1}"}, [value] * (hi - lo), lanes[name][lo:hi],
+                       "padded lanes: zero-length queries of seq_len 0 writing no KV, whatever ran before")
+    key = (r.rank, raw, bs, tuple(r.dp_raw))
+    for name in (*canonical, "input_ids", "positions"):
+        lo, hi = (raw + 1, bs + 1) if name == "query_start_loc" else (raw, bs)
+        pad = lanes[name][lo:hi]
+        first = seen.setdefault((name, *key), (pad, r.iteration))
+        if first[0] == pad:
+            continue
+        detail = (f"padded lanes {lo}..{hi - 1} hold {pad} at iteration {r.iteration} (after a larger batch) and held {first[0]} "
+                  f"the first time (iteration {first[1]})")
+        if name in canonical:
+            v.checked += 1
+            v.fail("canonical", name, w, first[0], pad, detail)
+        elif ("noted", name) not in seen:
+            seen[("noted", name)] = True
+            v.notes.append(f"n/a: padded-lane {name} left stale by design (query length 0, seq_len 0: never attended, "
+                           f"outputs dropped): {detail} [dp={w['dp']}, rank={r.rank}]")
+
+
+def line_for(lines: dict, dp: int, runner: str, r: Optional[VllmReplay]) -> VLine:
+    bucket = "capture" if r is None else (f"reqs={r.rec.bs} tokens={r.rec.capture.num_tokens}" if r.cg_mode == "FULL" else "eager")
+    key = (dp, runner, bucket)
+    if key not in lines:
+        lines[key] = VLine(runner, dp, bucket)
+    return lines[key]

@@ -1,0 +1,95 @@
+"""`harness engine-check --engine vllm[==VERSION] [--json] [--install]`: our invariants on vLLM's EAGLE proposer.
+
+One line per (DP size, runner, bucket), the invariants that do not apply to vLLM's design with
+their reason, then a verdict. Exit 0: every check held; 1: a check failed; 2: the release could
+not be checked (not installed, or the adapter cannot drive it: the message says what moved).
+"""
+from __future__ import annotations
+
+import json
+import sys
+import time
+import traceback
+from dataclasses import asdict
+from pathlib import Path
+from typing import Callable, Optional
+
+from harness.engines.install import EngineSpec, InstallError, deps_dir, is_installed
+from harness.engines.sglang.errors import EngineAdapterError, MissingEngineAttribute
+from harness.engines.vllm.checks import NOT_APPLICABLE, check_capture, check_iteration, line_for
+from harness.engines.vllm.config import VllmCheckConfig
+from harness.engines.vllm.drive import RUNNERS, drive_world
+from harness.engines.vllm.install import ensure_vllm_installed, installed_vllm_versions, vllm_deps_dir, vllm_dir
+from harness.engines.vllm.loader import VllmEngine, load
+from harness.engines.vllm.report import VllmReport, format_report
+
+
+def check_vllm(engine: VllmEngine, cfg: Optional[VllmCheckConfig] = None, progress: Optional[Callable[[str], None]] = None) -> VllmReport:
+    cfg = cfg or VllmCheckConfig()
+    t0 = time.perf_counter()
+    lines: dict = {}
+    for dp in cfg.dp_sizes:
+        if progress:
+            progress(f"dp={dp}")
+        caps, replays, ranks = drive_world(engine, cfg, dp)
+        decode_sizes = ranks[0].vcfg.get_draft_decode_cudagraph_request_sizes()
+        for runner in RUNNERS:
+            for rank, cap in enumerate(caps):
+                check_capture(line_for(lines, dp, runner, None), runner, cap, cfg, dp, rank, decode_sizes)
+        seen: dict = {}
+        by_iter: dict[tuple[int, str], list] = {}
+        for r in replays:
+            by_iter.setdefault((r.iteration, r.rec.runner), []).append(r)
+        for (_, _), reps in sorted(by_iter.items(), key=lambda kv: (kv[0][0], RUNNERS.index(kv[0][1]))):
+            check_iteration(lines, seen, reps, caps, cfg, dp)
+    ordered = sorted(lines.values(), key=lambda ln: (ln.dp, RUNNERS.index(ln.runner), ln.bucket != "capture", _bucket_key(ln.bucket)))
+    return VllmReport(engine.version, engine.location, asdict(cfg), ordered, list(NOT_APPLICABLE), engine.stubbed, time.perf_counter() - t0)
+
+
+def _bucket_key(bucket: str) -> int:
+    return int(bucket.split()[0].split("=")[1]) if bucket.startswith("reqs=") else 10**9
+
+
+def _resolve(spec: EngineSpec, args) -> Path:
+    if args.target:
+        return Path(args.target)
+    if spec.version is not None:
+        target = vllm_dir(spec.version)
+        if not is_installed(target):
+            if not args.install:
+                raise FileNotFoundError(f"vllm=={spec.version} is not installed at {target}: pass --install")
+            ensure_vllm_installed(spec.version, log=lambda m: print(m, file=sys.stderr))
+        return target
+    versions = installed_vllm_versions()
+    if not versions:
+        raise FileNotFoundError("no vllm under .engines/: give --engine vllm==VERSION --install")
+    return vllm_dir(versions[-1])
+
+
+def main(args) -> int:
+    try:
+        spec = EngineSpec.parse(args.engine)
+        if getattr(args, "releases", None):
+            raise ValueError("--releases is for sglang; give --engine vllm==VERSION")
+        target = _resolve(spec, args)
+    except (FileNotFoundError, ValueError, InstallError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    deps = [Path(args.deps)] if args.deps else [deps_dir(), vllm_deps_dir()]
+    engine = None
+    try:
+        engine = load(target, deps)
+        if spec.version is not None and engine.version != spec.version:
+            raise EngineAdapterError(f"asked for vllm=={spec.version}, found {engine.version} at {engine.location}")
+        progress = None if args.json else (lambda m: print(f"... {m}", file=sys.stderr, flush=True))
+        rep = check_vllm(engine, VllmCheckConfig(), progress)
+    except (EngineAdapterError, MissingEngineAttribute) as e:
+        print(f"error: the engine adapter cannot drive this release: {e}", file=sys.stderr)
+        return 2
+    except Exception as e:  # the engine's own code raised while being driven: not a verdict either way
+        traceback.print_exc()
+        what = engine.describe() if engine is not None else str(spec)
+        print(f"error: driving {what} raised {type(e).__name__}: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(rep.to_json(), indent=2, default=str) if args.json else format_report(rep))
+    return 0 if rep.ok else 1

@@ -1,0 +1,23 @@
+"""The engine configuration engine-check drives vLLM's EAGLE proposer under (a user's serving flags)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class VllmCheckConfig:
+    # K: the target verifies 1 + K tokens per request; K - 1 = 1 draft decode step (each one runs the
+    # interpreted slot-mapping kernel: the check's time goes there)
+    num_speculative_tokens: int = 2
+    max_num_seqs: int = 24
+    # Token cap of uniform decode graphs: 64 // (1 + K) = 21 requests at K = 2, below max_num_seqs and not a
+    # configured size: the verify-width graphs stop at that cap (the first size above it is captured at 21),
+    # which the one-token draft decode graphs do not share.
+    max_cudagraph_capture_size: int = 64
+    # decode_cudagraph_capture_request_sizes as a user would pass them; 24 is above the verify-width cap
+    decode_request_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 24)
+    max_model_len: int = 256
+    dp_sizes: tuple[int, ...] = (1, 2, 4)
+    # per DP rank, the raw request counts of the schedule, each replayed growing and then shrinking;
+    # rank r runs max(1, size - 3 * r), so ranks differ and DP padding matters
+    schedule: tuple[int, ...] = (1, 3, 6, 9, 13, 16, 19, 23)

@@ -1,0 +1,189 @@
+"""Load an installed vLLM once per process and swap the module globals that need a GPU.
+
+What stays the engine's: the graph managers (CudaGraphManager, SpeculatorCudaGraphManager:
+their capture tables, capture loop and dispatch), the capture-shape rules in vllm.config,
+the DP agreement (dispatch_cg_and_sync_dp / sync_cudagraph_and_dp_padding), the proposer's
+multi-step decode drive (_run_multi_step_decode, _build_uniform_batch_dp_sync), its
+input-prep Triton kernel and BlockTables.compute_slot_mappings' kernel (run by Triton's
+interpreter on CPU tensors, the code a GPU runs). The attention metadata of a draft step
+(_build_uniform_attn_metadata) is a stand-in: no attention backend runs.
+
+What is swapped, process-wide (one engine per process), each for its reason:
+  torch.cuda.graph / CUDAGraph   no device: the capture pass's forward is recorded as the bake
+  graph_capture, capture_pool     device streams and memory pools
+  get_pp_group, current_platform  one pipeline stage; no graph pool
+  get_offloader, current_stream   weight offload and streams sync on a device
+  is_global_first_rank            False: no progress bars
+  prepare_inputs_to_capture       builds attention metadata for the model (never run here)
+  build_slot_mappings_by_layer    per-layer views of the KV cache config (no layers here)
+  get_dp_group                    the calling thread's rank of a DPWorld (standins.py)
+  should_skip_dp_coordination     False: the ranks really agree
+"""
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+import sys
+import types
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+from harness.engines.sglang.errors import EngineAdapterError
+from harness.engines.sglang.stubs import StubFinder
+from harness.engines.vllm.standins import DPWorld, GraphCapture, Strict, null_graph_capture, null_pool, torch_proxy
+from harness.engines.vllm.stubs import REAL_MODULES, STUBBED_MODULES
+
+MODULES = {
+    "cg": "vllm.v1.worker.gpu.cudagraph_utils",
+    "scg": "vllm.v1.worker.gpu.spec_decode.autoregressive.cudagraph_utils",
+    "dp": "vllm.v1.worker.gpu.dp_utils",
+    "ar": "vllm.v1.worker.gpu.spec_decode.autoregressive.speculator",
+    "tdar": "vllm.v1.worker.gpu.spec_decode.target_dependent_ar.speculator",
+    "spec": "vllm.v1.worker.gpu.spec_decode.speculator",
+    "eagle": "vllm.v1.worker.gpu.spec_decode.eagle.speculator",
+    "compilation": "vllm.config.compilation",
+    "config": "vllm.config.vllm",
+    "input_batch": "vllm.v1.worker.gpu.input_batch",
+    "block_table": "vllm.v1.worker.gpu.block_table",
+}
+
+
+@dataclass
+class VllmEngine:
+    version: str
+    location: str
+    modules: dict[str, types.ModuleType]
+    capture: GraphCapture
+    stubbed: list[str] = field(default_factory=list)
+    world: Optional[DPWorld] = None  # the DP world now being driven (get_dp_group reads it)
+
+    def describe(self) -> str:
+        return f"vllm {self.version} from {self.location}"
+
+    def attr(self, key: str, name: str) -> Any:
+        """A module attribute the adapter drives; a release without it cannot be driven (exit 2)."""
+        mod = self.modules[key]
+        if not hasattr(mod, name):
+            raise EngineAdapterError(f"vllm {self.version}: {mod.__name__}.{name} not found; the release moved it: "
+                                     "teach harness/engines/vllm where it went")
+        return getattr(mod, name)
+
+
+_LOADED: Optional[VllmEngine] = None
+
+
+def load(target: Optional[Path], deps: list[Path]) -> VllmEngine:
+    """Import vllm from `target` (a pip --target dir; None: the environment's), once per process."""
+    global _LOADED
+    if _LOADED is not None:
+        if target is not None and Path(_LOADED.location).resolve() != Path(target).resolve():
+            raise EngineAdapterError(f"an engine is already loaded in this process ({_LOADED.describe()}); run one engine per process")
+        return _LOADED
+    if "vllm" in sys.modules and target is not None:
+        raise EngineAdapterError("vllm was imported before the adapter could choose its location")
+    if target is not None:
+        if not (Path(target) / "vllm").is_dir():
+            raise EngineAdapterError(f"no vllm package under {target}")
+        sys.path.insert(0, str(target))
+    for d in deps:
+        if Path(d).is_dir():
+            sys.path.append(str(d))  # after site-packages: the interpreter's own copies win
+    os.environ["TRITON_INTERPRET"] = "1"  # the input-prep kernels run on CPU tensors under Triton's interpreter
+    finder = StubFinder(STUBBED_MODULES)
+    sys.meta_path.insert(0, finder)
+    for name in REAL_MODULES:
+        try:
+            importlib.import_module(name)
+        except ImportError as e:
+            raise EngineAdapterError(f"the vLLM adapter needs {name} for real ({e}); run harness engine-check --install") from e
+    logging.getLogger("vllm").setLevel(logging.ERROR)
+    mods: dict[str, types.ModuleType] = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _import_real_triton()
+        _patch_interpreter_index()
+        for key, name in MODULES.items():
+            try:
+                mods[key] = importlib.import_module(name)
+            except ModuleNotFoundError as e:
+                top = (e.name or "").split(".")[0]
+                if top != "vllm":
+                    raise EngineAdapterError(f"importing {name} needs {e.name!r}, neither installed nor stubbed: "
+                                             "add it to STUBBED_MODULES in harness/engines/vllm/stubs.py") from e
+                raise EngineAdapterError(f"this vllm has no {e.name} (not a model-runner-v2 EAGLE release?)") from e
+    vllm = importlib.import_module("vllm")
+    location = str(Path(vllm.__file__).resolve().parent.parent)
+    _LOADED = VllmEngine(_version_of(vllm, location), location, mods, GraphCapture(), sorted(finder.served))
+    _install_shims(_LOADED)
+    return _LOADED
+
+
+def _install_shims(engine: VllmEngine) -> None:
+    cg, scg, dp = engine.modules["cg"], engine.modules["scg"], engine.modules["dp"]
+    for name in ("torch", "graph_capture", "capture_pool", "get_pp_group", "current_platform", "get_offloader", "current_stream",
+                 "is_global_first_rank"):
+        engine.attr("cg", name)
+    cg.torch = torch_proxy(engine.capture)
+    cg.graph_capture = null_graph_capture
+    cg.capture_pool = null_pool
+    cg.get_pp_group = lambda: Strict("pp_group", is_first_rank=True, is_last_rank=True)
+    cg.current_platform = Strict("current_platform", get_global_graph_pool=lambda: None)
+    cg.get_offloader = lambda: Strict("offloader", sync_prev_onload=lambda: None, join_after_forward=lambda: None)
+    cg.current_stream = lambda: None
+    cg.is_global_first_rank = lambda: False
+    engine.attr("scg", "prepare_inputs_to_capture")
+    scg.prepare_inputs_to_capture = lambda *a, **k: (None, None)
+    engine.attr("ar", "build_slot_mappings_by_layer")
+    engine.modules["ar"].build_slot_mappings_by_layer = lambda slot_mappings, kv_cache_config: slot_mappings
+    engine.attr("dp", "get_dp_group")
+    engine.attr("dp", "should_skip_dp_coordination")
+
+    def get_dp_group() -> Any:
+        if engine.world is None:
+            raise EngineAdapterError("vllm asked for the DP group with no DP world set")
+        return engine.world.group()
+
+    dp.get_dp_group = get_dp_group
+    dp.should_skip_dp_coordination = lambda: False
+
+
+def _import_real_triton() -> None:
+    """vllm.triton_utils swaps triton for a placeholder unless exactly one GPU driver is active; with
+    CUDA_VISIBLE_DEVICES empty (its "devices not yet visible" case) it keeps the real triton, whose
+    interpreter then runs the kernels."""
+    old = os.environ.get("CUDA_VISIBLE_DEVICES")
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    try:
+        tu = importlib.import_module("vllm.triton_utils")
+    finally:
+        if old is None:
+            del os.environ["CUDA_VISIBLE_DEVICES"]
+        else:
+            os.environ["CUDA_VISIBLE_DEVICES"] = old
+    if not getattr(tu, "HAS_TRITON", False):
+        raise EngineAdapterError("vllm.triton_utils replaced triton by its placeholder: the input-prep kernels cannot run")
+
+
+def _patch_interpreter_index() -> None:
+    """Triton's interpreter turns a scalar argument into int() of a 1-element array, which numpy 2
+    refuses (`range(0, max_num_reqs + 1, BLOCK)` in vLLM's kernels): take the element instead."""
+    interp = importlib.import_module("triton.runtime.interpreter")
+    original = interp._patch_lang_tensor
+
+    def patch_lang_tensor(tensor: Any, scope: Any) -> None:
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]) if self.handle.data.size == 1
+                       else int(self.handle.data))
+
+    if getattr(original, "__name__", "") != "patch_lang_tensor":
+        interp._patch_lang_tensor = patch_lang_tensor
+
+
+def _version_of(vllm: types.ModuleType, location: str) -> str:
+    for dist in Path(location).glob("vllm-*.dist-info"):
+        return dist.name[len("vllm-"):-len(".dist-info")]
+    v = getattr(vllm, "__version__", None)
+    return v if isinstance(v, str) else "unknown"

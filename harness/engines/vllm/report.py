@@ -1,0 +1,98 @@
+"""What the vLLM check reports: one VLine per (DP size, runner, bucket), the n/a list, the verdict."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from harness.verdict import Failure, Verdict
+
+
+@dataclass
+class VLine:
+    """One (DP size, runner, bucket): the captures ("capture") or every replay that ran in the bucket, on every rank."""
+
+    runner: str
+    dp: int
+    bucket: str  # "capture", "reqs=N tokens=M" (a FULL graph) or "eager"
+    verdict: Verdict = field(default_factory=lambda: Verdict("P1"))
+    raw_bs: set[int] = field(default_factory=set)
+    ranks: set[int] = field(default_factory=set)
+    captured: list[int] = field(default_factory=list)  # a capture line: the graphs' request counts
+
+    def to_json(self) -> dict:
+        return {"runner": self.runner, "dp": self.dp, "bucket": self.bucket, "raw_bs": sorted(self.raw_bs), "ranks": sorted(self.ranks),
+                "captured_requests": self.captured, "ok": self.verdict.ok, "checked": self.verdict.checked, "failures": [asdict(f) for f in self.verdict.failures],
+                "notes": list(self.verdict.notes)}
+
+
+@dataclass
+class VllmReport:
+    version: str
+    location: str
+    config: dict[str, Any]
+    lines: list[VLine]
+    not_applicable: list[str]
+    stubbed: list[str]
+    seconds: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return all(ln.verdict.ok for ln in self.lines)
+
+    def failures(self) -> list[Failure]:
+        return [f for ln in self.lines for f in ln.verdict.failures]
+
+    def to_json(self) -> dict:
+        return {
+            "engine": "vllm", "version": self.version, "location": self.location, "ok": self.ok, "seconds": round(self.seconds, 2),
+            "config": self.config, "stubbed_modules": self.stubbed, "not_applicable": self.not_applicable,
+            "summary": {"lines": len(self.lines), "failed_lines": sum(not ln.verdict.ok for ln in self.lines),
+                        "checks": sum(ln.verdict.checked for ln in self.lines), "failures": len(self.failures()),
+                        "notes": sum(len(ln.verdict.notes) for ln in self.lines)},
+            "lines": [ln.to_json() for ln in self.lines],
+        }
+
+
+def format_report(rep: VllmReport) -> str:
+    try:
+        where = str(Path(rep.location).resolve().relative_to(Path.cwd().resolve())) or "."
+    except ValueError:
+        where = rep.location
+    c = rep.config
+    out = [f"engine-check: vllm {rep.version} from {where}",
+           f"  EAGLE proposer graphs (target verify DP sync, draft prefill, draft decode): K={c['num_speculative_tokens']} "
+           f"max_num_seqs={c['max_num_seqs']} max_cudagraph_capture_size={c['max_cudagraph_capture_size']} "
+           f"decode request sizes={list(c['decode_request_sizes'])} dp={list(c['dp_sizes'])}; no model, no GPU",
+           f"  stubbed imports: {', '.join(rep.stubbed)}"]
+    for ln in rep.lines:
+        v = ln.verdict
+        raw = sorted(ln.raw_bs)
+        raws = f"{raw[0]}..{raw[-1]}" if raw else "-"
+        if ln.captured:
+            tail_info = f" graphs at {','.join(map(str, ln.captured))} requests"
+        else:
+            tail_info = ""
+        head = f"{'ok  ' if v.ok else 'FAIL'} {ln.runner:<13} dp={ln.dp} {ln.bucket:<19} raw_bs {raws:<6} ranks {','.join(map(str, sorted(ln.ranks))):<8}"
+        if v.ok:
+            tail = f"{v.checked} checks" + (f"; {len(v.notes)} n/a note(s)" if v.notes else "") + tail_info
+        else:
+            more = f" (+{len(v.failures) - 1} more)" if len(v.failures) > 1 else ""
+            tail = v.failures[0].message() + more
+        out.append(f"{head} {tail}")
+    notes = [n for ln in rep.lines for n in ln.verdict.notes]
+    seen: set[str] = set()
+    firsts = [n for n in notes if not (n.split(":")[1] in seen or seen.add(n.split(":")[1]))]
+    out.append("not applicable to vLLM's design (never counted as a pass):")
+    out += [f"  {n}" for n in rep.not_applicable]
+    out += [f"  {n} (+{sum(m.split(':')[1] == n.split(':')[1] for m in notes) - 1} like it)" for n in firsts]
+    checks = sum(ln.verdict.checked for ln in rep.lines)
+    if not rep.ok:
+        failed = [ln for ln in rep.lines if not ln.verdict.ok]
+        fields = sorted({(f.check, f.field, f.where.get("runner")) for f in rep.failures()})
+        out.append("failing (check, field, runner): " + "; ".join(f"{c} {fl} [{r}]" for c, fl, r in fields))
+        out.append(f"verdict: FAIL: {len(failed)} of {len(rep.lines)} (dp, runner, bucket) lines failed, {len(rep.failures())} failures in "
+                   f"{checks} checks ({rep.seconds:.1f}s); first: {rep.failures()[0].message()}")
+    else:
+        out.append(f"verdict: PASS: {len(rep.lines)} (dp, runner, bucket) lines, {checks} checks ({rep.seconds:.1f}s)")
+    return "\n".join(out)

@@ -1,0 +1,190 @@
+"""engine-check on vLLM's EAGLE proposer: the newest release passes (and says what does not apply),
+and bugs planted into an installed copy are each caught by the check that owns them.
+
+The release is installed once (cached under .engines/, under a file lock, as the SGLang tests
+install theirs), or every test here skips with pip's reason. Each check runs in its own process
+(the adapter swaps module globals process-wide); the unmodified release and the planted copies
+run concurrently, once per session, since importing vLLM dominates their time.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from harness.engines.command import main as engine_check_main
+from harness.engines.install import InstallError, engines_root
+from harness.engines.vllm.install import ensure_vllm_installed
+from harness.engines.vllm.standins import DPWorld
+
+REPO = Path(__file__).resolve().parent.parent
+VERSION = os.environ.get("SPECHARNESS_VLLM_NEWEST", "0.34.0")
+KERNEL = "vllm/v1/worker/gpu/spec_decode/target_dependent_ar/speculator.py"
+DP_UTILS = "vllm/v1/worker/gpu/dp_utils.py"
+COMPILATION = "vllm/config/compilation.py"
+BLOCK_TABLE = "vllm/v1/worker/gpu/block_table.py"
+
+# id -> [(file, the line as released, the planted line)]: one copy per id, checked at DP sizes PLANTED_DP[id]
+PLANTED = {
+    # two padded-tail bugs, in two kernels and two buffers (each failure names its buffer):
+    # _prepare_decode_inputs_kernel stops zeroing seq_lens past the live requests, and the slot-mapping
+    # kernel stops writing PAD_SLOT_ID past the live tokens (padded lanes would write KV into live blocks)
+    "padded_tail_not_written": [(KERNEL, "tl.store(seq_lens_ptr + block, 0, mask=mask)",
+                                 "tl.store(seq_lens_ptr + block, 0, mask=mask & (block < 0))"),
+                                (BLOCK_TABLE, "tl.store(slot_mapping_ptr + offset, PAD_ID, mask=offset < max_num_tokens)",
+                                 "tl.store(slot_mapping_ptr + offset, PAD_ID, mask=offset < 0)")],
+    # the DP agreement pads each rank to its own count instead of the largest rank's
+    "dp_pads_to_own_count": [(DP_UTILS, "synced_num_tokens = int(num_tokens_across_dp.max())",
+                              "synced_num_tokens = int(num_tokens_across_dp[dp_rank])")],
+    # uniform-decode graphs no longer respect the token cap at 1 + K tokens per request
+    "capture_limit_ignores_query_len": [(COMPILATION, "limit = min(max_reqs, max_tokens // q)", "limit = min(max_reqs, max_tokens)")],
+}
+# the planted copies run fewer DP worlds (their time is the interpreted kernels'); the release runs the default (1, 2, 4)
+PLANTED_DP = {"padded_tail_not_written": (1, 2), "dp_pads_to_own_count": (1, 2), "capture_limit_ignores_query_len": (1,)}
+
+pytestmark = pytest.mark.timeout(900)
+
+_CHECK = """
+    import json
+    from pathlib import Path
+    from harness.engines.install import deps_dir
+    from harness.engines.vllm.command import check_vllm
+    from harness.engines.vllm.config import VllmCheckConfig
+    from harness.engines.vllm.install import vllm_deps_dir
+    from harness.engines.vllm.loader import load
+    from harness.engines.vllm.report import format_report
+    rep = check_vllm(load(Path({target!r}), [deps_dir(), vllm_deps_dir()]), VllmCheckConfig(**{overrides!r}))
+    print(json.dumps({{"report": rep.to_json(), "text": format_report(rep)}}, default=str))
+"""
+
+
+def _plant(src: Path, dst: Path, edits: list[tuple[str, str, str]]) -> Path:
+    """dst: src's files as symlinks, except each edited file, a real copy with its line replaced (exactly once)."""
+    texts = {}
+    for rel, old, _ in edits:
+        texts[rel] = (src / rel).read_text()
+        if texts[rel].count(old) != 1:
+            pytest.skip(f"vllm {VERSION}: {rel} does not have the line {old!r} exactly once")
+    shutil.copytree(src, dst, symlinks=True, copy_function=os.symlink)
+    for rel, old, new in edits:
+        (dst / rel).unlink()
+        (dst / rel).write_text(texts[rel].replace(old, new))
+    return dst
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory) -> dict[str, dict]:
+    try:
+        release = ensure_vllm_installed(VERSION, log=lambda m: print(m, file=sys.stderr))
+    except InstallError as e:
+        pytest.skip(f"cannot install vllm=={VERSION} here: {e}")
+    base = tmp_path_factory.mktemp("vllm-planted")
+    targets = {"release": release}
+    for name, edits in PLANTED.items():
+        targets[name] = _plant(release, base / name, edits)
+    overrides = {name: {"dp_sizes": PLANTED_DP[name]} if name in PLANTED_DP else {} for name in targets}
+    procs = {name: subprocess.Popen([sys.executable, "-c", textwrap.dedent(_CHECK.format(target=str(t), overrides=overrides[name]))], cwd=REPO,
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for name, t in targets.items()}
+    out = {}
+    for name, p in procs.items():
+        stdout, stderr = p.communicate(timeout=600)
+        assert p.returncode == 0, f"{name}: " + stdout[-2000:] + stderr[-3000:]
+        out[name] = json.loads(stdout)
+    return out
+
+
+def _failed(rep: dict) -> set[tuple[str, str, str]]:
+    return {(f["check"], f["field"], f["where"].get("runner")) for ln in rep["lines"] for f in ln["failures"]}
+
+
+def test_release_passes_and_says_what_does_not_apply(results):
+    rep, text = results["release"]["report"], results["release"]["text"]
+    assert rep["version"] == VERSION
+    assert rep["ok"], text
+    runners = {(ln["runner"], ln["dp"]) for ln in rep["lines"]}
+    assert runners == {(r, dp) for r in ("target_verify", "draft_prefill", "draft_decode") for dp in (1, 2, 4)}
+    # every DP size replayed graphs in more than one bucket and ran eager above the verify-width cap
+    buckets = {(ln["runner"], ln["dp"]): set() for ln in rep["lines"]}
+    for ln in rep["lines"]:
+        buckets[(ln["runner"], ln["dp"])].add(ln["bucket"])
+    for (runner, dp), bs in buckets.items():
+        assert len(bs - {"capture", "eager"}) >= 4, (runner, dp, bs)
+        if runner != "draft_decode":
+            assert "eager" in bs, (runner, dp, bs)
+    assert "verdict: PASS" in text
+    for what in ("I2/I4/I5", "I3 ", "I6 ", "target_verify I1"):
+        assert any(n.startswith(what) and "n/a" in n for n in rep["not_applicable"]), what
+    # the stale padded input_ids / positions are reported as n/a with their lanes, not passed silently
+    notes = [n for ln in rep["lines"] for n in ln["notes"]]
+    assert any("n/a: padded-lane input_ids left stale" in n for n in notes)
+    assert any("n/a: padded-lane positions left stale" in n for n in notes)
+    assert "n/a: padded-lane input_ids" in text
+
+
+def test_planted_padded_tail_is_caught(results):
+    rep = results["padded_tail_not_written"]["report"]
+    assert not rep["ok"]
+    failed = _failed(rep)
+    for buffer in ("seq_lens", "slot_mapping"):
+        assert ("padded tail", buffer, "draft_decode") in failed
+        assert ("canonical", buffer, "draft_decode") in failed
+    assert {r for _, _, r in failed} == {"draft_decode"}
+    assert {b for c, b, _ in failed if c in ("padded tail", "canonical")} == {"seq_lens", "slot_mapping"}
+
+
+def test_planted_dp_pad_count_is_caught(results):
+    rep = results["dp_pads_to_own_count"]["report"]
+    assert not rep["ok"]
+    failed = _failed(rep)
+    # the ranks run different graphs: the target's agreement, and the draft prefill that reuses it
+    for runner in ("target_verify", "draft_prefill"):
+        assert ("DP", "(mode, num_tokens) on every rank", runner) in failed
+        assert ("padding", "graph (mode, requests)", runner) in failed
+    assert all(f["where"]["dp"] > 1 for ln in rep["lines"] for f in ln["failures"])
+
+
+def test_planted_capture_limit_is_caught(results):
+    rep = results["capture_limit_ignores_query_len"]["report"]
+    assert not rep["ok"]
+    failed = _failed(rep)
+    for runner in ("target_verify", "draft_prefill"):
+        assert ("capture sizes", "num_tokens <= cap", runner) in failed
+        assert ("capture sizes", "request sizes at 1 + K", runner) in failed
+
+
+def test_not_installed_is_exit_2(capsys, monkeypatch, tmp_path):
+    monkeypatch.setenv("SPECHARNESS_ENGINES", str(tmp_path))
+    parser_args = type("Args", (), {"engine": "vllm==0.0.1", "json": False, "target": None, "deps": None, "install": False,
+                                    "all_layouts": False, "releases": None})()
+    assert engine_check_main(parser_args) == 2
+    assert "vllm==0.0.1 is not installed" in capsys.readouterr().err
+    assert engines_root() == tmp_path
+
+
+def test_dp_world_all_reduce_sums_every_rank_and_raises_the_real_error():
+    world = DPWorld(3)
+
+    def vote(rank: int) -> list[int]:
+        t = torch.zeros(2, 3, dtype=torch.int32)
+        t[0][rank], t[1][rank] = 10 + rank, rank * rank
+        world.group().cpu_all_reduce_(t)
+        return t.tolist()
+
+    assert world.run(vote) == [[[10, 11, 12], [0, 1, 4]]] * 3
+
+    def fail_on_one(rank: int) -> None:
+        if rank == 1:
+            raise KeyError("rank 1")
+        world.group().cpu_all_reduce_(torch.zeros(1))
+
+    with pytest.raises(KeyError):
+        world.run(fail_on_one)
+    assert world.run(vote) == [[[10, 11, 12], [0, 1, 4]]] * 3  # usable again after a failed round
