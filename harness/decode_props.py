@@ -6,10 +6,14 @@ logits), and the padding rules (padded seq_lens = fill, smallest bucket). P1 (ru
 through the speculative decoding loop: every draft-decode replay's record (rows fed to lm_head,
 I2) and its tree (tokens, parents, children exact; scores and logits within the eager-vs-graph
 tolerance) against the eager reference run of the same workload. P6: the acceptance golden of
-each single-layer case, for both runners.
+each single-layer case and its draft-tree golden (golden/acceptance/<case>.draft_tree.json), for
+both runners.
 """
 from __future__ import annotations
 
+import json
+import sys
+from pathlib import Path
 from typing import Optional, Sequence
 
 import torch
@@ -17,7 +21,7 @@ import torch
 from harness.case import Case, load_case
 from harness.layout import all_layouts
 from harness.properties import check_replay_record, check_replay_rows
-from harness.spec_decode import AcceptanceGoldenError, case_session, load_acceptance_golden
+from harness.spec_decode import ACCEPT_DIR, AcceptanceGoldenError, SpecSession, case_session, load_acceptance_golden
 from harness.spec_props import compare_acceptance
 from harness.tolerances import Tol, eager_vs_graph
 from harness.verdict import Verdict, merge_verdicts
@@ -57,7 +61,8 @@ def check_decode_metadata(layout: ParallelLayout, spec: SpecConfig, schedule: Se
 
 
 def check_decode_case(case: Case, props: Sequence[str] = ("P1", "P3", "P6")) -> dict[str, Verdict]:
-    """The case's workload through the loop, eager and graph: P1 on the draft-decode replays, P3 eager vs graph, P6 both."""
+    """The case's workload through the loop, eager and graph: P1 on the draft-decode replays, P3 eager vs graph,
+    P6 (accept lengths, and the draft trees behind them) for both."""
     out = {p: Verdict(p) for p in props}
     layout, k = case.layout, case.scenario.spec.topk
     sessions = {r: case_session(case, r) for r in ("eager", "graph")}
@@ -69,7 +74,8 @@ def check_decode_case(case: Case, props: Sequence[str] = ("P1", "P3", "P6")) -> 
             for rec in g.decode_records:
                 replays += 1
                 if "P1" in out:
-                    needed = max(rec.capture.host["global_num_tokens_cpu"] or [rec.raw_bs * k]) // k if layout.require_mlp_tp_gather else rec.raw_bs
+                    # every DP group replays the largest group's bucket in the MLP branch: the largest raw batch of this step decides
+                    needed = max(r.raw_bs for rr in g_reps for r in rr.decode_records) if layout.require_mlp_tp_gather else rec.raw_bs
                     check_replay_record(out["P1"], layout, rec, rank, step, needed)
                     check_replay_rows(out["P1"], layout, rec, rank, step, expected_rows=rec.bs * k)
             if "P3" in out and (e.decode_outs is None) != (g.decode_outs is None):
@@ -79,6 +85,7 @@ def check_decode_case(case: Case, props: Sequence[str] = ("P1", "P3", "P6")) -> 
     if "P3" in out:
         out["P3"].expect_equal("P3", "draft-decode graph replays", {"case": case.name}, True, replays > 0, "the graph runner really ran")
     if "P6" in out:
+        check_tree_golden(out["P6"], case, sessions)
         try:
             golden = load_acceptance_golden(case)
         except AcceptanceGoldenError as err:
@@ -87,6 +94,67 @@ def check_decode_case(case: Case, props: Sequence[str] = ("P1", "P3", "P6")) -> 
             for runner, s in sessions.items():
                 compare_acceptance(out["P6"], golden, s, {"case": case.name, "layout": layout.describe(), "runner": runner})
     return out
+
+
+# ---- P6's draft-tree golden: what the step body computes, which eager and graph share (P3 cannot see a bug in it),
+# finer than the accept lengths it decides (the aligned draft leans on the token embedding, so a wrong position or
+# parent hidden state moves the probabilities long before it moves an accept length) ----
+TREE_FORMAT = "specharness-draft-tree/1"
+TREE_FLOATS = Tol(1e-5, 1e-5, "fp32 CPU re-run of the recorded workload; a wrong position or parent moves probabilities by far more")
+
+
+def tree_golden_path(name: str) -> Path:
+    return ACCEPT_DIR / f"{name}.draft_tree.json"
+
+
+def tree_arrays(session: SpecSession) -> dict[str, list]:
+    """Per loop step and rank, the draft decode's tree of the real requests."""
+    out = {}
+    for step, reps in enumerate(session.reports):
+        for rank, rep in enumerate(reps):
+            if rep.decode_outs is not None:
+                t = rep.decode_outs.tensors()
+                for f in ("tokens", "parents", "child_index", "scores", "child_p"):
+                    out[f"s{step}.r{rank}.{f}"] = t[f].tolist()
+    return out
+
+
+def record_tree_golden(case: Case) -> Path:
+    """From the eager run; refused when the graph run's tree differs (P3 would say where)."""
+    sessions = {r: case_session(case, r) for r in ("eager", "graph")}
+    v = Verdict("P6")
+    data = {"format": TREE_FORMAT, "case": case.name, "fingerprint": case.scenario.model.fingerprint(), "trees": tree_arrays(sessions["eager"])}
+    _compare_trees(v, case.name, data["trees"], tree_arrays(sessions["graph"]))
+    if not v.ok:
+        raise AcceptanceGoldenError(f"{case.name}: eager and graph draft trees differ; not recording ({v.first()})")
+    path = tree_golden_path(case.name)
+    path.write_text(json.dumps(data, separators=(",", ":")) + "\n")
+    return path
+
+
+def check_tree_golden(v: Verdict, case: Case, sessions: dict[str, SpecSession]) -> None:
+    path = tree_golden_path(case.name)
+    if not path.exists():
+        v.fail("draft tree", "file", {"case": case.name}, "a draft-tree golden", "none", f"record it: python -m harness.decode_props record {case.name}")
+        return
+    data = json.loads(path.read_text())
+    if data.get("format") != TREE_FORMAT or data.get("fingerprint") != case.scenario.model.fingerprint():
+        v.fail("draft tree", "file", {"case": case.name}, TREE_FORMAT, data.get("format"), "recorded for another format or model; re-record it")
+        return
+    for runner, s in sessions.items():
+        _compare_trees(v, f"{case.name} ({runner})", data["trees"], tree_arrays(s))
+
+
+def _compare_trees(v: Verdict, label: str, want: dict[str, list], got: dict[str, list]) -> None:
+    v.expect_equal("draft tree", "keys", {"case": label}, sorted(want), sorted(got), "loop steps and ranks that ran a draft decode")
+    for key in sorted(set(want) & set(got)):
+        v.checked += 1
+        a, b = torch.tensor(want[key]), torch.tensor(got[key])
+        exact = not key.endswith(("scores", "child_p"))
+        same = a.shape == b.shape and (torch.equal(a, b) if exact else torch.allclose(a, b, rtol=TREE_FLOATS.rtol, atol=TREE_FLOATS.atol))
+        if not same:
+            v.fail("draft tree", key, {"case": label}, want[key] if exact else "match", got[key] if exact else "differs",
+                   "exact" if exact else f"rtol={TREE_FLOATS.rtol} atol={TREE_FLOATS.atol}: {TREE_FLOATS.reason}")
 
 
 def _compare_tree(v: Verdict, where: dict, ref: dict[str, torch.Tensor], got: dict[str, torch.Tensor], tol: Optional[Tol]) -> None:
@@ -121,3 +189,17 @@ def probe_draft_decode() -> dict[str, Verdict]:
     for name in DECODE_CASES:
         merge_verdicts(out, check_decode_case(load_case(name)))
     return out
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] != "record":
+        print("usage: python -m harness.decode_props record [CASE ...]", file=sys.stderr)
+        return 2
+    for name in argv[1:] or DECODE_CASES:
+        print(f"{name}: -> {record_tree_golden(load_case(name))}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

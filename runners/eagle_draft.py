@@ -131,6 +131,11 @@ def draft_decode_attn_metadata(req_to_token: torch.Tensor, fb: ForwardBatch, loc
     return AttnMetadata(lane_req, torch.cat([prefix, locs.reshape(n, num_steps)], dim=1), torch.cat([prefix_mask, draft_mask], dim=1))
 
 
+def advance_positions(positions: torch.Tensor) -> None:
+    """In place, every lane (padded ones too): the next step's tokens sit one position further."""
+    positions.add_(1)
+
+
 def draft_decode_forward(worker: DraftWorker, fb: ForwardBatch, attn: TorchAttnBackend) -> DraftDecodeOutputs:
     """The body shared by the eager reference, graph warm-up, capture and (simulated) replay.
 
@@ -163,7 +168,7 @@ def draft_decode_forward(worker: DraftWorker, fb: ForwardBatch, attn: TorchAttnB
         child_index.append(topk_index.view(bs, k, k))
         step_logits.append(lo.next_token_logits)
         rows_fed = lo.rows_fed
-        fb.positions.add_(1)  # every lane, padded ones too: the next step's tokens sit one position further
+        advance_positions(fb.positions)
     return DraftDecodeOutputs(
         torch.stack(tokens, 1), torch.stack(parents, 1), torch.stack(score_list, 1),
         torch.stack(child_index, 1), torch.stack(child_p, 1), torch.stack(step_logits), step_logits[-1], rows_fed,
