@@ -475,4 +475,4 @@ CATALOG = CATALOG + (
     ),
 )
 BY_ID.update({m.id: m for m in CATALOG})
-CATALOG += tuple(_DECODE); BY_ID.update({m.id: m for m in _DECODE})
+CATALOG += tuple(_DECODE); BY_ID.update({m.id: m for m in _DECODE})  # noqa: E702

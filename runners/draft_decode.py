@@ -46,14 +46,19 @@ from runners.draft_extend import (
     eager_forward_batch,
     run_eager,
 )
-from runners.eagle_draft import DraftDecodeInputs, DraftDecodeOutputs, check_draft_window, run_eager_decode, tree_proposals
+from runners.eagle_draft import (
+    DraftDecodeInputs,
+    DraftDecodeOutputs,
+    check_draft_window,
+    run_eager_decode,
+    tree_proposals,
+)
 from runners.eagle_draft_graph import EAGLEDraftCudaGraphRunner
 from runners.graph_backend import GraphBackend
 from runners.memory import ReqToTokenPool
 from runners.parallel.dp_attention import RankContext, mlp_sync_batch_sizes
 from runners.scheduler import Proposal, Request
 from runners.target import Lane, TargetRunner
-
 
 DRAFTS = ("multi_layer", "single_layer")
 
