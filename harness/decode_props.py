@@ -1,11 +1,12 @@
-"""P1, P3 and P6 over the single-layer EAGLE draft decode (runners.eagle_draft_graph.EAGLEDraftCudaGraphRunner).
+"""P1, P2, P3 and P6 over the single-layer EAGLE draft decode (runners.eagle_draft_graph.EAGLEDraftCudaGraphRunner).
 
 P1 (fast): the runner's get_forward_batch and replay fill on every layout, metadata only: the
 baked counts equal the replay fill (I1), count bs * topk lanes (I5, DECODE gives every lane
 logits), and the padding rules (padded seq_lens = fill, smallest bucket). P1 (run path) and P3
 through the speculative decoding loop: every draft-decode replay's record (rows fed to lm_head,
 I2) and its tree (tokens, parents, children exact; scores and logits within the eager-vs-graph
-tolerance) against the eager reference run of the same workload. P6: the acceptance golden of
+tolerance) against the eager reference run of the same workload. P2: every padded buffer poisoned
+before a replay after a shrink; the real trees and every live KV slot must not notice. P6: the acceptance golden of
 each single-layer case and its draft-tree golden (golden/acceptance/<case>.draft_tree.json), for
 both runners.
 """
@@ -21,13 +22,15 @@ import torch
 from harness.case import Case, load_case
 from harness.layout import all_layouts
 from harness.properties import check_replay_record, check_replay_rows
+from harness.ranks.simulated import SimulatedWorld
 from harness.spec_decode import ACCEPT_DIR, AcceptanceGoldenError, SpecSession, case_session, load_acceptance_golden
 from harness.spec_props import compare_acceptance
 from harness.tolerances import Tol, eager_vs_graph
 from harness.verdict import Verdict, merge_verdicts
+from runners.attention.torch_ref import TorchAttnBackend
 from runners.config import DEFAULT_MODEL, ModelConfig, SpecConfig
 from runners.draft_extend import DraftWorker
-from runners.eagle_draft import DraftDecodeInputs
+from runners.eagle_draft import DraftDecodeInputs, run_eager_decode
 from runners.eagle_draft_graph import EAGLEDraftCudaGraphRunner
 from runners.graph_backend import GraphBackend
 from runners.parallel.dp_attention import RankContext
@@ -171,6 +174,61 @@ def _compare_tree(v: Verdict, where: dict, ref: dict[str, torch.Tensor], got: di
                    "bitwise" if tol is None else f"rtol={tol.rtol} atol={tol.atol}: {tol.reason}")
 
 
+# ---- P2: poison the padded lanes of every draft-decode buffer; the fill must make the poison harmless ----
+def _poison(runner: EAGLEDraftCudaGraphRunner, raw_bs: int, live_row: int) -> None:
+    """Out-of-range positions and token ids (an unguarded read fails, as an out-of-bounds read would on a GPU), a live
+    request's row and a long seq_len (a write through them lands in live KV), NaN probabilities and hidden states."""
+    k = runner.T
+    runner.positions[raw_bs * k:].fill_(10**6)
+    runner.topk_index[raw_bs:].fill_(runner.worker.cfg.vocab_size + 7)
+    runner.req_pool_indices[raw_bs:].fill_(live_row)
+    runner.seq_lens[raw_bs:].fill_(3)
+    runner.topk_p[raw_bs:].fill_(float("nan"))
+    runner.hidden_states[raw_bs:].fill_(float("nan"))
+
+
+def check_decode_padded_lanes(topk: int, model: ModelConfig = DEFAULT_MODEL) -> Verdict:
+    """TP1: requests 1-3 in bucket 4 with every padded buffer poisoned and request 4 live but not in the batch: the
+    real trees match the eager reference and no KV slot outside the batch's draft slots (and the padding slot) moves."""
+    v = Verdict("P2")
+    where = {"layout": "tp1", "runner": "draft_decode", "topk": topk, "raw_bs": 3, "bs": 4}
+    spec = SpecConfig(num_steps=3, topk=topk, capture_bs=(1, 2, 4), max_running_requests=4, draft="single_layer")
+
+    def run(comm) -> None:
+        ctx = RankContext(ParallelLayout(), 0, comm)
+        eager, graph = (DraftWorker(ctx, model, spec, num_layers=1, max_reqs=8, num_slots=512) for _ in range(2))
+        kv = torch.randn(graph.kv_pool.k[0].shape, generator=torch.Generator().manual_seed(1))
+        for w in (eager, graph):
+            for r in range(1, 8):  # request r owns slots 64r .. 64r + 63; row 0 stays the padding row
+                w.req_pool.req_to_token[r] = torch.arange(r * 64, r * 64 + 64)
+            w.kv_pool.k[0].copy_(kv)
+            w.kv_pool.v[0].copy_(kv)
+        runner = EAGLEDraftCudaGraphRunner(graph, GraphBackend("sim"))
+        runner.capture()
+        g = torch.Generator().manual_seed(7)
+        seq = torch.randint(5, 30, (3,), generator=g)
+        inp = DraftDecodeInputs(torch.rand(3, topk, generator=g).sort(dim=1, descending=True).values,
+                                torch.randint(0, model.vocab_size, (3, topk), generator=g), torch.randn(3, model.hidden_size, generator=g),
+                                seq, torch.tensor([1, 2, 3]), seq.repeat_interleave(topk), [3])
+        ref = run_eager_decode(eager, inp, TorchAttnBackend(eager.req_pool, eager.kv_pool))
+        before = graph.kv_pool.k[0].clone()
+        _poison(runner, 3, live_row=4)
+        try:
+            got, _ = runner.replay(inp, record=False)
+        except (IndexError, RuntimeError) as err:
+            v.fail("P2", "replay", where, "a replay", f"{type(err).__name__}: {str(err).splitlines()[0][:160]}", "a poisoned padded lane was read")
+            return
+        _compare_tree(v, where, ref.tensors(), got.tensors(), eager_vs_graph("cpu", model.dtype))
+        moved = (before != graph.kv_pool.k[0]).flatten(1).any(dim=1)
+        moved[0] = False  # the padding slot
+        for r, s0 in zip((1, 2, 3), seq.tolist(), strict=True):
+            moved[64 * r + s0: 64 * r + s0 + topk * (spec.num_steps - 1)] = False
+        v.expect_equal("P2", "live KV", where, [], moved.nonzero().flatten().tolist(), "slots a padded lane wrote (request 4 owns 256..319)")
+
+    SimulatedWorld(ParallelLayout()).run(run)
+    return v
+
+
 METADATA_SPECS = (SpecConfig(num_steps=3, topk=1, capture_bs=(1, 2, 4, 8), max_running_requests=8, draft="single_layer"),
                   SpecConfig(num_steps=3, topk=2, capture_bs=(1, 2, 4, 8), max_running_requests=8, draft="single_layer"))
 METADATA_SCHEDULE = ((6, 3, 5, 1, 2, 4, 7, 8), (2, 1, 1, 0, 1, 2, 1, 3), (1, 2, 1, 1, 1, 1, 1, 1))  # shrinks across buckets, uneven DP groups
@@ -185,7 +243,7 @@ def probe_draft_decode() -> dict[str, Verdict]:
             sched = [tuple(row[:dp]) if dp > 1 else row[:1] for row in METADATA_SCHEDULE]
             sched = [s if sum(s) else (1,) + tuple(s[1:]) for s in sched]
             v.merge(check_decode_metadata(layout, spec, sched))
-    out = {"P1": v}
+    out = {"P1": v, "P2": check_decode_padded_lanes(1).merge(check_decode_padded_lanes(2))}
     for name in DECODE_CASES:
         merge_verdicts(out, check_decode_case(load_case(name)))
     return out

@@ -1,7 +1,8 @@
 """Mutants of the single-layer EAGLE draft decode (runners.eagle_draft, runners.eagle_draft_graph).
 
 Each is one deviation from the real code, killed on CPU by the draft-decode probe
-(harness.decode_props.probe_draft_decode): P1 for metadata and fill values it records, P3 where
+(harness.decode_props.probe_draft_decode): P1 for metadata and fill values it records, P2 where a
+poisoned padded lane is read or writes live KV, P3 where
 the graph diverges from the eager reference, P6 where the step body itself (shared by both) is
 wrong and only the accept lengths can tell.
 """
@@ -52,7 +53,7 @@ MUTANTS: list[Mutant] = [
         "draft decode replay fill keeps the padded lanes' stale request rows: the in-graph slot lookup writes their KV into a live request's prefix",
         "replay fill",
         ((EAGLEDraftCudaGraphRunner, "_fill_padded_lanes", _fill_keeping("req_pool_indices")),),
-        probes=("draft-decode",),  # P3 (eager vs graph after a shrink), P6
+        probes=("draft-decode",),  # P2 (live KV moved), P3 (eager vs graph after a shrink), P6
     ),
     Mutant(
         "decode-fill-seq-lens",
@@ -60,6 +61,20 @@ MUTANTS: list[Mutant] = [
         "replay fill",
         ((EAGLEDraftCudaGraphRunner, "_fill_padded_lanes", _fill_keeping("seq_lens")),),
         probes=("draft-decode",),  # P1 padded seq_lens = fill, seq_lens_sum
+    ),
+    Mutant(
+        "decode-fill-positions",
+        "draft decode replay fill keeps the padded lanes' stale positions: the in-graph rotary gather reads past its table",
+        "replay fill",
+        ((EAGLEDraftCudaGraphRunner, "_fill_padded_lanes", _fill_keeping("positions")),),
+        probes=("draft-decode",),  # P2 (poisoned positions)
+    ),
+    Mutant(
+        "decode-fill-topk-index",
+        "draft decode replay fill keeps the padded lanes' stale top-k token ids: the embedding gather reads past the vocab",
+        "replay fill",
+        ((EAGLEDraftCudaGraphRunner, "_fill_padded_lanes", _fill_keeping("topk_index")),),
+        probes=("draft-decode",),  # P2 (poisoned token ids)
     ),
     Mutant(
         "decode-positions-not-advanced",

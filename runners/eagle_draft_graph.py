@@ -107,10 +107,15 @@ class EAGLEDraftCudaGraphRunner(BucketedGraphRunner):
     def _fill_padded_lanes(self, raw_bs: int, bs: int) -> None:
         """Padded lanes get the padding row, the fill seq_len, position 0 and zero top-k / hidden state.
 
-        The body looks every lane's KV write slots up as req_to_token[req_pool_indices[b], seq_lens[b] + ...]:
-        a stale request row would write into that request's prefix KV. Positions are read by the rotary
-        gather (a stale one is still a row of the table, but it grows by num_steps - 1 per replay only if
-        never reset). out_cache_loc needs no fill: the body writes it for the whole bucket before any step.
+        What each fill guards here: the body looks every lane's KV write slots up as
+        req_to_token[req_pool_indices[b], seq_lens[b] + ...], so a stale request row writes into that
+        request's prefix KV (with row 0 every entry is the padding slot, whatever the seq_len); positions
+        index the rotary table and topk_index the embedding, with no clamp, so a stale or garbage value
+        past either reads out of bounds; seq_lens is what the padded lanes' metadata reports (seq_lens_sum).
+        topk_p and hidden_states only feed the padded lanes' own rows (no op here mixes rows of different
+        lanes but the attention, whose keys are per lane), so their zeroing keeps NaN out of buffers, not
+        out of results; the engine zeroes them too. out_cache_loc needs no fill: the body writes it for
+        the whole bucket before the first step.
         """
         if bs == raw_bs:
             return

@@ -5,7 +5,7 @@ import torch
 
 from harness import mutants
 from harness.case import load_case
-from harness.decode_props import check_decode_case, check_decode_metadata
+from harness.decode_props import check_decode_case, check_decode_metadata, check_decode_padded_lanes
 from harness.ranks.simulated import SimulatedWorld
 from runners.attention.torch_ref import TorchAttnBackend
 from runners.config import ModelConfig, SpecConfig
@@ -186,3 +186,11 @@ def test_single_layer_case_through_the_loop():
     out = check_decode_case(load_case("tp2_single_layer_shrink"))
     assert all(v.ok for v in out.values()), {k: v.report(2) for k, v in out.items()}
     assert out["P3"].checked > 0 and out["P1"].checked > 0
+
+
+def test_poisoned_padded_lanes_are_harmless_and_the_position_fill_matters():
+    v = check_decode_padded_lanes(2)
+    assert v and v.checked > 0, v.report()
+    with mutants.get("decode-fill-positions").planted():
+        bad = check_decode_padded_lanes(2)
+    assert not bad and "IndexError" in bad.failures[0].got
