@@ -56,7 +56,7 @@ def probe_cases() -> dict[str, Verdict]:
 
 
 PROBES: list[tuple[str, Probe]] = [("metadata-grid", probe_metadata_grid), ("cases", probe_cases)]
-COSTLY_PROBES = ("cases", "draft-decode")  # run whole cases: a mutant without a probe list runs them after every other probe
+COSTLY_PROBES = ("cases",)  # run whole cases: a mutant without a probe list runs them after every other probe
 
 
 def register_probe(name: str, probe: Probe) -> None:
