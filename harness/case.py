@@ -22,6 +22,7 @@ from harness.scenario import Iteration, RequestSpec, Scenario
 from harness.tolerances import Tol
 from runners.attention import BACKENDS
 from runners.config import DTYPES, ModelConfig, SpecConfig
+from runners.draft_decode import DRAFTS
 from runners.model import check_model_fits_layout
 from runners.parallel.layout import LayoutError, ParallelLayout
 
@@ -72,7 +73,7 @@ _TOP = {"name": str, "description": str, "seed": int, "dtype": str, "backend": s
 _REQUIRED = ("name", "description", "layout", "schedule")
 _LAYOUT = {"tp_size": int, "dp_size": int, "enable_dp_attention": bool, "moe_dense_tp_size": int, "enable_dp_lm_head": bool, "moe_a2a_backend": str,
            "enable_two_batch_overlap": bool}
-_SPEC = {"num_steps": int, "topk": int, "num_tokens_per_bs": int, "capture_bs": list, "max_running_requests": int, "page_size": int}
+_SPEC = {"num_steps": int, "topk": int, "num_tokens_per_bs": int, "capture_bs": list, "max_running_requests": int, "page_size": int, "draft": str}
 PAGE_SIZES = (1, 2, 4, 8, 16, 32, 64)  # KV slots per page: a power of two (runners.memory.check_page_size), at most 64
 _MODEL = {f.name: f.type for f in fields(ModelConfig) if f.name not in ("dtype",)}
 _SCHEDULE = {"batches": list, "max_prefix_len": int, "prefix_lens": list, "accept_lens": list, "rids": list}
@@ -274,9 +275,13 @@ def parse_case(data: dict, path: Path | str = "<case>") -> Case:
         spec_t["capture_bs"] = tuple(sorted(set(cbs)))
     if "page_size" in spec_t and spec_t["page_size"] not in PAGE_SIZES:
         raise CaseError(path, "spec.page_size", f"one of {', '.join(map(str, PAGE_SIZES))} (KV slots per page, a power of two)", spec_t["page_size"])
+    if "draft" in spec_t and spec_t["draft"] not in DRAFTS:
+        raise CaseError(path, "spec.draft", f"one of {', '.join(DRAFTS)} (the EAGLE draft: a layer per step, or one layer with a graphed draft decode)", spec_t["draft"])
     if "num_tokens_per_bs" in spec_t:
         spec_t["num_draft_tokens"] = spec_t.pop("num_tokens_per_bs")
     spec = SpecConfig(**spec_t)
+    if spec.draft == "single_layer" and spec.topk * (spec.num_steps - 1) > spec.num_tokens_per_bs:
+        raise CaseError(path, "spec.topk", f"topk * (num_steps - 1) <= num_tokens_per_bs ({spec.num_tokens_per_bs}): the single-layer draft decode's slots", spec.topk)
     if spec.topk > model.vocab_size:
         raise CaseError(path, "spec.topk", f"at most model.vocab_size ({model.vocab_size})", spec.topk)
 

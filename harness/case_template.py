@@ -82,6 +82,8 @@ def _spec_table(spec: SpecConfig) -> dict:
     out["max_running_requests"] = spec.max_running_requests
     if spec.page_size != 1:
         out["page_size"] = spec.page_size
+    if spec.draft != "multi_layer":
+        out["draft"] = spec.draft
     return out
 
 

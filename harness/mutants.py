@@ -16,6 +16,7 @@ import torch
 
 from harness import execute
 from harness.mutant_base import Mutant
+from harness.mutants_decode import MUTANTS as _DECODE
 from runners import model
 from runners.cuda_graph import EagleDraftExtendCudaGraphRunnerBase, MultiLayerEagleDraftExtendCudaGraphRunner
 from runners.parallel.comm import Group
@@ -474,3 +475,4 @@ CATALOG = CATALOG + (
     ),
 )
 BY_ID.update({m.id: m for m in CATALOG})
+CATALOG += tuple(_DECODE); BY_ID.update({m.id: m for m in _DECODE})  # noqa: E702

@@ -226,7 +226,7 @@ def golden_identity(case: Case, wl: Workload, alignment: Alignment = DEFAULT_ALI
         "alignment": alignment.to_json(),
         "workload": wl.to_json(),
         "spec": {"num_steps": spec.num_steps, "topk": spec.topk, "capture_bs": list(spec.capture_bs), "max_running_requests": spec.max_running_requests,
-                 "page_size": spec.page_size},
+                 "page_size": spec.page_size, **({"draft": spec.draft} if spec.draft != "multi_layer" else {})},
         "layout": sc.layout.describe(),
     }
 

@@ -72,3 +72,7 @@ register_probe("p7-idle-ranks", probe_idle_ranks)
 from harness.spec_props import register_spec_probes  # noqa: E402  (P2/P5/P6/P8 over the speculative decoding loop)
 
 register_spec_probes(register_probe)
+
+from harness.decode_props import probe_draft_decode  # noqa: E402  (P1/P3/P6 over the single-layer draft decode)
+
+register_probe("draft-decode", probe_draft_decode)

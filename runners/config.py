@@ -49,7 +49,7 @@ DEFAULT_MODEL = ModelConfig()  # frozen: one shared instance serves as every def
 
 @dataclass(frozen=True)
 class SpecConfig:
-    """EAGLE/MTP speculative config. One draft layer per step (multi-layer EAGLE)."""
+    """EAGLE/MTP speculative config: one draft layer per step (multi-layer EAGLE), or one layer run num_steps times."""
 
     num_steps: int = 3
     topk: int = 1
@@ -57,6 +57,7 @@ class SpecConfig:
     capture_bs: tuple[int, ...] = field(default_factory=lambda: tuple(default_capture_bs()))
     max_running_requests: int = 32
     page_size: int = 1  # KV slots per page of every rank's KV pools (a server arg, not part of the weights)
+    draft: str = "multi_layer"  # EAGLE draft: "multi_layer" (MTP: a layer per step) or "single_layer" (one layer, graphed draft decode)
 
     @property
     def num_tokens_per_bs(self) -> int:

@@ -18,6 +18,12 @@ chunk selecting its last row; only the last chunk's selection (the prompt's last
 a proposal. A last partial chunk selects its last real row; its junk rows sit at the first
 verify's positions and are overwritten by the first draft-extend.
 
+Single-layer EAGLE (`draft="single_layer"`): one draft layer; the draft-extend (the same body,
+eager or EagleDraftExtendCudaGraphRunner) gives depth 1's top-k and the selected row's hidden
+state, then the draft decode (runners.eagle_draft, eager or EAGLEDraftCudaGraphRunner) runs the
+layer num_steps - 1 more times over topk lanes per request and expands the tree; the proposal
+is the tree's best path with its parents' other children as siblings.
+
 `TargetProposer` is the agreeing draft of P5: it shares the target's weights and proposes
 by S one-token decode steps of the target itself, so every proposal is the target's argmax
 and a correct loop accepts every token.
@@ -29,6 +35,7 @@ from typing import Optional, Sequence
 import torch
 
 from runners.attention import make_backend
+from runners.attention.torch_ref import TorchAttnBackend
 from runners.config import ModelConfig, SpecConfig
 from runners.cuda_graph import DraftExtendGraphDriver, ReplayRecord
 from runners.draft_extend import (
@@ -39,11 +46,21 @@ from runners.draft_extend import (
     eager_forward_batch,
     run_eager,
 )
+from runners.eagle_draft import (
+    DraftDecodeInputs,
+    DraftDecodeOutputs,
+    check_draft_window,
+    run_eager_decode,
+    tree_proposals,
+)
+from runners.eagle_draft_graph import EAGLEDraftCudaGraphRunner
 from runners.graph_backend import GraphBackend
 from runners.memory import ReqToTokenPool
 from runners.parallel.dp_attention import RankContext, mlp_sync_batch_sizes
 from runners.scheduler import Proposal, Request
 from runners.target import Lane, TargetRunner
+
+DRAFTS = ("multi_layer", "single_layer")
 
 
 def eagle_pairs(tokens_after: torch.Tensor, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -59,22 +76,32 @@ def proposals_from_steps(outs: Sequence[StepOutputs], lanes: Sequence[int]) -> l
 
 
 class EagleProposer:
-    """The multi-layer EAGLE draft of one rank: a DraftWorker on the engine's request map."""
+    """The EAGLE draft of one rank (multi-layer, or single-layer with its draft decode): a DraftWorker on the engine's request map."""
 
     def __init__(self, ctx: RankContext, cfg: ModelConfig, spec: SpecConfig, req_pool: ReqToTokenPool, num_slots: int,
-                 runner: str, device: torch.device, attention_backend: str = "torch", graph_kind: str = "auto"):
+                 runner: str, device: torch.device, attention_backend: str = "torch", graph_kind: str = "auto",
+                 draft: str = "multi_layer"):
         if runner not in ("eager", "graph"):
             raise ValueError(f"runner must be 'eager' or 'graph', got {runner!r}")
+        if draft not in DRAFTS:
+            raise ValueError(f"draft must be one of {DRAFTS}, got {draft!r}")
+        self.single_layer = draft == "single_layer"
+        if self.single_layer:
+            check_draft_window(spec.num_steps, spec.topk, spec.num_tokens_per_bs)
         self.ctx, self.spec, self.device, self.runner = ctx, spec, device, runner
-        w = DraftWorker(ctx, cfg, spec, attention_backend=attention_backend, device=device,
+        w = DraftWorker(ctx, cfg, spec, num_layers=1 if self.single_layer else None, attention_backend=attention_backend, device=device,
                         max_reqs=req_pool.req_to_token.shape[0], num_slots=num_slots)
         # one request map per rank, written by the scheduler, read by target and draft (as in the engine)
         w.req_pool = req_pool
         w.attn = make_backend(attention_backend, req_pool=req_pool, kv_pool=w.kv_pool)
         self.worker = w
         self.driver: Optional[DraftExtendGraphDriver] = None
+        self.decode_graph: Optional[EAGLEDraftCudaGraphRunner] = None
+        self.decode_attn = TorchAttnBackend(req_pool, w.kv_pool)  # draft decode reads a lane's slot column: the reference math
         self.last_outs: list[StepOutputs] = []
         self.last_records: list[ReplayRecord] = []
+        self.last_decode: Optional[DraftDecodeOutputs] = None
+        self.last_decode_records: list[ReplayRecord] = []
 
     @property
     def model(self):
@@ -83,8 +110,11 @@ class EagleProposer:
     def capture(self) -> None:
         """Build and capture the graph runners (after any weight change: a graph bakes nothing else)."""
         if self.runner == "graph":
-            self.driver = DraftExtendGraphDriver(self.worker, GraphBackend("auto", self.device))
+            self.driver = DraftExtendGraphDriver(self.worker, GraphBackend("auto", self.device), single_layer=self.single_layer)
             self.driver.capture()
+            if self.single_layer and self.spec.num_steps > 1:
+                self.decode_graph = EAGLEDraftCudaGraphRunner(self.worker, GraphBackend("auto", self.device))
+                self.decode_graph.capture()
 
     # ---- prefill: the prompt, in T-row chunks, eagerly ----
     def prefill(self, reqs: Sequence[Request], hiddens: Sequence[torch.Tensor]) -> list[Proposal]:
@@ -126,6 +156,9 @@ class EagleProposer:
                 s[L - 1] = int(t)
             input_ids = torch.tensor([t for s in seqs for t in s], **i64)
             hidden = out.hidden
+        if self.single_layer:
+            rows = [f * T + acc[f] - 1 for f in finals]
+            return self._decode(outs[0], finals, rows, inp.positions, [r.req_pool_idx for r in reqs])
         return proposals_from_steps(outs, finals)
 
     # ---- draft-extend after a verify ----
@@ -135,7 +168,32 @@ class EagleProposer:
         else:
             outs, records = run_eager(self.worker, inp)[0], []
         self.last_outs, self.last_records = outs, records
+        if self.single_layer:
+            rows = (torch.arange(inp.bs, device=self.device) * self.worker.tokens_per_bs + inp.accept_lens - 1).tolist()
+            return self._decode(outs[0], list(range(inp.bs)), rows, inp.positions, inp.req_pool_indices.tolist())
         return proposals_from_steps(outs, range(inp.bs))
+
+    # ---- single-layer: the draft decode after the draft-extend ----
+    def _decode(self, out: StepOutputs, lanes: list[int], rows: list[int], positions: torch.Tensor, pool: list[int]) -> list[Proposal]:
+        """The selected row of each request (it read the last committed token at position p) seeds lanes at position p + 1."""
+        self.last_decode, self.last_decode_records = None, []
+        S, k, dev = self.spec.num_steps, self.spec.topk, self.device
+        if S == 1:
+            return tree_proposals(out.topk_index[lanes], None, S)
+        dp_sizes = mlp_sync_batch_sizes(self.ctx, len(lanes), dev)
+        seq = positions[rows] + 1
+        inp = DraftDecodeInputs(out.topk_p[lanes], out.topk_index[lanes], out.hidden[rows], seq,
+                                torch.tensor(pool, dtype=torch.int64, device=dev), seq.repeat_interleave(k), dp_sizes)
+        g = self.decode_graph
+        if g is not None and g.can_run(inp):
+            dout, rec = g.replay(inp)
+            self.last_decode_records = [rec]
+        else:
+            if g is not None:
+                g.backend.stats.eager_fallbacks += 1
+            dout = run_eager_decode(self.worker, inp, self.decode_attn)
+        self.last_decode = dout
+        return tree_proposals(inp.topk_index, dout, S)
 
 
 class TargetProposer:

@@ -31,6 +31,7 @@ from runners.config import ModelConfig, SpecConfig
 from runners.cuda_graph import ReplayRecord
 from runners.draft_decode import EagleProposer, TargetProposer
 from runners.draft_extend import DraftExtendInputs, StepOutputs
+from runners.eagle_draft import DraftDecodeOutputs
 from runners.graph_backend import GraphBackend
 from runners.memory import ReqToTokenPool
 from runners.model import DraftModel, TargetModel
@@ -96,6 +97,8 @@ class StepReport:
     extend_outs: list[StepOutputs] = field(default_factory=list)  # per draft step, real rows
     records: list[ReplayRecord] = field(default_factory=list)  # graph replays (empty: eager or fallback)
     verify_records: list[ReplayRecord] = field(default_factory=list)  # the TARGET_VERIFY replay (empty: eager verify)
+    decode_outs: Optional[DraftDecodeOutputs] = None  # the single-layer draft decode's tree (real requests)
+    decode_records: list[ReplayRecord] = field(default_factory=list)  # its graph replay (empty: eager, fallback or multi-layer)
 
 
 def loop_unsupported_reason(spec: SpecConfig) -> Optional[str]:
@@ -103,6 +106,8 @@ def loop_unsupported_reason(spec: SpecConfig) -> Optional[str]:
     T, S = spec.num_tokens_per_bs, spec.num_steps
     if T != S + 1:
         return f"the loop verifies S = num_steps drafts per request, so num_tokens_per_bs must be {S + 1}, got {T}"
+    if spec.draft == "single_layer" and spec.topk * (S - 1) > T:
+        return f"the single-layer draft decode writes topk * (num_steps - 1) = {spec.topk * (S - 1)} slots past the prefix, more than num_tokens_per_bs ({T})"
     if spec.topk > 1 and spec.page_size > 1:
         return f"tree verification (topk {spec.topk}) gives each sibling one fresh slot, which needs page_size 1, got {spec.page_size}"
     return None
@@ -127,7 +132,7 @@ class SpecEngine:
         self.sched = Scheduler(self.book, spec.max_running_requests)
         alignment.apply_target(self.target.model)
         if proposer == "eagle":
-            self.draft = EagleProposer(ctx, cfg, spec, self.req_pool, num_slots, runner, self.device, attention_backend)
+            self.draft = EagleProposer(ctx, cfg, spec, self.req_pool, num_slots, runner, self.device, attention_backend, draft=spec.draft)
             alignment.apply_draft(self.draft.model)
         elif proposer == "target":
             self.draft = TargetProposer(self.target, spec)
@@ -248,6 +253,9 @@ class SpecEngine:
                 self.sched.finish(r.rid)
                 rep.finished.append(r.rid)
         reqs = [batch[i] for i in live]
+        for r in reqs:  # rejected positions hold nothing anyone needs; the next verify needs T positions (the draft decode writes there first)
+            self.book.truncate(r, len(r.tokens) - 1)
+            self.book.ensure(r, len(r.tokens) - 1 + T)
         props = None
         if isinstance(self.draft, EagleProposer):
             inp = self._extend_inputs(reqs, [n0[i] for i in live], [ids[i] for i in live], [hid[i] for i in live],
@@ -257,9 +265,7 @@ class SpecEngine:
                 rep.extend_rids = [r.rid for r in reqs]
                 rep.extend_outs = self.draft.last_outs
                 rep.records = self.draft.last_records
-        for r in reqs:  # rejected positions hold nothing anyone needs; the next verify needs T positions
-            self.book.truncate(r, len(r.tokens) - 1)
-            self.book.ensure(r, len(r.tokens) - 1 + T)
+                rep.decode_outs, rep.decode_records = self.draft.last_decode, self.draft.last_decode_records
         if props is None:
             props = self.draft.propose(reqs) if isinstance(self.draft, TargetProposer) else []
         for r, p in zip(reqs, props, strict=True):

@@ -1,0 +1,155 @@
+"""EAGLEDraftCudaGraphRunner: the whole multi-step draft decode of the single-layer EAGLE draft in one graph per bucket.
+
+As the engine's runner (DESIGN.md §6.2-6.4): static topk_p / topk_index / hidden_states (one
+row per request), positions (one per lane, bs * topk), seq_lens / req_pool_indices (one per
+request) and out_cache_loc (bs * topk * (num_steps - 1)) sized for the largest bucket; its own
+capture_bs and `get_forward_batch(bs)`, whose gathered metadata counts bs * topk tokens (DECODE:
+every lane gets logits); a replay that copies the live requests in, fills the padded lanes,
+writes the gathered counts and replays. The step body is runners.eagle_draft's, shared with
+the eager reference.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from runners.attention.torch_ref import TorchAttnBackend
+from runners.batch import ForwardBatch, ForwardMode
+from runners.dp_metadata import gathered_metadata
+from runners.draft_extend import SEQ_LEN_FILL_VALUE, DraftWorker
+from runners.eagle_draft import DraftDecodeInputs, DraftDecodeOutputs, DraftDecodeSpecInfo, draft_decode_forward
+from runners.graph_backend import GraphBackend
+from runners.graph_runner import BucketedGraphRunner, CaptureRecord, ReplayRecord, compute_capture_bs
+from runners.memory import PADDING_ROW, PADDING_SLOT
+
+
+class EAGLEDraftCudaGraphRunner(BucketedGraphRunner):
+    """One rank's draft-decode graphs (num_steps - 1 forwards of the one draft layer each)."""
+
+    runner_kind = "draft_decode"
+
+    def __init__(self, worker: DraftWorker, backend: GraphBackend):
+        spec = worker.spec
+        if spec.num_steps < 2:
+            raise ValueError(f"the draft decode runs num_steps - 1 forwards; num_steps {spec.num_steps} leaves none")
+        self.worker, self.backend = worker, backend
+        self.layout = worker.ctx.layout
+        self.topk = spec.topk
+        self.T = spec.topk  # lanes per request: the engine's captured_req_width
+        self.steps = spec.num_steps - 1
+        self.capture_bs = compute_capture_bs(self.layout, spec.capture_bs, spec.max_running_requests)
+        self.max_bs = max(self.capture_bs)
+        n, dev, cfg = self.max_bs * self.T, worker.device, worker.cfg
+        i64 = dict(dtype=torch.int64, device=dev)
+        self.input_ids = torch.zeros(n, **i64)
+        self.positions = torch.zeros(n, **i64)
+        self.out_cache_loc = torch.full((n * self.steps,), PADDING_SLOT, **i64)
+        self.seq_lens = torch.full((self.max_bs,), SEQ_LEN_FILL_VALUE, **i64)
+        self.req_pool_indices = torch.full((self.max_bs,), PADDING_ROW, **i64)
+        self.topk_p = torch.zeros(self.max_bs, self.topk, dtype=torch.float32, device=dev)
+        self.topk_index = torch.zeros(self.max_bs, self.topk, **i64)
+        self.hidden_states = torch.zeros(self.max_bs, cfg.hidden_size, dtype=cfg.torch_dtype, device=dev)
+        self.attn = None if worker.req_pool is None else TorchAttnBackend(worker.req_pool, worker.kv_pool)
+        self._init_gathered(dev)
+        self.graphs: dict[int, object] = {}
+        self.capture_batches: dict[int, ForwardBatch] = {}
+        self.capture_records: dict[int, CaptureRecord] = {}
+
+    # ---- metadata, per branch (§6.3): DECODE counts every lane (bs * topk tokens), logits for each ----
+    def _capture_num_tokens(self, bs: int) -> int:
+        return bs * self.T
+
+    def get_forward_batch(self, bs: int) -> ForwardBatch:
+        n = bs * self.T
+        num_tokens = self._capture_num_tokens(bs)
+        if self.layout.require_mlp_tp_gather:
+            tokens = [num_tokens] * self.layout.attn_dp_size
+        elif self.layout.require_attn_tp_gather:
+            tokens = [num_tokens]
+        else:
+            tokens = None
+        if tokens is not None:
+            meta = gathered_metadata(self.layout, tokens, tokens, self.worker.ctx.attn_dp_rank if len(tokens) > 1 else 0)
+            self._bake_gathered(meta)
+            host = dict(global_num_tokens_cpu=meta.global_num_tokens, global_num_tokens_for_logprob_cpu=meta.global_num_tokens_for_logprob,
+                        global_dp_buffer_len=meta.global_dp_buffer_len)
+        else:
+            host = {}
+        fb = ForwardBatch(
+            forward_mode=ForwardMode.DECODE,
+            batch_size=bs,
+            input_ids=self.input_ids[:n],
+            positions=self.positions[:n],
+            seq_lens=self.seq_lens[:bs],
+            req_pool_indices=self.req_pool_indices[:bs],
+            out_cache_loc=self.out_cache_loc[: n * self.steps],
+            extend_seq_lens=self.seq_lens[:0],  # DECODE extends nothing
+            extend_start_loc=self.seq_lens[:0],
+            spec_info=DraftDecodeSpecInfo(self.topk_p[:bs], self.topk_index[:bs], self.hidden_states[:bs], self.topk),
+            num_token_non_padded=n,
+            seq_lens_sum=bs * SEQ_LEN_FILL_VALUE,
+            global_num_tokens_gpu=self.global_num_tokens_gpu,
+            global_num_tokens_for_logprob_gpu=self.global_num_tokens_for_logprob_gpu,
+            **host,
+        )
+        return self._keep_capture_record(fb)
+
+    # ---- capture (§6.2) ----
+    def _body(self, fb: ForwardBatch) -> DraftDecodeOutputs:
+        return draft_decode_forward(self.worker, fb, self.attn)
+
+    @property
+    def comm(self):
+        return self.worker.ctx.comm
+
+    # ---- replay (§6.4) ----
+    def _fill_padded_lanes(self, raw_bs: int, bs: int) -> None:
+        """Padded lanes get the padding row, the fill seq_len, position 0 and zero top-k / hidden state.
+
+        What each fill guards here: the body looks every lane's KV write slots up as
+        req_to_token[req_pool_indices[b], seq_lens[b] + ...], so a stale request row writes into that
+        request's prefix KV (with row 0 every entry is the padding slot, whatever the seq_len); positions
+        index the rotary table and topk_index the embedding, with no clamp, so a stale or garbage value
+        past either reads out of bounds; seq_lens is what the padded lanes' metadata reports (seq_lens_sum).
+        topk_p and hidden_states only feed the padded lanes' own rows (no op here mixes rows of different
+        lanes but the attention, whose keys are per lane), so their zeroing keeps NaN out of buffers, not
+        out of results; the engine zeroes them too. out_cache_loc needs no fill: the body writes it for
+        the whole bucket before the first step.
+        """
+        if bs == raw_bs:
+            return
+        self.seq_lens.fill_(SEQ_LEN_FILL_VALUE)
+        self.req_pool_indices.fill_(PADDING_ROW)
+        self.positions.zero_()
+        self.topk_p.zero_()
+        self.topk_index.zero_()
+        self.hidden_states.zero_()
+
+    def _copy_live_inputs(self, inp: DraftDecodeInputs) -> None:
+        raw_bs = inp.bs
+        self.topk_p[:raw_bs].copy_(inp.topk_p)
+        self.topk_index[:raw_bs].copy_(inp.topk_index)
+        self.hidden_states[:raw_bs].copy_(inp.hidden_states)
+        self.seq_lens[:raw_bs].copy_(inp.seq_lens)
+        self.req_pool_indices[:raw_bs].copy_(inp.req_pool_indices)
+        self.positions[: raw_bs * self.T].copy_(inp.positions)
+
+    def _fill_for_replay(self, inp: DraftDecodeInputs) -> int:
+        bs = self._choose_bucket(self._needed_bs(inp))
+        self._fill_padded_lanes(inp.bs, bs)
+        self._copy_live_inputs(inp)
+        if self.global_num_tokens_gpu is not None:
+            self.global_num_tokens_gpu.fill_(bs * self.T)
+            self.global_num_tokens_for_logprob_gpu.fill_(bs * self.T)
+        return bs
+
+    def prepare_replay(self, inp: DraftDecodeInputs) -> ReplayRecord:
+        """Copy in, choose the bucket, write the replay fill. No graph runs (the fast P1 path)."""
+        return self._record(inp, self._fill_for_replay(inp))
+
+    def replay(self, inp: DraftDecodeInputs, record: bool = True) -> tuple[DraftDecodeOutputs, Optional[ReplayRecord]]:
+        bs = self._fill_for_replay(inp)
+        rec = self._record(inp, bs) if record else None
+        out: DraftDecodeOutputs = self._replay_graph(bs, self.attn, rec)
+        return out.sliced(inp.bs, self.T), rec
