@@ -120,7 +120,7 @@ def test_each_mutant_is_killed(mutant_id, case_name, prop):
 def test_mutant_patches_are_reverted():
     from runners.cuda_graph import MultiLayerEagleDraftExtendCudaGraphRunner as R
 
-    before = R._capture_for_logprob
+    before = R.get_forward_batch
     with mutants.get("sglang-26416").planted():
-        assert R._capture_for_logprob is not before
-    assert R._capture_for_logprob is before
+        assert R.get_forward_batch is not before
+    assert R.get_forward_batch is before
