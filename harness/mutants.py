@@ -16,6 +16,7 @@ import torch
 
 from harness import execute
 from harness.mutant_base import Mutant
+from harness.mutants_shape import MUTANTS as _SHAPE
 from runners import model
 from runners.cuda_graph import EagleDraftExtendCudaGraphRunnerBase, MultiLayerEagleDraftExtendCudaGraphRunner
 from runners.parallel.comm import Group
@@ -480,3 +481,4 @@ CATALOG = CATALOG + (
     ),
 )
 BY_ID.update({m.id: m for m in CATALOG})
+CATALOG += tuple(_SHAPE); BY_ID.update({m.id: m for m in _SHAPE})  # noqa: E702
