@@ -12,6 +12,18 @@ def _single_fill_logprob_requests(self: EagleDraftExtendCudaGraphRunner, bs: int
         self.buffers.global_num_tokens_for_logprob_gpu.fill_(bs)  # requests: the pruned count of a runner that selects rows
 
 
+_REAL_SINGLE_FORWARD_BATCH = EagleDraftExtendCudaGraphRunner.get_forward_batch
+
+
+def _single_forward_batch_logprob_requests(self: EagleDraftExtendCudaGraphRunner, bs: int):
+    fb = _REAL_SINGLE_FORWARD_BATCH(self, bs)
+    if fb.global_num_tokens_for_logprob_cpu is None:
+        return fb
+    fb.global_num_tokens_for_logprob_cpu = [bs] * len(fb.global_num_tokens_for_logprob_cpu)  # num_tokens_for_logprob = bs
+    self.buffers.global_num_tokens_for_logprob_gpu.fill_(bs)
+    return self._keep_capture_record(fb)
+
+
 _REAL_PREPARE = mlp_sync.prepare_mlp_sync_batch
 
 
@@ -37,6 +49,14 @@ MUTANTS: list[Mutant] = [
         "unit: requests vs tokens",
         ((EagleDraftExtendCudaGraphRunner, "_fill_gathered", _single_fill_logprob_requests),),
         ("metadata-grid",),  # P1 (fill, I1): only the metadata grid drives the single-layer runner
+    ),
+    Mutant(
+        "single-layer-capture-logprob-requests",
+        "single-layer draft-extend runner's own get_forward_batch bakes global_num_tokens_for_logprob = bs (requests, the "
+        "engine's pruned single-layer count) instead of bs * num_tokens_per_bs, in every gathered branch; the multi-layer one is right",
+        "one runner of two diverged",
+        ((EagleDraftExtendCudaGraphRunner, "get_forward_batch", _single_forward_batch_logprob_requests),),
+        ("metadata-grid",),  # P1: I6 (single vs multi-layer), I1, I5
     ),
     Mutant(
         "dp-unpad-last-rows",

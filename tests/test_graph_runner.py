@@ -252,3 +252,15 @@ def test_single_layer_padded_lanes_select_their_own_last_token():
     assert rec.bs == 4
     assert r.num_correct_drafts[:4].tolist() == [1, 1, 1, 3] and r.num_accept_tokens[:4].tolist() == [2, 2, 2, 4]
     assert r.req_pool_indices[:4].tolist() == [1, 2, 3, 0] and r.seq_lens[:4].tolist() == [10, 10, 10, SEQ_LEN_FILL_VALUE]
+
+
+def test_i6_compares_the_two_runners_codes():
+    """A divergence in the single-layer runner's own get_forward_batch alone is what I6 sees."""
+    from harness import mutants
+    from harness.properties import check_metadata
+
+    schedule = [[3, 1], [2, 5]]
+    assert check_metadata(PL(4, 2, True), SPEC, schedule).ok
+    with mutants.get("single-layer-capture-logprob-requests").planted():
+        v = check_metadata(PL(4, 2, True), SPEC, schedule)
+    assert "I6" in {f.check for f in v.failures}
