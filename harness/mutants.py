@@ -17,6 +17,7 @@ import torch
 from harness import execute
 from harness.mutant_base import Mutant
 from harness.mutants_decode import MUTANTS as _DECODE
+from harness.mutants_shape import MUTANTS as _SHAPE
 from runners import model
 from runners.cuda_graph import EagleDraftExtendCudaGraphRunnerBase, MultiLayerEagleDraftExtendCudaGraphRunner
 from runners.parallel.comm import Group
@@ -25,11 +26,17 @@ from runners.parallel.layout import Branch
 # ---- the replacements, each a one-line deviation from the real code ----
 
 
-def _seed_capture_for_logprob(self: EagleDraftExtendCudaGraphRunnerBase, bs: int) -> int:
+def _seed_get_forward_batch(self: EagleDraftExtendCudaGraphRunnerBase, bs: int):
+    fb = _REAL_ML_GET_FORWARD_BATCH(self, bs)
+    if self.layout.branch is not Branch.ATTN_TP_GATHER:
+        return fb
     # sglang#26416: the attn-TP-gather branch of the multi-layer runner counted requests
-    if self.layout.branch is Branch.ATTN_TP_GATHER:
-        return bs
-    return bs * self.T
+    fb.global_num_tokens_for_logprob_cpu = [bs]
+    self.global_num_tokens_for_logprob_gpu.fill_(bs)  # baked from the host list
+    return self._keep_capture_record(fb)
+
+
+_REAL_ML_GET_FORWARD_BATCH = MultiLayerEagleDraftExtendCudaGraphRunner.get_forward_batch
 
 
 def _capture_num_tokens_gpu_requests(self: EagleDraftExtendCudaGraphRunnerBase, bs: int) -> torch.Tensor:
@@ -107,7 +114,7 @@ CATALOG: tuple[Mutant, ...] = (
         "sglang-26416",
         "multi-layer runner, attn-TP-gather branch: get_forward_batch(bs) sets global_num_tokens_for_logprob = [bs] (requests) instead of [bs * num_tokens_per_bs]",
         "unit: requests vs tokens",
-        ((MultiLayerEagleDraftExtendCudaGraphRunner, "_capture_for_logprob", _seed_capture_for_logprob),),
+        ((MultiLayerEagleDraftExtendCudaGraphRunner, "get_forward_batch", _seed_get_forward_batch),),
         ("metadata-grid", "spec-cases", "cases"),  # P1 (grid, cases), P3/P4 (cases), P6; P2, P7, P8 pass with it planted
     ),
     Mutant(
@@ -476,3 +483,4 @@ CATALOG = CATALOG + (
 )
 BY_ID.update({m.id: m for m in CATALOG})
 CATALOG += tuple(_DECODE); BY_ID.update({m.id: m for m in _DECODE})  # noqa: E702
+CATALOG += tuple(_SHAPE); BY_ID.update({m.id: m for m in _SHAPE})  # noqa: E702

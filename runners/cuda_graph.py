@@ -1,11 +1,12 @@
-"""EAGLE draft-extend CUDA-graph runners: multi-layer (one runner per step) and single-layer.
+"""EAGLE draft-extend CUDA-graph runners: the multi-layer one (a runner per step over one shared
+buffer set) and the driver that runs either kind.
 
-Mirrors the engine's structure (DESIGN.md §6.2-6.4): static buffers sized for the
-largest bucket; one graph per capture_bs bucket; `get_forward_batch(bs)` bakes the
-per-branch metadata; replay copies only the live lanes in, writes the replay fill into
-the gathered gpu tensors, replays and slices the raw rows out. Padded lanes keep their
-reset or stale values on purpose: that is what the engine does, and what the harness
-must prove harmless.
+Mirrors the engine's structure (DESIGN.md §6.2-6.4): static buffers sized for the largest
+bucket; one graph per capture_bs bucket; `get_forward_batch(bs)` bakes the per-branch
+metadata; the replay fill copies only the live lanes in and writes the gathered gpu
+tensors; each step replays and slices the raw rows out. Padded lanes keep their reset or
+stale values on purpose: that is what the engine does, and what the harness must prove
+harmless. The single-layer runner is runners.eagle_draft_extend_graph.
 """
 from __future__ import annotations
 
@@ -14,101 +15,76 @@ from typing import Optional
 import torch
 
 from runners.batch import EagleDraftInput, ForwardBatch, ForwardMode
-from runners.dp_metadata import gathered_metadata
+from runners.dp_metadata import GatheredMetadata
 from runners.draft_extend import (
     SEQ_LEN_FILL_VALUE,
     DraftExtendInputs,
     DraftWorker,
     StepOutputs,
-    draft_extend_step,
     run_eager,
     with_step_inputs,
 )
+from runners.draft_extend_buffers import DraftExtendGraphRunner, DraftExtendInputBuffers
+from runners.eagle_draft_extend_graph import EagleDraftExtendCudaGraphRunner
 from runners.graph_backend import GraphBackend
-from runners.graph_runner import BucketedGraphRunner, CaptureRecord, ReplayRecord, compute_capture_bs
+from runners.graph_runner import CaptureRecord, ReplayRecord, compute_capture_bs
 from runners.memory import PADDING_ROW, PADDING_SLOT
 
+__all__ = [
+    "CaptureRecord", "DraftExtendGraphDriver", "EagleDraftExtendCudaGraphRunner", "EagleDraftExtendCudaGraphRunnerBase",
+    "MultiLayerEagleDraftExtendCudaGraphRunner", "MultiLayerEagleMultiStepDraftExtendCudaGraphRunner", "ReplayRecord",
+    "compute_capture_bs",
+]
 
-class EagleDraftExtendCudaGraphRunnerBase(BucketedGraphRunner):
-    def __init__(self, worker: DraftWorker, step: int, backend: GraphBackend):
-        self.worker, self.step, self.backend = worker, step, backend
-        self.layout = worker.ctx.layout
-        self.T = worker.tokens_per_bs
-        self.capture_bs = compute_capture_bs(self.layout, worker.spec.capture_bs, worker.spec.max_running_requests)
-        self.max_bs = max(self.capture_bs)
-        n, dev, cfg = self.max_bs * self.T, worker.device, worker.cfg
-        i64 = dict(dtype=torch.int64, device=dev)
-        self.input_ids = torch.zeros(n, **i64)
-        self.positions = torch.zeros(n, **i64)
-        self.out_cache_loc = torch.full((n,), PADDING_SLOT, **i64)
-        self.seq_lens = torch.full((self.max_bs,), SEQ_LEN_FILL_VALUE, **i64)
-        self.req_pool_indices = torch.zeros(self.max_bs, **i64)
-        self.num_correct_drafts = torch.ones(self.max_bs, **i64)
-        self.num_accept_tokens = torch.ones(self.max_bs, **i64)
-        self.extend_seq_lens = torch.full((self.max_bs,), self.T, **i64)
-        self.extend_start_loc = torch.arange(self.max_bs, **i64) * self.T
-        self.hidden_states = torch.zeros(n, cfg.hidden_size, dtype=cfg.torch_dtype, device=dev)
-        # Output only; a metadata-only worker (no model) never runs the body, so skips its 256 KiB.
-        logits_rows = n if worker.model is not None else 0
-        self.next_token_logits_buffer = torch.zeros(logits_rows, cfg.vocab_size, dtype=torch.float32, device=dev)
-        self._init_gathered(dev)
-        self.graphs: dict[int, object] = {}
-        self.capture_batches: dict[int, ForwardBatch] = {}  # the frozen batch each bucket's graph was captured with
-        self.capture_records: dict[int, CaptureRecord] = {}
+
+class EagleDraftExtendCudaGraphRunnerBase(DraftExtendGraphRunner):
+    """One step of the multi-layer draft: its get_forward_batch and the fill of the (shared) buffers.
+
+    A runner made alone (buffers=None) owns its buffers and fills them itself through
+    prepare_replay; inside MultiLayerEagleMultiStepDraftExtendCudaGraphRunner the first
+    step's runner fills the shared set once per iteration and every step replays over it.
+    """
 
     # ---- metadata, per branch (§6.3) ----
-    def _capture_num_tokens(self, bs: int) -> int:
-        return bs * self.T
-
-    def _capture_for_logprob(self, bs: int) -> int:
-        """DRAFT_EXTEND_V2 emits logits for every token: the logprob count is the token count."""
-        return bs * self.T
-
-    def _replay_fill_tokens(self, bs: int) -> int:
-        return bs * self.T
-
     def get_forward_batch(self, bs: int) -> ForwardBatch:
-        n = bs * self.T
-        dp = self.layout.attn_dp_size
-        num_tokens, lp_tokens = self._capture_num_tokens(bs), self._capture_for_logprob(bs)
-        meta = gathered_metadata(self.layout, [num_tokens] * dp, [lp_tokens] * dp, self.worker.ctx.attn_dp_rank)
-        self._bake_gathered(meta)
+        num_tokens = bs * self.T
+        if self.layout.require_mlp_tp_gather:
+            global_num_tokens_cpu = [num_tokens] * self.layout.attn_dp_size
+            global_num_tokens_for_logprob_cpu = [num_tokens] * self.layout.attn_dp_size
+        elif self.layout.require_attn_tp_gather:
+            global_num_tokens_cpu = [num_tokens]
+            # DRAFT_EXTEND_V2 emits logits for every token, so the logprob count is tokens, not bs
+            global_num_tokens_for_logprob_cpu = [num_tokens]
+        else:
+            global_num_tokens_cpu = global_num_tokens_for_logprob_cpu = None
+        global_dp_buffer_len = None if global_num_tokens_cpu is None else sum(global_num_tokens_cpu)
+        self._bake_gathered(GatheredMetadata(global_num_tokens_cpu, global_num_tokens_for_logprob_cpu, global_dp_buffer_len))
+        buffers = self.buffers
         fb = ForwardBatch(
             forward_mode=ForwardMode.DRAFT_EXTEND_V2,
             batch_size=bs,
-            input_ids=self.input_ids[:n],
-            positions=self.positions[:n],
-            seq_lens=self.seq_lens[:bs],
-            req_pool_indices=self.req_pool_indices[:bs],
-            out_cache_loc=self.out_cache_loc[:n],
-            extend_seq_lens=self.extend_seq_lens[:bs],
-            extend_start_loc=self.extend_start_loc[:bs],
-            spec_info=EagleDraftInput(self.hidden_states[:n], self.num_correct_drafts[:bs], self.num_accept_tokens[:bs], self.worker.spec.topk),
+            input_ids=buffers.input_ids[:num_tokens],
+            positions=buffers.positions[:num_tokens],
+            seq_lens=buffers.seq_lens[:bs],
+            req_pool_indices=buffers.req_pool_indices[:bs],
+            out_cache_loc=buffers.out_cache_loc[:num_tokens],
+            extend_seq_lens=buffers.extend_seq_lens[:bs],
+            extend_start_loc=buffers.extend_start_loc[:bs],
+            spec_info=EagleDraftInput(buffers.hidden_states[:num_tokens], buffers.num_correct_drafts[:bs],
+                                      buffers.num_accept_tokens[:bs], self.worker.spec.topk),
             extend_seq_lens_cpu=[self.T] * bs,
-            extend_num_tokens=n,
-            num_token_non_padded=n,
+            extend_num_tokens=num_tokens,
+            num_token_non_padded=num_tokens,
             seq_lens_sum=bs * SEQ_LEN_FILL_VALUE,
-            global_num_tokens_cpu=meta.global_num_tokens,
-            global_num_tokens_gpu=self.global_num_tokens_gpu,
-            global_num_tokens_for_logprob_cpu=meta.global_num_tokens_for_logprob,
-            global_num_tokens_for_logprob_gpu=self.global_num_tokens_for_logprob_gpu,
-            global_dp_buffer_len=meta.global_dp_buffer_len,
+            global_num_tokens_cpu=global_num_tokens_cpu,
+            global_num_tokens_gpu=buffers.global_num_tokens_gpu,
+            global_num_tokens_for_logprob_cpu=global_num_tokens_for_logprob_cpu,
+            global_num_tokens_for_logprob_gpu=buffers.global_num_tokens_for_logprob_gpu,
+            global_dp_buffer_len=global_dp_buffer_len,
         )
         return self._keep_capture_record(fb)
 
-    # ---- capture (§6.2) ----
-    def _body(self, fb: ForwardBatch) -> StepOutputs:
-        out = draft_extend_step(self.worker, self.step, fb)
-        n = fb.batch_size * self.T
-        self.next_token_logits_buffer[:n].copy_(out.logits)
-        out.logits = self.next_token_logits_buffer[:n]
-        return out
-
-    @property
-    def comm(self):
-        return self.worker.ctx.comm
-
-    # ---- replay (§6.4) ----
+    # ---- the replay fill (§6.4) ----
     def reset_for_iteration(self, raw_bs: int, accept_lens: torch.Tensor) -> None:
         """Once per decode iteration, before the first step: reset token buffers, seq lens and request rows.
 
@@ -135,24 +111,22 @@ class EagleDraftExtendCudaGraphRunnerBase(BucketedGraphRunner):
         self.seq_lens[: inp.bs].copy_(inp.seq_lens)
         self.req_pool_indices[: inp.bs].copy_(inp.req_pool_indices)
 
-    def prepare_replay(self, inp: DraftExtendInputs) -> ReplayRecord:
-        """Copy in, choose the bucket, write the replay fill. No graph runs (the fast P1 path)."""
-        return self._record(inp, self._fill_for_replay(inp))
-
     def _fill_for_replay(self, inp: DraftExtendInputs) -> int:
         """Copy-in and replay fill; returns the bucket. Device work only: no host sync."""
         bs = self._choose_bucket(self._needed_bs(inp))
         self._copy_live_inputs(inp)
         if self.global_num_tokens_gpu is not None:
-            self.global_num_tokens_gpu.fill_(self._replay_fill_tokens(bs))
-            self.global_num_tokens_for_logprob_gpu.fill_(self._replay_fill_tokens(bs))
+            self.global_num_tokens_gpu.fill_(bs * self.T)
+            self.global_num_tokens_for_logprob_gpu.fill_(bs * self.T)
         return bs
 
+    def prepare_replay(self, inp: DraftExtendInputs) -> ReplayRecord:
+        """Copy in, choose the bucket, write the replay fill. No graph runs (the fast P1 path)."""
+        return self._record(inp, self._fill_for_replay(inp))
+
     def replay(self, inp: DraftExtendInputs, record: bool = True) -> tuple[StepOutputs, Optional[ReplayRecord]]:
-        bs = self._fill_for_replay(inp)
-        rec = self._record(inp, bs) if record else None
-        out: StepOutputs = self._replay_graph(bs, self.worker.attn, rec)
-        return out.sliced(inp.bs, self.T), rec
+        """Replays this step over the buffers as filled (prepare, then the chain inputs of earlier steps)."""
+        return self._replay_filled(inp, self._choose_bucket(self._needed_bs(inp)), record)
 
 
 class MultiLayerEagleDraftExtendCudaGraphRunner(EagleDraftExtendCudaGraphRunnerBase):
@@ -161,51 +135,84 @@ class MultiLayerEagleDraftExtendCudaGraphRunner(EagleDraftExtendCudaGraphRunnerB
     runner_kind = "multi_layer"
 
 
-class EagleDraftExtendCudaGraphRunner(EagleDraftExtendCudaGraphRunnerBase):
-    """The single-layer EAGLE draft-extend runner (step 0 only)."""
-
-    runner_kind = "single_layer"
+class MultiLayerEagleMultiStepDraftExtendCudaGraphRunner:
+    """Owns the one buffer set and the per-step runners that read it: prepare once per iteration,
+    then per step write the chain inputs and replay that step's graph."""
 
     def __init__(self, worker: DraftWorker, backend: GraphBackend):
-        super().__init__(worker, 0, backend)
+        self.worker = worker
+        self.buffers = DraftExtendInputBuffers.allocate(worker)
+        self.runners = [MultiLayerEagleDraftExtendCudaGraphRunner(worker, k, backend, self.buffers) for k in range(worker.num_layers)]
+        self.raw_bs = self.bs = 0
+
+    def capture(self) -> None:
+        for r in reversed(self.runners):  # the engine captures the last step first
+            r.capture()
+
+    def can_run(self, inp: DraftExtendInputs) -> bool:
+        return self.runners[0].can_run(inp)
+
+    def prepare(self, inp: DraftExtendInputs) -> int:
+        """Reset, copy-in and replay fill of the shared buffers, once per iteration; returns the bucket."""
+        first = self.runners[0]
+        first.reset_for_iteration(inp.bs, inp.accept_lens)
+        self.raw_bs, self.bs = inp.bs, first._fill_for_replay(inp)
+        return self.bs
+
+    def replay(self, step: int, inp: DraftExtendInputs, record: bool = True) -> tuple[StepOutputs, Optional[ReplayRecord]]:
+        """Step k > 0 reads the previous step's token ids and hidden states (`inp`, live rows):
+        written outside the graph, as the engine's worker rotates the input ids between steps."""
+        if step:
+            raw_n = inp.bs * self.runners[0].T
+            self.buffers.input_ids[:raw_n].copy_(inp.input_ids)
+            self.buffers.hidden_states[:raw_n].copy_(inp.hidden_states)
+        return self.runners[step].replay(inp, record)
 
 
 class DraftExtendGraphDriver:
-    """Runs a worker's draft-extend through its graph runners, one per step, with eager fallback.
+    """Runs a worker's draft-extend through its graph runners, with eager fallback.
 
-    The multi-layer driver holds num_steps MultiLayerEagleDraftExtendCudaGraphRunner (as the
-    engine's MultiLayerEagleMultiStepDraftExtendCudaGraphRunner); the single-layer one holds one
-    EagleDraftExtendCudaGraphRunner.
+    The multi-layer driver holds a MultiLayerEagleMultiStepDraftExtendCudaGraphRunner (num_steps
+    per-step runners over one buffer set, as the engine's); the single-layer one holds one
+    EagleDraftExtendCudaGraphRunner. `runners` lists the per-step runners either way.
     """
 
     def __init__(self, worker: DraftWorker, backend: GraphBackend, single_layer: bool = False, record: bool = True):
         """record=False skips the ReplayRecords (P1's host read-back, a few device syncs per step):
         the driver then runs as an engine would, and `run` returns no records."""
         self.worker, self.backend, self.record = worker, backend, record
+        self.multi_step: Optional[MultiLayerEagleMultiStepDraftExtendCudaGraphRunner] = None
         if single_layer:
-            self.runners: list[EagleDraftExtendCudaGraphRunnerBase] = [EagleDraftExtendCudaGraphRunner(worker, backend)]
+            self.runners: list[DraftExtendGraphRunner] = [EagleDraftExtendCudaGraphRunner(worker, backend)]
         else:
-            self.runners = [MultiLayerEagleDraftExtendCudaGraphRunner(worker, k, backend) for k in range(worker.num_layers)]
+            self.multi_step = MultiLayerEagleMultiStepDraftExtendCudaGraphRunner(worker, backend)
+            self.runners = list(self.multi_step.runners)
 
     @property
     def stats(self):
         return self.backend.stats
 
     def capture(self) -> None:
-        for r in self.runners:
-            r.capture()
+        if self.multi_step is not None:
+            self.multi_step.capture()
+        else:
+            self.runners[0].capture()
 
     def run(self, inp: DraftExtendInputs) -> tuple[list[StepOutputs], list[ReplayRecord]]:
         if not all(r.can_run(inp) for r in self.runners):
             self.backend.stats.eager_fallbacks += 1
             outs, _ = run_eager(self.worker, inp)
             return outs[: len(self.runners)], []
-        for r in self.runners:
-            r.reset_for_iteration(inp.bs, inp.accept_lens)
+        if self.multi_step is None:
+            single = self.runners[0]
+            single.reset_for_iteration(inp.bs, inp.accept_lens)
+            out, rec = single.replay(inp, record=self.record)
+            return [out], [rec] if rec is not None else []
+        self.multi_step.prepare(inp)
         outs, records = [], []
         step_inp = inp
-        for r in self.runners:
-            out, rec = r.replay(step_inp, record=self.record)
+        for k in range(len(self.runners)):
+            out, rec = self.multi_step.replay(k, step_inp, record=self.record)
             outs.append(out)
             if rec is not None:
                 records.append(rec)

@@ -12,6 +12,7 @@ from typing import Optional
 
 import torch
 
+from runners import mlp_sync
 from runners.attention import make_backend
 from runners.attention.torch_ref import token_to_request
 from runners.batch import EagleDraftInput, ForwardBatch, ForwardMode
@@ -19,10 +20,9 @@ from runners.config import ModelConfig, SpecConfig
 from runners.dp_metadata import gathered_metadata
 from runners.logits import logits_processor
 from runners.memory import ReqToTokenPool, TokenToKVPool, assign_out_cache_loc
+from runners.mlp_sync import SEQ_LEN_FILL_VALUE as SEQ_LEN_FILL_VALUE
 from runners.model import DraftModel, head_shard
 from runners.parallel.dp_attention import RankContext
-
-SEQ_LEN_FILL_VALUE = 1  # the attention backend's get_cuda_graph_seq_len_fill_value()
 
 
 @dataclass
@@ -168,13 +168,24 @@ def eager_forward_batch(worker: DraftWorker, inp: DraftExtendInputs, input_ids: 
     )
 
 
+def draft_extend_forward(worker: DraftWorker, step: int, fb: ForwardBatch, dp_batch_sizes: list[int]) -> StepOutputs:
+    """One eager step: the MLP-sync padding to the DP maximum, the step body, then the original rows."""
+    T = worker.tokens_per_bs
+    padded, pad = mlp_sync.prepare_mlp_sync_batch(fb, worker.ctx.layout, [b * T for b in dp_batch_sizes], T)
+    out = draft_extend_step(worker, step, padded)
+    (logits, hidden, next_ids), (logprobs, topk_p, topk_index) = mlp_sync.post_forward_mlp_sync_batch(
+        pad, (out.logits, out.hidden, out.next_input_ids), (out.logprobs, out.topk_p, out.topk_index))
+    return StepOutputs(logits, hidden, logprobs, topk_p, topk_index, next_ids, out.rows_fed)
+
+
 def run_eager(worker: DraftWorker, inp: DraftExtendInputs) -> tuple[list[StepOutputs], list[ForwardBatch]]:
-    """The reference: every draft layer in turn, each step's metadata from the live batch."""
+    """The reference: every draft layer in turn, each step's metadata from the live batch
+    (the batches returned are the unpadded ones: what the scheduler handed the pass)."""
     ids, hidden = inp.input_ids, inp.hidden_states
     outs, batches = [], []
     for step in range(worker.num_layers):
         fb = eager_forward_batch(worker, inp, ids, hidden)
-        out = draft_extend_step(worker, step, fb)
+        out = draft_extend_forward(worker, step, fb, inp.dp_batch_sizes)
         outs.append(out)
         batches.append(fb)
         ids, hidden = out.next_input_ids, out.hidden

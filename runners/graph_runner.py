@@ -34,6 +34,15 @@ def compute_capture_bs(layout: ParallelLayout, configured: tuple[int, ...] | lis
     return kept
 
 
+def gathered_buffers(layout: ParallelLayout, device: torch.device) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """global_num_tokens_gpu and global_num_tokens_for_logprob_gpu of a graph runner (§6.2): int32,
+    (dp,) in the MLP-TP gather branch, (1,) in the attn-TP gather branch, none in the other."""
+    if not layout.require_gathered_buffer:
+        return None, None
+    n = layout.attn_dp_size if layout.require_mlp_tp_gather else 1
+    return torch.zeros(n, dtype=torch.int32, device=device), torch.zeros(n, dtype=torch.int32, device=device)
+
+
 @dataclass
 class CaptureRecord:
     """Host and gpu metadata as baked for one bucket (the capture side of invariant I1)."""
@@ -126,12 +135,7 @@ class BucketedGraphRunner:
 
     # ---- the gathered token counts (§6.2: int32, (dp,) in the MLP branch, (1,) in the attn branch) ----
     def _init_gathered(self, device: torch.device) -> None:
-        if self.layout.require_gathered_buffer:
-            n = self.layout.attn_dp_size if self.layout.require_mlp_tp_gather else 1
-            self.global_num_tokens_gpu = torch.zeros(n, dtype=torch.int32, device=device)
-            self.global_num_tokens_for_logprob_gpu = torch.zeros(n, dtype=torch.int32, device=device)
-        else:
-            self.global_num_tokens_gpu = self.global_num_tokens_for_logprob_gpu = None
+        self.global_num_tokens_gpu, self.global_num_tokens_for_logprob_gpu = gathered_buffers(self.layout, device)
 
     def _bake_gathered(self, meta: GatheredMetadata) -> None:
         """What the capture of this bucket sees in the gathered tensors."""

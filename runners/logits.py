@@ -67,6 +67,6 @@ def logits_processor(ctx: RankContext, head: SharedHead, hidden: torch.Tensor, f
         gathered = ctx.comm.all_reduce(gathered, Group.WORLD)
 
     logits_g = vocab_parallel_logits(ctx, head, gathered)  # [G, V]
-    padded = torch.cat([logits_g, torch.zeros_like(logits_g[:1])], dim=0)
+    padded = torch.cat([logits_g, logits_g.new_zeros(1, logits_g.shape[1])], dim=0)  # the discarded row, also when G = 0
     out = torch.where(valid[:, None], padded[dst], torch.zeros_like(padded[:1]))
     return LogitsOutput(out, valid.sum())

@@ -4,8 +4,9 @@ Every target pass is an EXTEND over lanes of any length: a prefill (a whole prom
 verify (the last token plus the draft's proposals; a tree sibling is a lane of one token
 with its own request row) or a one-token decode step. The gathered metadata comes from
 `gathered_metadata` like every other batch (DESIGN.md §6.3) with the token counts of every
-DP group from the scheduler's MLP sync; an idle DP group still runs the pass with zero rows
-whenever some group is busy, so every rank joins every collective.
+DP group from the scheduler's MLP sync; a short or idle DP group pads its eager pass to the
+largest group's token count (one padding lane) whenever some group is busy, so every rank
+joins every collective with the same rows (runners.mlp_sync).
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from runners import mlp_sync
 from runners.attention import make_backend
 from runners.attention.torch_ref import token_to_request
 from runners.batch import ForwardBatch, ForwardMode
@@ -102,8 +104,12 @@ class TargetRunner:
         return self.forward_synced(lanes, dp_tokens)
 
     def forward_synced(self, lanes: Sequence[Lane], dp_tokens: list[int]) -> TargetOutput:
-        """The eager pass once the MLP sync is done (the verify decides graph or eager from the same sync)."""
-        out = target_step(self, extend_batch(self.ctx, lanes, dp_tokens, self.device))
+        """The eager pass once the MLP sync is done (the verify decides graph or eager from the same sync),
+        padded to the DP maximum around the forward (runners.mlp_sync)."""
+        fb = extend_batch(self.ctx, lanes, dp_tokens, self.device)
+        padded, pad = mlp_sync.prepare_mlp_sync_batch(fb, self.ctx.layout, dp_tokens, None)
+        out = target_step(self, padded)
+        (out.hidden, out.logits), _ = mlp_sync.post_forward_mlp_sync_batch(pad, (out.hidden, out.logits))
         self.passes += 1
         return out
 

@@ -197,3 +197,70 @@ def test_driver_without_records_replays_the_same_outputs():
     for a, b in zip(outs_rec, outs, strict=True):
         for name, t in a.tensors().items():
             assert torch.equal(t, b.tensors()[name]), name
+
+
+def test_multi_layer_steps_share_one_buffer_set_filled_once_per_iteration():
+    """As MultiLayerEagleMultiStepDraftExtendCudaGraphRunner: one buffer set for every step, the copy-in
+    and replay fill once per iteration; step k > 0 replays over the chain inputs written between steps."""
+    from unittest import mock
+
+    from harness.ranks.simulated import SimulatedWorld
+    from harness.scenario import materialize, release
+    from runners.cuda_graph import DraftExtendGraphDriver, EagleDraftExtendCudaGraphRunnerBase
+
+    sc = load_case("tp1_neither").scenario
+    fills = []
+    real_fill = EagleDraftExtendCudaGraphRunnerBase._fill_for_replay
+
+    def counting_fill(self, inp):
+        fills.append(self.step)
+        return real_fill(self, inp)
+
+    def rank(comm):
+        ctx = RankContext(sc.layout, comm.rank, comm)
+        driver = DraftExtendGraphDriver(DraftWorker(ctx, sc.model, sc.spec, attention_backend=sc.attention_backend), GraphBackend("sim"))
+        driver.capture()
+        batch = materialize(driver.worker, sc, sc.iterations[1])
+        with mock.patch.object(EagleDraftExtendCudaGraphRunnerBase, "_fill_for_replay", counting_fill):
+            outs, _ = driver.run(batch.inputs)
+        raw_n = batch.inputs.bs * driver.worker.tokens_per_bs
+        last_chain = driver.runners[0].input_ids[:raw_n].clone()
+        release(driver.worker, batch)
+        return driver, outs, last_chain
+
+    ((driver, outs, last_chain),) = SimulatedWorld(sc.layout).run(rank)
+    assert len(driver.runners) == sc.spec.num_steps > 1
+    assert all(r.buffers is driver.runners[0].buffers for r in driver.runners)
+    assert fills == [0], "the shared buffers are filled once, by the first step's runner"
+    assert torch.equal(last_chain, outs[-2].next_input_ids), "the last step read the step before's token ids"
+
+
+def test_single_layer_runner_is_its_own_code():
+    """I6 compares two implementations: the single-layer runner shares no get_forward_batch or fill with the multi-layer one."""
+    from runners.cuda_graph import EagleDraftExtendCudaGraphRunnerBase
+
+    assert not issubclass(EagleDraftExtendCudaGraphRunner, EagleDraftExtendCudaGraphRunnerBase)
+    for name in ("get_forward_batch", "reset_for_iteration", "_fill_for_replay", "replay"):
+        assert getattr(EagleDraftExtendCudaGraphRunner, name) is not getattr(MultiLayerEagleDraftExtendCudaGraphRunner, name), name
+
+
+def test_single_layer_padded_lanes_select_their_own_last_token():
+    """Its reset differs from the multi-layer one where the engine's does: padded accept lengths T (select row T - 1)."""
+    r = runner(PL(1), single=True)
+    r.reset_for_iteration(3, torch.full((3,), 2))
+    rec = r.prepare_replay(inputs(3))
+    assert rec.bs == 4
+    assert r.num_correct_drafts[:4].tolist() == [1, 1, 1, 3] and r.num_accept_tokens[:4].tolist() == [2, 2, 2, 4]
+    assert r.req_pool_indices[:4].tolist() == [1, 2, 3, 0] and r.seq_lens[:4].tolist() == [10, 10, 10, SEQ_LEN_FILL_VALUE]
+
+
+def test_i6_compares_the_two_runners_codes():
+    """A divergence in the single-layer runner's own get_forward_batch alone is what I6 sees."""
+    from harness import mutants
+    from harness.properties import check_metadata
+
+    schedule = [[3, 1], [2, 5]]
+    assert check_metadata(PL(4, 2, True), SPEC, schedule).ok
+    with mutants.get("single-layer-capture-logprob-requests").planted():
+        v = check_metadata(PL(4, 2, True), SPEC, schedule)
+    assert "I6" in {f.check for f in v.failures}

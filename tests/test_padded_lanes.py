@@ -89,9 +89,10 @@ def test_out_of_domain_num_correct_drafts_would_leak_into_a_real_row():
 
     def replay(inp, record=True):
         out_clean, rec = real_replay(inp)
-        runner.reset_for_iteration(inp.bs, inp.accept_lens)
+        saved = runner.num_correct_drafts.clone()  # a step replays the buffers as prepared: sabotage them, replay, restore
         runner.num_correct_drafts[inp.bs:] = -1
         out_bad, _ = real_replay(inp)
+        runner.num_correct_drafts.copy_(saved)
         rows = (out_clean.next_input_ids != out_bad.next_input_ids).nonzero().flatten().tolist()
         changed_rows.extend((row, inp.bs * runner.T - 1) for row in rows)  # the first padded lane selects raw_bs*T - 1
         return out_clean, rec

@@ -1,0 +1,107 @@
+"""The draft-extend graph runners' static input buffers, and what both runner kinds do alike.
+
+Every draft step extends each request by the same num_tokens_per_bs tokens, so the
+multi-layer runner's steps can read one buffer set (as the engine's
+MultiLayerEagleMultiStepDraftExtendCudaGraphRunner shares one across its per-step
+runners): it is filled once per iteration, and only the chain inputs (token ids, hidden
+states) change between steps. The single-layer runner owns a set of its own. What the two
+runner kinds share is the buffer layout, the step body and the replay itself; each writes
+its own `get_forward_batch` and replay fill (DESIGN.md §6.2-6.4).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Optional
+
+import torch
+
+from runners.batch import ForwardBatch
+from runners.draft_extend import SEQ_LEN_FILL_VALUE, DraftExtendInputs, DraftWorker, StepOutputs, draft_extend_step
+from runners.graph_backend import GraphBackend
+from runners.graph_runner import BucketedGraphRunner, CaptureRecord, ReplayRecord, compute_capture_bs, gathered_buffers
+from runners.memory import PADDING_SLOT
+
+
+@dataclass
+class DraftExtendInputBuffers:
+    """One persistent buffer set, sized for the largest bucket; the graphs hold views of it."""
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    out_cache_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    req_pool_indices: torch.Tensor
+    num_correct_drafts: torch.Tensor
+    num_accept_tokens: torch.Tensor
+    extend_seq_lens: torch.Tensor
+    extend_start_loc: torch.Tensor
+    hidden_states: torch.Tensor
+    next_token_logits_buffer: torch.Tensor
+    global_num_tokens_gpu: Optional[torch.Tensor]
+    global_num_tokens_for_logprob_gpu: Optional[torch.Tensor]
+
+    @classmethod
+    def allocate(cls, worker: DraftWorker) -> "DraftExtendInputBuffers":
+        spec, cfg, dev = worker.spec, worker.cfg, worker.device
+        max_bs = max(compute_capture_bs(worker.ctx.layout, spec.capture_bs, spec.max_running_requests))
+        T = worker.tokens_per_bs
+        n = max_bs * T
+        i64 = dict(dtype=torch.int64, device=dev)
+        # Output only; a metadata-only worker (no model) never runs the body, so skips its rows.
+        logits_rows = n if worker.model is not None else 0
+        gnt, gnt_lp = gathered_buffers(worker.ctx.layout, dev)
+        return cls(
+            input_ids=torch.zeros(n, **i64),
+            positions=torch.zeros(n, **i64),
+            out_cache_loc=torch.full((n,), PADDING_SLOT, **i64),
+            seq_lens=torch.full((max_bs,), SEQ_LEN_FILL_VALUE, **i64),
+            req_pool_indices=torch.zeros(max_bs, **i64),
+            num_correct_drafts=torch.ones(max_bs, **i64),
+            num_accept_tokens=torch.ones(max_bs, **i64),
+            extend_seq_lens=torch.full((max_bs,), T, **i64),
+            extend_start_loc=torch.arange(max_bs, **i64) * T,
+            hidden_states=torch.zeros(n, cfg.hidden_size, dtype=cfg.torch_dtype, device=dev),
+            next_token_logits_buffer=torch.zeros(logits_rows, cfg.vocab_size, dtype=torch.float32, device=dev),
+            global_num_tokens_gpu=gnt,
+            global_num_tokens_for_logprob_gpu=gnt_lp,
+        )
+
+
+def _buffer(name: str) -> property:
+    return property(lambda self: getattr(self.buffers, name), doc=f"the runner's view of buffers.{name}")
+
+
+class DraftExtendGraphRunner(BucketedGraphRunner):
+    """What both draft-extend runner kinds share. `buffers=None` gives the runner a set of its own."""
+
+    def __init__(self, worker: DraftWorker, step: int, backend: GraphBackend, buffers: Optional[DraftExtendInputBuffers] = None):
+        self.worker, self.step, self.backend = worker, step, backend
+        self.layout = worker.ctx.layout
+        self.T = worker.tokens_per_bs
+        self.capture_bs = compute_capture_bs(self.layout, worker.spec.capture_bs, worker.spec.max_running_requests)
+        self.max_bs = max(self.capture_bs)
+        self.buffers = buffers if buffers is not None else DraftExtendInputBuffers.allocate(worker)
+        self.graphs: dict[int, object] = {}
+        self.capture_batches: dict[int, ForwardBatch] = {}  # the frozen batch each bucket's graph was captured with
+        self.capture_records: dict[int, CaptureRecord] = {}
+
+    @property
+    def comm(self):
+        return self.worker.ctx.comm
+
+    def _body(self, fb: ForwardBatch) -> StepOutputs:
+        out = draft_extend_step(self.worker, self.step, fb)
+        n = fb.batch_size * self.T
+        self.next_token_logits_buffer[:n].copy_(out.logits)
+        out.logits = self.next_token_logits_buffer[:n]
+        return out
+
+    def _replay_filled(self, inp: DraftExtendInputs, bs: int, record: bool) -> tuple[StepOutputs, Optional[ReplayRecord]]:
+        """Replays bucket bs over buffers the caller has filled; the raw rows come out."""
+        rec = self._record(inp, bs) if record else None
+        out: StepOutputs = self._replay_graph(bs, self.worker.attn, rec)
+        return out.sliced(inp.bs, self.T), rec
+
+
+for _f in fields(DraftExtendInputBuffers):
+    setattr(DraftExtendGraphRunner, _f.name, _buffer(_f.name))

@@ -1,0 +1,125 @@
+"""The single-layer EAGLE draft-extend CUDA-graph runner (step 0 only), as the engine's
+EAGLEDraftExtendCudaGraphRunner: its own buffers, its own get_forward_batch and replay fill.
+
+It is written apart from the multi-layer runner (runners.cuda_graph) on purpose: invariant I6
+(the two runners agree on the metadata of the same batches) then compares two codes, as in
+the engine, where the two runners live in separate files and a fix to one has missed the
+other (sglang#26416). Its padded-lane reset differs from the multi-layer one where the engine's
+does: a padded lane selects its own last token (num_correct_drafts = T - 1).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from runners.batch import EagleDraftInput, ForwardBatch, ForwardMode
+from runners.draft_extend import SEQ_LEN_FILL_VALUE, DraftExtendInputs, DraftWorker, StepOutputs
+from runners.draft_extend_buffers import DraftExtendGraphRunner
+from runners.graph_backend import GraphBackend
+from runners.graph_runner import ReplayRecord
+from runners.memory import PADDING_ROW, PADDING_SLOT
+
+
+class EagleDraftExtendCudaGraphRunner(DraftExtendGraphRunner):
+    """The single-layer EAGLE draft-extend runner: one graph per bucket over its own buffers."""
+
+    runner_kind = "single_layer"
+
+    def __init__(self, worker: DraftWorker, backend: GraphBackend):
+        super().__init__(worker, 0, backend)
+
+    def get_forward_batch(self, bs: int) -> ForwardBatch:
+        buffers, layout = self.buffers, self.layout
+        num_tokens = bs * self.T
+        num_tokens_for_logprob = num_tokens  # DRAFT_EXTEND_V2: lm_head sees every token of the bucket
+        if layout.require_mlp_tp_gather:
+            global_num_tokens_cpu = [num_tokens] * layout.attn_dp_size
+        elif layout.require_attn_tp_gather:
+            global_num_tokens_cpu = [num_tokens]
+        else:
+            global_num_tokens_cpu = None
+        if global_num_tokens_cpu is None:
+            global_num_tokens_for_logprob_cpu = global_dp_buffer_len = None
+        else:
+            global_num_tokens_for_logprob_cpu = [num_tokens_for_logprob] * len(global_num_tokens_cpu)
+            global_dp_buffer_len = sum(global_num_tokens_cpu)
+            buffers.global_num_tokens_gpu.copy_(torch.tensor(global_num_tokens_cpu, dtype=torch.int32))
+            buffers.global_num_tokens_for_logprob_gpu.copy_(torch.tensor(global_num_tokens_for_logprob_cpu, dtype=torch.int32))
+        spec_info = EagleDraftInput(
+            hidden_states=buffers.hidden_states[:num_tokens],
+            num_correct_drafts=buffers.num_correct_drafts[:bs],
+            num_accept_tokens=buffers.num_accept_tokens[:bs],
+            topk=self.worker.spec.topk,
+        )
+        fb = ForwardBatch(
+            forward_mode=ForwardMode.DRAFT_EXTEND_V2,
+            batch_size=bs,
+            input_ids=buffers.input_ids[:num_tokens],
+            positions=buffers.positions[:num_tokens],
+            seq_lens=buffers.seq_lens[:bs],
+            req_pool_indices=buffers.req_pool_indices[:bs],
+            out_cache_loc=buffers.out_cache_loc[:num_tokens],
+            extend_seq_lens=buffers.extend_seq_lens[:bs],
+            extend_start_loc=buffers.extend_start_loc[:bs],
+            spec_info=spec_info,
+            extend_seq_lens_cpu=[self.T] * bs,
+            extend_num_tokens=num_tokens,
+            num_token_non_padded=num_tokens,
+            seq_lens_sum=bs * SEQ_LEN_FILL_VALUE,
+            global_num_tokens_cpu=global_num_tokens_cpu,
+            global_num_tokens_gpu=buffers.global_num_tokens_gpu,
+            global_num_tokens_for_logprob_cpu=global_num_tokens_for_logprob_cpu,
+            global_num_tokens_for_logprob_gpu=buffers.global_num_tokens_for_logprob_gpu,
+            global_dp_buffer_len=global_dp_buffer_len,
+        )
+        return self._keep_capture_record(fb)
+
+    # ---- the replay fill (§6.4) ----
+    def reset_for_iteration(self, raw_bs: int, accept_lens: torch.Tensor) -> None:
+        """Every lane to the padding state, before the fill copies the live ones over it.
+
+        Request row 0 and position 0 make a padded lane's in-graph KV slot lookup land in the
+        padding slot; accept lengths of T make it select its own last token. The live accept
+        lengths arrive with the fill (raw_bs and accept_lens are for drivers that treat both
+        runner kinds alike).
+        """
+        buffers = self.buffers
+        buffers.input_ids.zero_()
+        buffers.positions.zero_()
+        buffers.out_cache_loc.fill_(PADDING_SLOT)
+        buffers.seq_lens.fill_(SEQ_LEN_FILL_VALUE)
+        buffers.req_pool_indices.fill_(PADDING_ROW)
+        buffers.num_correct_drafts.fill_(self.T - 1)
+        buffers.num_accept_tokens.fill_(self.T)
+
+    def _fill_for_replay(self, inp: DraftExtendInputs) -> int:
+        """Live lanes in, gathered counts written; returns the bucket. Device work only."""
+        raw_bs, buffers = inp.bs, self.buffers
+        bs = self._choose_bucket(self._needed_bs(inp))
+        num_tokens = raw_bs * self.T
+        copies = (
+            (buffers.input_ids[:num_tokens], inp.input_ids),
+            (buffers.positions[:num_tokens], inp.positions),
+            (buffers.seq_lens[:raw_bs], inp.seq_lens),
+            (buffers.req_pool_indices[:raw_bs], inp.req_pool_indices),
+            (buffers.num_correct_drafts[:raw_bs], inp.accept_lens - 1),
+            (buffers.num_accept_tokens[:raw_bs], inp.accept_lens),
+            (buffers.hidden_states[:num_tokens], inp.hidden_states),
+        )
+        for dst, src in copies:
+            dst.copy_(src)
+        self._fill_gathered(bs)
+        return bs
+
+    def _fill_gathered(self, bs: int) -> None:
+        if self.buffers.global_num_tokens_gpu is not None:
+            self.buffers.global_num_tokens_gpu.fill_(bs * self.T)
+            self.buffers.global_num_tokens_for_logprob_gpu.fill_(bs * self.T)
+
+    def prepare_replay(self, inp: DraftExtendInputs) -> ReplayRecord:
+        """The fill and its record; no graph runs (the fast P1 path)."""
+        return self._record(inp, self._fill_for_replay(inp))
+
+    def replay(self, inp: DraftExtendInputs, record: bool = True) -> tuple[StepOutputs, Optional[ReplayRecord]]:
+        return self._replay_filled(inp, self._fill_for_replay(inp), record)
