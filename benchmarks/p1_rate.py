@@ -13,7 +13,7 @@ import time
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from harness.properties import check_metadata
+from harness.props.p1_metadata import check_metadata
 from harness.strategies import layouts, schedules, specs
 
 

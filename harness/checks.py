@@ -8,7 +8,10 @@ from typing import Callable, Optional, Sequence
 from harness.case import Case
 from harness.errors import OutOfMemory, is_oom
 from harness.execute import RankRun, run_rank
-from harness.properties import check_cross_layout, check_eager_vs_graph, check_metadata, check_run_metadata
+from harness.props.p1_metadata import check_metadata
+from harness.props.p1_run import check_run_metadata
+from harness.props.p3 import check_eager_vs_graph
+from harness.props.p4 import check_cross_layout
 from harness.ranks.simulated import RankFailure, SimulatedWorld
 from harness.ranks.trace import CollectiveError, CollectiveMismatch, CollectiveTimeout
 from harness.scenario import Scenario

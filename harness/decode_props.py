@@ -21,7 +21,8 @@ import torch
 
 from harness.case import Case, load_case
 from harness.layout import all_layouts
-from harness.properties import check_replay_record, check_replay_rows
+from harness.props.p1_metadata import check_decode_metadata
+from harness.props.p1_records import check_replay_record, check_replay_rows
 from harness.ranks.simulated import SimulatedWorld
 from harness.spec_decode import ACCEPT_DIR, AcceptanceGoldenError, SpecSession, case_session, load_acceptance_golden
 from harness.spec_props import compare_acceptance
@@ -39,28 +40,6 @@ from runners.parallel.layout import ParallelLayout
 DECODE_CASES = ("tp2_single_layer_shrink", "tp4_dp2_single_layer_topk2")
 EXACT = ("tokens", "parents", "child_index")
 CLOSE = ("scores", "child_p", "step_logits")
-
-
-def check_decode_metadata(layout: ParallelLayout, spec: SpecConfig, schedule: Sequence[Sequence[int]], model: ModelConfig = DEFAULT_MODEL,
-                          seed: int = 0) -> Verdict:
-    """I1 / I4 / I5 and the padding rules of the draft-decode runner of every rank, without a model."""
-    v = Verdict("P1")
-    k = spec.topk
-    for tp_rank in range(layout.world_size):
-        worker = DraftWorker(RankContext(layout, tp_rank, comm=None), model, spec, num_layers=1, build_model=False)
-        runner = EAGLEDraftCudaGraphRunner(worker, GraphBackend("sim"))
-        d = layout.attn_dp_rank(tp_rank)
-        for it, sizes in enumerate(schedule):
-            dp_sizes = list(sizes) if layout.attn_dp_size > 1 else [sizes[0]]
-            raw_bs = dp_sizes[d]
-            g = torch.Generator().manual_seed(seed + 1000 * it + d)
-            seq = torch.randint(1, 4 * k + 8, (raw_bs,), generator=g)
-            inp = DraftDecodeInputs(torch.ones(raw_bs, k), torch.zeros(raw_bs, k, dtype=torch.int64), torch.zeros(raw_bs, model.hidden_size),
-                                    seq, torch.arange(1, raw_bs + 1), seq.repeat_interleave(k), dp_sizes)
-            if runner.can_run(inp):
-                needed = max(dp_sizes) if layout.require_mlp_tp_gather else raw_bs
-                check_replay_record(v, layout, runner.prepare_replay(inp), tp_rank, it, needed)
-    return v
 
 
 def check_decode_case(case: Case, props: Sequence[str] = ("P1", "P3", "P6")) -> dict[str, Verdict]:

@@ -14,7 +14,10 @@ from typing import Callable, Optional
 from harness.case import Case
 from harness.checks import PROPERTY_ORDER, CaseReport, _crash_verdict, run_spmd
 from harness.execute import RankRun, run_rank
-from harness.properties import check_cross_layout, check_eager_vs_graph, check_metadata, check_run_metadata
+from harness.props.p1_metadata import check_metadata
+from harness.props.p1_run import check_run_metadata
+from harness.props.p3 import check_eager_vs_graph
+from harness.props.p4 import check_cross_layout
 from harness.ranks.simulated import RankFailure, SimulatedWorld
 from harness.ranks.trace import CollectiveError
 

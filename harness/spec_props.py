@@ -24,7 +24,7 @@ import torch
 from harness import verify_props
 from harness.case import Case, load_case
 from harness.checks import crash_detail, crash_name
-from harness.properties import compare_outputs
+from harness.props.outputs import compare_outputs
 from harness.ranks.simulated import RankFailure
 from harness.spec_decode import (
     DEFAULT_MODEL,

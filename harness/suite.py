@@ -11,7 +11,7 @@ from typing import Callable
 from harness.case import load_case
 from harness.checks import check_case
 from harness.layout import all_layouts
-from harness.properties import check_metadata
+from harness.props.p1_metadata import check_metadata
 from harness.verdict import Verdict, merge_verdicts
 from runners.config import SpecConfig
 

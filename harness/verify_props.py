@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import torch
 
-from harness.properties import _first_bad_row, check_replay_rows
+from harness.props.outputs import first_bad_row
+from harness.props.p1_records import check_replay_rows
 from harness.tolerances import eager_vs_graph
 from harness.verdict import Verdict
 from runners.spec_decode import SpecEngine
@@ -70,7 +71,7 @@ class VerifyShadow:
             if a.shape != b.shape:
                 self.p3.fail("eager-vs-graph", name, w, tuple(a.shape), tuple(b.shape), "shape")
                 continue
-            bad = _first_bad_row(a, b, self.tol)
+            bad = first_bad_row(a, b, self.tol)
             if bad is not None:
                 row, err = bad
                 self.p3.fail("eager-vs-graph", name, {**w, "row": row}, "match", "differs",
@@ -81,7 +82,7 @@ class VerifyShadow:
         half = len(eager_kv) // 2
         for i, (a, b) in enumerate(zip(eager_kv, graph_kv, strict=True)):
             self.p3.checked += 1
-            bad = _first_bad_row(a[live], b[live], self.tol)
+            bad = first_bad_row(a[live], b[live], self.tol)
             if bad is not None:
                 row, err = bad
                 kind, layer = ("k", i) if i < half else ("v", i - half)

@@ -5,7 +5,8 @@ import torch
 
 from harness import mutants
 from harness.case import load_case
-from harness.decode_props import check_decode_case, check_decode_metadata, check_decode_padded_lanes
+from harness.decode_props import check_decode_case, check_decode_padded_lanes
+from harness.props.p1_metadata import check_decode_metadata
 from harness.ranks.simulated import SimulatedWorld
 from runners.attention.torch_ref import TorchAttnBackend
 from runners.config import ModelConfig, SpecConfig

@@ -27,13 +27,11 @@ import pytest
 import torch
 
 from harness.execute import RankRun, run_rank
-from harness.properties import (
-    check_cross_layout,
-    check_eager_vs_graph,
-    check_metadata,
-    check_run_metadata,
-    compare_outputs,
-)
+from harness.props.outputs import compare_outputs
+from harness.props.p1_metadata import check_metadata
+from harness.props.p1_run import check_run_metadata
+from harness.props.p3 import check_eager_vs_graph
+from harness.props.p4 import check_cross_layout
 from harness.ranks.simulated import SimulatedWorld
 from harness.scenario import Scenario
 from harness.tolerances import attn_vs_reference, cross_device, eager_vs_graph

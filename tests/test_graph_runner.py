@@ -257,7 +257,7 @@ def test_single_layer_padded_lanes_select_their_own_last_token():
 def test_i6_compares_the_two_runners_codes():
     """A divergence in the single-layer runner's own get_forward_batch alone is what I6 sees."""
     from harness import mutants
-    from harness.properties import check_metadata
+    from harness.props.p1_metadata import check_metadata
 
     schedule = [[3, 1], [2, 5]]
     assert check_metadata(PL(4, 2, True), SPEC, schedule).ok

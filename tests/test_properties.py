@@ -7,7 +7,9 @@ from harness import mutants
 from harness.case import load_case, seeded_requests
 from harness.checks import check_case, run_spmd
 from harness.layout import all_layouts, deployed_layouts
-from harness.properties import check_cross_layout, check_eager_vs_graph, check_metadata
+from harness.props.p1_metadata import check_metadata
+from harness.props.p3 import check_eager_vs_graph
+from harness.props.p4 import check_cross_layout
 from harness.scenario import Scenario
 from harness.strategies import failure_case, layouts, schedules, specs
 from runners.config import ModelConfig, SpecConfig

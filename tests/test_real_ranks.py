@@ -29,7 +29,9 @@ from harness.p7 import (
     run_verdict,
     run_with_traces,
 )
-from harness.properties import check_cross_layout, check_eager_vs_graph, check_run_metadata
+from harness.props.p1_run import check_run_metadata
+from harness.props.p3 import check_eager_vs_graph
+from harness.props.p4 import check_cross_layout
 from harness.ranks.launcher import (
     DistributedDeadlock,
     DistributedMismatch,

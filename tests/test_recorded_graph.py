@@ -13,7 +13,7 @@ if "triton" not in sys.modules and not torch.cuda.is_available():  # as tests/te
 
 from harness.case import load_case  # noqa: E402
 from harness.execute import run_rank  # noqa: E402
-from harness.properties import compare_outputs  # noqa: E402
+from harness.props.outputs import compare_outputs  # noqa: E402
 from harness.ranks.simulated import SimulatedWorld  # noqa: E402
 from harness.tolerances import cross_device  # noqa: E402
 from harness.verdict import Verdict  # noqa: E402

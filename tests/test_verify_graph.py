@@ -6,7 +6,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from harness import mutants
 from harness.case import load_case
-from harness.properties import check_metadata
+from harness.props.p1_metadata import check_metadata
 from harness.ranks.simulated import SimulatedWorld
 from harness.spec_decode import SpecSession, Workload, run_workload
 from harness.spec_props import check_spec_case

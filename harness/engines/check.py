@@ -23,7 +23,7 @@ from harness.engines.sglang.build import EngineRunners
 from harness.engines.sglang.config import EngineConfig
 from harness.engines.sglang.loader import Engine
 from harness.layout import branch_sibling
-from harness.properties import check_replay_record, check_replay_rows
+from harness.props.p1_records import check_replay_record, check_replay_rows
 from harness.verdict import Verdict
 from runners.cuda_graph import ReplayRecord, compute_capture_bs
 from runners.parallel.layout import Branch, ParallelLayout

@@ -4,7 +4,7 @@ The capture path is the engine's own, stopped at the model call (graph.ModelProb
 step body baked by then -- the batch from get_forward_batch(bs), the DP buffer it set, the
 gathered gpu tensors -- is what the graph would bake. At the graph launch of a replay the
 static buffers the graph would read are snapshotted; `record()` turns both into our
-runners.cuda_graph.CaptureRecord / ReplayRecord, which harness.properties checks.
+runners.cuda_graph.CaptureRecord / ReplayRecord, which harness.props checks.
 """
 from __future__ import annotations
 

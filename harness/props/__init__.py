@@ -1,0 +1,7 @@
+"""The properties, as plain functions returning a Verdict (DESIGN.md §4, §6.6), one module per property or part.
+
+P1 metadata invariants: p1_records (one record's invariants, shared with engine-check),
+p1_metadata (the fast path: every graph runner driven without a model), p1_run (what reached
+lm_head). P3 eager vs graph (p3), P4 cross-layout against TP1 (p4); outputs holds the tensor
+comparison P3 and P4 share. The loop properties P2/P5/P6/P8 live in harness.spec_props.
+"""

@@ -1,0 +1,65 @@
+"""Tensor comparison shared by P3 and P4: float fields within a tolerance, top-k ids exact up to the reference's ties."""
+from __future__ import annotations
+
+import torch
+
+from harness.verdict import Verdict
+
+FLOAT_FIELDS = ("logits", "hidden", "logprobs", "topk_p")
+
+
+def first_bad_row(ref: torch.Tensor, got: torch.Tensor, tol) -> tuple[int, float] | None:
+    if ref.numel() == 0:
+        return None
+    ref, got = ref.double(), got.double()
+    if tol is None:
+        bad = ~((ref == got) | (ref.isnan() & got.isnan()))
+    else:
+        bad = ~torch.isclose(got, ref, rtol=tol.rtol, atol=tol.atol, equal_nan=True)
+    if ref.dim() > 1:
+        bad = bad.reshape(bad.shape[0], -1).any(dim=1)
+    if not bad.any():
+        return None
+    row = int(bad.nonzero()[0, 0])
+    return row, float((ref - got).abs().nan_to_num(float("inf")).max())
+
+
+def compare_outputs(v: Verdict, check: str, where: dict, ref: dict[str, torch.Tensor], got: dict[str, torch.Tensor], tol,
+                    row_label=lambda r: f"row {r}") -> bool:
+    """Compare float fields with tol (None: bitwise) and top-k ids exactly up to ties of the reference.
+
+    Returns False when top-1 ids differ (a tie flip or a real bug): later steps then see
+    different inputs, and the caller stops comparing them.
+    """
+    same_path = True
+    for name in FLOAT_FIELDS:
+        v.checked += 1
+        if ref[name].shape != got[name].shape:
+            v.fail(check, name, where, tuple(ref[name].shape), tuple(got[name].shape), "shape")
+            continue
+        bad = first_bad_row(ref[name], got[name], tol)
+        if bad is not None:
+            row, err = bad
+            tol_s = "bitwise" if tol is None else f"rtol={tol.rtol} atol={tol.atol}"
+            v.fail(check, name, where, "match", f"differs from {row_label(row) if name in ('logits', 'hidden') else f'request {row}'}",
+                   f"first differing {row_label(row) if name in ('logits', 'hidden') else f'request row {row}'}, max |diff| {err:.3g} ({tol_s})")
+    v.checked += 1
+    ids_ref, ids_got = ref["topk_index"], got["topk_index"]
+    if ids_ref.shape != ids_got.shape:
+        v.fail(check, "topk_index", where, tuple(ids_ref.shape), tuple(ids_got.shape), "shape")
+        return False
+    if not torch.equal(ids_ref, ids_got):
+        p = ref["logprobs"].exp()
+        margin = tol.atol if tol is not None else 0.0
+        diff_rows = (ids_ref != ids_got).any(dim=1).nonzero().flatten().tolist()
+        for row in diff_rows:
+            pr = p[row, ids_ref[row]]
+            pg = p[row, ids_got[row]]
+            if (pr - pg).abs().max() > margin:
+                v.fail(check, "topk_index", where, ids_ref[row].tolist(), ids_got[row].tolist(), f"request row {row}; not a tie of the reference")
+                break
+        else:
+            v.notes.append(f"{check} {where}: top-k tie within tolerance at rows {diff_rows}; later steps not compared")
+        same_path = False
+    return same_path
+

@@ -1,0 +1,177 @@
+"""P1, fast path: every graph runner's get_forward_batch and replay fill driven without a model, per layout and schedule."""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+
+from harness.layout import branch_sibling
+from harness.props.p1_records import check_replay_record
+from harness.verdict import Verdict
+from runners.config import DEFAULT_MODEL, ModelConfig, SpecConfig
+from runners.cuda_graph import (
+    EagleDraftExtendCudaGraphRunner,
+    EagleDraftExtendCudaGraphRunnerBase,
+    MultiLayerEagleDraftExtendCudaGraphRunner,
+)
+from runners.draft_extend import DraftExtendInputs, DraftWorker
+from runners.eagle_draft import DraftDecodeInputs
+from runners.eagle_draft_graph import EAGLEDraftCudaGraphRunner
+from runners.graph_backend import GraphBackend
+from runners.parallel.dp_attention import RankContext
+from runners.parallel.layout import ParallelLayout
+from runners.verify_graph import TargetVerifyCudaGraphRunner, VerifyInputs
+
+
+def _metadata_runners(layout: ParallelLayout, spec: SpecConfig, model: ModelConfig, tp_rank: int) -> list[EagleDraftExtendCudaGraphRunnerBase]:
+    ctx = RankContext(layout, tp_rank, comm=None)  # no collectives on this path
+    backend = GraphBackend("sim")
+    multi = DraftWorker(ctx, model, spec, build_model=False)
+    single = DraftWorker(ctx, model, spec, num_layers=1, build_model=False)
+    runners: list[EagleDraftExtendCudaGraphRunnerBase] = [
+        MultiLayerEagleDraftExtendCudaGraphRunner(multi, k, backend) for k in range(spec.num_steps)
+    ]
+    runners.append(EagleDraftExtendCudaGraphRunner(single, backend))
+    return runners
+
+
+def _synthetic_inputs(raw_bs: int, T: int, hidden: int, dp_batch_sizes: list[int], seed: int) -> DraftExtendInputs:
+    g = torch.Generator().manual_seed(seed)
+    n = raw_bs * T
+    return DraftExtendInputs(
+        input_ids=torch.zeros(n, dtype=torch.int64),
+        positions=torch.zeros(n, dtype=torch.int64),
+        seq_lens=torch.randint(T, 4 * T, (raw_bs,), generator=g),
+        req_pool_indices=torch.arange(1, raw_bs + 1),
+        hidden_states=torch.zeros(n, hidden),
+        accept_lens=torch.randint(1, T + 1, (raw_bs,), generator=g),
+        dp_batch_sizes=list(dp_batch_sizes),
+    )
+
+
+
+def check_metadata(
+    layout: ParallelLayout,
+    spec: SpecConfig,
+    schedule: Sequence[Sequence[int]],
+    model: ModelConfig = DEFAULT_MODEL,
+    seed: int = 0,
+) -> Verdict:
+    """P1 over one layout and a schedule (per iteration: each DP group's raw batch size).
+
+    Drives every graph runner of one rank per DP group (each multi-layer draft-extend step, the
+    single-layer draft-extend, the target verify and the draft decode) through capture-time
+    get_forward_batch and replay-time prepare_replay.
+    """
+    v = Verdict("P1")
+    T = spec.num_tokens_per_bs
+    for d in range(layout.attn_dp_size):
+        tp_rank = d * layout.attn_tp_size
+        runners = _metadata_runners(layout, spec, model, tp_rank)
+        lp_by_runner: dict[tuple[str, int], list[Optional[int]]] = {}
+        for it, sizes in enumerate(schedule):
+            dp_sizes = list(sizes) if layout.attn_dp_size > 1 else [sizes[0]]
+            raw_bs = dp_sizes[d]
+            inp = _synthetic_inputs(raw_bs, T, model.hidden_size, dp_sizes, seed + 1000 * it + d)
+            for r in runners:
+                if not r.can_run(inp):
+                    continue
+                r.reset_for_iteration(raw_bs, inp.accept_lens)
+                rec = r.prepare_replay(inp)
+                needed = max(dp_sizes) if layout.require_mlp_tp_gather else raw_bs
+                check_replay_record(v, layout, rec, tp_rank, it, needed)
+                host_lp = rec.capture.host["global_num_tokens_for_logprob_cpu"]
+                own = None if host_lp is None else host_lp[d if layout.require_mlp_tp_gather else 0]
+                lp_by_runner.setdefault((r.runner_kind, r.step), []).append(own)
+        _check_verify_metadata(v, layout, spec, schedule, model, tp_rank, seed)
+        _check_decode_metadata(v, layout, spec, schedule, model, tp_rank, seed)
+        # I6: single-layer and multi-layer agree on for_logprob (each multi-layer step vs single)
+        single = lp_by_runner.get(("single_layer", 0), [])
+        for (kind, step), vals in lp_by_runner.items():
+            if kind == "multi_layer":
+                v.expect_equal("I6", "global_num_tokens_for_logprob", {"layout": layout.describe(), "rank": tp_rank, "step": step}, single, vals,
+                               "single-layer vs multi-layer runner, same batches")
+    _check_branch_parity(v, layout, spec, schedule, model, seed)
+    return v
+
+
+def _check_verify_metadata(v: Verdict, layout: ParallelLayout, spec: SpecConfig, schedule, model: ModelConfig, tp_rank: int, seed: int) -> None:
+    """I1, I4, I5 and the padding rules for the TARGET_VERIFY runner of one rank: logits for every token, like DRAFT_EXTEND_V2."""
+    d = layout.attn_dp_rank(tp_rank)
+    runner = TargetVerifyCudaGraphRunner(RankContext(layout, tp_rank, comm=None), model, spec, None, GraphBackend("sim"))
+    T = spec.num_tokens_per_bs
+    for it, sizes in enumerate(schedule):
+        dp_sizes = list(sizes) if layout.attn_dp_size > 1 else [sizes[0]]
+        g = torch.Generator().manual_seed(seed + 1000 * it + d)
+        raw_bs, n = dp_sizes[d], dp_sizes[d] * T
+        zeros = torch.zeros(n, dtype=torch.int64)
+        inp = VerifyInputs(zeros, zeros, torch.randint(T, 4 * T, (raw_bs,), generator=g), torch.arange(1, raw_bs + 1), dp_sizes)
+        if runner.can_run(inp):
+            needed = max(dp_sizes) if layout.require_mlp_tp_gather else raw_bs
+            check_replay_record(v, layout, runner.prepare_replay(inp), tp_rank, it, needed)
+
+
+def _check_decode_metadata(v: Verdict, layout: ParallelLayout, spec: SpecConfig, schedule, model: ModelConfig, tp_rank: int, seed: int) -> None:
+    """I1, I4, I5 and the padding rules of one rank's draft-decode runner (runners.eagle_draft_graph): DECODE counts bs * topk lanes."""
+    if spec.num_steps < 2:
+        return  # one draft step is the draft-extend's own: the engine builds no draft-decode runner
+    k = spec.topk
+    worker = DraftWorker(RankContext(layout, tp_rank, comm=None), model, spec, num_layers=1, build_model=False)
+    runner = EAGLEDraftCudaGraphRunner(worker, GraphBackend("sim"))
+    d = layout.attn_dp_rank(tp_rank)
+    for it, sizes in enumerate(schedule):
+        dp_sizes = list(sizes) if layout.attn_dp_size > 1 else [sizes[0]]
+        raw_bs = dp_sizes[d]
+        g = torch.Generator().manual_seed(seed + 1000 * it + d)
+        seq = torch.randint(1, 4 * k + 8, (raw_bs,), generator=g)
+        inp = DraftDecodeInputs(torch.ones(raw_bs, k), torch.zeros(raw_bs, k, dtype=torch.int64), torch.zeros(raw_bs, model.hidden_size),
+                                seq, torch.arange(1, raw_bs + 1), seq.repeat_interleave(k), dp_sizes)
+        if runner.can_run(inp):
+            needed = max(dp_sizes) if layout.require_mlp_tp_gather else raw_bs
+            check_replay_record(v, layout, runner.prepare_replay(inp), tp_rank, it, needed)
+
+
+def check_decode_metadata(layout: ParallelLayout, spec: SpecConfig, schedule: Sequence[Sequence[int]], model: ModelConfig = DEFAULT_MODEL,
+                          seed: int = 0) -> Verdict:
+    """P1 of the draft-decode runner alone, on every rank of the layout."""
+    v = Verdict("P1")
+    for tp_rank in range(layout.world_size):
+        _check_decode_metadata(v, layout, spec, schedule, model, tp_rank, seed)
+    return v
+
+
+def _logprob_rows_per_request(layout: ParallelLayout, spec: SpecConfig, schedule, model: ModelConfig, d: int, seed: int) -> dict[int, int]:
+    """for_logprob of DP group d's step-0 runner divided by its padded bs, per iteration it could replay."""
+    runner = _metadata_runners(layout, spec, model, d * layout.attn_tp_size)[0]
+    out = {}
+    for it, sizes in enumerate(schedule):
+        inp = _synthetic_inputs(sizes[d], spec.num_tokens_per_bs, model.hidden_size, list(sizes), seed + 1000 * it + d)
+        if not runner.can_run(inp):
+            continue
+        runner.reset_for_iteration(inp.bs, inp.accept_lens)
+        rec = runner.prepare_replay(inp)
+        lp = rec.capture.host["global_num_tokens_for_logprob_cpu"]
+        out[it] = lp[d if layout.require_mlp_tp_gather else 0] // rec.bs
+    return out
+
+
+def _check_branch_parity(v: Verdict, layout: ParallelLayout, spec: SpecConfig, schedule, model: ModelConfig, seed: int) -> None:
+    """I3: the per-rank value is the same in the MLP and attn branches for the same batch.
+
+    The two branches may pad to different buckets (the attn branch's base is attn_tp_size),
+    so the comparable quantity is logprob rows per padded request: T in both.
+    """
+    sib = branch_sibling(layout)
+    if sib is None:
+        return
+    for d in range(layout.attn_dp_size):
+        ours = _logprob_rows_per_request(layout, spec, schedule, model, d, seed)
+        theirs = _logprob_rows_per_request(sib, spec, schedule, model, d, seed)
+        both = sorted(set(ours) & set(theirs))  # iterations both branches could replay (buckets differ)
+        ours, theirs = [ours[i] for i in both], [theirs[i] for i in both]
+        v.expect_equal(
+            "I3", "global_num_tokens_for_logprob",
+            {"layout": layout.describe(), "sibling": sib.describe(), "rank": d * layout.attn_tp_size},
+            theirs, ours, "logprob rows per padded request differ between the MLP-TP and attn-TP branches",
+        )
+

@@ -1,0 +1,130 @@
+"""P1 on one replay record: the invariants and padding rules every runner's record must hold (ours and an engine's)."""
+from __future__ import annotations
+
+from typing import Optional
+
+from harness.verdict import Verdict
+from runners.cuda_graph import (
+    ReplayRecord,
+)
+from runners.draft_extend import SEQ_LEN_FILL_VALUE
+from runners.parallel.layout import ParallelLayout
+
+
+def record_where(layout: ParallelLayout, rec: ReplayRecord, tp_rank: int, iteration: int) -> dict:
+    return {
+        "layout": layout.describe(),
+        "branch": rec.branch,
+        "runner": rec.runner,
+        "step": rec.step,
+        "rank": tp_rank,
+        "iteration": iteration,
+        "raw_bs": rec.raw_bs,
+        "bs": rec.bs,
+    }
+
+
+def check_replay_record(
+    v: Verdict,
+    layout: ParallelLayout,
+    rec: ReplayRecord,
+    tp_rank: int,
+    iteration: int,
+    needed_bs: int,
+    *,
+    logprob_rows: Optional[int] = None,
+    require_host_lists: bool = True,
+) -> None:
+    """I1, I4, I5 and the padding rules on one replay's record.
+
+    The two keyword parameters describe legal engine variants (DESIGN.md §6.3, §6.5); their
+    defaults are our runners' behaviour, and `harness engine-check` passes them for SGLang:
+
+    logprob_rows: the logit rows per rank lm_head sees in this bucket. None (ours): every
+        DRAFT_EXTEND_V2 token, bs * T, so for_logprob == num_tokens (I5) and the gathered
+        buffer is Σ for_logprob (I4). A pruned-logits engine feeds lm_head one row per request
+        and passes bs: then for_logprob (baked and filled) must be bs per rank, and
+        global_dp_buffer_len keeps sizing the token buffer (Σ num_tokens), while the logits
+        gather sizes itself from Σ for_logprob. The invariant is "for_logprob equals the rows
+        given to lm_head", not a fixed formula; the caller states the rows it measured.
+    require_host_lists: our runners bake both host lists, global_num_tokens_cpu and
+        global_num_tokens_for_logprob_cpu, into the forward batch. An engine that gives only
+        the gpu tensors for one of them (the logits processor then sizes its gather from
+        global_dp_buffer_len and reads counts from the gpu tensor, §6.5) passes False: an
+        absent host list is not compared in I1, and I4 / I5 use the capture-time gpu value
+        in its place, which is what the graph holds. A host list that is given is checked.
+    """
+    w = record_where(layout, rec, tp_rank, iteration)
+    T, bs = rec.tokens_per_bs, rec.bs
+    n = bs * T
+    lp_rows = n if logprob_rows is None else logprob_rows
+    # padding rules
+    v.expect_equal("padding", "bs in capture_bs", w, True, bs in rec.captured_bs)
+    v.expect_equal("padding", "bs >= raw_bs", w, True, bs >= needed_bs, f"needed {needed_bs}")
+    smaller = [b for b in rec.captured_bs if needed_bs <= b < bs]
+    v.expect_equal("padding", "smallest bucket", w, [], smaller, "a smaller captured bucket fits")
+    if layout.require_gathered_buffer:
+        v.expect_equal("padding", "bs % attn_tp_size", w, 0, bs % layout.attn_tp_size)
+    v.expect_equal("padding", "padded seq_lens", w, [SEQ_LEN_FILL_VALUE] * (bs - rec.raw_bs), rec.padded_seq_lens)
+    v.expect_equal("padding", "seq_lens_sum", w, rec.seq_lens_sum_actual, rec.seq_lens_sum, "metadata sum vs the buffer's lanes")
+    host = rec.capture.host
+    v.expect_equal("padding", "capture num_tokens", w, n, host["num_tokens"])
+    if not layout.require_gathered_buffer:
+        v.expect_equal("padding", "global_num_tokens_gpu", w, None, rec.global_num_tokens_gpu, "no gathered buffer in this branch")
+        return
+    dp = layout.attn_dp_size if layout.require_mlp_tp_gather else 1
+    v.expect_equal("padding", "gathered gpu shape", w, (dp,), rec.gpu_shape)
+    # replay fill = bs * T in both gpu tensors
+    v.expect_equal("fill", "global_num_tokens_gpu (replay fill)", w, [n] * dp, rec.global_num_tokens_gpu)
+    v.expect_equal("fill", "global_num_tokens_for_logprob_gpu (replay fill)", w, [lp_rows] * dp, rec.global_num_tokens_for_logprob_gpu)
+    # I1: capture = replay, for every gathered tensor and its host list
+    cap = rec.capture
+    v.expect_equal("I1", "global_num_tokens_gpu", w, rec.global_num_tokens_gpu, cap.global_num_tokens_gpu, "baked at capture vs replay fill")
+    v.expect_equal(
+        "I1", "global_num_tokens_for_logprob_gpu", w, rec.global_num_tokens_for_logprob_gpu, cap.global_num_tokens_for_logprob_gpu,
+        "baked at capture vs replay fill",
+    )
+    host_nt, host_lp = host["global_num_tokens_cpu"], host["global_num_tokens_for_logprob_cpu"]
+    if host_nt is not None or require_host_lists:
+        v.expect_equal("I1", "global_num_tokens_cpu", w, rec.global_num_tokens_gpu, host_nt)
+    else:
+        host_nt = cap.global_num_tokens_gpu  # no host list: the graph holds the gpu value
+    if host_lp is not None or require_host_lists:
+        v.expect_equal("I1", "global_num_tokens_for_logprob_cpu", w, rec.global_num_tokens_for_logprob_gpu, host_lp)
+    else:
+        host_lp = cap.global_num_tokens_for_logprob_gpu
+    lp, nt = host_lp or [], host_nt or []
+    if logprob_rows is None:
+        # I5: DRAFT_EXTEND_V2 is unpruned: for_logprob == num_tokens == bs * T, per rank
+        v.expect_equal("I5", "global_num_tokens_for_logprob", w, list(nt), list(lp), "DRAFT_EXTEND_V2 emits logits for every token")
+    else:
+        v.expect_equal("I5", "global_num_tokens_for_logprob", w, [lp_rows] * dp, list(lp), f"pruned logits: lm_head sees {lp_rows} rows per rank")
+        v.expect_equal("I5", "for_logprob <= num_tokens", w, True, len(lp) == len(nt) and all(a <= b for a, b in zip(lp, nt, strict=True)))
+    v.expect_equal("I5", "global_num_tokens", w, [n] * dp, list(nt), "tokens, not requests: bs * num_tokens_per_bs")
+    # I4 and the padding mode: buffer = Σ for_logprob = max * dp (MAX_LEN); pruned: the token buffer, Σ num_tokens
+    if logprob_rows is None:
+        v.expect_equal("I4", "global_dp_buffer_len", w, sum(lp), host["global_dp_buffer_len"], "Σ for_logprob = gathered rows")
+    else:
+        v.expect_equal("I4", "global_dp_buffer_len", w, sum(nt), host["global_dp_buffer_len"], "pruned logits: the DP buffer holds every token")
+    if host["dp_padding_mode"] == "max_len" and nt:
+        v.expect_equal("padding", "global_dp_buffer_len (MAX_LEN)", w, max(nt) * len(nt), host["global_dp_buffer_len"])
+
+
+
+
+def check_replay_rows(v: Verdict, layout: ParallelLayout, rec: ReplayRecord, tp_rank: int, iteration: int, *, expected_rows: int) -> None:
+    """I2 on one replayed record: rows fed to lm_head == this rank's for_logprob == logits rows produced.
+
+    expected_rows: the logits rows the bucket must produce; bs * T for our runners (every
+    DRAFT_EXTEND_V2 token), bs for a pruned-logits engine (DESIGN.md §6.3). Shared by
+    check_run_metadata and `harness engine-check`.
+    """
+    w = record_where(layout, rec, tp_rank, iteration)
+    d = layout.attn_dp_rank(tp_rank)
+    lp = rec.global_num_tokens_for_logprob_gpu
+    if lp is not None:
+        own = lp[d if layout.require_mlp_tp_gather else 0]
+        v.expect_equal("I2", "global_num_tokens_for_logprob", w, rec.rows_fed, own, "rows fed to lm_head on this rank")
+    v.expect_equal("I2", "rows fed to lm_head", w, rec.logits_rows, rec.rows_fed, "every DRAFT_EXTEND_V2 token needs a logits row")
+    v.expect_equal("padding", "logits rows", w, expected_rows, rec.logits_rows)
+
