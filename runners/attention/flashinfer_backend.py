@@ -39,10 +39,10 @@ import torch
 
 from runners import graph_record
 from runners.batch import EagleVerifyInput, ForwardBatch, ForwardMode
+from runners.memory import ReqToTokenPool, TokenToKVPool
 
 TREE_MASK_UNSUPPORTED = ("the flashinfer backend does not apply the verify tree mask (a TARGET_VERIFY batch's custom_mask): "
                          "the speculative loop verifies with the torch or triton backend")
-from runners.memory import ReqToTokenPool, TokenToKVPool
 
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
 WORKSPACE_BYTES = 128 * 1024 * 1024
