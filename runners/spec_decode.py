@@ -277,7 +277,7 @@ class SpecEngine:
             return None
         g = self.verify_graph
         if g is not None:
-            inp = verify_inputs(lanes, [t // self.T for t in dp_tokens], self.device)
+            inp = verify_inputs(lanes, [t // self.T for t in dp_tokens], self.device, self.T)
             if g.can_run(inp):
                 out, rec = g.replay(inp)
                 rep.verify_records = [rec]

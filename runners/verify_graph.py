@@ -48,12 +48,13 @@ class VerifyInputs:
         return int(self.seq_lens.shape[0])
 
 
-def verify_inputs(lanes: Sequence[Lane], dp_batch_sizes: list[int], device: torch.device) -> VerifyInputs:
-    """Verify lanes (trees of one size T; a lane without parents is a chain) as the runner's live batch."""
+def verify_inputs(lanes: Sequence[Lane], dp_batch_sizes: list[int], device: torch.device, T: Optional[int] = None) -> VerifyInputs:
+    """Verify lanes (trees of one size T; a lane without parents is a chain) as the runner's live batch
+    (T: the tree size, needed when this rank has no lane)."""
     i64 = dict(dtype=torch.int64, device=device)
     flat = lambda xs: torch.tensor([x for lane_xs in xs for x in lane_xs], **i64)  # noqa: E731
     parents = [list(lane.parents) if lane.parents is not None else list(range(-1, len(lane.tokens) - 1)) for lane in lanes]
-    T = len(lanes[0].tokens) if lanes else 0
+    T = len(lanes[0].tokens) if lanes else T or 0
     masks = [tree_mask(p) for p in parents]
     return VerifyInputs(
         input_ids=flat([lane.tokens for lane in lanes]),
