@@ -5,7 +5,7 @@
   the target's weights (`proposer="target"`) accepts every token of every round.
 * P6 acceptance: per request, the accept length of every verify round and the accept count
   of every draft position equal the case's golden (golden/acceptance/<case>.json), exactly.
-* P2 padded lanes: around every graph replay of every draft step, (a) after the replay fill
+* P2 padded lanes: around every graph replay of every draft step and of the verify, (a) after the replay fill
   the padded lanes hold the canonical values, and (b) a second replay from the same state
   with the padded lanes and every stale region poisoned gives bit-identical real rows and
   live KV, with no poisoned value in a real row.
@@ -318,21 +318,22 @@ class LanePoison:
 
 def check_padded_lanes(case: Case, rounds_per_phase: int = 2) -> dict[str, Verdict]:
     poisons: list[LanePoison] = []  # one per rank, each with its own verdict (ranks are threads)
-    where = {"case": case.name, "layout": case.layout.describe()}
+    verify: list[verify_props.VerifyPoison] = []  # the TARGET_VERIFY runner's, likewise
+    where, crash = {"case": case.name, "layout": case.layout.describe()}, {}
+    hook = lambda e: (poisons.append(LanePoison(e, Verdict("P2"))), verify_props.install_poison(verify)(e))  # noqa: E731
     try:
-        case_session(case, "graph", hook=lambda e: poisons.append(LanePoison(e, Verdict("P2"))), rounds_per_phase=rounds_per_phase)
+        case_session(case, "graph", hook=hook, rounds_per_phase=rounds_per_phase)
     except RankFailure as err:
         crash = {"run": _crash("run", where, err)}
-    else:
-        crash = {}
     v = Verdict("P2")
-    for p in sorted(poisons, key=lambda p: p.engine.ctx.tp_rank):
+    for p in sorted(poisons + verify, key=lambda p: p.engine.ctx.tp_rank):
         v.merge(p.v)
     if crash:
         return {"P2": v, **crash}
-    v.checked += 1
-    if not any(p.replays for p in poisons):
-        v.fail("replayed", "graph replays", where, "> 0", 0, "no draft-extend replayed a graph: nothing was checked")
+    for what, ps in (("draft-extend", poisons), ("target verify", verify)):
+        v.checked += 1
+        if not any(p.replays for p in ps):
+            v.fail("replayed", f"{what} graph replays", where, "> 0", 0, f"no {what} replayed a graph: nothing was checked")
     return {"P2": v}
 
 
