@@ -16,6 +16,7 @@ import torch
 
 from harness import execute
 from harness.mutant_base import Mutant
+from harness.mutants_verify import MUTANTS as _VERIFY
 from runners import model
 from runners.cuda_graph import EagleDraftExtendCudaGraphRunnerBase, MultiLayerEagleDraftExtendCudaGraphRunner
 from runners.parallel.comm import Group
@@ -473,3 +474,4 @@ CATALOG = CATALOG + (
     ),
 )
 BY_ID.update({m.id: m for m in CATALOG})
+CATALOG += tuple(_VERIFY); BY_ID.update({m.id: m for m in _VERIFY})  # noqa: E702

@@ -492,8 +492,8 @@ class ChurnPair:
 # probes for `harness mutants` (each a few seconds on 2 cores)
 # ----------------------------------------------------------------------------------------
 
-PROBE_SPEC_CASES = ("tp1_neither", "tp4_attn_tp_gather", "tp4_neither_topk2", "tp2_page4_shrink")
-P2_CASES = ("tp2_shrink", "tp4_dp2_mlp_tp_gather")
+PROBE_SPEC_CASES = ("tp1_neither", "tp4_attn_tp_gather", "tp4_neither_topk2", "tp2_page4_shrink", "tp2_page4_tree")
+P2_CASES = ("tp2_shrink", "tp4_dp2_mlp_tp_gather", "tp2_page4_tree")
 CHURN_SPEC = SpecConfig(num_steps=3, topk=1, capture_bs=(1, 2, 4, 8), max_running_requests=8)
 # Fixed schedules crossing every bucket boundary (8 -> 4 -> 2 -> 1 and back) with a preemption;
 # (rule, dp_group, arg). The DP one keeps the groups uneven and idles each group once.

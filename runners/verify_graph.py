@@ -14,7 +14,7 @@ the padded lanes' to the canonical chain mask.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 import torch
@@ -40,8 +40,8 @@ class VerifyInputs:
     seq_lens: torch.Tensor  # [bs] root position + T
     req_pool_indices: torch.Tensor  # [bs]
     dp_batch_sizes: list[int]  # every DP group's bs (from the MLP sync); [bs] without DP attention
-    custom_mask: torch.Tensor  # [bs, T, T] bool: the tree mask of every lane
-    parents: list[list[int]]  # host: every lane's tree (what built the mask; the eager reference reads it)
+    custom_mask: Optional[torch.Tensor] = None  # [bs, T, T] bool: the tree mask of every lane (None: chains)
+    parents: list[list[int]] = field(default_factory=list)  # host: every lane's tree (what built the mask); [] for chains
 
     @property
     def bs(self) -> int:
@@ -146,7 +146,7 @@ class TargetVerifyCudaGraphRunner(BucketedGraphRunner):
         self.positions[:raw_n].copy_(inp.positions)
         self.seq_lens[: inp.bs].copy_(inp.seq_lens)
         self.req_pool_indices[: inp.bs].copy_(inp.req_pool_indices)
-        self.custom_mask[: inp.bs].copy_(inp.custom_mask)
+        self.custom_mask[: inp.bs].copy_(inp.custom_mask if inp.custom_mask is not None else self.chain_mask.expand(inp.bs, -1, -1))
 
     def _fill_padded_lanes(self, raw_bs: int) -> None:
         """The replay fill of the lanes past the live batch (they hold the last, larger batch's values).

@@ -12,7 +12,10 @@ import torch
 if "triton" not in sys.modules and not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from harness import mutants  # noqa: E402
+from harness.case import load_case  # noqa: E402
 from harness.ranks.simulated import SimulatedWorld  # noqa: E402
+from harness.spec_props import check_padded_lanes, check_spec_case  # noqa: E402
 from runners.attention import BACKENDS  # noqa: E402
 from runners.config import ModelConfig, SpecConfig  # noqa: E402
 from runners.graph_backend import GraphBackend  # noqa: E402
@@ -175,3 +178,33 @@ def _graph_over_trees(comm):
     chain = torch.ones(T, T, dtype=torch.bool).tril()
     assert torch.equal(g.custom_mask[3], chain)  # the padded lane: the canonical chain mask
     assert g.out_cache_loc[3 * T :].tolist() == [PADDING_SLOT] * T  # its KV goes to the padding slot
+
+
+# ---------------------------------------------------------------- the mutants, and what kills them
+
+TREE_CASE = "tp2_page4_tree"
+
+
+@pytest.mark.parametrize("mutant,check", [
+    ("verify-tree-mask-sees-siblings", "tree-vs-chain"),
+    ("verify-tree-sibling-position-off-by-one", "tree-vs-chain"),
+    ("verify-node-kv-at-position", "tree-vs-chain"),
+    ("verify-accepted-kv-not-moved", "lossless"),  # the verify pass is right; the next round reads the wrong KV
+])
+def test_p5_kills_the_tree_verify_mutants(mutant, check):
+    with mutants.get(mutant).planted():
+        v = check_spec_case(load_case(TREE_CASE), runners=("graph",))
+    assert not v["P5"], mutant
+    assert v["P5"].failures[0].check == check, v["P5"].report()
+
+
+def test_p2_kills_a_stale_padded_tree_mask():
+    with mutants.get("verify-stale-padded-mask").planted():
+        v = check_padded_lanes(load_case(TREE_CASE))["P2"]
+    f = v.failures[0]
+    assert (f.check, f.field, f.where["runner"]) == ("canonical", "custom_mask", "target_verify") and f.where["lane"] >= f.where["raw_bs"]
+
+
+def test_p2_poisons_the_verify_runner_and_passes_on_the_tree_case():
+    v = check_padded_lanes(load_case(TREE_CASE))["P2"]
+    assert v, v.report()
