@@ -3,6 +3,7 @@ trees written out; the attention backends' tree mask and the node slots on a han
 a tree node's logits against the chain of its path; the TARGET_VERIFY graph over trees."""
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 
@@ -12,11 +13,12 @@ import torch
 if "triton" not in sys.modules and not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from harness import mutants  # noqa: E402
+from harness import mutants, spec_decode  # noqa: E402
 from harness.case import load_case  # noqa: E402
-from harness.ranks.simulated import SimulatedWorld  # noqa: E402
-from harness.spec_props import check_padded_lanes, check_spec_case  # noqa: E402
+from harness.ranks.simulated import RankFailure, SimulatedWorld  # noqa: E402
+from harness.spec_props import check_lossless, check_padded_lanes, check_spec_case  # noqa: E402
 from runners.attention import BACKENDS  # noqa: E402
+from runners.attention.flashinfer_backend import TREE_MASK_UNSUPPORTED  # noqa: E402
 from runners.config import ModelConfig, SpecConfig  # noqa: E402
 from runners.graph_backend import GraphBackend  # noqa: E402
 from runners.memory import PADDING_SLOT, ReqToTokenPool  # noqa: E402
@@ -147,11 +149,6 @@ def test_triton_applies_the_tree_mask():
     torch.testing.assert_close(t_node, r_node, rtol=1e-4, atol=1e-4)
 
 
-def test_flashinfer_refuses_a_tree_batch_clearly():
-    fi = pytest.importorskip("runners.attention.flashinfer_backend")
-    assert "tree mask" in fi.TREE_MASK_UNSUPPORTED
-
-
 # ---------------------------------------------------------------- the graph runner over trees
 
 
@@ -208,3 +205,43 @@ def test_p2_kills_a_stale_padded_tree_mask():
 def test_p2_poisons_the_verify_runner_and_passes_on_the_tree_case():
     v = check_padded_lanes(load_case(TREE_CASE))["P2"]
     assert v, v.report()
+
+
+# ---------------------------------------------------------------- the case's attention backend
+
+
+def _with_backend(name: str, backend: str):
+    case = load_case(name)
+    return dataclasses.replace(case, scenario=dataclasses.replace(case.scenario, attention_backend=backend))
+
+
+class _Built(Exception):
+    pass
+
+
+def test_the_loop_properties_run_the_cases_backend():
+    seen = []
+
+    def hook(engine):
+        seen.append((engine.target.attn.name, engine.draft.worker.attn.name))
+        raise _Built  # the engine is built: that is all this test needs
+
+    want = "triton" if "triton" in BACKENDS else "torch"
+    with pytest.raises(RankFailure, match="_Built"):
+        spec_decode.case_session(_with_backend("tp1_neither", want), "graph", hook=hook)
+    assert seen == [(want, want)]
+
+
+def test_flashinfer_cases_skip_the_loop_properties_with_the_reason():
+    assert spec_decode.spec_skip_reason(_with_backend("tp1_neither", "flashinfer")) == TREE_MASK_UNSUPPORTED
+    assert spec_decode.spec_skip_reason(load_case(TREE_CASE)) is None
+
+
+@pytest.mark.skipif("triton" not in BACKENDS, reason="triton is not installed")
+def test_p5_with_the_triton_backend_on_a_tree():
+    spec = SpecConfig(num_steps=2, topk=2, num_draft_tokens=4, capture_bs=(1, 2), max_running_requests=2)
+    s = spec_decode.run_workload(spec_decode.SpecSession(ParallelLayout(), spec, runner="graph", attention_backend="triton"),
+                                 spec_decode.Workload(((2,),), rounds_per_phase=2, preempt=False))
+    assert s.engines[0].target.attn.name == "triton"
+    v = check_lossless(s, {})
+    assert v and v.checked >= 2, v.report()
