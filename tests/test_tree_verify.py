@@ -100,13 +100,16 @@ def test_the_loop_supports_trees_of_any_size_up_to_the_draft():
 # ---------------------------------------------------------------- the batch and the backends
 
 CFG = ModelConfig()
+CPU = torch.device("cpu")
+GPU_OR_CPU = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+TRITON_ON_CPU = "triton" in BACKENDS and not torch.cuda.is_available()  # the loop's sessions run on CPU tensors
 ROOT = 3  # the root's position: a prefix of 3 tokens
 
 
-def runner(backend="torch", page_size=1, comm=None):
+def runner(backend="torch", page_size=1, comm=None, device=CPU):
     ctx = RankContext(ParallelLayout(), 0, comm=comm)
-    rp = ReqToTokenPool(4, CFG.max_context_len, torch.device("cpu"))
-    t = TargetRunner(ctx, CFG, rp, 64, torch.device("cpu"), backend, page_size)
+    rp = ReqToTokenPool(4, CFG.max_context_len, device)
+    t = TargetRunner(ctx, CFG, rp, 64, device, backend, page_size)
     row = rp.alloc()
     rp.req_to_token[row, : ROOT + T] = torch.arange(10, 10 + ROOT + T)  # position p -> slot 10 + p
     return t, row
@@ -123,13 +126,13 @@ def test_tree_batch_positions_slots_and_key_mask_by_hand():
     assert seen == [[0, 1, 2, 3], [0, 1, 2, 3, 4], [0, 1, 2, 3, 4, 5], [0, 1, 2, 3, 4, 5, 6], [0, 1, 2, 3, 7], [0, 1, 2, 3, 4, 8]]
 
 
-def _node_vs_chain(backend):
+def _node_vs_chain(backend, device=CPU):
     """Node 5 (sibling 60 under d1) must compute what the chain [x, d1, 60] computes at its last token."""
-    t, row = runner(backend)
+    t, row = runner(backend, device=device)
     prefix = Lane(row, 0, [7, 8, 9])
     t.forward_synced([prefix], [3])
     tree = t.forward_synced([Lane(row, ROOT, LANE_TOKENS, LANE_PARENTS)], [T])
-    t2, row2 = runner(backend)
+    t2, row2 = runner(backend, device=device)
     t2.forward_synced([Lane(row2, 0, [7, 8, 9])], [3])
     chain = t2.forward_synced([Lane(row2, ROOT, [1, 5, 60])], [3])
     return tree.logits[5], chain.logits[2], tree.logits[4], chain
@@ -143,10 +146,19 @@ def test_a_tree_node_computes_the_chain_of_its_path():
 
 @pytest.mark.skipif("triton" not in BACKENDS, reason="triton is not installed")
 def test_triton_applies_the_tree_mask():
-    t_node, t_chain, _, _ = _node_vs_chain("triton")
-    r_node, _, _, _ = _node_vs_chain("torch")
+    """In the interpreter on CPU; compiled on a GPU machine."""
+    t_node, t_chain, _, _ = _node_vs_chain("triton", GPU_OR_CPU)
+    r_node, _, _, _ = _node_vs_chain("torch", GPU_OR_CPU)
     torch.testing.assert_close(t_node, t_chain, rtol=1e-4, atol=1e-4)  # interpreter fp32 vs reference: summation order
     torch.testing.assert_close(t_node, r_node, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.skipif("flashinfer" not in BACKENDS, reason="flashinfer needs a CUDA GPU and the gpu extra")
+def test_flashinfer_refuses_a_tree_batch_with_the_reason():
+    t, row = runner("flashinfer", device=GPU_OR_CPU)
+    fb = extend_batch(t.ctx, [Lane(row, ROOT, LANE_TOKENS, LANE_PARENTS)], [T], GPU_OR_CPU)
+    with pytest.raises(NotImplementedError, match="tree mask"):
+        t.attn.init_forward_metadata(fb)
 
 
 # ---------------------------------------------------------------- the graph runner over trees
@@ -226,7 +238,7 @@ def test_the_loop_properties_run_the_cases_backend():
         seen.append((engine.target.attn.name, engine.draft.worker.attn.name))
         raise _Built  # the engine is built: that is all this test needs
 
-    want = "triton" if "triton" in BACKENDS else "torch"
+    want = "triton" if TRITON_ON_CPU else "torch"
     with pytest.raises(RankFailure, match="_Built"):
         spec_decode.case_session(_with_backend("tp1_neither", want), "graph", hook=hook)
     assert seen == [(want, want)]
@@ -237,7 +249,7 @@ def test_flashinfer_cases_skip_the_loop_properties_with_the_reason():
     assert spec_decode.spec_skip_reason(load_case(TREE_CASE)) is None
 
 
-@pytest.mark.skipif("triton" not in BACKENDS, reason="triton is not installed")
+@pytest.mark.skipif(not TRITON_ON_CPU, reason="needs triton's interpreter on CPU (the sessions run on CPU tensors)")
 def test_p5_with_the_triton_backend_on_a_tree():
     spec = SpecConfig(num_steps=2, topk=2, num_draft_tokens=4, capture_bs=(1, 2), max_running_requests=2)
     s = spec_decode.run_workload(spec_decode.SpecSession(ParallelLayout(), spec, runner="graph", attention_backend="triton"),
