@@ -174,10 +174,10 @@ def check_case(
 
 def _check_spec_props(case: Case, spec_props: Sequence[str], rep: CaseReport, say: Callable[[str], None]) -> None:
     # the loop's properties import this module: import them here
+    from harness.spec_decode import spec_skip_reason
     from harness.spec_props import check_padded_lanes, check_spec_case
-    from runners.spec_decode import loop_unsupported_reason
 
-    why = loop_unsupported_reason(case.scenario.spec)
+    why = spec_skip_reason(case)
     if why is not None:
         rep.skipped.update({p: why for p in spec_props})
         return

@@ -18,6 +18,7 @@ from harness import execute
 from harness.mutant_base import Mutant
 from harness.mutants_decode import MUTANTS as _DECODE
 from harness.mutants_shape import MUTANTS as _SHAPE
+from harness.mutants_verify import MUTANTS as _VERIFY
 from runners import model
 from runners.cuda_graph import EagleDraftExtendCudaGraphRunnerBase, MultiLayerEagleDraftExtendCudaGraphRunner
 from runners.parallel.comm import Group
@@ -182,9 +183,8 @@ def _reset_keeps_token_buffers(self: EagleDraftExtendCudaGraphRunnerBase, raw_bs
         getattr(self, b).copy_(old)  # padded lanes keep the larger batch's tokens, positions and KV slots
 
 
-def _accept_per_request(drafts: torch.Tensor, target_argmax: torch.Tensor) -> torch.Tensor:
-    first = (drafts[:, 0] == target_argmax[:, 0]).to(torch.int64)
-    return first * drafts.shape[1] + 1  # the request's first verdict applied to every one of its tokens
+def _accept_per_request(parents, tokens, argmax) -> list[int]:
+    return list(range(len(tokens) if list(tokens[1:2]) == [argmax[0]] else 1))  # the first verdict applied to all its tokens
 
 
 def _copy_advances_padded_seq_lens(self: EagleDraftExtendCudaGraphRunnerBase, inp) -> None:
@@ -225,7 +225,7 @@ CATALOG = CATALOG + (
         "accept-per-request",
         "greedy verify decides acceptance once per request (its first draft token) and applies it to all its tokens, instead of token by token along the chain",
         "acceptance per request instead of per token",
-        ((verify, "chain_accept_lens", _accept_per_request),),
+        ((verify, "accept_path", _accept_per_request),),
         ("batch-churn", "spec-cases"),  # P8, P5/P6: verify runs only in the speculative-loop probes
     ),
     Mutant(
@@ -484,3 +484,4 @@ CATALOG = CATALOG + (
 BY_ID.update({m.id: m for m in CATALOG})
 CATALOG += tuple(_DECODE); BY_ID.update({m.id: m for m in _DECODE})  # noqa: E702
 CATALOG += tuple(_SHAPE); BY_ID.update({m.id: m for m in _SHAPE})  # noqa: E702
+CATALOG += tuple(_VERIFY); BY_ID.update({m.id: m for m in _VERIFY})  # noqa: E702

@@ -29,6 +29,7 @@ import torch
 from harness.case import Case, default_cases, load_case
 from harness.data import shipped_dir
 from harness.ranks.simulated import SimulatedWorld
+from runners.attention.flashinfer_backend import TREE_MASK_UNSUPPORTED
 from runners.config import DEFAULT_MODEL, ModelConfig, SpecConfig
 from runners.parallel.dp_attention import RankContext
 from runners.parallel.layout import ParallelLayout
@@ -38,8 +39,17 @@ from runners.target import GreedyOutput, target_greedy
 
 ACCEPT_DIR = shipped_dir("golden") / "acceptance"
 FORMAT = "specharness-acceptance/1"
+
+
+def spec_skip_reason(case: Case) -> Optional[str]:
+    """Why P2/P5/P6 cannot run this case here (None: they run, with the case's attention backend)."""
+    if case.scenario.attention_backend == "flashinfer":
+        return TREE_MASK_UNSUPPORTED
+    return loop_unsupported_reason(case.scenario.spec)
+
+
 # every shipped case the loop can run has an acceptance golden
-GOLDEN_CASES = tuple(c.name for c in default_cases() if loop_unsupported_reason(c.scenario.spec) is None)
+GOLDEN_CASES = tuple(c.name for c in default_cases() if spec_skip_reason(c) is None)
 
 
 class AcceptanceGoldenError(Exception):
@@ -68,13 +78,14 @@ class SpecSession:
 
     def __init__(self, layout: ParallelLayout, spec: SpecConfig, model: ModelConfig = DEFAULT_MODEL, runner: str = "eager",
                  proposer: str = "eagle", alignment: Alignment = DEFAULT_ALIGNMENT, tree: Optional[bool] = None,
-                 timeout_s: float = 60.0, hook: Optional[Callable[[SpecEngine], None]] = None):
+                 timeout_s: float = 60.0, hook: Optional[Callable[[SpecEngine], None]] = None, attention_backend: str = "torch"):
         self.layout, self.spec, self.model, self.alignment = layout, spec, model, alignment
-        self.runner, self.proposer = runner, proposer
+        self.runner, self.proposer, self.attention_backend = runner, proposer, attention_backend
         self.world = SimulatedWorld(layout, timeout_s=timeout_s)
 
         def build(comm):
-            e = SpecEngine(RankContext(layout, comm.rank, comm), model, spec, proposer=proposer, runner=runner, tree=tree, alignment=alignment)
+            e = SpecEngine(RankContext(layout, comm.rank, comm), model, spec, proposer=proposer, runner=runner, tree=tree, alignment=alignment,
+                           attention_backend=attention_backend)
             if hook is not None:
                 hook(e)
             return e
@@ -214,7 +225,7 @@ def acceptance_stats(session: SpecSession) -> dict:
 
 def case_session(case: Case, runner: str, proposer: str = "eagle", hook=None, rounds_per_phase: int = 3) -> SpecSession:
     sc = case.scenario
-    s = SpecSession(sc.layout, sc.spec, sc.model, runner=runner, proposer=proposer, hook=hook)
+    s = SpecSession(sc.layout, sc.spec, sc.model, runner=runner, proposer=proposer, hook=hook, attention_backend=sc.attention_backend)
     return run_workload(s, Workload.from_case(case, rounds_per_phase))
 
 
@@ -225,8 +236,9 @@ def golden_identity(case: Case, wl: Workload, alignment: Alignment = DEFAULT_ALI
         "fingerprint": sc.model.fingerprint(),
         "alignment": alignment.to_json(),
         "workload": wl.to_json(),
-        "spec": {"num_steps": spec.num_steps, "topk": spec.topk, "capture_bs": list(spec.capture_bs), "max_running_requests": spec.max_running_requests,
-                 "page_size": spec.page_size, **({"draft": spec.draft} if spec.draft != "multi_layer" else {})},
+        "spec": {"num_steps": spec.num_steps, "topk": spec.topk, "num_tokens_per_bs": spec.num_tokens_per_bs, "capture_bs": list(spec.capture_bs),
+                 "max_running_requests": spec.max_running_requests, "page_size": spec.page_size,
+                 **({"draft": spec.draft} if spec.draft != "multi_layer" else {})},
         "layout": sc.layout.describe(),
     }
 

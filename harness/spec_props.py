@@ -5,7 +5,7 @@
   the target's weights (`proposer="target"`) accepts every token of every round.
 * P6 acceptance: per request, the accept length of every verify round and the accept count
   of every draft position equal the case's golden (golden/acceptance/<case>.json), exactly.
-* P2 padded lanes: around every graph replay of every draft step, (a) after the replay fill
+* P2 padded lanes: around every graph replay of every draft step and of the verify, (a) after the replay fill
   the padded lanes hold the canonical values, and (b) a second replay from the same state
   with the padded lanes and every stale region poisoned gives bit-identical real rows and
   live KV, with no poisoned value in a real row.
@@ -68,7 +68,7 @@ def check_lossless(session: SpecSession, where: dict) -> Verdict:
     v = Verdict("P5")
     reqs = session.requests()
     ref = oracle(session, sorted(reqs.values(), key=lambda r: r.rid))
-    T = session.spec.num_tokens_per_bs
+    full = min(session.spec.num_steps, session.spec.num_tokens_per_bs - 1) + 1  # the top-1 chain's depth in the tree, + the bonus
     for rid, r in sorted(reqs.items()):
         got, exp = r.tokens[len(r.prompt):], ref[rid]
         w = {**where, "request": rid}
@@ -85,8 +85,8 @@ def check_lossless(session: SpecSession, where: dict) -> Verdict:
         if session.proposer == "target":
             for k, a in enumerate(r.accept_lens):
                 v.checked += 1
-                if a != T:
-                    v.fail("accept-all", "accept_len", {**w, "round": k}, T, a, "a draft that equals the target must accept every token")
+                if a != full:
+                    v.fail("accept-all", "accept_len", {**w, "round": k}, full, a, "a draft that equals the target must accept its whole chain")
                     break
     return v
 
@@ -318,21 +318,22 @@ class LanePoison:
 
 def check_padded_lanes(case: Case, rounds_per_phase: int = 2) -> dict[str, Verdict]:
     poisons: list[LanePoison] = []  # one per rank, each with its own verdict (ranks are threads)
-    where = {"case": case.name, "layout": case.layout.describe()}
+    verify: list[verify_props.VerifyPoison] = []  # the TARGET_VERIFY runner's, likewise
+    where, crash = {"case": case.name, "layout": case.layout.describe()}, {}
+    hook = lambda e: (poisons.append(LanePoison(e, Verdict("P2"))), verify_props.install_poison(verify)(e))  # noqa: E731
     try:
-        case_session(case, "graph", hook=lambda e: poisons.append(LanePoison(e, Verdict("P2"))), rounds_per_phase=rounds_per_phase)
+        case_session(case, "graph", hook=hook, rounds_per_phase=rounds_per_phase)
     except RankFailure as err:
         crash = {"run": _crash("run", where, err)}
-    else:
-        crash = {}
     v = Verdict("P2")
-    for p in sorted(poisons, key=lambda p: p.engine.ctx.tp_rank):
+    for p in sorted(poisons + verify, key=lambda p: p.engine.ctx.tp_rank):
         v.merge(p.v)
     if crash:
         return {"P2": v, **crash}
-    v.checked += 1
-    if not any(p.replays for p in poisons):
-        v.fail("replayed", "graph replays", where, "> 0", 0, "no draft-extend replayed a graph: nothing was checked")
+    for what, ps in (("draft-extend", poisons), ("target verify", verify)):
+        v.checked += 1
+        if not any(p.replays for p in ps):
+            v.fail("replayed", f"{what} graph replays", where, "> 0", 0, f"no {what} replayed a graph: nothing was checked")
     return {"P2": v}
 
 
@@ -482,9 +483,8 @@ class ChurnPair:
     def finish_check(self) -> Verdict:
         replays = sum(e.draft.driver.stats.replays for e in self.graph.engines)
         self.v.expect_equal("replayed", "graph replays > 0", {"layout": self.layout.describe()}, True, replays > 0)
-        if not self.graph.engines[0].tree:  # a tree engine verifies eagerly (runners.verify_graph)
-            verify = sum(e.verify_graph.backend.stats.replays for e in self.graph.engines)
-            self.v.expect_equal("replayed", "target verify replays > 0", {"layout": self.layout.describe()}, True, verify > 0)
+        verify = sum(e.verify_graph.backend.stats.replays for e in self.graph.engines)
+        self.v.expect_equal("replayed", "target verify replays > 0", {"layout": self.layout.describe()}, True, verify > 0)
         return self.v
 
 
@@ -492,8 +492,8 @@ class ChurnPair:
 # probes for `harness mutants` (each a few seconds on 2 cores)
 # ----------------------------------------------------------------------------------------
 
-PROBE_SPEC_CASES = ("tp1_neither", "tp4_attn_tp_gather", "tp4_neither_topk2", "tp2_page4_shrink")
-P2_CASES = ("tp2_shrink", "tp4_dp2_mlp_tp_gather")
+PROBE_SPEC_CASES = ("tp1_neither", "tp4_attn_tp_gather", "tp4_neither_topk2", "tp2_page4_shrink", "tp2_page4_tree")
+P2_CASES = ("tp2_shrink", "tp4_dp2_mlp_tp_gather", "tp2_page4_tree")
 CHURN_SPEC = SpecConfig(num_steps=3, topk=1, capture_bs=(1, 2, 4, 8), max_running_requests=8)
 # Fixed schedules crossing every bucket boundary (8 -> 4 -> 2 -> 1 and back) with a preemption;
 # (rule, dp_group, arg). The DP one keeps the groups uneven and idles each group once.

@@ -45,6 +45,16 @@ class EagleDraftInput:
 
 
 @dataclass
+class EagleVerifyInput:
+    """A TARGET_VERIFY batch's tree: every request's draft_token_num nodes and their tree mask
+    (runners.verify); the attention backends apply the mask, the step body derives each node's
+    KV write slot from the root's position and the node's index."""
+
+    draft_token_num: int  # T, host: baked
+    custom_mask: torch.Tensor  # [bs, T, T] bool, mask[b, i, j]: node i of lane b sees node j
+
+
+@dataclass
 class ForwardBatch:
     forward_mode: ForwardMode
     batch_size: int
@@ -55,7 +65,7 @@ class ForwardBatch:
     out_cache_loc: torch.Tensor  # [N] KV slots written by this pass
     extend_seq_lens: torch.Tensor  # [bs]
     extend_start_loc: torch.Tensor  # [bs]
-    spec_info: EagleDraftInput
+    spec_info: Optional[EagleDraftInput | EagleVerifyInput]
     extend_seq_lens_cpu: list[int] = field(default_factory=list)
     extend_num_tokens: int = 0
     num_token_non_padded: int = 0

@@ -5,11 +5,12 @@ of its DP attention group (`Request.dp_rank`) and ignores the others' commands. 
 
 1. prefill every running request without KV (new, or resumed after a preemption): one
    target EXTEND over their tokens but the last, then the draft's prefill -> proposals;
-2. verify every request with a proposal: one target pass over [last token, d_1..d_S]
-   (plus one lane per tree sibling, topk > 1), greedy acceptance (runners.verify), commit
-   (never past max_new_tokens), finish the requests that are done. With runner="graph" a
-   chain verify replays the TARGET_VERIFY graph (runners.verify_graph); a tree verify, or a
-   batch no bucket fits, runs the eager EXTEND pass (the same step body);
+2. verify every request with a proposal: one target pass over its tree of T = num_tokens_per_bs
+   nodes (the last token and T - 1 drafts: the chain, and with topk > 1 the top-k siblings;
+   runners.verify), greedy acceptance along the tree, the accepted nodes' KV moved to their
+   chain positions, commit (never past max_new_tokens), finish the requests that are done.
+   With runner="graph" the verify replays the TARGET_VERIFY graph (runners.verify_graph); a
+   batch no bucket fits runs the eager pass (the same step body);
 3. draft-extend over the verified tokens (eager or graph runner) -> the next proposals;
    free the rejected positions' slots; allocate the next verify's.
 
@@ -38,7 +39,7 @@ from runners.model import DraftModel, TargetModel
 from runners.parallel.dp_attention import RankContext, mlp_sync_batch_sizes
 from runners.scheduler import KVBook, Request, Scheduler
 from runners.target import Lane, TargetOutput, TargetRunner
-from runners.verify import accept, siblings
+from runners.verify import DraftTree, accept, kv_moves, tree_of
 from runners.verify_graph import TargetVerifyCudaGraphRunner, verify_inputs
 
 
@@ -71,10 +72,9 @@ DEFAULT_ALIGNMENT = Alignment()
 
 def slot_budget(spec: SpecConfig, max_context_len: int) -> int:
     """Tight on purpose (freed pages come back soon): every running request at full context in whole
-    pages, tree scratch, the padding page."""
-    sib = spec.num_steps * (spec.topk - 1)
+    pages (a tree's nodes sit in the request's own slots), the padding page."""
     pages = -(-max_context_len // spec.page_size)
-    return spec.page_size * (1 + spec.max_running_requests * pages) + spec.max_running_requests * sib
+    return spec.page_size * (1 + spec.max_running_requests * pages)
 
 
 @dataclass
@@ -103,13 +103,13 @@ class StepReport:
 
 def loop_unsupported_reason(spec: SpecConfig) -> Optional[str]:
     """Why the speculative decoding loop cannot run this config (None: it can)."""
-    T, S = spec.num_tokens_per_bs, spec.num_steps
-    if T != S + 1:
-        return f"the loop verifies S = num_steps drafts per request, so num_tokens_per_bs must be {S + 1}, got {T}"
-    if spec.draft == "single_layer" and spec.topk * (S - 1) > T:
-        return f"the single-layer draft decode writes topk * (num_steps - 1) = {spec.topk * (S - 1)} slots past the prefix, more than num_tokens_per_bs ({T})"
-    if spec.topk > 1 and spec.page_size > 1:
-        return f"tree verification (topk {spec.topk}) gives each sibling one fresh slot, which needs page_size 1, got {spec.page_size}"
+    T, S, k = spec.num_tokens_per_bs, spec.num_steps, spec.topk
+    if k == 1 and T != S + 1:
+        return f"with topk 1 the draft proposes a chain of num_steps drafts, so num_tokens_per_bs must be {S + 1}, got {T}"
+    if not 2 <= T <= 1 + S * k:
+        return f"the verify tree has the root and at most num_steps * topk = {S * k} drafts, so num_tokens_per_bs must be in [2, {1 + S * k}], got {T}"
+    if spec.draft == "single_layer" and k * (S - 1) > T:
+        return f"the single-layer draft decode writes topk * (num_steps - 1) = {k * (S - 1)} slots past the prefix, more than num_tokens_per_bs ({T})"
     return None
 
 
@@ -123,9 +123,11 @@ class SpecEngine:
         self.ctx, self.cfg, self.spec, self.device = ctx, cfg, spec, torch.device(device)
         self.T, self.S = T, S
         self.tree = spec.topk > 1 if tree is None else tree
+        if not self.tree and T != S + 1:
+            raise ValueError(f"without the tree the draft's chain fills {S + 1} verify tokens, not num_tokens_per_bs {T}")
         self.alignment = alignment
         num_slots = num_slots or slot_budget(spec, cfg.max_context_len)
-        max_reqs = 1 + spec.max_running_requests * (1 + S * (spec.topk - 1))  # rows for requests and tree scratch
+        max_reqs = 1 + spec.max_running_requests  # the padding row and one row per request
         self.req_pool = ReqToTokenPool(max_reqs, cfg.max_context_len, self.device)
         self.target = TargetRunner(ctx, cfg, self.req_pool, num_slots, self.device, attention_backend, spec.page_size)
         self.book = KVBook(self.req_pool, num_slots, spec.page_size)  # one slot index space for the target's and the draft's pools
@@ -139,10 +141,8 @@ class SpecEngine:
         else:
             raise ValueError(f"proposer must be 'eagle' or 'target', got {proposer!r}")
         self.draft.capture()
-        # Tree batches always carry one-token sibling lanes, which the fixed-width verify graph
-        # cannot hold: a tree engine verifies eagerly (decided per engine, so every rank agrees).
         self.verify_graph: Optional[TargetVerifyCudaGraphRunner] = None
-        if runner == "graph" and not self.tree:
+        if runner == "graph":
             self.verify_graph = TargetVerifyCudaGraphRunner(ctx, cfg, spec, self.target, GraphBackend("auto", self.device), self.device)
             self.verify_graph.capture()  # after the alignment: a graph bakes the weights it was captured with
         self.steps = 0
@@ -211,42 +211,30 @@ class SpecEngine:
     def _verify(self, batch: list[Request], rep: StepReport) -> None:
         T = self.T
         n0 = [len(r.tokens) for r in batch]
-        lanes = [Lane(r.req_pool_idx, n - 1, [r.tokens[-1]] + r.proposal.tokens) for r, n in zip(batch, n0, strict=True)]
-        sibs = siblings([r.proposal for r in batch]) if self.tree else []
-        sib_slots = []
-        for node in sibs:
-            pos = n0[node.lane] - 1 + node.depth
-            idx, slot = self.book.scratch_row(batch[node.lane], pos)
-            lanes.append(Lane(idx, pos, [node.token]))
-            sib_slots.append(slot)
+        trees: list[DraftTree] = [tree_of(r.proposal, T - 1, self.tree) for r in batch]
+        lanes = [Lane(r.req_pool_idx, n - 1, *t.lane(r.tokens[-1])) for r, n, t in zip(batch, n0, trees, strict=True)]
         out = self._target_verify(lanes, rep)
         if out is None:
-            self.book.drop_scratch()
             return
         rows = out.lane_rows(lanes)
         argmax = out.logits.argmax(dim=-1)
-        g = torch.stack([argmax[sl] for sl in rows[: len(batch)]]) if batch else torch.zeros(0, T, dtype=torch.int64)
-        sib_arg = torch.stack([argmax[sl.start] for sl in rows[len(batch):]]) if sibs else None
-        accs = accept([r.proposal for r in batch], g, sibs, sib_arg)
-        keep, ids, hid = set(), [], []
+        g = torch.stack([argmax[sl] for sl in rows]) if batch else torch.zeros(0, T, dtype=torch.int64)
+        accs = accept([lane.tokens for lane in lanes], [lane.parents for lane in lanes], g, [t.top1 for t in trees])
+        ids, hid = [], []
         for i, (r, acc) in enumerate(zip(batch, accs, strict=True)):
-            row_ids, row_hid = g[i].clone(), out.hidden[rows[i]].clone()  # row j: g_j (token j+1) with the hidden of token j
-            if acc.sibling is not None:
-                k = sibs.index(acc.sibling)
-                slot = sib_slots[k]
-                self.book.replace_slot(r, n0[i] - 1 + acc.sibling.depth, slot)
-                keep.add(slot)
-                row_ids[acc.sibling.depth] = acc.new_tokens[-1]  # the bonus after the sibling
-                row_hid[acc.sibling.depth] = out.hidden[rows[len(batch) + k].start]
+            self._move_accepted_kv(r, n0[i] - 1, acc.path)
+            # draft-extend row j: the accepted node at depth j (its argmax, its hidden state); rows past
+            # the accept length are junk the next round overwrites (the rejected nodes, in lane order)
+            order = acc.path + [j for j in range(T) if j not in acc.path]
+            row_ids, row_hid = g[i][order].clone(), out.hidden[rows[i]][order].clone()
             take = min(acc.accept_len, r.remaining)
             r.tokens.extend(acc.new_tokens[:take])
             r.accept_lens.append(acc.accept_len)
-            r.sibling_accepts.append(acc.sibling is not None)
-            rep.verified.append(RoundRecord(r.rid, acc.accept_len, acc.sibling is not None, take))
+            r.sibling_accepts.append(acc.off_chain)
+            rep.verified.append(RoundRecord(r.rid, acc.accept_len, acc.off_chain, take))
             row_ids, row_hid = draft_decode.eagle_pairs(row_ids, row_hid)
             ids.append(row_ids)
             hid.append(row_hid)
-        self.book.drop_scratch(keep)
         live = [i for i, r in enumerate(batch) if r.remaining > 0]
         for r in batch:
             if r.remaining <= 0:
@@ -271,6 +259,19 @@ class SpecEngine:
         for r, p in zip(reqs, props, strict=True):
             r.proposal = p
 
+    def _move_accepted_kv(self, r: Request, root_pos: int, path: list[int]) -> None:
+        """Target KV of each accepted node from its node slot (root + index) to its chain slot (root +
+        depth), every layer, as the engine moves it after a tree verify; the draft rewrites its own
+        KV at these positions in draft-extend."""
+        moves = kv_moves(path)
+        if not moves:
+            return
+        src = torch.tensor([r.slots[root_pos + i] for i, _ in moves], device=self.device)
+        dst = torch.tensor([r.slots[root_pos + d] for _, d in moves], device=self.device)
+        kv = self.target.kv_pool
+        for t in kv.k + kv.v:
+            t[dst] = t[src]
+
     def _target_verify(self, lanes: list[Lane], rep: StepReport) -> Optional[TargetOutput]:
         """The verify pass: the TARGET_VERIFY graph when there is one and the batch fits, else eager.
 
@@ -281,8 +282,8 @@ class SpecEngine:
         if sum(dp_tokens) == 0:
             return None
         g = self.verify_graph
-        if g is not None:  # a chain engine: every lane holds T tokens
-            inp = verify_inputs(lanes, [t // self.T for t in dp_tokens], self.device)
+        if g is not None:
+            inp = verify_inputs(lanes, [t // self.T for t in dp_tokens], self.device, self.T)
             if g.can_run(inp):
                 out, rec = g.replay(inp)
                 rep.verify_records = [rec]

@@ -1,8 +1,8 @@
 """The target model's passes over the paged KV cache, and target-only greedy decoding (the P5 oracle).
 
-Every target pass is an EXTEND over lanes of any length: a prefill (a whole prompt), a
-verify (the last token plus the draft's proposals; a tree sibling is a lane of one token
-with its own request row) or a one-token decode step. The gathered metadata comes from
+Every target pass is an EXTEND over lanes of any length (a prefill of a whole prompt, a
+one-token decode step) or a TARGET_VERIFY over tree lanes of num_draft_tokens nodes each (the
+last token and the draft's tree, runners.verify). The gathered metadata comes from
 `gathered_metadata` like every other batch (DESIGN.md §6.3) with the token counts of every
 DP group from the scheduler's MLP sync; a short or idle DP group pads its eager pass to the
 largest group's token count (one padding lane) whenever some group is busy, so every rank
@@ -17,27 +17,49 @@ import torch
 
 from runners import mlp_sync
 from runners.attention import make_backend
-from runners.attention.torch_ref import token_to_request
-from runners.batch import ForwardBatch, ForwardMode
+from runners.attention.torch_ref import cache_positions, token_to_request
+from runners.batch import EagleVerifyInput, ForwardBatch, ForwardMode
 from runners.config import ModelConfig
 from runners.dp_metadata import gathered_metadata
 from runners.logits import logits_processor
 from runners.memory import ReqToTokenPool, TokenToKVPool, assign_out_cache_loc
 from runners.model import TargetModel, head_shard
 from runners.parallel.dp_attention import RankContext, mlp_sync_batch_sizes
+from runners.verify import tree_depths, tree_mask
 
 
 @dataclass
 class Lane:
-    """Tokens of one request row at positions start .. start+len-1; their KV goes where the row points."""
+    """Tokens of one request row at positions start .. start+len-1; their KV goes where the row points.
+
+    A verify lane is a tree (runners.verify): `parents` per token (-1 for the root, token 0);
+    token i then sits at position start + depth(i) and its KV at the row's column start + i.
+    """
 
     req_pool_idx: int
     start: int
     tokens: Sequence[int]
+    parents: Optional[Sequence[int]] = None
 
     @property
     def seq_len(self) -> int:
         return self.start + len(self.tokens)
+
+    @property
+    def positions(self) -> list[int]:
+        if self.parents is None:
+            return list(range(self.start, self.seq_len))
+        return [self.start + d for d in tree_depths(self.parents)]
+
+
+def verify_spec_info(lanes: Sequence[Lane], device: torch.device) -> Optional[EagleVerifyInput]:
+    """The tree of a verify batch (every lane a tree of one size T), None for any other batch."""
+    if not lanes or lanes[0].parents is None:
+        return None
+    T = len(lanes[0].tokens)
+    if any(lane.parents is None or len(lane.tokens) != T for lane in lanes):
+        raise ValueError(f"a verify batch has {T} tree nodes in every lane")
+    return EagleVerifyInput(T, torch.stack([tree_mask(lane.parents) for lane in lanes]).to(device))
 
 
 def extend_batch(ctx: RankContext, lanes: Sequence[Lane], dp_tokens: list[int], device: torch.device) -> ForwardBatch:
@@ -50,17 +72,18 @@ def extend_batch(ctx: RankContext, lanes: Sequence[Lane], dp_tokens: list[int], 
     for m in lens[:-1]:
         starts.append(starts[-1] + m)
     meta = gathered_metadata(ctx.layout, dp_tokens, dp_tokens, ctx.attn_dp_rank)
+    tree = verify_spec_info(lanes, device)
     return ForwardBatch(
-        forward_mode=ForwardMode.EXTEND,
+        forward_mode=ForwardMode.EXTEND if tree is None else ForwardMode.TARGET_VERIFY,
         batch_size=len(lanes),
         input_ids=cat([lane.tokens for lane in lanes]),
-        positions=cat([range(lane.start, lane.seq_len) for lane in lanes]),
+        positions=cat([lane.positions for lane in lanes]),
         seq_lens=torch.tensor([lane.seq_len for lane in lanes], **i64),
         req_pool_indices=torch.tensor([lane.req_pool_idx for lane in lanes], **i64),
         out_cache_loc=torch.empty(n, **i64),  # written by the pass (assign_out_cache_loc)
         extend_seq_lens=torch.tensor(lens, **i64),
         extend_start_loc=torch.tensor(starts if lanes else [], **i64),
-        spec_info=None,
+        spec_info=tree,
         extend_seq_lens_cpu=lens,
         extend_num_tokens=n,
         num_token_non_padded=n,
@@ -117,7 +140,8 @@ class TargetRunner:
 def target_step(runner: TargetRunner, fb: ForwardBatch) -> TargetOutput:
     """The body shared by the eager pass, the verify graph's warm-up, capture and replay: the KV
     write slots are looked up from the request map here, inside the graph, as every index is."""
-    assign_out_cache_loc(runner.req_pool.req_to_token, fb.req_pool_indices, fb.positions, token_to_request(fb), fb.out_cache_loc)
+    token_to_req = token_to_request(fb)
+    assign_out_cache_loc(runner.req_pool.req_to_token, fb.req_pool_indices, cache_positions(fb, token_to_req), token_to_req, fb.out_cache_loc)
     meta = runner.attn.init_forward_metadata(fb)
     hidden, normed = runner.model.forward(fb, runner.attn, meta)
     lo = logits_processor(runner.ctx, runner.model.head, normed, fb)

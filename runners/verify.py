@@ -1,23 +1,32 @@
-"""Greedy verification of a draft's proposals: accept lengths, the bonus token, tree siblings.
+"""Tree verification of a draft's proposals: the verify tree, its mask and positions, greedy acceptance.
 
-The multi-layer draft feeds each next step the top-1 token of the previous one, so with
-topk = k it proposes a "caterpillar" tree: the top-1 chain d_1..d_S, and at every depth
-k-1 siblings of d_k that share d_k's parent. Verification is greedy: the target's argmax g
-after each accepted prefix.
+A request's verify lane holds num_draft_tokens = T tokens: node 0 is the root (the last
+committed token x) and nodes 1..T-1 are draft tokens, each with a parent of lower index, so
+a lane is a tree laid out as the engine lays out its draft tree (`build_tree_kernel_efficient`):
 
-* chain: accept d_1..d_c while d_j == g_{j-1}; commit g_0..g_c (c accepted drafts + the
-  bonus g_c): accept length c + 1.
-* tree: if the chain stops at depth c + 1 < S + 1 and a sibling there equals g_c, accept
-  it too, with the target's argmax after it as the bonus: accept length c + 2 (<= S + 1).
-  Siblings have no children, so this is the whole tree.
+* position of node i = position of the root + depth(i) (siblings share a position);
+* KV of node i goes to the request's cache slot at root position + i (every node its own
+  slot, whatever its depth), looked up through the request's req_to_token row;
+* node i attends the prefix and the cache slots of its ancestors and itself: the tree mask
+  [T, T] (mask[i, j] = j is i or an ancestor of i). A chain (parent of i is i - 1) gives a
+  lower-triangular mask and positions root + i, the plain causal verify.
 
-Either way the committed tokens are target argmaxes, so the output is the target's greedy
-output whatever the draft proposes (P5); only the accept lengths depend on the draft (P6).
+Acceptance is greedy: from the root, while some child of the current node carries the
+target's argmax after the current node, accept that child and move to it; commit the
+argmax after each accepted node (the accepted drafts and the bonus). Committed tokens are
+target argmaxes, so the output is the target's greedy output whatever the draft proposes
+(P5); only the accept lengths depend on the draft (P6). The accepted nodes' KV then moves
+to their chain positions (root position + depth), as the engine moves it after a tree verify.
+
+The draft gives a `DraftTree` per request: its T - 1 draft tokens with parent indices (-1:
+the root). The multi-layer draft's `Proposal` (the top-1 chain and every depth's top-k, whose
+siblings have no children) becomes one by `tree_of`: the chain first, then the siblings by
+depth, cut to T - 1 nodes.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Sequence, Union
 
 import torch
 
@@ -25,56 +34,95 @@ from runners.scheduler import Proposal
 
 
 @dataclass(frozen=True)
-class SiblingNode:
-    lane: int  # the request's row in the batch
-    depth: int  # 1..S
-    j: int  # index in that depth's top-k (>= 1)
-    token: int
+class DraftTree:
+    """The draft tokens of one request below the root; parents[i] < i, -1 is the root."""
+
+    tokens: tuple[int, ...]
+    parents: tuple[int, ...]
+    top1: tuple[bool, ...] = ()  # per node: on the draft's top-1 chain (a node off it is a sibling)
+
+    def __post_init__(self) -> None:
+        if len(self.tokens) != len(self.parents) or any(not -1 <= p < i for i, p in enumerate(self.parents)):
+            raise ValueError(f"a draft tree needs one parent per token, each earlier in the list or -1: {self.parents}")
+
+    def lane(self, root_token: int) -> tuple[list[int], list[int]]:
+        """The verify lane's tokens and parents (node 0 the root, parent -1)."""
+        return [root_token, *self.tokens], [-1, *(p + 1 for p in self.parents)]
+
+
+def tree_of(proposal: Union[Proposal, DraftTree], num_nodes: int, siblings: bool = True) -> DraftTree:
+    """A draft's proposal as a tree of `num_nodes` draft tokens: the chain d_1..d_S, then each depth's
+    siblings (children of the chain node one level up); cut to num_nodes (siblings=False: the chain only)."""
+    if isinstance(proposal, DraftTree):
+        return DraftTree(proposal.tokens[:num_nodes], proposal.parents[:num_nodes], proposal.top1[:num_nodes])
+    S = len(proposal.tokens)
+    tokens, parents = list(proposal.tokens), list(range(-1, S - 1))
+    if siblings:
+        for k, cands in enumerate(proposal.candidates):
+            for t in cands[1:]:
+                tokens.append(int(t))
+                parents.append(k - 1)  # depth k + 1: a child of d_k (the root for k = 0)
+    n = min(num_nodes, len(tokens))
+    return DraftTree(tuple(tokens[:n]), tuple(parents[:n]), tuple(i < S for i in range(n)))
+
+
+def tree_depths(parents: Sequence[int]) -> list[int]:
+    """Depth of every node of a lane (the root 0)."""
+    depth: list[int] = []
+    for p in parents:
+        depth.append(0 if p < 0 else depth[p] + 1)
+    return depth
+
+
+def tree_mask(parents: Sequence[int]) -> torch.Tensor:
+    """[T, T] bool: mask[i, j] = node j is node i or one of its ancestors."""
+    T = len(parents)
+    mask = torch.zeros(T, T, dtype=torch.bool)
+    for i, p in enumerate(parents):
+        mask[i, i] = True
+        if p >= 0:
+            mask[i] |= mask[p]
+    return mask
+
+
+def chain_mask(T: int) -> torch.Tensor:
+    """The mask of a chain of T nodes: the canonical mask of a padded lane (every node sees the root)."""
+    return torch.ones(T, T, dtype=torch.bool).tril()
+
+
+def accept_path(parents: Sequence[int], tokens: Sequence[int], argmax: Sequence[int]) -> list[int]:
+    """The greedy walk: node indices accepted from the root (the root first)."""
+    path = [0]
+    while True:
+        cur = path[-1]
+        nxt = next((i for i, p in enumerate(parents) if p == cur and tokens[i] == argmax[cur]), None)
+        if nxt is None:
+            return path
+        path.append(nxt)
 
 
 @dataclass
 class Acceptance:
-    accept_len: int  # committed tokens this round: accepted drafts + the bonus, 1..S+1
-    new_tokens: list[int]
-    sibling: Optional[SiblingNode] = None  # set when the last accepted draft is a sibling
+    accept_len: int  # committed tokens this round: accepted drafts + the bonus, 1..depth + 1
+    new_tokens: list[int]  # the target's argmax after each accepted node
+    path: list[int]  # lane node indices of the root and the accepted drafts, in depth order
+    off_chain: bool = False  # an accepted draft was off the draft's top-1 chain (a top-k sibling)
 
 
-def siblings(proposals: list[Proposal]) -> list[SiblingNode]:
+def accept(tokens: Sequence[Sequence[int]], parents: Sequence[Sequence[int]], argmax: torch.Tensor,
+           top1: Sequence[Sequence[bool]] = ()) -> list[Acceptance]:
+    """Greedy acceptance per request lane; argmax[b, i] is the target's argmax after node i of lane b."""
+    g = argmax.to(torch.int64).cpu().tolist()
     out = []
-    for lane, p in enumerate(proposals):
-        for k, cands in enumerate(p.candidates):
-            out.extend(SiblingNode(lane, k + 1, j, int(t)) for j, t in enumerate(cands) if j > 0)
+    for b, (tok, par) in enumerate(zip(tokens, parents, strict=True)):
+        path = accept_path(par, tok, g[b])
+        chain = top1[b] if b < len(top1) else ()
+        off = any(i - 1 < len(chain) and not chain[i - 1] for i in path[1:])
+        out.append(Acceptance(len(path), [g[b][i] for i in path], path, off))
     return out
 
 
-def chain_accept_lens(drafts: torch.Tensor, target_argmax: torch.Tensor) -> torch.Tensor:
-    """drafts [bs, S], target_argmax [bs, S+1] (the argmax after x, d_1, ..., d_S): 1 + the leading matches."""
-    match = (drafts == target_argmax[:, :-1]).to(torch.int64)
-    return match.cumprod(dim=1).sum(dim=1) + 1
-
-
-def accept(
-    proposals: list[Proposal],
-    target_argmax: torch.Tensor,
-    sibling_nodes: list[SiblingNode] = (),
-    sibling_argmax: Optional[torch.Tensor] = None,
-) -> list[Acceptance]:
-    """Greedy acceptance per request; `sibling_argmax[i]` is the target's argmax after sibling_nodes[i]."""
-    if not proposals:
-        return []
-    drafts = torch.tensor([p.tokens for p in proposals], dtype=torch.int64).reshape(len(proposals), -1)
-    g = target_argmax.to(torch.int64).cpu()
-    lens = chain_accept_lens(drafts, g).tolist()
-    by_node = {(n.lane, n.depth, n.token): (n, i) for i, n in enumerate(sibling_nodes)}
-    S = drafts.shape[1]
-    out = []
-    for lane, a in enumerate(lens):
-        c = a - 1  # accepted chain drafts
-        new = g[lane, : c + 1].tolist()
-        hit = by_node.get((lane, c + 1, new[-1])) if c < S else None
-        if hit is not None:  # the bonus g_c is a sibling at depth c + 1: accept it, bonus after it
-            node, i = hit
-            out.append(Acceptance(a + 1, new + [int(sibling_argmax[i])], node))
-        else:
-            out.append(Acceptance(a, new))
-    return out
+def kv_moves(path: Sequence[int]) -> list[tuple[int, int]]:
+    """(from node, to depth) for every accepted node not already at its chain position. Node index
+    >= depth always (its ancestors come first), so moving in depth order never overwrites a source."""
+    return [(i, d) for d, i in enumerate(path) if i != d]

@@ -7,20 +7,19 @@ logits for every token; replay copies the live lanes in, writes the replay fill 
 padded lanes and the gathered gpu tensors, replays and slices the real rows out. The body
 is `runners.target.target_step`, the one the eager verify runs.
 
-Tree verify (topk > 1) is not graphed: a tree sibling is a lane of one token with its own
-request row, and this runner has fixed lanes of num_draft_tokens tokens and no tree mask.
-The spec loop builds no verify graph for a tree engine, so every tree batch runs the eager
-verify, as the engine runs eagerly a batch its graphs don't fit (`can_run` False: too many
-requests for the largest bucket).
+Chain and tree verify alike: every lane is a tree of T nodes (runners.verify; a chain is the
+tree whose mask is lower-triangular), its mask a static [max_bs, T, T] buffer that the
+attention backend reads inside the graph; replay copies the live lanes' masks in and resets
+the padded lanes' to the canonical chain mask.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 import torch
 
-from runners.batch import ForwardBatch, ForwardMode
+from runners.batch import EagleVerifyInput, ForwardBatch, ForwardMode
 from runners.config import ModelConfig, SpecConfig
 from runners.dp_metadata import gathered_metadata
 from runners.draft_extend import SEQ_LEN_FILL_VALUE
@@ -29,33 +28,42 @@ from runners.graph_runner import BucketedGraphRunner, CaptureRecord, ReplayRecor
 from runners.memory import PADDING_SLOT
 from runners.parallel.dp_attention import RankContext
 from runners.target import Lane, TargetOutput, TargetRunner, target_step
+from runners.verify import chain_mask, tree_mask
 
 
 @dataclass
 class VerifyInputs:
-    """One rank's verify batch: num_draft_tokens tokens per request ([last token, d_1..d_S])."""
+    """One rank's verify batch: num_draft_tokens tree nodes per request (the last token, then the draft's)."""
 
     input_ids: torch.Tensor  # [bs*T]
-    positions: torch.Tensor  # [bs*T]
-    seq_lens: torch.Tensor  # [bs] incl. the verified tokens
+    positions: torch.Tensor  # [bs*T] root position + node depth
+    seq_lens: torch.Tensor  # [bs] root position + T
     req_pool_indices: torch.Tensor  # [bs]
     dp_batch_sizes: list[int]  # every DP group's bs (from the MLP sync); [bs] without DP attention
+    custom_mask: Optional[torch.Tensor] = None  # [bs, T, T] bool: the tree mask of every lane (None: chains)
+    parents: list[list[int]] = field(default_factory=list)  # host: every lane's tree (what built the mask); [] for chains
 
     @property
     def bs(self) -> int:
         return int(self.seq_lens.shape[0])
 
 
-def verify_inputs(lanes: Sequence[Lane], dp_batch_sizes: list[int], device: torch.device) -> VerifyInputs:
-    """Chain lanes (all of one length T) as the runner's live batch."""
+def verify_inputs(lanes: Sequence[Lane], dp_batch_sizes: list[int], device: torch.device, T: Optional[int] = None) -> VerifyInputs:
+    """Verify lanes (trees of one size T; a lane without parents is a chain) as the runner's live batch
+    (T: the tree size, needed when this rank has no lane)."""
     i64 = dict(dtype=torch.int64, device=device)
     flat = lambda xs: torch.tensor([x for lane_xs in xs for x in lane_xs], **i64)  # noqa: E731
+    parents = [list(lane.parents) if lane.parents is not None else list(range(-1, len(lane.tokens) - 1)) for lane in lanes]
+    T = len(lanes[0].tokens) if lanes else T or 0
+    masks = [tree_mask(p) for p in parents]
     return VerifyInputs(
         input_ids=flat([lane.tokens for lane in lanes]),
-        positions=flat([range(lane.start, lane.seq_len) for lane in lanes]),
+        positions=flat([Lane(lane.req_pool_idx, lane.start, lane.tokens, p).positions for lane, p in zip(lanes, parents, strict=True)]),
         seq_lens=torch.tensor([lane.seq_len for lane in lanes], **i64),
         req_pool_indices=torch.tensor([lane.req_pool_idx for lane in lanes], **i64),
         dp_batch_sizes=list(dp_batch_sizes),
+        custom_mask=torch.stack(masks).to(device) if masks else torch.zeros(0, T, T, dtype=torch.bool, device=device),
+        parents=parents,
     )
 
 
@@ -81,6 +89,8 @@ class TargetVerifyCudaGraphRunner(BucketedGraphRunner):
         self.req_pool_indices = torch.zeros(self.max_bs, **i64)
         self.extend_seq_lens = torch.full((self.max_bs,), self.T, **i64)
         self.extend_start_loc = torch.arange(self.max_bs, **i64) * self.T
+        self.chain_mask = chain_mask(self.T).to(dev)  # the canonical mask of a padded lane
+        self.custom_mask = self.chain_mask.repeat(self.max_bs, 1, 1)
         rows = n if target is not None else 0  # outputs only; a metadata-only runner never runs the body
         self.hidden_buffer = torch.zeros(rows, cfg.hidden_size, dtype=cfg.torch_dtype, device=dev)
         self.logits_buffer = torch.zeros(rows, cfg.vocab_size, dtype=torch.float32, device=dev)
@@ -104,7 +114,7 @@ class TargetVerifyCudaGraphRunner(BucketedGraphRunner):
             out_cache_loc=self.out_cache_loc[:n],
             extend_seq_lens=self.extend_seq_lens[:bs],
             extend_start_loc=self.extend_start_loc[:bs],
-            spec_info=None,
+            spec_info=EagleVerifyInput(self.T, self.custom_mask[:bs]),
             extend_seq_lens_cpu=[self.T] * bs,
             extend_num_tokens=n,
             num_token_non_padded=n,
@@ -136,6 +146,7 @@ class TargetVerifyCudaGraphRunner(BucketedGraphRunner):
         self.positions[:raw_n].copy_(inp.positions)
         self.seq_lens[: inp.bs].copy_(inp.seq_lens)
         self.req_pool_indices[: inp.bs].copy_(inp.req_pool_indices)
+        self.custom_mask[: inp.bs].copy_(inp.custom_mask if inp.custom_mask is not None else self.chain_mask.expand(inp.bs, -1, -1))
 
     def _fill_padded_lanes(self, raw_bs: int) -> None:
         """The replay fill of the lanes past the live batch (they hold the last, larger batch's values).
@@ -148,7 +159,9 @@ class TargetVerifyCudaGraphRunner(BucketedGraphRunner):
         always in it. seq_lens: the fill value, so that the baked seq_lens_sum (raw sum +
         padded lanes * fill) is the buffer's sum. out_cache_loc is rewritten by the body and
         input_ids only shape the padded rows themselves (sliced off; each row's logits are its
-        own); both are reset as the engine resets them.
+        own); both are reset as the engine resets them. custom_mask: the chain mask, so every
+        padded node sees its root (the padding slot), never nothing: a stale mask that hides the
+        root gives a row with no visible key.
         """
         raw_n = raw_bs * self.T
         self.out_cache_loc[raw_n:].fill_(PADDING_SLOT)
@@ -156,6 +169,7 @@ class TargetVerifyCudaGraphRunner(BucketedGraphRunner):
         self.input_ids[raw_n:].zero_()
         self.positions[raw_n:].zero_()
         self.req_pool_indices[raw_bs:].zero_()
+        self.custom_mask[raw_bs:].copy_(self.chain_mask)
 
     def _fill_gathered(self, bs: int) -> None:
         """The logits gather reads its row counts from these: bs * T per DP group, as baked at capture."""

@@ -5,6 +5,7 @@ import sys
 
 import pytest
 
+from harness.case import CASES_DIR
 from harness.cli import main
 
 
@@ -32,17 +33,18 @@ def test_check_one_case_passes(capsys):
     assert "PASS tp2_neither" in out and "1 passed, 0 failed" in out
 
 
-def test_check_props_all_runs_the_loop_properties_and_names_what_it_skips(capsys):
+def test_check_props_all_runs_the_loop_properties_and_names_what_it_skips(capsys, tmp_path):
     assert main(["check", "tp1_neither", "tp2_attn_tp_gather_explicit", "--props", "all", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
-    full, skipped = data["cases"]
-    assert set(full["properties"]) == {"P1", "P2", "P3", "P4", "P5", "P6"} and full["skipped"] == {}
-    assert all(v["ok"] for v in full["properties"].values())
-    assert set(skipped["properties"]) == {"P1", "P3", "P4"}  # T = 5 with num_steps 3: the loop can't run it
-    assert set(skipped["skipped"]) == {"P2", "P5", "P6"} and "num_tokens_per_bs must be 4, got 5" in skipped["skipped"]["P5"]
-    assert main(["check", "tp2_attn_tp_gather_explicit", "--props", "P5"]) == 0
+    for case in data["cases"]:  # T = 5 with num_steps 3 and topk 2: a verify tree the loop runs
+        assert set(case["properties"]) == {"P1", "P2", "P3", "P4", "P5", "P6"} and case["skipped"] == {}
+        assert all(v["ok"] for v in case["properties"].values())
+    text = (CASES_DIR / "tp2_attn_tp_gather_explicit.toml").read_text().replace("topk = 2", "topk = 1")
+    chain = tmp_path / "tp2_attn_tp_gather_explicit.toml"  # a chain of 3 drafts cannot fill 5 verify tokens
+    chain.write_text(text)
+    assert main(["check", str(chain), "--props", "P5"]) == 0
     out = capsys.readouterr().out
-    assert "P5:skip" in out and "skipped P5: the loop verifies" in out
+    assert "P5:skip" in out and "num_tokens_per_bs must be 4, got 5" in out
 
 
 def test_check_props_kill_the_seed_bug_through_p6(capsys):

@@ -169,6 +169,6 @@ def test_case_page_size_is_checked_with_the_field_named(tmp_path):
     assert load_case("tp2_page4_shrink").scenario.spec.page_size == 4
 
 
-def test_the_loop_refuses_tree_verification_on_pages():
-    assert "page_size 1" in loop_unsupported_reason(SpecConfig(num_steps=2, topk=2, page_size=4))
+def test_the_loop_runs_tree_verification_on_pages():  # tree nodes sit in the request's own slots; accepted KV is moved
+    assert loop_unsupported_reason(SpecConfig(num_steps=2, topk=2, page_size=4)) is None
     assert loop_unsupported_reason(SpecConfig(num_steps=2, topk=1, page_size=4)) is None

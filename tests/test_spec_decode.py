@@ -22,10 +22,11 @@ from runners.config import SpecConfig
 from runners.memory import ReqToTokenPool
 from runners.parallel.layout import ParallelLayout as PL
 from runners.scheduler import KVBook, Proposal, Request
-from runners.verify import accept, chain_accept_lens, siblings
+from runners.verify import accept, tree_of
 
 SPEC = SpecConfig(num_steps=3, topk=1, capture_bs=(1, 2, 4, 8), max_running_requests=8)  # T = 4
-SPEC_TOPK2 = SpecConfig(num_steps=2, topk=2, capture_bs=(1, 2, 4, 8), max_running_requests=8)
+SPEC_TOPK2 = SpecConfig(num_steps=2, topk=2, capture_bs=(1, 2, 4, 8), max_running_requests=8)  # a tree of 3 tokens: the chain
+SPEC_TREE = SpecConfig(num_steps=2, topk=2, num_draft_tokens=5, capture_bs=(1, 2, 4, 8), max_running_requests=8)  # chain + 2 siblings
 SMALL = Workload(((3,), (5,), (2,)), rounds_per_phase=2)
 SMALL_DP2 = Workload(((2, 1), (0, 3), (1, 1)), rounds_per_phase=2)  # each group idle once
 BRANCH_LAYOUTS = [
@@ -40,24 +41,24 @@ BRANCH_LAYOUTS = [
 # ---------------------------------------------------------------- verify, by hand
 
 
-def test_chain_accept_lens_counts_the_leading_matches():
-    drafts = torch.tensor([[5, 6, 7], [5, 6, 7], [9, 6, 7], [5, 9, 7]])
+def test_chain_acceptance_counts_the_leading_matches():
+    chain = [-1, 0, 1, 2]
+    drafts = [[1, 5, 6, 7], [1, 5, 6, 7], [1, 9, 6, 7], [1, 5, 9, 7]]
     target = torch.tensor([[5, 6, 7, 8], [5, 6, 1, 1], [5, 6, 7, 8], [5, 6, 7, 8]])  # argmax after x, d1, d2, d3
-    assert chain_accept_lens(drafts, target).tolist() == [4, 3, 1, 2]  # a later match after a miss counts for nothing
+    assert [a.accept_len for a in accept(drafts, [chain] * 4, target)] == [4, 3, 1, 2]  # a later match after a miss counts for nothing
 
 
 def test_accept_commits_target_argmaxes_and_takes_a_matching_sibling():
-    p = [Proposal([5, 6], [[5, 50], [6, 60]]), Proposal([5, 6], [[5, 50], [6, 60]]), Proposal([5, 6], [[5, 50], [6, 60]])]
-    target = torch.tensor([[5, 60, 0], [50, 0, 0], [1, 2, 3]])
-    nodes = siblings(p)
-    assert [(n.lane, n.depth, n.token) for n in nodes] == [(0, 1, 50), (0, 2, 60), (1, 1, 50), (1, 2, 60), (2, 1, 50), (2, 2, 60)]
-    after = torch.arange(100, 106)  # the target's argmax after each sibling
-    a = accept(p, target, nodes, after)
-    assert (a[0].accept_len, a[0].new_tokens, a[0].sibling.depth) == (3, [5, 60, 101], 2)  # d1 ok, sibling 60 at depth 2, its bonus
-    assert (a[1].accept_len, a[1].new_tokens, a[1].sibling.depth) == (2, [50, 102], 1)  # sibling at depth 1
-    assert (a[2].accept_len, a[2].new_tokens, a[2].sibling) == (1, [1], None)  # nothing: the bonus only
-    chain = accept(p, target)  # no tree: siblings ignored
-    assert [x.accept_len for x in chain] == [2, 1, 1]
+    tree = tree_of(Proposal([5, 6], [[5, 50], [6, 60]]), 4)  # lane: x, d1=5, d2=6, 50 (depth 1), 60 (depth 2, under d1)
+    tokens, parents = tree.lane(1)
+    assert (tokens, parents) == ([1, 5, 6, 50, 60], [-1, 0, 1, 0, 1])
+    target = torch.tensor([[5, 60, 0, 0, 101], [50, 0, 0, 102, 0], [1, 2, 3, 4, 5]])  # argmax after each node
+    a = accept([tokens] * 3, [parents] * 3, target, [tree.top1] * 3)
+    assert (a[0].accept_len, a[0].new_tokens, a[0].path, a[0].off_chain) == (3, [5, 60, 101], [0, 1, 4], True)  # d1, sibling 60, its bonus
+    assert (a[1].accept_len, a[1].new_tokens, a[1].path, a[1].off_chain) == (2, [50, 102], [0, 3], True)  # sibling at depth 1
+    assert (a[2].accept_len, a[2].new_tokens, a[2].off_chain) == (1, [1], False)  # nothing: the bonus only
+    chain = tree_of(Proposal([5, 6], [[5, 50], [6, 60]]), 2).lane(1)  # no siblings in a tree of 3 tokens
+    assert [x.accept_len for x in accept([chain[0]] * 3, [chain[1]] * 3, target[:, :3])] == [2, 1, 1]
 
 
 def test_position_accepts():
@@ -117,20 +118,20 @@ def test_p5_lossless_on_every_branch(layout, runner):
 
 @pytest.mark.parametrize("layout", [PL(), PL(4, moe_dense_tp_size=1)], ids=lambda x: x.describe())
 def test_p5_lossless_with_a_tree(layout):
-    s = run_workload(SpecSession(layout, SPEC_TOPK2, runner="graph"), SMALL)
+    s = run_workload(SpecSession(layout, SPEC_TREE, runner="graph"), SMALL)
     v = check_lossless(s, {"layout": layout.describe()})
     assert v, v.report()
     assert sum(sum(r.sibling_accepts) for r in s.requests().values()) > 0  # the tree accepted a sibling at least once
 
 
-@pytest.mark.parametrize("layout,spec,wl", [(PL(), SPEC, SMALL), (PL(2), SPEC_TOPK2, SMALL), (PL(2, 2, True), SPEC, SMALL_DP2)],
-                         ids=["tp1", "tp2-topk2", "tp2-dp2-mlp"])
+@pytest.mark.parametrize("layout,spec,wl", [(PL(), SPEC, SMALL), (PL(2), SPEC_TOPK2, SMALL), (PL(2), SPEC_TREE, SMALL),
+                                             (PL(2, 2, True), SPEC, SMALL_DP2)], ids=["tp1", "tp2-topk2", "tp2-tree", "tp2-dp2-mlp"])
 def test_p5_a_draft_equal_to_the_target_accepts_everything(layout, spec, wl):
     v = check_agreeing_draft(layout, spec, wl)
     assert set(v) == {"P5"} and v["P5"], v["P5"].report()
     s = run_workload(SpecSession(layout, spec, proposer="target"), wl)
     lens = [a for r in s.requests().values() for a in r.accept_lens]
-    assert lens and set(lens) == {spec.num_tokens_per_bs}
+    assert lens and set(lens) == {spec.num_steps + 1}  # the whole chain and the bonus, every round
 
 
 def test_p5_kills_acceptance_per_request():

@@ -134,9 +134,15 @@ def test_the_loop_verifies_through_the_graph_and_the_shadow_sees_every_replay():
     assert sh.p3.checked > 0 and sh.p1.checked > 0
 
 
-def test_a_tree_engine_verifies_eagerly():
-    s = SpecSession(PL(), SpecConfig(num_steps=2, topk=2, capture_bs=(1, 2, 4), max_running_requests=4), runner="graph")
-    assert s.engines[0].tree and s.engines[0].verify_graph is None
+def test_a_tree_engine_verifies_through_the_graph():
+    shadows = []
+    spec = SpecConfig(num_steps=2, topk=2, num_draft_tokens=5, capture_bs=(1, 2, 4), max_running_requests=4)
+    hook = lambda e: shadows.append(VerifyShadow(e, Verdict("P3"), Verdict("P1"), Verdict("P5")))  # noqa: E731
+    s = run_workload(SpecSession(PL(), spec, runner="graph", hook=hook), Workload(((4,), (2,)), rounds_per_phase=2))
+    (sh,) = shadows
+    assert s.engines[0].tree and sh.engine.verify_graph.T == 5 and sh.replays > 0
+    assert sh.p3 and sh.p1 and sh.p5, (sh.p3.report(), sh.p5.report())
+    assert sh.p5.checked > 0  # the siblings' logits were compared with their paths as chains
 
 
 class HostSyncs(TorchDispatchMode):

@@ -17,6 +17,9 @@ into the wrapper's int workspace), so it can never run inside a graph. As the en
   re-planned with the live seq_lens / req_pool_indices (flashinfer always splits the KV
   in CUDA-graph mode, so the replayed grid does not depend on the lengths).
 
+A TARGET_VERIFY batch (its tree mask in `EagleVerifyInput`) is refused: this backend plans a
+causal mask only.
+
 Semantics match the reference for real lanes (query i of a request of qo_len T and
 kv_len S sees keys j <= S - T + i, i.e. key_pos <= position when positions are
 prefix + i). Padded lanes (seq_len = fill value 1 < T) are planned with kv_len = T so
@@ -35,8 +38,11 @@ from typing import Any, Optional
 import torch
 
 from runners import graph_record
-from runners.batch import ForwardBatch, ForwardMode
+from runners.batch import EagleVerifyInput, ForwardBatch, ForwardMode
 from runners.memory import ReqToTokenPool, TokenToKVPool
+
+TREE_MASK_UNSUPPORTED = ("the flashinfer backend does not apply the verify tree mask (a TARGET_VERIFY batch's custom_mask): "
+                         "the speculative loop verifies with the torch or triton backend")
 
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
 WORKSPACE_BYTES = 128 * 1024 * 1024
@@ -158,6 +164,8 @@ class FlashInferAttnBackend:
             # recording graph would replay everything but the attention. Refuse, don't mislead.
             raise graph_record.GraphCaptureError("flashinfer kernels bypass the torch dispatcher; the recording CPU graph "
                                                  "cannot capture them: use the cuda graph backend with flashinfer")
+        if isinstance(fb.spec_info, EagleVerifyInput):
+            raise NotImplementedError(TREE_MASK_UNSUPPORTED)
         kind = self._kind(fb)
         entry = self._entry(kind, fb.batch_size)
         if torch.cuda.is_current_stream_capturing():

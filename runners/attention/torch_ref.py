@@ -2,7 +2,9 @@
 
 Every token reads its request's keys through a page table built from its req_to_token
 row (the slot of each page's first position, divided by page_size), as paged kernels do,
-and masks keys by `key_pos < seq_len` and `key_pos <= position`. No host syncs, no data-dependent shapes:
+and masks keys by `key_pos < seq_len` and `key_pos <= position`; a TARGET_VERIFY batch with a
+tree (`EagleVerifyInput`) masks the keys of its own nodes by the tree mask instead
+(`tree_key_mask`). No host syncs, no data-dependent shapes:
 the same code runs eagerly and under a CUDA graph, and the padded lanes (seq_len = fill,
 position 0, padding slot) are computed like any other lane.
 """
@@ -12,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from runners.batch import ForwardBatch
+from runners.batch import EagleVerifyInput, ForwardBatch
 from runners.memory import ReqToTokenPool, TokenToKVPool
 
 
@@ -29,6 +31,27 @@ def token_to_request(fb: ForwardBatch) -> torch.Tensor:
     return (torch.searchsorted(fb.extend_start_loc, tok, right=True) - 1).clamp_(min=0)
 
 
+def cache_positions(fb: ForwardBatch, token_to_req: torch.Tensor) -> torch.Tensor:
+    """[N] the req_to_token column of each token's KV: its position, except in a tree verify,
+    where node i of a lane lives at the root's position + i (siblings share a position, not a slot)."""
+    if not isinstance(fb.spec_info, EagleVerifyInput):
+        return fb.positions
+    lane_start = fb.extend_start_loc[token_to_req]
+    node = torch.arange(fb.positions.shape[0], device=fb.positions.device) - lane_start
+    return fb.positions[lane_start] + node
+
+
+def tree_key_mask(fb: ForwardBatch, token_to_req: torch.Tensor, key_pos: torch.Tensor) -> torch.Tensor:
+    """[N, C] bool: the prefix (below the root's position) and, of the lane's own nodes, those the
+    tree mask gives (a padded lane: root position 0, so only its own nodes, behind seq_len's bound)."""
+    T = fb.spec_info.draft_token_num
+    lane_start = fb.extend_start_loc[token_to_req]
+    node = torch.arange(fb.positions.shape[0], device=fb.positions.device) - lane_start
+    rel = key_pos[None, :] - fb.positions[lane_start][:, None]  # key column - root position
+    bits = fb.spec_info.custom_mask[token_to_req[:, None], node.clamp(0, T - 1)[:, None], rel.clamp(0, T - 1)]
+    return (rel < 0) | ((rel < T) & bits)
+
+
 class TorchAttnBackend:
     name = "torch"
 
@@ -43,7 +66,11 @@ class TorchAttnBackend:
         key_pos = torch.arange(self.req_pool.req_to_token.shape[1], device=page_table.device)
         kv_slots = page_table[token_to_req][:, key_pos // ps] * ps + key_pos % ps  # [N, C]
         seq_len = fb.seq_lens[token_to_req]
-        key_mask = (key_pos[None, :] < seq_len[:, None]) & (key_pos[None, :] <= fb.positions[:, None])
+        if isinstance(fb.spec_info, EagleVerifyInput):
+            visible = tree_key_mask(fb, token_to_req, key_pos)
+        else:
+            visible = key_pos[None, :] <= fb.positions[:, None]
+        key_mask = (key_pos[None, :] < seq_len[:, None]) & visible
         return AttnMetadata(token_to_req, kv_slots, key_mask)
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fb: ForwardBatch, meta: AttnMetadata) -> torch.Tensor:

@@ -3,7 +3,8 @@
 Same semantics as the torch reference (runners/attention/torch_ref.py): the pass's K/V are
 written at out_cache_loc first, then token t of request lane b attends the keys at
 key positions j of row req_to_token[req_pool_indices[b]] with j < seq_lens[b] and
-j <= positions[t]. Everything the kernels read lives in device tensors; the only host
+j <= positions[t] (a tree verify: j below the root's position, or a node the tree mask
+gives). Everything the kernels read lives in device tensors; the only host
 values (grid, block sizes) come from the batch's host metadata, so a launch is
 graph-capturable and a replay reads the static buffers' live contents.
 
@@ -41,7 +42,7 @@ if "triton" not in sys.modules and not torch.cuda.is_available():
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from runners.batch import ForwardBatch, ForwardMode
+from runners.batch import EagleVerifyInput, ForwardBatch, ForwardMode
 from runners.memory import ReqToTokenPool, TokenToKVPool
 
 
@@ -73,15 +74,16 @@ def _online_softmax(s, visible, m_i, l_i):
 @triton.jit
 def _extend_kernel(
     Q, K, V, Out,
-    req_to_token, req_pool_indices, seq_lens, positions, start_loc, ext_lens,
+    req_to_token, req_pool_indices, seq_lens, positions, start_loc, ext_lens, tree_mask,
     stride_qn, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_on, stride_oh, stride_rt,
     sm_scale,
     MAX_CTX: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, TREE_T: tl.constexpr,
 ):
     """One program per (request lane, KV head, block of BLOCK_M rows); a row is one
     (token, query head) pair of that KV head's GQA group: row r = token r // GROUP,
-    head kvh * GROUP + r % GROUP."""
+    head kvh * GROUP + r % GROUP. TREE_T > 0: a tree verify of TREE_T nodes per lane, keys
+    from the root's position on masked by tree_mask [bs, T, T] (int8) instead of causally."""
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     mblk = tl.program_id(2)
@@ -101,6 +103,8 @@ def _extend_kernel(
     d_mask = offs_d < HEAD_DIM
     qo_mask = m_mask[:, None] & d_mask[None, :]
     q = tl.load(Q + tok[:, None] * stride_qn + head[:, None] * stride_qh + offs_d[None, :], mask=qo_mask, other=0.0)
+    if TREE_T > 0:
+        root = tl.load(positions + start).to(tl.int64)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.full([BLOCK_M], 0.0, dtype=tl.float32)
@@ -109,7 +113,13 @@ def _extend_kernel(
         offs_n, n_mask, k, v = _kv_block(K, V, req_to_token, req, kv_len, kvh, n0, offs_d, d_mask,
                                          stride_kn, stride_kh, stride_vn, stride_vh, stride_rt, BLOCK_N)
         s = tl.dot(q, tl.trans(k), input_precision="ieee") * sm_scale  # [BLOCK_M, BLOCK_N], fp32
-        visible = n_mask[None, :] & (offs_n[None, :] <= pos[:, None]) & m_mask[:, None]
+        if TREE_T > 0:
+            rel = offs_n[None, :] - root  # key column - root position: the lane's own nodes are 0 .. T-1
+            own = (rel >= 0) & (rel < TREE_T) & m_mask[:, None]
+            bits = tl.load(tree_mask + b * TREE_T * TREE_T + tok_i[:, None] * TREE_T + rel, mask=own, other=0)
+            visible = n_mask[None, :] & m_mask[:, None] & ((rel < 0) | (bits != 0))
+        else:
+            visible = n_mask[None, :] & (offs_n[None, :] <= pos[:, None]) & m_mask[:, None]
         p, alpha, m_i, l_i = _online_softmax(s, visible, m_i, l_i)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
@@ -212,6 +222,8 @@ class TritonAttnMetadata:
     token_to_req: torch.Tensor  # [N] request lane of each token (device)
     max_extend_len: int  # host: the longest extend segment (grid and BLOCK_M)
     decode: bool  # one token per request: the decode kernel
+    tree_mask: Optional[torch.Tensor] = None  # a tree verify's [bs, T, T] mask as int8 (the kernel reads bytes)
+    tree_t: int = 0  # host: T of a tree verify, 0 otherwise
 
 
 class TritonAttnBackend:
@@ -228,6 +240,9 @@ class TritonAttnBackend:
         ext = list(fb.extend_seq_lens_cpu) if fb.extend_seq_lens_cpu else []
         max_ext = max(ext) if ext else (n // max(fb.batch_size, 1) if fb.batch_size else 0)
         decode = fb.forward_mode is ForwardMode.DECODE
+        if isinstance(fb.spec_info, EagleVerifyInput):
+            tree = fb.spec_info
+            return TritonAttnMetadata(token_to_req, int(max_ext), decode, tree.custom_mask.to(torch.int8), tree.draft_token_num)
         return TritonAttnMetadata(token_to_req, int(max_ext), decode)
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fb: ForwardBatch, meta: TritonAttnMetadata) -> torch.Tensor:
@@ -256,7 +271,8 @@ class TritonAttnBackend:
             rows = max(meta.max_extend_len, 1) * group
             block_m = max(16, min(64, triton.next_power_of_2(rows)))
             grid = (fb.batch_size, hkv, triton.cdiv(rows, block_m))
+            tree = meta.tree_mask if meta.tree_mask is not None else fb.positions  # no tree: a placeholder the kernel never reads
             _launch(_extend_kernel, q.device, grid, q, kc, vc, o, rt, fb.req_pool_indices, fb.seq_lens, fb.positions, fb.extend_start_loc,
-                    fb.extend_seq_lens, *common, MAX_CTX=int(rt.shape[1]), GROUP=group, HEAD_DIM=d, BLOCK_M=block_m,
-                    BLOCK_N=self.BLOCK_N, BLOCK_D=max(16, triton.next_power_of_2(d)))
+                    fb.extend_seq_lens, tree, *common, MAX_CTX=int(rt.shape[1]), GROUP=group, HEAD_DIM=d, BLOCK_M=block_m,
+                    BLOCK_N=self.BLOCK_N, BLOCK_D=max(16, triton.next_power_of_2(d)), TREE_T=meta.tree_t)
         return o
