@@ -144,7 +144,12 @@ def check_spec_case(case: Case, runners: Sequence[str] = ("eager", "graph"), pro
 
 
 def check_acceptance_case(case: Case) -> Verdict:
-    return check_spec_case(case, props=("P6",))["P6"]
+    """P6 alone; a run that crashed is a failure of the result, never an empty pass."""
+    out = check_spec_case(case, props=("P6",))
+    v = out["P6"]
+    if "run" in out:
+        v.merge(out["run"])
+    return v
 
 
 def check_agreeing_draft(layout: ParallelLayout, spec: SpecConfig, wl: Workload, model: ModelConfig = DEFAULT_MODEL) -> dict[str, Verdict]:

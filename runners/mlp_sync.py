@@ -17,7 +17,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from runners.batch import EagleDraftInput, ForwardBatch
+from runners.batch import EagleDraftInput, EagleVerifyInput, ForwardBatch
 from runners.memory import PADDING_ROW
 from runners.parallel.layout import ParallelLayout
 
@@ -47,6 +47,8 @@ def prepare_mlp_sync_batch(fb: ForwardBatch, layout: ParallelLayout, dp_tokens: 
     if not needs_dp_padding(layout) or target <= n:
         return fb, None
     extra = target - n
+    if isinstance(fb.spec_info, EagleVerifyInput):
+        lane_len = fb.spec_info.draft_token_num  # a verify batch pads in whole trees: the mask is per lane of T nodes
     lens = [lane_len] * (extra // lane_len) if lane_len else [extra]
     starts = [n + lane_len * i for i in range(len(lens))] if lane_len else [n]
     dev = fb.input_ids.device
@@ -58,7 +60,11 @@ def prepare_mlp_sync_batch(fb: ForwardBatch, layout: ParallelLayout, dp_tokens: 
         return torch.cat([t, torch.tensor(list(values), dtype=t.dtype, device=dev)])
 
     spec = fb.spec_info
-    if spec is not None:
+    if isinstance(spec, EagleVerifyInput):  # padded lanes verify a chain: each node sees the ones before it
+        T = spec.draft_token_num
+        chain = torch.ones(T, T, dtype=torch.bool, device=dev).tril()
+        spec = EagleVerifyInput(T, torch.cat([spec.custom_mask, chain.expand(len(lens), T, T)]))
+    elif spec is not None:
         last = [m - 1 for m in lens]  # the lane's own last token: select indices stay inside the lane
         spec = EagleDraftInput(tokens(spec.hidden_states), lanes(spec.num_correct_drafts, last),
                                lanes(spec.num_accept_tokens, lens), spec.topk)
