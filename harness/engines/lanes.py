@@ -43,9 +43,13 @@ class LiveBatch:
         return {"input_ids": [3 + 101 * it + i for i in range(n)], "positions": [1 + it + i for i in range(n)],
                 "out_cache_loc": [7 + 211 * it + i for i in range(n)]}
 
+    @property
+    def num_correct_drafts(self) -> list[int]:
+        return [a - 1 for a in self.accept_lens]
+
     def requests(self) -> dict[str, list[int]]:
         return {"req_pool_indices": list(self.req_pool_indices), "seq_lens": list(self.seq_lens),
-                "num_correct_drafts": [a - 1 for a in self.accept_lens], "num_accept_tokens": list(self.accept_lens)}
+                "num_correct_drafts": self.num_correct_drafts, "num_accept_tokens": list(self.accept_lens)}
 
 
 def live_batch(raw_bs: int, dp_batch_sizes: list[int], it: int, T: int, pool_size: int) -> LiveBatch:
