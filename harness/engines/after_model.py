@@ -118,7 +118,10 @@ def check_body(v: Verdict, rec: BodyRecord, ncd: list[int], prev_topk: Optional[
 
 
 def selected_tokens(rec: BodyRecord, ncd: list[int]) -> list[int]:
-    """The token each real request's handed-back logits peak at, taken from its last accepted row (I6 compares these)."""
+    """Per real request, the token its selected logits peak at (I6 compares these): the body's top-1 where the body
+    selects (the multi-layer step body), else the handed-back logits of its last accepted row."""
+    if rec.topk_index is not None:
+        return rec.topk_index[: rec.raw_bs]
     if rec.pruned:
         return rec.returned_tokens[: rec.raw_bs]
     rows = [selected_row(i, ncd[i], rec.tokens_per_bs, rec.base_width, rec.step) for i in range(rec.raw_bs)]
