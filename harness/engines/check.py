@@ -100,15 +100,20 @@ def check_engine(engine: Engine, layouts: tuple[ParallelLayout, ...] = REPRESENT
             if engine.fill is not None:
                 engine.fill.kernel = d == 0 and layout in kernel_layouts
             runners = EngineRunners(engine, layout, tp_rank, cfg)
-            for h in runners.handles:  # past the model call (after_model.py): where the interpreted kernels run
-                h.drive_body = d == 0 and layout in kernel_layouts
             seen_lanes: dict = {}
+            driven: set[int] = set()
             # replay first: a line's first failure is then the one our own P1 reports for the same bug (I1)
             sched = _schedule(layout, runners.multi[0].capture_bs, d)
             for it, dp_sizes in enumerate(sched):
                 raw = dp_sizes[d]
                 needed = max(dp_sizes) if layout.require_mlp_tp_gather else raw
                 live = live_batch(raw, dp_sizes, it, cfg.num_draft_tokens, cfg.max_running_requests)
+                # past the model call (after_model.py), where the interpreted kernels run, once per raw batch size: the body's
+                # checks are on the real rows, which no history may change (the padded lanes' history is lanes.py's)
+                drive = d == 0 and layout in kernel_layouts and raw not in driven
+                driven |= {raw} if drive else set()
+                for h in runners.handles:
+                    h.drive_body = drive
                 results = runners.replay_multi_layer(live) + [runners.replay_single_layer(live)]
                 bodies = {}
                 for rec, returned, lane_recs, body in results:
