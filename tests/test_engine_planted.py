@@ -30,6 +30,7 @@ FIXED = "0.5.14"  # the first release without the seed bug; its step windows gro
 KERNEL = "sglang/kernels/ops/speculative/multi_layer_eagle.py"
 SINGLE = "sglang/srt/speculative/eagle_draft_extend_cuda_graph_runner.py"
 MULTI = "sglang/srt/speculative/multi_layer_eagle_draft_extend_cuda_graph_runner.py"
+CHAIN = "sglang/srt/speculative/triton_ops/multi_layer_eagle.py"  # FIXED's assign_new_state kernel: the in-graph draft chain
 ATTN_TP = "ParallelLayout(4, 1, False, 1)"  # attn-TP gather: gathered buffers, one DP rank
 PLAIN = "ParallelLayout(4)"  # neither branch
 
@@ -137,6 +138,15 @@ def test_select_index_without_the_step_is_caught_on_the_later_steps(fixed, tmp_p
     fails = _failures(target, PLAIN, PLAIN)
     assert {(f["check"], f["field"], f["runner"]) for f in fails} == {("select", "topk_index", "multi_layer")}, _kinds(fails)
     assert {f["step"] for f in fails} == {1, 2}  # step 0 has grown by nothing: the bug is invisible there
+
+
+def test_draft_chain_write_bug_is_caught_on_the_next_step(fixed, tmp_path):
+    # the chain kernel writes the drafted token one row past the request's last accepted row of the next step's window
+    target = _plant(fixed, tmp_path / "sglang", CHAIN, "        input_ids_ptr + new_start + old_extend_len - padding_len,\n",
+                    "        input_ids_ptr + new_start + old_extend_len - padding_len + 1,\n")
+    fails = _failures(target, PLAIN, PLAIN)
+    assert ("chain", "input_ids", "multi_layer") in {(f["check"], f["field"], f["runner"]) for f in fails}, _kinds(fails)
+    assert {f["runner"] for f in fails} == {"multi_layer"} and {f["step"] for f in fails} == {1, 2}, _kinds(fails)
 
 
 def test_select_index_bug_in_the_triton_fill_kernel_is_caught_after_the_model_call(newest, tmp_path):
