@@ -269,3 +269,48 @@ def _main_in_process(*args: str) -> tuple[int, str]:
         rc = main(parser.parse_args(list(args)))
     assert "sglang" not in sys.modules, "an error path loaded an engine into the test process"
     return rc, err.getvalue()
+
+
+def test_body_checks_hold_the_hand_written_row_rule():
+    """after_model's rules on hand-built records: request i's last accepted row at step s of a growing window
+    is i*(T+s) + num_correct_drafts + s, its top-1 the stand-in's next token of what that row holds, and the
+    next step's row holds it."""
+    from harness.engines.after_model import BodyRecord, check_body, next_token
+    from harness.verdict import Verdict
+
+    ncd, raw, T = [2, 0], 2, 4
+    ids0 = list(range(100, 100 + raw * T))
+    rows0 = [0 * T + 2, 1 * T + 0]  # by hand
+    top0 = [next_token(ids0[r]) for r in rows0]
+    step0 = BodyRecord("multi_layer", 0, raw, raw, T, T, False, [next_token(x) for x in ids0], top0, ids0)
+    v = Verdict("P1")
+    check_body(v, step0, ncd, None, {})
+    assert v.ok and v.checked == 2, v.report()
+
+    ids1 = [0] * (raw * (T + 1))
+    rows1 = [0 * 5 + 2 + 1, 1 * 5 + 0 + 1]  # by hand: the window grew by the one token step 0 drafted
+    for r, t in zip(rows1, top0, strict=True):
+        ids1[r] = t
+    top1 = [next_token(ids1[r]) for r in rows1]
+    step1 = BodyRecord("multi_layer", 1, raw, raw, T + 1, T, False, [next_token(x) for x in ids1], top1, ids1)
+    v = Verdict("P1")
+    check_body(v, step1, ncd, top0, {})
+    assert v.ok and v.checked == 3, v.report()
+
+    # select_index without the step: top-1 taken from the row before
+    wrong = BodyRecord("multi_layer", 1, raw, raw, T + 1, T, False, step1.returned_tokens, [next_token(ids1[r - 1]) for r in rows1], ids1)
+    v = Verdict("P1")
+    check_body(v, wrong, ncd, top0, {})
+    assert [(f.check, f.field) for f in v.failures] == [("select", "topk_index")], v.report()
+    # the chain wrote the drafted token one row late
+    late = list(ids1)
+    for r in rows1:
+        late[r], late[r + 1] = 0, late[r]
+    v = Verdict("P1")
+    check_body(v, BodyRecord("multi_layer", 1, raw, raw, T + 1, T, False, [next_token(x) for x in late],
+                             [next_token(late[r]) for r in rows1], late), ncd, top0, {})
+    assert ("chain", "input_ids") in [(f.check, f.field) for f in v.failures], v.report()
+    # a pruning runner hands back one row per request, from its last accepted row
+    v = Verdict("P1")
+    check_body(v, BodyRecord("single_layer", 0, raw, raw, T, T, True, [next_token(ids0[r + 1]) for r in rows0], None, ids0), ncd, None, {})
+    assert [(f.check, f.field) for f in v.failures] == [("select", "returned logits")], v.report()
