@@ -117,9 +117,10 @@ def check_engine(engine: Engine, layouts: tuple[ParallelLayout, ...] = REPRESENT
                 raw = dp_sizes[d]
                 needed = max(dp_sizes) if layout.require_mlp_tp_gather else raw
                 live = live_batch(raw, dp_sizes, it, cfg.num_draft_tokens, cfg.max_running_requests)
-                # past the model call (after_model.py), where the interpreted kernels run, once per raw batch size: the body's
-                # checks are on the real rows, which no history may change (the padded lanes' history is lanes.py's)
-                drive = d == 0 and layout in kernel_layouts and raw not in driven
+                # past the model call (after_model.py), where the interpreted kernels run, once per full bucket (every row
+                # real, the last request's too) and once at raw_bs 1 (the most padding): the body's checks are on the real
+                # rows, which no history may change (the padded lanes' history is lanes.py's)
+                drive = d == 0 and layout in kernel_layouts and raw not in driven and (raw == 1 or raw in runners.multi[0].capture_bs)
                 driven |= {raw} if drive else set()
                 for h in runners.handles:
                     h.drive_body = drive
