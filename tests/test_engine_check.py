@@ -95,28 +95,10 @@ def test_fixed_release_passes_with_json():
     assert {ln["bucket"] for ln in attn if ln["layout"].startswith("tp4-dense_tp1")} == {4, 8, 16}  # multiples of attn_tp_size
 
 
-def test_newest_release_passes_on_the_gpu_path_and_fails_only_the_native_twins_token_tail():
-    """The Triton fill kernel (the GPU path) zeroes the padded token rows; its native twin (the NPU path)
-    leaves them as the last, larger batch wrote them: the only failures, and each says path=npu."""
-    installed_release(NEWEST)
-    proc = _run("--engine", f"sglang=={NEWEST}", "--json")
-    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
-    rep = json.loads(proc.stdout)
-    fails = [f for ln in rep["lines"] for f in ln["failures"]]
-    assert fails
-    assert {(f["check"], f["where"]["runner"], f["where"].get("path")) for f in fails} == {("canonical", "multi_layer", "npu")}
-    assert {f["field"] for f in fails} <= {"input_ids", "positions", "out_cache_loc"}
-    assert all(ln["ok"] for ln in rep["lines"] if ln["runner"] == "single_layer")
-
-
-# ----------------------------------------------------------------------------------------
-# the check is not vacuous on the newest release, and a moved attribute is named
-# ----------------------------------------------------------------------------------------
-
-
-def test_newest_release_planted_engine_bugs_are_caught_and_moves_are_named():
-    """Plant the seed bug and a stale padded lane in the newest release's own code; then make its
-    runner read an attribute our stand-ins lack, as a new release would."""
+@pytest.fixture(scope="module")
+def newest_run() -> dict:
+    """One process for the newest release (importing sglang is most of a check's cost): the check as the command runs
+    it (every representative layout), then bugs planted into the release's own code in memory, then a moved attribute."""
     target = installed_release(NEWEST)
     proc = _python(f"""
         import json, sys
@@ -128,7 +110,7 @@ def test_newest_release_planted_engine_bugs_are_caught_and_moves_are_named():
         from runners.parallel.layout import ParallelLayout
         eng = load(Path({str(target)!r}), deps_dir())
         ml = eng.modules["ml"]
-        out = {{}}
+        out = {{"unmodified": check_engine(eng).to_json()}}
         layouts = (ParallelLayout(4, 1, False, 1), ParallelLayout(4))
 
         # 1. the seed bug, in get_forward_batch: the attn-TP-gather branch bakes [bs]
@@ -140,7 +122,7 @@ def test_newest_release_planted_engine_bugs_are_caught_and_moves_are_named():
                 self.buffers.global_num_tokens_for_logprob_gpu.fill_(bs)
             return fb
         Runner.get_forward_batch = seed_bug
-        rep = check_engine(eng, layouts[:1])
+        rep = check_engine(eng, layouts[:1], kernel_layouts=())
         out["seed"] = [f.message() for f in rep.failures()][:1]
         Runner.get_forward_batch = real_gfb
 
@@ -152,7 +134,7 @@ def test_newest_release_planted_engine_bugs_are_caught_and_moves_are_named():
             real_fill(*args)
             seq_lens[raw_bs:bs] = keep + 7
         ml.fill_draft_extend_prepare_buffers = stale_lanes
-        rep = check_engine(eng, layouts[1:])
+        rep = check_engine(eng, layouts[1:], kernel_layouts=())
         out["stale"] = sorted({{(f.check, f.field) for f in rep.failures()}})
         ml.fill_draft_extend_prepare_buffers = real_fill
 
@@ -164,14 +146,39 @@ def test_newest_release_planted_engine_bugs_are_caught_and_moves_are_named():
             return real_init(self, eagle_worker, *a, **k)
         SL.__init__ = moved
         try:
-            check_engine(eng, layouts[1:])
+            check_engine(eng, layouts[1:], kernel_layouts=())
             out["moved"] = None
         except MissingEngineAttribute as e:
             out["moved"] = str(e)
-        print(json.dumps(out))
+        print(json.dumps(out, default=str))
     """)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_newest_release_passes_on_the_gpu_path_and_fails_only_the_native_twins_token_tail(newest_run):
+    """The Triton fill kernel (the GPU path) zeroes the padded token rows; its native twin (the NPU path)
+    leaves them as the last, larger batch wrote them: the only failures, and each says path=npu."""
+    rep = newest_run["unmodified"]
+    assert not rep["ok"] and rep["version"] == NEWEST
+    fails = [f for ln in rep["lines"] for f in ln["failures"]]
+    assert fails
+    assert {(f["check"], f["where"]["runner"], f["where"].get("path")) for f in fails} == {("canonical", "multi_layer", "npu")}
+    assert {f["field"] for f in fails} <= {"input_ids", "positions", "out_cache_loc"}
+    assert all(ln["ok"] for ln in rep["lines"] if ln["runner"] == "single_layer")
+    # past the model call: what it cannot reach is said, as a skip, never as a pass
+    assert any(why.startswith("I7 ") for why in rep["skipped"]), rep["skipped"]
+
+
+# ----------------------------------------------------------------------------------------
+# the check is not vacuous on the newest release, and a moved attribute is named
+# ----------------------------------------------------------------------------------------
+
+
+def test_newest_release_planted_engine_bugs_are_caught_and_moves_are_named(newest_run):
+    """Plant the seed bug and a stale padded lane in the newest release's own code; then make its
+    runner read an attribute our stand-ins lack, as a new release would."""
+    out = newest_run
     assert out["seed"] and re.match(r"P1/I1 global_num_tokens_for_logprob_gpu: expected \[(\d+)\], got \[(\d+)\] .*branch=attn_tp_gather", out["seed"][0])
     assert ["padding", "padded seq_lens"] in out["stale"] and ["padding", "seq_lens_sum"] in out["stale"], out["stale"]
     assert out["moved"] and "eagle_worker.draft_extend_attn_backend_v3" in out["moved"], out["moved"]
@@ -226,8 +233,8 @@ def test_engine_spec_and_missing_install():
     for bad in ("trtllm==0.1", "sglang==", "sglang==;rm"):
         with pytest.raises(ValueError):
             EngineSpec.parse(bad)
-    proc = _run("--engine", "sglang==0.0.0.dev0", "--target", str(REPO / ".engines" / "nowhere"))
-    assert proc.returncode == 2 and "no sglang package under" in proc.stderr
+    rc, err = _main_in_process("--engine", "sglang==0.0.0.dev0", "--target", str(REPO / ".engines" / "nowhere"))
+    assert rc == 2 and "no sglang package under" in err
 
 
 def test_release_selection_all_range_and_list():
@@ -243,5 +250,67 @@ def test_release_selection_all_range_and_list():
 
 
 def test_releases_refuses_a_pinned_engine():
-    proc = _run("--engine", "sglang==0.5.23", "--releases", "all")
-    assert proc.returncode == 2 and "--releases picks the versions" in proc.stderr
+    rc, err = _main_in_process("--engine", "sglang==0.5.23", "--releases", "all")
+    assert rc == 2 and "--releases picks the versions" in err
+
+
+def _main_in_process(*args: str) -> tuple[int, str]:
+    """The command's own entry point, for paths that stop before loading an engine (loading one swaps globals process-wide)."""
+    import argparse
+    import contextlib
+    import io
+
+    from harness.engines.command import add_arguments, main
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        rc = main(parser.parse_args(list(args)))
+    assert "sglang" not in sys.modules, "an error path loaded an engine into the test process"
+    return rc, err.getvalue()
+
+
+def test_body_checks_hold_the_hand_written_row_rule():
+    """after_model's rules on hand-built records: request i's last accepted row at step s of a growing window
+    is i*(T+s) + num_correct_drafts + s, its top-1 the stand-in's next token of what that row holds, and the
+    next step's row holds it."""
+    from harness.engines.after_model import BodyRecord, check_body, next_token
+    from harness.verdict import Verdict
+
+    ncd, raw, T = [2, 0], 2, 4
+    ids0 = list(range(100, 100 + raw * T))
+    rows0 = [0 * T + 2, 1 * T + 0]  # by hand
+    top0 = [next_token(ids0[r]) for r in rows0]
+    step0 = BodyRecord("multi_layer", 0, raw, raw, T, T, False, [next_token(x) for x in ids0], top0, ids0)
+    v = Verdict("P1")
+    check_body(v, step0, ncd, None, {})
+    assert v.ok and v.checked == 2, v.report()
+
+    ids1 = [0] * (raw * (T + 1))
+    rows1 = [0 * 5 + 2 + 1, 1 * 5 + 0 + 1]  # by hand: the window grew by the one token step 0 drafted
+    for r, t in zip(rows1, top0, strict=True):
+        ids1[r] = t
+    top1 = [next_token(ids1[r]) for r in rows1]
+    step1 = BodyRecord("multi_layer", 1, raw, raw, T + 1, T, False, [next_token(x) for x in ids1], top1, ids1)
+    v = Verdict("P1")
+    check_body(v, step1, ncd, top0, {})
+    assert v.ok and v.checked == 3, v.report()
+
+    # select_index without the step: top-1 taken from the row before
+    wrong = BodyRecord("multi_layer", 1, raw, raw, T + 1, T, False, step1.returned_tokens, [next_token(ids1[r - 1]) for r in rows1], ids1)
+    v = Verdict("P1")
+    check_body(v, wrong, ncd, top0, {})
+    assert [(f.check, f.field) for f in v.failures] == [("select", "topk_index")], v.report()
+    # the chain wrote the drafted token one row late
+    late = list(ids1)
+    for r in rows1:
+        late[r], late[r + 1] = 0, late[r]
+    v = Verdict("P1")
+    check_body(v, BodyRecord("multi_layer", 1, raw, raw, T + 1, T, False, [next_token(x) for x in late],
+                             [next_token(late[r]) for r in rows1], late), ncd, top0, {})
+    assert ("chain", "input_ids") in [(f.check, f.field) for f in v.failures], v.report()
+    # a pruning runner hands back one row per request, from its last accepted row
+    v = Verdict("P1")
+    check_body(v, BodyRecord("single_layer", 0, raw, raw, T, T, True, [next_token(ids0[r + 1]) for r in rows0], None, ids0), ncd, None, {})
+    assert [(f.check, f.field) for f in v.failures] == [("select", "returned logits")], v.report()

@@ -1,12 +1,15 @@
 """Bugs planted by hand into a copy of an installed SGLang release are caught, and on the right runner and fill path.
 
 Each test links the installed release into a temp dir (files symlinked, the one planted file
-copied and edited: one line), runs engine-check on the copy in its own process, and compares
-the failures with the unmodified release's under the same layouts. NEWEST is the release the
-planted lines were read from; a release without the line skips, naming it. The release is
-installed as tests/test_engine_check.py installs it (cached, under a file lock), so whether
-these run never depends on which test happened to install it first; a machine where pip
-cannot install it skips with pip's reason.
+copied and edited: one line), runs engine-check on the copy in its own process, and looks at
+the failures the plant adds to the unmodified release's. What the unmodified releases give is
+asserted by tests/test_engine_check.py over every representative layout (a superset of the
+layouts here, with the interpreted kernels and the step body driven in the same places):
+FIXED passes, NEWEST fails only on the native twin's stale token tail (NATIVE_TAIL below).
+NEWEST / FIXED are the releases the planted lines were read from; a release without the line
+skips, naming it. The releases are installed as tests/test_engine_check.py installs them
+(cached, under a file lock), so whether these run never depends on which test happened to
+install one first; a machine where pip cannot install one skips with pip's reason.
 """
 from __future__ import annotations
 
@@ -23,8 +26,11 @@ from engine_releases import installed_release
 
 REPO = Path(__file__).resolve().parent.parent
 NEWEST = os.environ.get("SPECHARNESS_SGLANG_NEWEST", "0.5.23")
+FIXED = "0.5.14"  # the first release without the seed bug; its step windows grow, and its step body advances the draft chain
 KERNEL = "sglang/kernels/ops/speculative/multi_layer_eagle.py"
 SINGLE = "sglang/srt/speculative/eagle_draft_extend_cuda_graph_runner.py"
+MULTI = "sglang/srt/speculative/multi_layer_eagle_draft_extend_cuda_graph_runner.py"
+CHAIN = "sglang/srt/speculative/triton_ops/multi_layer_eagle.py"  # FIXED's assign_new_state kernel: the in-graph draft chain
 ATTN_TP = "ParallelLayout(4, 1, False, 1)"  # attn-TP gather: gathered buffers, one DP rank
 PLAIN = "ParallelLayout(4)"  # neither branch
 
@@ -36,7 +42,7 @@ def _plant(src: Path, dst: Path, rel: str, old: str, new: str) -> Path:
     shutil.copytree(src, dst, symlinks=True, copy_function=os.symlink)
     text = (src / rel).read_text()
     if text.count(old) != 1:
-        pytest.skip(f"sglang {NEWEST}: {rel} does not have the line {old.strip()!r} exactly once")
+        pytest.skip(f"sglang at {src.name}: {rel} does not have the line {old.strip()!r} exactly once")
     (dst / rel).unlink()
     (dst / rel).write_text(text.replace(old, new))
     return dst
@@ -65,41 +71,41 @@ def _kinds(fails: list[dict]) -> set[tuple]:
     return {(f["check"], f["field"], f["runner"], f["path"]) for f in fails}
 
 
+# the unmodified NEWEST's only failures (tests/test_engine_check.py): its native fill twin leaves padded token rows stale
+NATIVE_TAIL = {("canonical", f, "multi_layer", "npu") for f in ("input_ids", "positions", "out_cache_loc")}
+
+
+def _added(fails: list[dict]) -> set[tuple]:
+    return _kinds(fails) - NATIVE_TAIL
+
+
 @pytest.fixture(scope="module")
 def newest() -> Path:
     return installed_release(NEWEST)
 
 
 @pytest.fixture(scope="module")
-def baseline(newest: Path) -> dict[str, set[tuple]]:
-    """The unmodified release under the layouts each test uses: what a plant must add to."""
-    return {"kernel": _kinds(_failures(newest, f"{ATTN_TP}, {PLAIN}", f"{ATTN_TP}, {PLAIN}")),
-            "native": _kinds(_failures(newest, PLAIN, ""))}
+def fixed() -> Path:
+    return installed_release(FIXED)
 
 
-def test_unmodified_newest_release_fails_only_on_the_native_twins_token_tail(baseline):
-    # The Triton kernel zeroes the padded token rows; its native twin (the NPU path) copies the real rows
-    # and leaves the rest as the last, larger batch wrote it. Everything on the kernel's path holds.
-    for kinds in baseline.values():
-        assert kinds, "the native twin's stale token tail was not seen"
-        assert {(c, r, p) for c, _f, r, p in kinds} == {("canonical", "multi_layer", "npu")}, kinds
-        assert {f for _c, f, _r, _p in kinds} <= {"input_ids", "positions", "out_cache_loc"}, kinds
+# ---- replay fills ----
 
 
-def test_bug_in_the_triton_fill_kernel_is_caught_on_the_gpu_path(newest, baseline, tmp_path):
+def test_bug_in_the_triton_fill_kernel_is_caught_on_the_gpu_path(newest, tmp_path):
     # the kernel stops resetting padded seq_lens: it stores the real rows only
     target = _plant(newest, tmp_path / "sglang", KERNEL, "tl.store(seq_lens_ptr + i, sl.to(tl.int32))\n",
                     "tl.store(seq_lens_ptr + i, sl.to(tl.int32), mask=is_real)\n")
-    new = _kinds(_failures(target, f"{ATTN_TP}, {PLAIN}", f"{ATTN_TP}, {PLAIN}")) - baseline["kernel"]
+    new = _added(_failures(target, PLAIN, PLAIN))
     assert ("canonical", "seq_lens", "multi_layer", "gpu") in new, new
     assert {r for _c, _f, r, _p in new} == {"multi_layer"}, new
     assert not any(p == "npu" for *_, p in new), new  # the twin, run beside it on the same inputs, is not blamed
 
 
-def test_bug_in_the_native_fill_twin_is_caught_on_the_npu_path(newest, baseline, tmp_path):
+def test_bug_in_the_native_fill_twin_is_caught_on_the_npu_path(newest, tmp_path):
     # the twin stops resetting seq_lens[:bs] to the fill value
     target = _plant(newest, tmp_path / "sglang", KERNEL, "    seq_lens[:bs].fill_(seq_len_fill_value)\n", "    pass\n")
-    new = _kinds(_failures(target, PLAIN, "")) - baseline["native"]
+    new = _added(_failures(target, PLAIN, ""))
     assert ("canonical", "seq_lens", "multi_layer", "npu") in new, new
     assert {r for _c, _f, r, _p in new} == {"multi_layer"}, new
     assert not any(p == "gpu" for *_, p in new), new
@@ -120,3 +126,51 @@ def test_single_layer_replay_fill_bug_is_attributed_to_the_single_layer_runner(n
     lp = [f for f in fails if "logprob" in f["field"]]
     assert lp and {f["runner"] for f in lp} == {"single_layer"}, lp
     assert "I1" in {f["check"] for f in lp}, lp
+
+
+# ---- past the model call (harness/engines/after_model.py) ----
+
+
+def test_select_index_without_the_step_is_caught_on_the_later_steps(fixed, tmp_path):
+    # the step body's select_index forgets that each step's window grew by the tokens drafted so far
+    target = _plant(fixed, tmp_path / "sglang", MULTI, "                + buffers.num_correct_drafts[:bs]\n                + self.step\n",
+                    "                + buffers.num_correct_drafts[:bs]\n")
+    fails = _failures(target, PLAIN, PLAIN)
+    assert {(f["check"], f["field"], f["runner"]) for f in fails} == {("select", "topk_index", "multi_layer")}, _kinds(fails)
+    assert {f["step"] for f in fails} == {1, 2}  # step 0 has grown by nothing: the bug is invisible there
+
+
+def test_draft_chain_write_bug_is_caught_on_the_next_step(fixed, tmp_path):
+    # the chain kernel writes the drafted token one row past the request's last accepted row of the next step's window
+    target = _plant(fixed, tmp_path / "sglang", CHAIN, "        input_ids_ptr + new_start + old_extend_len - padding_len,\n",
+                    "        input_ids_ptr + new_start + old_extend_len - padding_len + 1,\n")
+    fails = _failures(target, PLAIN, PLAIN)
+    assert ("chain", "input_ids", "multi_layer") in {(f["check"], f["field"], f["runner"]) for f in fails}, _kinds(fails)
+    assert {f["runner"] for f in fails} == {"multi_layer"} and {f["step"] for f in fails} == {1, 2}, _kinds(fails)
+
+
+def test_select_index_bug_in_the_triton_fill_kernel_is_caught_after_the_model_call(newest, tmp_path):
+    # the kernel's select_index forgets the accepted drafts: the body takes the window's first row's logits
+    target = _plant(newest, tmp_path / "sglang", KERNEL, "        si = i.to(tl.int64) * num_tokens_per_bs + num_front_tokens + ncd\n",
+                    "        si = i.to(tl.int64) * num_tokens_per_bs + num_front_tokens\n")
+    new = _added(_failures(target, ATTN_TP, ATTN_TP))
+    assert {r for _c, _f, r, _p in new} == {"multi_layer"}, new
+    assert {("lanes", "select_index", "multi_layer", "gpu"), ("select", "topk_index", "multi_layer", ""),
+            ("I6", "selected logits", "multi_layer", "")} <= new, new
+    assert not any(p == "npu" for *_, p in new), new
+
+
+def test_select_index_bug_in_the_native_fill_twin_is_caught_on_the_npu_path(newest, tmp_path):
+    target = _plant(newest, tmp_path / "sglang", KERNEL, "    select_index[:bs] += num_correct_drafts[:bs].to(torch.int64)\n", "    pass\n")
+    new = _added(_failures(target, PLAIN, ""))
+    assert new == {("lanes", "select_index", "multi_layer", "npu")}, new
+
+
+def test_single_layer_select_index_bug_is_caught_and_attributed_to_it_though_it_prunes(newest, tmp_path):
+    # the single-layer runner copies the row before each request's last accepted one into its select_index: its
+    # logits processor prunes to those rows. I6 on the selected logits puts it on the single-layer runner.
+    target = _plant(newest, tmp_path / "sglang", SINGLE, "        copy_srcs.append(select_index)\n", "        copy_srcs.append(select_index - 1)\n")
+    new = _added(_failures(target, PLAIN, PLAIN))
+    assert {r for _c, _f, r, _p in new} == {"single_layer"}, new
+    assert {("lanes", "select_index", "single_layer", ""), ("select", "returned logits", "single_layer", ""),
+            ("I6", "selected logits", "single_layer", "")} <= new, new

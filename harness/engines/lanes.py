@@ -22,7 +22,7 @@ from typing import Optional
 
 from harness.verdict import Verdict
 
-PER_REQUEST = ("req_pool_indices", "seq_lens", "num_correct_drafts", "num_accept_tokens")
+PER_REQUEST = ("req_pool_indices", "seq_lens", "num_correct_drafts", "num_accept_tokens", "select_index")
 PER_TOKEN = ("input_ids", "positions", "out_cache_loc")
 
 
@@ -43,9 +43,14 @@ class LiveBatch:
         return {"input_ids": [3 + 101 * it + i for i in range(n)], "positions": [1 + it + i for i in range(n)],
                 "out_cache_loc": [7 + 211 * it + i for i in range(n)]}
 
-    def requests(self) -> dict[str, list[int]]:
-        return {"req_pool_indices": list(self.req_pool_indices), "seq_lens": list(self.seq_lens),
-                "num_correct_drafts": [a - 1 for a in self.accept_lens], "num_accept_tokens": list(self.accept_lens)}
+    @property
+    def num_correct_drafts(self) -> list[int]:
+        return [a - 1 for a in self.accept_lens]
+
+    def requests(self, T: int) -> dict[str, list[int]]:
+        """Per request; select_index is each request's last accepted row, i*T + num_correct_drafts (after_model.py)."""
+        return {"select_index": [i * T + n for i, n in enumerate(self.num_correct_drafts)],"req_pool_indices": list(self.req_pool_indices), "seq_lens": list(self.seq_lens),
+                "num_correct_drafts": self.num_correct_drafts, "num_accept_tokens": list(self.accept_lens)}
 
 
 def live_batch(raw_bs: int, dp_batch_sizes: list[int], it: int, T: int, pool_size: int) -> LiveBatch:
@@ -84,7 +89,7 @@ FILLED_SINCE: dict[tuple[str, str], str] = {
 def check_lanes(v: Verdict, rec: LaneRecord, live: LiveBatch, seen: dict, where: dict, filled: frozenset[str]) -> None:
     """Real rows = the live batch; padded lanes of the buffers in `filled` independent of the history (see the module doc)."""
     T, raw, bs = rec.tokens_per_bs, rec.raw_bs, rec.bs
-    want = {**live.requests(), **live.tokens(T)}
+    want = {**live.requests(T), **live.tokens(T)}
     w = {**where, "path": rec.path or "python"} if rec.path else where
     for name in (*PER_REQUEST, *PER_TOKEN):
         buf = rec.buffers.get(name)

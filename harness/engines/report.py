@@ -45,6 +45,7 @@ class EngineReport:
     lines: list[Line]
     stubbed: list[str]
     seconds: float = 0.0
+    skipped: list[str] = field(default_factory=list)  # invariants not checked on this engine, each with its reason
 
     @property
     def ok(self) -> bool:
@@ -57,7 +58,7 @@ class EngineReport:
         failed = [ln for ln in self.lines if not ln.verdict.ok]
         return {
             "engine": self.engine, "version": self.version, "api": self.generation, "location": self.location, "ok": self.ok,
-            "seconds": round(self.seconds, 2), "stubbed_modules": self.stubbed,
+            "seconds": round(self.seconds, 2), "stubbed_modules": self.stubbed, "skipped": list(self.skipped),
             "summary": {"lines": len(self.lines), "failed_lines": len(failed), "checks": sum(ln.verdict.checked for ln in self.lines),
                         "failures": len(self.failures()), "notes": sum(len(ln.verdict.notes) for ln in self.lines)},
             "lines": [ln.to_json() for ln in self.lines],
@@ -95,6 +96,7 @@ def format_report(rep: EngineReport, cfg: Any) -> str:
         out.append(f"notes ({sum(map(len, groups.values()))}; the first of each check and branch, then the count):")
         for (_check, branch), ns in groups.items():
             out.append(f"  {ns[0]}" + (f" (+{len(ns) - 1} like it in {branch})" if len(ns) > 1 else ""))
+    out += [f"skipped (not checked, not passed): {why}" for why in rep.skipped]
     failed = [ln for ln in rep.lines if not ln.verdict.ok]
     checks = sum(ln.verdict.checked for ln in rep.lines)
     if failed:

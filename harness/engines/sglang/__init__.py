@@ -21,7 +21,10 @@ LogitsProcessor._get_pruned_states), which says how many rows a captured batch f
 What is not, each with its reason, in the module that stands in for it:
   stubs.py      third-party imports the runner modules never exercise
   standins.py   the worker, model runner and process groups (strict: a moved attribute is named)
-  graph.py      the model (never run), the attention backend (plans nothing), the CUDA graph
+  graph.py      the model (never run: at capture it stops the body; where a replay drives the
+                body past it, it answers with harness/engines/after_model.py's deterministic
+                stand-in), the attention backend (plans nothing), the CUDA graph (its replay
+                runs the captured body again where driven)
   loader.py     module globals swapped process-wide (one engine per process); API generations
   process.py    ServerArgs and the parallel globals for one rank of a layout
   handle.py     one runner: capture, replay snapshot, conversion into our records

@@ -16,6 +16,7 @@ from typing import Any, Optional
 
 import torch
 
+from harness.engines.after_model import BodyRecord
 from harness.engines.lanes import LaneRecord, LiveBatch
 from harness.engines.sglang.config import EngineConfig
 from harness.engines.sglang.errors import EngineAdapterError
@@ -27,6 +28,9 @@ from harness.engines.sglang.standins import FakeGroup, Strict, noop, patched
 from runners.cuda_graph import ReplayRecord
 from runners.parallel.layout import ParallelLayout
 
+# one runner's replay: our record, the logits rows it handed back, its lanes per fill path, its body past the model call
+Replayed = tuple[ReplayRecord, Optional[int], list[LaneRecord], Optional[BodyRecord]]
+
 
 class EngineRunners:
     """All draft-extend graph runners of one rank of one layout: multi-layer steps + single-layer."""
@@ -37,6 +41,9 @@ class EngineRunners:
         configure_process(engine, sa, layout, tp_rank)
         self.server_args = sa
         self._attn_cls = attn_backend_class(engine)
+        # what the draft chain's in-graph write (assign_new_state) reads for each request's new front row
+        self._hidden_pool = torch.zeros(cfg.max_running_requests + 1, cfg.num_steps, cfg.hidden_size)
+        self._req_to_token = 1000 + torch.arange((cfg.max_running_requests + 1) * 64, dtype=torch.int32).view(-1, 64)
         self.multi = self._build_multi_layer(sa)
         self.single = self._build_single_layer(sa)
 
@@ -50,7 +57,7 @@ class EngineRunners:
         return Strict(
             "model_runner", server_args=sa, device="cpu", gpu_id=0, tp_size=self.layout.tp_size, dp_size=self.layout.dp_size,
             tp_rank=self.tp_rank, model_config=model_config, spec_algorithm=spec_alg.from_string("EAGLE"),
-            req_to_token_pool=Strict("req_to_token_pool", size=cfg.max_running_requests), token_to_kv_pool=Strict("token_to_kv_pool"),
+            req_to_token_pool=Strict("req_to_token_pool", size=cfg.max_running_requests, req_to_token=self._req_to_token), token_to_kv_pool=Strict("token_to_kv_pool", translate_loc_from_full_to_swa=lambda loc: loc),  # no sliding-window layers
             attn_backend=attn,
             canary_manager=None, device_timer=None, tp_group=FakeGroup("tp", self.layout.tp_size, self.tp_rank),
             kv_index_translator=Strict("kv_index_translator", bind_runner_slots=noop),
@@ -82,15 +89,21 @@ class EngineRunners:
             draft_extend_attn_backend=backends[0], mtp_model_runner=lambda step: runners[step], draft_runner=runners[0],
             draft_runner_list=runners, chain_mtp_hidden_states=False, hidden_size=cfg.hidden_size,
             speculative_algorithm=runners[0].spec_algorithm, hot_token_id=None, draft_extend_num_front_tokens=0,
-            use_rejection_sampling=False, seed_dsa_topk_from_draft_extend=False, req_to_hidden_states_pool=None,
+            use_rejection_sampling=False, seed_dsa_topk_from_draft_extend=False, req_to_hidden_states_pool=self._hidden_pool,
             model_config=runners[0].model_config, eagle_use_aux_hidden_state=False,
             target_worker=Strict("target_worker", model_runner=runners[0]),
         )
 
+    def _attn(self) -> AttnRecorder:
+        """The release's attention backend, recording; its req_to_token_pool is what the chain's in-graph write reads."""
+        attn = self._attn_cls()
+        attn.req_to_token_pool = types.SimpleNamespace(req_to_token=self._req_to_token)
+        return attn
+
     # ---- building ----
     def _build_multi_layer(self, sa: Any) -> list[RunnerHandle]:
         eng, ml = self.engine, self.engine.modules["ml"]
-        backends = [self._attn_cls() for _ in range(self.cfg.num_steps)]
+        backends = [self._attn() for _ in range(self.cfg.num_steps)]
         mrs = [self._model_runner(sa, b) for b in backends]
         worker = self._worker(sa, backends, mrs)
         Composite = ml.MultiLayerEagleMultiStepDraftExtendCudaGraphRunner
@@ -122,13 +135,15 @@ class EngineRunners:
             h = RunnerHandle(eng, "multi_layer", step, runner, backends[step], self.layout, self.cfg)
             h.install_graph_stand_ins()
             handles.append(h)
+        for h in handles:
+            h.base_width = handles[0].tokens_per_bs
         for h in reversed(handles):  # the engine captures the last step first
             h.capture_all()
         return handles
 
     def _build_single_layer(self, sa: Any) -> RunnerHandle:
         eng, sl = self.engine, self.engine.modules["sl"]
-        attn = self._attn_cls()
+        attn = self._attn()
         mr = self._model_runner(sa, attn)
         worker = self._worker(sa, [attn], [mr])
         Runner = sl.EAGLEDraftExtendCudaGraphRunner
@@ -182,7 +197,7 @@ class EngineRunners:
             setattr(fb, k, v)
         return fb
 
-    def replay_multi_layer(self, live: LiveBatch) -> list[tuple[ReplayRecord, Optional[int], list[LaneRecord]]]:
+    def replay_multi_layer(self, live: LiveBatch) -> list[Replayed]:
         """One decode iteration of the multi-layer draft-extend, as the worker drives it."""
         eng, comp = self.engine, self.composite
         T0 = self.multi[0].tokens_per_bs
@@ -197,7 +212,7 @@ class EngineRunners:
                 comp.prepare(fb)
             for step, h in enumerate(self.multi):
                 logits, _p, _i = comp.replay(step)
-                out.append(h.record(live, int(logits.next_token_logits.shape[0])))
+                out.append(self._records(h, live, logits.next_token_logits))
             return out
         can_run = comp.can_run(fb) if eng.generation == "legacy" else comp.can_run_graph(fb)
         if not can_run:
@@ -207,10 +222,10 @@ class EngineRunners:
         for step, h in enumerate(self.multi):
             run = h.runner.replay if eng.generation == "legacy" else h.runner.execute
             res = run(fb, init_state=(step == 0))
-            out.append(h.record(live, int(res.next_token_logits.shape[0])))
+            out.append(self._records(h, live, res.next_token_logits))
         return out
 
-    def replay_single_layer(self, live: LiveBatch) -> tuple[ReplayRecord, Optional[int], list[LaneRecord]]:
+    def replay_single_layer(self, live: LiveBatch) -> Replayed:
         eng, h = self.engine, self.single
         T = h.tokens_per_bs
         fb = self._forward_batch(live, T)
@@ -227,4 +242,9 @@ class EngineRunners:
             res = r.execute(fb, select_index)
         else:
             res = r.execute(fb)
-        return h.record(live, int(res.next_token_logits.shape[0]))
+        return self._records(h, live, res.next_token_logits)
+
+    @staticmethod
+    def _records(h: RunnerHandle, live: LiveBatch, logits: torch.Tensor) -> Replayed:
+        rec, returned, lanes = h.record(live, int(logits.shape[0]))
+        return rec, returned, lanes, h.body_record(live, logits)

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from harness.engines.after_model import VOCAB
+
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -14,5 +16,5 @@ class EngineConfig:
     capture_bs: tuple[int, ...] = (1, 2, 4, 8, 16)
     max_running_requests: int = 16
     hidden_size: int = 8
-    vocab_size: int = 32
+    vocab_size: int = VOCAB  # the stand-in model's vocabulary (after_model.py)
 

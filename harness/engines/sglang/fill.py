@@ -27,7 +27,7 @@ import torch
 
 # The per-request and per-token buffers the fill writes, as the fill's parameters name them.
 FILLED = ("input_ids", "positions", "out_cache_loc", "seq_lens", "req_pool_indices", "num_correct_drafts",
-          "num_accept_tokens", "global_num_tokens", "global_num_tokens_for_logprob")
+          "num_accept_tokens", "select_index", "global_num_tokens", "global_num_tokens_for_logprob")
 
 
 @dataclass

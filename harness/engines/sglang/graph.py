@@ -1,7 +1,9 @@
 """Graph stand-ins: what the CUDA graph would read, snapshotted where it would launch.
 
 * The model (ModelProbe): never run. The capture body calls it with the capture-time
-  batch; it hands the batch to the runner's handle and stops the body (StopBody).
+  batch; it hands the batch to the runner's handle and stops the body (StopBody). Where a
+  replay drives the body past the model call, the handle answers with the deterministic
+  stand-in model's output instead (harness/engines/after_model.py).
 * The attention backend: a subclass of the release's own AttentionBackend (its defaults
   stay the engine's, AttnRecorder mixed in) that plans nothing and records the view it is
   given at replay (seq_lens_sum); get_cuda_graph_seq_len_fill_value() is 1, as our runners use.
@@ -29,7 +31,7 @@ class GraphHost(Protocol):
 
     def on_replay(self, bs: int) -> None: ...
 
-    def on_model_forward(self, fb: Any) -> None: ...
+    def on_model_forward(self, fb: Any) -> Any: ...
 
 
 @dataclass
@@ -141,7 +143,7 @@ class ModelProbe:
     def forward(self, input_ids: Any, positions: Any, forward_batch: Any, *args: Any, **kwargs: Any) -> Any:
         if self.handle is None:
             raise EngineAdapterError("the engine ran the draft model outside a capture the adapter drove")
-        self.handle.on_model_forward(forward_batch)
+        return self.handle.on_model_forward(forward_batch)
 
     __call__ = forward
 

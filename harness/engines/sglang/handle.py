@@ -8,10 +8,12 @@ runners.cuda_graph.CaptureRecord / ReplayRecord, which harness.props checks.
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Callable, Optional
 
 import torch
 
+from harness.engines.after_model import BodyRecord, hidden_rows, lm_head
 from harness.engines.lanes import PER_REQUEST, PER_TOKEN, LaneRecord, LiveBatch
 from harness.engines.sglang.config import EngineConfig
 from harness.engines.sglang.errors import EngineAdapterError
@@ -44,6 +46,12 @@ class RunnerHandle:
         self._batches: dict[int, Any] = {}  # bs -> the capture-time forward batch the model was called with
         self.capture_rows: dict[int, tuple[int, int]] = {}  # bs -> (rows fed to lm_head, logits rows)
         self.snapshots: list[Snapshot] = []
+        # past the model call: the captured step body per bucket, run again at replay where drive_body is set
+        self.drive_body = False
+        self._bodies: dict[int, Callable] = {}
+        self._replaying = False
+        self.base_width = 0  # step 0's window (set by the builder)
+        self.last_body: Optional[tuple[Any, list[int]]] = None  # (the body's output, input_ids at launch)
 
     # ---- what the engine derived ----
     @property
@@ -92,6 +100,7 @@ class RunnerHandle:
         buffer it was given and the rows the logits processor would feed lm_head, and stops.
         """
         self._body = None
+        self._bodies[bs] = run_once
         DP_CALLS.clear()
         try:
             run_once()
@@ -101,8 +110,11 @@ class RunnerHandle:
             raise EngineAdapterError(f"sglang {self.engine.version}: the {self.kind} runner's capture body for bucket {bs} never called the model")
         self._record_capture(bs)
 
-    def on_model_forward(self, fb: Any) -> None:
-        """The body called the model: the batch, the DP buffer and the gathered gpu tensors are what the graph bakes."""
+    def on_model_forward(self, fb: Any) -> Any:
+        """The body called the model: at capture, the batch, the DP buffer and the gathered gpu tensors are
+        what the graph bakes (and the body stops); at a replay that drives the body, the stand-in model's output."""
+        if self._replaying:
+            return self._stand_in_output(fb)
         if not DP_CALLS:
             raise EngineAdapterError(f"sglang {self.engine.version}: the {self.kind} step body called the model without set_dp_buffer_len")
         buf = self._buffers()
@@ -137,16 +149,48 @@ class RunnerHandle:
 
     def _rows_fed_to_lm_head(self, fb: Any) -> int:
         """Rows the engine's logits processor would give lm_head for this batch: its own row selection."""
+        return int(self._pruned_states(fb, torch.zeros(int(fb.input_ids.shape[0]), 1)).shape[0])
+
+    def _pruned_states(self, fb: Any, hidden: torch.Tensor) -> torch.Tensor:
+        """The hidden rows the engine's logits processor hands lm_head (LogitsProcessor._get_pruned_states)."""
         lp = self.engine.modules["logits"]
         meta = lp.LogitsMetadata.from_forward_batch(fb)
-        hidden = torch.zeros(int(fb.input_ids.shape[0]), 1)
         if not hasattr(lp.LogitsProcessor, "_get_pruned_states"):
             # before 0.5.10 the selection is inline in forward(), whose branch for this mode feeds every hidden row
             if not meta.forward_mode.is_draft_extend_v2():
                 raise EngineAdapterError(f"sglang {self.engine.version}: the capture batch is not DRAFT_EXTEND_V2 and the logits processor has no _get_pruned_states")
-            return int(hidden.shape[0])
-        pruned = lp.LogitsProcessor._get_pruned_states(Strict("LogitsProcessor"), hidden, None, None, meta)[0]
-        return int(pruned.shape[0])
+            return hidden
+        return lp.LogitsProcessor._get_pruned_states(Strict("LogitsProcessor"), hidden, None, None, meta)[0]
+
+    def _stand_in_output(self, fb: Any) -> Any:
+        """The stand-in model's output (after_model.py) for the batch the graph reads, through the engine's own row selection."""
+        hidden = hidden_rows(fb.input_ids, self.cfg.hidden_size)
+        logits = lm_head(self._pruned_states(fb, hidden))
+        buf = getattr(fb, "next_token_logits_buffer", None)
+        if buf is not None and tuple(buf.shape) == tuple(logits.shape):
+            buf.copy_(logits)  # the logits processor writes into the graph's logits buffer
+            logits = buf
+        return self.engine.modules["logits"].LogitsProcessorOutput(next_token_logits=logits, hidden_states=hidden)
+
+    def run_body(self, bs: int) -> Any:
+        """Run the captured step body again on the static buffers, as the graph's replay would, with the stand-in model."""
+        run_once = self._bodies.get(bs)
+        if run_once is None:
+            raise EngineAdapterError(f"sglang {self.engine.version}: the {self.kind} runner replayed bucket {bs} with no captured body")
+        mod = self.engine.modules["ml" if self.kind == "multi_layer" else "sl"]
+        ctx = contextlib.nullcontext()
+        if hasattr(mod, "forward_context") and hasattr(mod, "ForwardContext"):
+            ctx = mod.forward_context(mod.ForwardContext(attn_backend=self.attn))  # get_req_to_token_pool() reads it
+        self._replaying = True
+        try:
+            with ctx:
+                ret = run_once()
+        finally:
+            self._replaying = False
+            DP_CALLS.clear()
+        if ret is None:
+            raise EngineAdapterError(f"sglang {self.engine.version}: the {self.kind} runner's step body returned nothing")
+        return ret
 
     def capture_all(self) -> None:
         """Every bucket, largest first, through the engine's capture path, stopping before the graph."""
@@ -196,6 +240,12 @@ class RunnerHandle:
         self.snapshots.append(Snapshot(bs, tolist(g), tolist(buf.global_num_tokens_for_logprob_gpu),
                                        None if g is None else tuple(g.shape), [int(x) for x in buf.seq_lens[:bs].tolist()],
                                        lanes, path, native))
+        self.last_body = None
+        if self.drive_body:
+            ret = self.run_body(bs)
+            self.last_body = (ret, lanes["input_ids"])
+            out = self.runner.output_buffers[bs] if self.engine.generation == "legacy" else self.runner.backend.outputs[bs]
+            _write_outputs(out, ret)
 
     def record(self, live: LiveBatch, returned_rows: Optional[int]) -> tuple[ReplayRecord, Optional[int], list[LaneRecord]]:
         """Turn the last replay's snapshot into our ReplayRecord (plus the rows the engine handed back and its lanes, per fill path)."""
@@ -224,3 +274,26 @@ class RunnerHandle:
             if snap.native is not None:  # the twin's result on the same inputs
                 lanes.append(LaneRecord(self.kind, self.step, "npu", live.raw_bs, snap.bs, self.tokens_per_bs, snap.native))
         return rec, returned_rows, lanes
+
+    def body_record(self, live: LiveBatch, returned_logits: Any) -> Optional[BodyRecord]:
+        """What the last replay's body produced past the model call (None where the body was not driven)."""
+        if self.last_body is None:
+            return None
+        ret, input_ids = self.last_body
+        snap = self.snapshots[-1]
+        topk = getattr(ret, "topk_index", None) if self.kind == "multi_layer" else None
+        returned = [int(x) for x in returned_logits.argmax(dim=-1).tolist()]
+        return BodyRecord(self.kind, self.step, live.raw_bs, snap.bs, self.tokens_per_bs, self.base_width or self.tokens_per_bs,
+                          len(returned) == live.raw_bs and self.tokens_per_bs != 1, returned,
+                          None if topk is None else [int(x) for x in topk[:, 0].tolist()], input_ids or [])
+
+
+def _write_outputs(out: Any, ret: Any) -> None:
+    """Where the graph would leave its results: the captured output buffers, written in place."""
+    for name in ("next_token_logits", "hidden_states", "topk_p", "topk_index"):
+        src, dst = getattr(ret, name, None), getattr(out, name, None)
+        if src is None or dst is None or src is dst:
+            continue
+        rows = min(int(src.shape[0]), int(dst.shape[0]))
+        if tuple(src.shape[1:]) == tuple(dst.shape[1:]):
+            dst[:rows].copy_(src[:rows])
