@@ -32,8 +32,10 @@ class MlpSyncPadding:
     original_num_tokens: int
 
 
-def needs_dp_padding(layout: ParallelLayout) -> bool:
-    return layout.require_mlp_sync and layout.attn_dp_size > 1
+def needs_dp_padding(layout: ParallelLayout, fb: ForwardBatch) -> bool:
+    """Only a batch that carries the gathered token counts is synced: without a gathered
+    buffer (the "neither" branch) every DP rank runs its own MLP on its own tokens."""
+    return layout.require_mlp_sync and layout.attn_dp_size > 1 and fb.global_num_tokens_cpu is not None
 
 
 def prepare_mlp_sync_batch(fb: ForwardBatch, layout: ParallelLayout, dp_tokens: Sequence[int],
@@ -44,7 +46,7 @@ def prepare_mlp_sync_batch(fb: ForwardBatch, layout: ParallelLayout, dp_tokens: 
     for an EXTEND pass of lanes of any length, whose padding is one lane of the missing tokens.
     """
     n, target = fb.num_tokens, max(dp_tokens)
-    if not needs_dp_padding(layout) or target <= n:
+    if not needs_dp_padding(layout, fb) or target <= n:
         return fb, None
     extra = target - n
     if isinstance(fb.spec_info, EagleVerifyInput):
