@@ -30,6 +30,9 @@ from typing import Callable, Optional
 
 import torch
 
+from harness.ranks.simulated import SimulatedWorld
+from harness.scenario import Iteration, RequestSpec, Scenario, materialize, release
+
 DEFAULT_BS = (1, 2, 4, 8, 16, 32, 64)
 PREFIX_LEN = 32
 
@@ -117,7 +120,6 @@ class _Timer:
 
 
 def _bench_backend(comm, backend: str, args, device: torch.device, bs_list: list[int]) -> dict:
-    from harness.scenario import Iteration, RequestSpec, Scenario, materialize, release
     from runners.config import SpecConfig
     from runners.cuda_graph import DraftExtendGraphDriver
     from runners.draft_extend import DraftWorker, draft_extend_step, eager_forward_batch, run_eager
@@ -240,7 +242,6 @@ def _versions() -> dict:
 
 
 def run_bench(args) -> dict:
-    from harness.ranks.simulated import SimulatedWorld
     from runners.parallel.layout import ParallelLayout
 
     if args.device == "auto":

@@ -6,15 +6,20 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
 from harness.case import Case
+from harness.crash import crash_detail, crash_name, crash_verdict
 from harness.errors import OutOfMemory, is_oom
 from harness.execute import RankRun, run_rank
 from harness.props.p1_metadata import check_metadata
 from harness.props.p1_run import check_run_metadata
+from harness.props.p2 import check_padded_lanes
 from harness.props.p3 import check_eager_vs_graph
 from harness.props.p4 import check_cross_layout
+from harness.props.p5_p6 import check_spec_case
+from harness.ranks.launcher import launch
 from harness.ranks.simulated import RankFailure, SimulatedWorld
-from harness.ranks.trace import CollectiveError, CollectiveMismatch, CollectiveTimeout
+from harness.ranks.trace import CollectiveError
 from harness.scenario import Scenario
+from harness.spec_decode import spec_skip_reason
 from harness.verdict import Verdict, merge_verdicts
 
 PROPERTY_ORDER = ("run", "P1", "P2", "P3", "P4", "P5", "P6")  # "run": every rank finished, collectives consistent
@@ -63,51 +68,10 @@ def run_spmd(sc: Scenario, runner: str = "both", single_layer: bool = False, tim
         return SimulatedWorld(sc.layout, timeout_s=timeout_s).run(lambda comm: run_rank(comm, sc, runner=runner, single_layer=single_layer))
     if ranks not in RANKS:
         raise ValueError(f"ranks must be one of {RANKS}, got {ranks!r}")
-    from harness.ranks.launcher import launch
 
     device = "cuda" if ranks == "nccl" else "cpu"
     res = launch(sc.layout, run_rank, sc, runner, single_layer, "auto", device, backend=ranks, timeout_s=timeout_s)
     return list(res.results)
-
-
-def crash_name(err: BaseException) -> str:
-    """The root exception's type name, the same for simulated and real ranks.
-
-    Real ranks: DistributedMismatch -> CollectiveMismatch; DistributedDeadlock (a rank waits
-    for one that returned from fn: the simulated ranks' "returned without calling", a
-    detected desync, nothing slow) -> CollectiveMismatch; any other DistributedTimeout ->
-    CollectiveTimeout (never a kill); DistributedRankFailure -> the failed rank's exception
-    type, read from its traceback.
-    """
-    if isinstance(err, RankFailure):
-        return type(err.root_exception).__name__
-    from harness.ranks.launcher import DistributedDeadlock, DistributedRankFailure
-
-    if isinstance(err, (CollectiveMismatch, DistributedDeadlock)):
-        return "CollectiveMismatch"
-    if isinstance(err, CollectiveTimeout):
-        return "CollectiveTimeout"
-    if isinstance(err, DistributedRankFailure) and err.failures:
-        last = err.failures[min(err.failures)].strip().splitlines()[-1:] or [""]
-        name = last[0].split(":", 1)[0].rsplit(".", 1)[-1].strip()
-        return name if name.isidentifier() else type(err).__name__
-    return type(err).__name__
-
-
-def crash_detail(err: BaseException) -> str:
-    """One line: the error's first line, plus (real ranks) every unfinished rank's state."""
-    head = str(err).splitlines()[0] if str(err) else type(err).__name__
-    states = getattr(err, "states", None) or {}
-    rest = [f"rank {r}: {s}" for r, s in sorted(states.items()) if s != "finished"]
-    return head + (" | " + "; ".join(rest) if rest else "")
-
-
-def _crash_verdict(prop: str, sc: Scenario, err: BaseException) -> Verdict:
-    """A rank failing is a finding (a collective mismatch is a detected desync); `got` names the
-    root exception type so the mutant report can tell a timeout (never a kill) from a crash."""
-    v = Verdict(prop)
-    v.fail("run", "ranks", {"layout": sc.layout.describe()}, "every rank completes", crash_name(err), crash_detail(err))
-    return v
 
 
 FAST_PROPS = ("P1", "P3", "P4")  # one run of the case: the draft-extend runners
@@ -151,7 +115,7 @@ def check_case(
         except (RankFailure, CollectiveError) as err:  # simulated or real ranks
             if is_oom(getattr(err, "root_exception", err), crash_name(err)):  # the machine ran short: no property was judged
                 raise OutOfMemory(f"{case.name}: a rank ran out of memory ({crash_detail(err)})") from err
-            rep.verdicts["run"] = _crash_verdict("run", sc, err)  # P3/P4 can't be judged on a run that didn't finish
+            rep.verdicts["run"] = crash_verdict("run", {"layout": sc.layout.describe()}, err)  # P3/P4 can't be judged on a run that didn't finish
             rep.seconds = time.perf_counter() - t0
             return rep
         if "P1" in props:
@@ -174,8 +138,6 @@ def check_case(
 
 def _check_spec_props(case: Case, spec_props: Sequence[str], rep: CaseReport, say: Callable[[str], None]) -> None:
     # the loop's properties import this module: import them here
-    from harness.spec_decode import spec_skip_reason
-    from harness.spec_props import check_padded_lanes, check_spec_case
 
     why = spec_skip_reason(case)
     if why is not None:

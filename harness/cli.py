@@ -8,35 +8,19 @@ import os
 import sys
 import time
 import traceback
-from pathlib import Path
 from typing import Optional, Sequence
 
 from harness import __version__
-from harness.case import CASES_DIR, CaseError, default_cases, load_case
+from harness.case import CaseError, default_cases, load_case
+from harness.cli_cases import add_cases_dir, cases_dir, named_cases
 from harness.cli_ranks import finish, mutant_ctx, quiet, run_command
 from harness.errors import ExitCode, UsageError
 from harness.outcome import KINDS, Tee, classify, emit_error, wants_json
 from harness.ranks.joined import check_world
 
 
-def _cases_dir(args) -> Path:
-    return Path(getattr(args, "cases_dir", None) or CASES_DIR)
-
-
-def _cases(names: Sequence[str], args=None):
-    """The named cases, else every case in --cases-dir (default: the shipped ones); none at all is an error."""
-    d = _cases_dir(args)
-    if names:
-        return [load_case(n, d) for n in names]
-    cases = default_cases(d)
-    if not cases:
-        where = f"{d} (no such directory)" if not d.is_dir() else f"{d} (no *.toml in it)"
-        raise UsageError(f"no cases: looked in {where}; name case files, or pass --cases-dir DIR")
-    return cases
-
-
 def cmd_list(args) -> int:
-    cases = _cases(args.cases, args)
+    cases = named_cases(args.cases, args)
     if args.json:
         print(json.dumps([{"case": c.name, "layout": c.layout.describe(), "branch": c.layout.branch.value, "world_size": c.layout.world_size,
                            "description": c.description, "path": c.path} for c in cases], indent=2))
@@ -55,7 +39,7 @@ def cmd_check(args) -> int:
         require_sim_for_spec_props(props, args.ranks)  # before any case runs
     except ValueError as e:
         raise UsageError(f"harness check: {e}") from None
-    cases = _cases(args.cases, args)
+    cases = named_cases(args.cases, args)
     check_world([(c.name, c.layout) for c in cases])  # launched ranks: each case needs exactly that many
     reports = []
     t0 = time.perf_counter()
@@ -83,7 +67,7 @@ def cmd_check(args) -> int:
 def cmd_replay(args) -> int:
     from harness.replay import format_table, replay_case
 
-    case = load_case(args.case, _cases_dir(args))
+    case = load_case(args.case, cases_dir(args))
     with mutant_ctx(args.mutant):
         progress = None if args.json else (lambda msg: print(f"... {msg}", file=sys.stderr, flush=True))
         rep = replay_case(case, step=args.step, rank=args.rank, progress=progress, ranks=args.ranks, runner=args.runner)
@@ -154,60 +138,6 @@ def cmd_mutants(args) -> int:
     return 1 if bad else 0
 
 
-def _golden_dir(args):
-    from harness.golden import GOLDEN_DIR
-
-    return args.golden_dir or GOLDEN_DIR
-
-
-def cmd_golden_record(args) -> int:
-    from harness.golden import iter_cases, record_golden, refuse_under_xdist
-
-    refuse_under_xdist(_golden_dir(args))
-    cases = iter_cases(args.cases, args.all, _cases_dir(args))
-    t0 = time.perf_counter()
-    changed = 0
-    for i, case in enumerate(cases, 1):
-        print(f"[{i}/{len(cases)}] recording {case.name} ({case.layout.describe()})", file=sys.stderr, flush=True)
-        res = record_golden(case, _golden_dir(args))
-        changed += res.status != "unchanged"
-        print(res.format(), flush=True)
-    print(f"{len(cases)} golden(s): {changed} written, {len(cases) - changed} unchanged in {time.perf_counter() - t0:.1f}s")
-    return 0
-
-
-def cmd_golden_check(args) -> int:
-    from harness.golden import GoldenError, GoldenFormatError, check_golden
-
-    cases = _cases(args.cases, args)
-    t0 = time.perf_counter()
-    results, failed = [], 0
-    for i, case in enumerate(cases, 1):
-        t = time.perf_counter()
-        try:
-            with mutant_ctx(args.mutant):
-                cmp = check_golden(case, _golden_dir(args))
-            ok, text, data = cmp.ok, cmp.format(limit=args.limit), cmp.to_json()
-        except GoldenFormatError:
-            raise  # a malformed golden is bad input (exit 2), not a difference
-        except GoldenError as e:
-            ok, text, data = False, f"{case.name}: {e}", {"case": case.name, "ok": False, "error": str(e)}
-        failed += not ok
-        data["seconds"] = round(time.perf_counter() - t, 3)
-        results.append(data)
-        if not args.json:
-            head, _, rest = text.partition("\n")
-            print(f"[{i}/{len(cases)}] {'PASS' if ok else 'FAIL'} {head}  {data['seconds']:.1f}s", flush=True)
-            if rest:
-                print(rest, flush=True)
-    total = time.perf_counter() - t0
-    if args.json:
-        print(json.dumps({"ok": not failed, "seconds": round(total, 2), "cases": results}, indent=2, default=str))
-    else:
-        print(f"{len(cases) - failed} passed, {failed} failed in {total:.1f}s")
-    return 1 if failed else 0
-
-
 def cmd_new_case(args) -> int:
     from harness.case_template import coverage, new_case, parse_batches
     from runners.config import SpecConfig
@@ -235,9 +165,10 @@ def cmd_new_case(args) -> int:
     print(f"  schedule {[list(b) for b in case.schedule]}  (per iteration, each DP group's raw bs; 0 = idle)")
     print(f"  same branch and tp/dp already in: {', '.join(others) if others else 'none: this is new coverage'}")
     if args.record:
-        from harness.golden import record_golden
+        from harness.golden.cli import golden_dir
+        from harness.golden.lifecycle import record_golden
 
-        print(record_golden(case, _golden_dir(args)).format())
+        print(record_golden(case, golden_dir(args)).format())
         print(f"next: harness check {args.name}, then commit {show(path)} with golden/{args.name}.npz and golden/{args.name}.json")
     else:
         print(f"next: harness check {args.name}  then  harness golden record {args.name}")
@@ -256,10 +187,6 @@ def _add_ranks(s: argparse.ArgumentParser) -> None:
                    help="simulated ranks (threads), or real ones: a process per rank over gloo (CPU) or nccl (a GPU per rank)")
 
 
-def _add_cases_dir(s: argparse.ArgumentParser) -> None:
-    s.add_argument("--cases-dir", metavar="DIR", help=f"where case names are looked up and what runs by default (default: {CASES_DIR})")
-
-
 class _Parser(argparse.ArgumentParser):
     """Usage errors become a UsageError, so main() reports them like any bad input (exit 2, JSON under --json)."""
 
@@ -276,7 +203,7 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("list", help="list cases with layout and branch")
     s.add_argument("cases", nargs="*", help="case names or paths (default: every case in cases/)")
     s.add_argument("--json", action="store_true")
-    _add_cases_dir(s)
+    add_cases_dir(s)
     s.set_defaults(func=cmd_list)
 
     s = sub.add_parser("check", help="run the properties over cases (the main job)")
@@ -284,7 +211,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--json", action="store_true")
     s.add_argument("--mutant", help="plant a mutant from the catalog first (see `harness mutants`)")
     _add_ranks(s)
-    _add_cases_dir(s)
+    add_cases_dir(s)
     s.add_argument("--props", default="P1,P3,P4", metavar="LIST",
                    help="properties per case: a comma list of P1,P3,P4 (one run of the runners; the default) and P2,P5,P6 "
                         "(the case's workload through the speculative decoding loop; simulated ranks), or 'all'")
@@ -300,7 +227,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="both: eager vs graph (P3) and each vs TP1 (P4); eager or graph: that runner alone vs the TP1 oracle")
     s.add_argument("--dump", metavar="DIR", help="write every rank's buffers and metadata at the first divergence to DIR (np.load-able .npz)")
     s.add_argument("--json", action="store_true")
-    _add_cases_dir(s)
+    add_cases_dir(s)
     s.set_defaults(func=cmd_replay)
 
     s = sub.add_parser("mutants", help="plant each mutant, run the fast properties, report kills")
@@ -313,23 +240,6 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--timeout", type=float, default=300.0, metavar="S", help="seconds per mutant before it is stopped and reported as an error")
     s.add_argument("--json", action="store_true")
     s.set_defaults(func=cmd_mutants)
-
-    g = sub.add_parser("golden", help="record or check goldens (golden/<case>.npz + .json)")
-    gsub = g.add_subparsers(dest="golden_command", required=True)
-    s = gsub.add_parser("record", help="(re)record goldens atomically and show what changed; never under pytest-xdist")
-    s.add_argument("cases", nargs="*", help="case names or paths")
-    s.add_argument("--all", action="store_true", help="every case in cases/")
-    s.add_argument("--golden-dir", help="where goldens live (default: golden/)")
-    _add_cases_dir(s)
-    s.set_defaults(func=cmd_golden_record)
-    s = gsub.add_parser("check", help="compare fresh runs with the goldens: %% differing, max abs/rel error, first indices, by rank and step")
-    s.add_argument("cases", nargs="*", help="case names or paths (default: every case in cases/)")
-    s.add_argument("--golden-dir", help="where goldens live (default: golden/)")
-    s.add_argument("--limit", type=int, default=12, help="differing keys shown per case (default 12)")
-    s.add_argument("--mutant", help="plant a mutant first (what a regression looks like to the goldens)")
-    s.add_argument("--json", action="store_true")
-    _add_cases_dir(s)
-    s.set_defaults(func=cmd_golden_check)
 
     s = sub.add_parser("new-case", help="write cases/<name>.toml for a parallel config (then: harness golden record <name>)")
     s.add_argument("name", help="case name: the file is cases/<name>.toml, its golden golden/<name>.npz")
@@ -356,8 +266,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(func=cmd_case_schema)
 
     from harness import bench, engine_check
+    from harness.golden import cli as golden_cli
 
     bench.add_parser(sub)
+    golden_cli.add_parser(sub)
     engine_check.add_parser(sub)
     return p
 

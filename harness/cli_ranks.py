@@ -11,13 +11,13 @@ import contextlib
 from typing import Optional
 
 from harness.errors import UsageError
+from harness.mutants import get
 from harness.ranks.joined import current_world, is_follower, join_if_launched
 
 
 def mutant_ctx(mutant_id: Optional[str]):
     if not mutant_id:
         return contextlib.nullcontext()
-    from harness.mutants import get
 
     return get(mutant_id).planted()
 

@@ -23,9 +23,9 @@ from harness.case import Case, load_case
 from harness.layout import all_layouts
 from harness.props.p1_metadata import check_decode_metadata
 from harness.props.p1_records import check_replay_record, check_replay_rows
+from harness.props.p5_p6 import compare_acceptance
 from harness.ranks.simulated import SimulatedWorld
 from harness.spec_decode import ACCEPT_DIR, AcceptanceGoldenError, SpecSession, case_session, load_acceptance_golden
-from harness.spec_props import compare_acceptance
 from harness.tolerances import Tol, eager_vs_graph
 from harness.verdict import Verdict, merge_verdicts
 from runners.attention.torch_ref import TorchAttnBackend

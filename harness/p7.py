@@ -29,8 +29,10 @@ import contextlib
 from typing import Optional, Sequence
 
 from harness.case import seeded_requests
-from harness.checks import crash_detail, crash_name
+from harness.crash import crash_detail, crash_name
 from harness.execute import RankRun, run_rank
+from harness.mutants import get
+from harness.ranks.launcher import launch
 from harness.ranks.simulated import RankFailure, SimulatedWorld
 from harness.ranks.trace import CollectiveCall, CollectiveError
 from harness.scenario import Scenario
@@ -82,7 +84,6 @@ def planted_run_rank(comm, mutant_id: Optional[str], sc: Scenario, runner: str =
     """run_rank with a catalog mutant planted in this rank's process (real ranks are fresh processes)."""
     ctx = contextlib.nullcontext()
     if mutant_id:
-        from harness.mutants import get
 
         ctx = get(mutant_id).planted()
     with ctx:
@@ -96,7 +97,6 @@ def run_with_traces(sc: Scenario, ranks: str = "sim", timeout_s: float = 60.0, r
         world = SimulatedWorld(sc.layout, timeout_s=timeout_s)
         ctx = contextlib.nullcontext()
         if mutant:
-            from harness.mutants import get
 
             ctx = get(mutant).planted()
         with ctx:
@@ -104,7 +104,6 @@ def run_with_traces(sc: Scenario, ranks: str = "sim", timeout_s: float = 60.0, r
         return runs, world.traces
     if ranks not in ("gloo", "nccl"):
         raise ValueError(f"ranks must be sim, gloo or nccl (got {ranks!r})")
-    from harness.ranks.launcher import launch
 
     device = "cuda" if ranks == "nccl" else "cpu"
     res = launch(sc.layout, planted_run_rank, mutant, sc, runner, False, "auto", device, backend=ranks, timeout_s=timeout_s, **launch_kw)

@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 from harness.case import Case
-from harness.checks import PROPERTY_ORDER, CaseReport, _crash_verdict, run_spmd
+from harness.checks import PROPERTY_ORDER, CaseReport, run_spmd
+from harness.crash import crash_verdict
 from harness.execute import RankRun, run_rank
 from harness.props.p1_metadata import check_metadata
 from harness.props.p1_run import check_run_metadata
@@ -109,7 +110,7 @@ def run_case(case: Case, runner: str = "both", ranks: str = "sim", progress: Opt
     try:
         rep.runs = _run_with_progress(case, runner, ranks, say)
     except (RankFailure, CollectiveError) as err:
-        rep.verdicts["run"] = _crash_verdict("run", sc, err)
+        rep.verdicts["run"] = crash_verdict("run", {"layout": sc.layout.describe()}, err)
         rep.seconds = time.perf_counter() - t0
         return rep
     rep.verdicts["P1"].merge(check_run_metadata(sc, rep.runs))

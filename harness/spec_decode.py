@@ -10,15 +10,14 @@
   every verify round and the per-position accept counts. Exact integers; refused when the
   model fingerprint, the alignment, the workload or the spec differ.
 
-    python -m harness.spec_decode record [CASE ...]   # regenerate (serially, never under xdist)
-    python -m harness.spec_decode check  [CASE ...]
+    python -m harness.acceptance record [CASE ...]   # regenerate (serially, never under xdist)
+    python -m harness.acceptance check  [CASE ...]
 """
 from __future__ import annotations
 
 import contextlib
 import json
 import os
-import sys
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -251,7 +250,7 @@ def load_acceptance_golden(case: Case, wl: Optional[Workload] = None) -> dict:
     """The case's golden, or AcceptanceGoldenError naming what is missing or differs."""
     path = golden_path(case.name)
     if not path.exists():
-        raise AcceptanceGoldenError(f"{path}: no acceptance golden for case {case.name!r}; record it: python -m harness.spec_decode record {case.name}")
+        raise AcceptanceGoldenError(f"{path}: no acceptance golden for case {case.name!r}; record it: python -m harness.acceptance record {case.name}")
     try:
         data = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -288,31 +287,3 @@ def record(names: Sequence[str] = GOLDEN_CASES, say: Callable[[str], None] = pri
         say(f"{name}: {s['verify_rounds']} verify rounds, mean accept length {s['mean_accept_len']}, per position {s['position_accept_rate']} -> {path}")
         paths.append(path)
     return paths
-
-
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] not in ("record", "check"):
-        print("usage: python -m harness.spec_decode record|check [CASE ...]", file=sys.stderr)
-        return 2
-    names = argv[1:] or list(GOLDEN_CASES)
-    try:
-        if argv[0] == "record":
-            record(names)
-            return 0
-        from harness.spec_props import check_acceptance_case
-
-        bad = 0
-        for name in names:
-            v = check_acceptance_case(load_case(name))
-            print(f"{name}: {v.report()}")
-            bad += not v.ok
-        return 1 if bad else 0
-    except AcceptanceGoldenError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-
-
-if __name__ == "__main__":
-    sys.exit(main())
-

@@ -10,8 +10,11 @@ from typing import Callable
 
 from harness.case import load_case
 from harness.checks import check_case
+from harness.decode_props import probe_draft_decode
 from harness.layout import all_layouts
+from harness.p7 import probe_idle_ranks
 from harness.props.p1_metadata import check_metadata
+from harness.props.spec_probes import SPEC_PROBES
 from harness.verdict import Verdict, merge_verdicts
 from runners.config import SpecConfig
 
@@ -55,24 +58,15 @@ def probe_cases() -> dict[str, Verdict]:
     return out
 
 
-PROBES: list[tuple[str, Probe]] = [("metadata-grid", probe_metadata_grid), ("cases", probe_cases)]
+# Every probe, in the order a mutant without a probe list runs them (the costly ones moved last):
+# P1 metadata grid, P1/P3/P4 cases, P7 idle ranks, P2/P5/P6/P8 over the loop, the draft decode.
+PROBES: list[tuple[str, Probe]] = [
+    ("metadata-grid", probe_metadata_grid),
+    ("cases", probe_cases),
+    ("p7-idle-ranks", probe_idle_ranks),
+    *SPEC_PROBES,
+    ("draft-decode", probe_draft_decode),
+]
+if len({n for n, _ in PROBES}) != len(PROBES):
+    raise ImportError("two probes share an id: " + ", ".join(n for n, _ in PROBES))
 COSTLY_PROBES = ("cases",)  # run whole cases: a mutant without a probe list runs them after every other probe
-
-
-def register_probe(name: str, probe: Probe) -> None:
-    if any(n == name for n, _ in PROBES):
-        raise ValueError(f"probe {name!r} registered twice")
-    PROBES.append((name, probe))
-
-
-from harness.p7 import probe_idle_ranks  # noqa: E402  (P7 uneven DP load; harness.p7 must not import this module)
-
-register_probe("p7-idle-ranks", probe_idle_ranks)
-
-from harness.spec_props import register_spec_probes  # noqa: E402  (P2/P5/P6/P8 over the speculative decoding loop)
-
-register_spec_probes(register_probe)
-
-from harness.decode_props import probe_draft_decode  # noqa: E402  (P1/P3/P6 over the single-layer draft decode)
-
-register_probe("draft-decode", probe_draft_decode)

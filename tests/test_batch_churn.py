@@ -1,6 +1,6 @@
 """P8 batch churn: a hypothesis state machine adds, finishes, preempts and resumes requests
 across bucket boundaries with eager and graph engines side by side; the invariants of
-`harness.spec_props.ChurnPair` (KV bookkeeping, scheduler state, tokens, accept lengths, draft
+`harness.props.p8.ChurnPair` (KV bookkeeping, scheduler state, tokens, accept lengths, draft
 outputs, live KV, lossless output) are checked after every step. Plus the fixed-script probe and
 the mutants P8 kills."""
 import pytest
@@ -9,7 +9,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from harness import mutants
-from harness.spec_props import CHURN_RUNS, CHURN_SPEC, ChurnPair, run_churn_script
+from harness.props.p8 import ChurnPair
+from harness.props.spec_probes import CHURN_RUNS, CHURN_SPEC, run_churn_script
 from runners.config import SpecConfig
 from runners.parallel.layout import ParallelLayout as PL
 

@@ -18,7 +18,8 @@ import torch
 
 from harness import cli
 from harness.case import load_case
-from harness.checks import check_case, crash_name, run_spmd
+from harness.checks import check_case, run_spmd
+from harness.crash import crash_name
 from harness.mutant_run import _is_timeout
 from harness.p7 import (
     MLP_TP2_DP2,

@@ -7,6 +7,7 @@ import torch
 
 from harness import mutants, spec_decode
 from harness.case import load_case
+from harness.props.p5_p6 import check_agreeing_draft, check_lossless, check_spec_case
 from harness.spec_decode import (
     GOLDEN_CASES,
     AcceptanceGoldenError,
@@ -17,7 +18,6 @@ from harness.spec_decode import (
     position_accepts,
     run_workload,
 )
-from harness.spec_props import check_agreeing_draft, check_lossless, check_spec_case
 from runners.config import SpecConfig
 from runners.memory import ReqToTokenPool
 from runners.parallel.layout import ParallelLayout as PL

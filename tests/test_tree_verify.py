@@ -15,8 +15,9 @@ if "triton" not in sys.modules and not torch.cuda.is_available():
 
 from harness import mutants, spec_decode  # noqa: E402
 from harness.case import load_case  # noqa: E402
+from harness.props.p2 import check_padded_lanes  # noqa: E402
+from harness.props.p5_p6 import check_lossless, check_spec_case  # noqa: E402
 from harness.ranks.simulated import RankFailure, SimulatedWorld  # noqa: E402
-from harness.spec_props import check_lossless, check_padded_lanes, check_spec_case  # noqa: E402
 from runners.attention import BACKENDS  # noqa: E402
 from runners.attention.flashinfer_backend import TREE_MASK_UNSUPPORTED  # noqa: E402
 from runners.config import ModelConfig, SpecConfig  # noqa: E402

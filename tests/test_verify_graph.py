@@ -7,9 +7,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from harness import mutants
 from harness.case import load_case
 from harness.props.p1_metadata import check_metadata
+from harness.props.p5_p6 import check_spec_case
 from harness.ranks.simulated import SimulatedWorld
 from harness.spec_decode import SpecSession, Workload, run_workload
-from harness.spec_props import check_spec_case
 from harness.verdict import Verdict
 from harness.verify_props import VerifyShadow
 from runners.config import ModelConfig, SpecConfig

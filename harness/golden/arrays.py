@@ -7,6 +7,7 @@ import numpy as np
 import torch
 
 from harness.case import GOLDEN_FLOAT_FIELDS, Case
+from harness.checks import run_spmd
 from harness.execute import RankRun
 from harness.golden.base import INT_FIELDS, META_FIELDS
 from runners.cuda_graph import ReplayRecord
@@ -83,7 +84,6 @@ def collect(case: Case, runs: Sequence[RankRun]) -> dict[str, np.ndarray]:
 
 
 def run_for_golden(case: Case, ranks: str = "sim") -> list[RankRun]:
-    from harness.checks import run_spmd
 
     return run_spmd(case.scenario, runner="graph", ranks=ranks)
 

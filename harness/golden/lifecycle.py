@@ -10,7 +10,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from harness.case import GOLDEN_FLOAT_FIELDS, Case
+from harness.case import GOLDEN_FLOAT_FIELDS, Case, default_cases, load_case
 from harness.execute import RankRun
 from harness.golden.arrays import collect, run_for_golden
 from harness.golden.base import FORMAT, GOLDEN_DIR, META_FIELDS, GoldenError, show
@@ -145,7 +145,6 @@ def record_golden(case: Case, golden_dir: Path = GOLDEN_DIR, runs: Optional[Sequ
 
 
 def iter_cases(names: Sequence[str], all_: bool, cases_dir: Optional[Path] = None) -> list[Case]:
-    from harness.case import default_cases, load_case
 
     if names and all_:
         raise GoldenError("name cases or pass --all, not both")

@@ -11,6 +11,7 @@ import traceback
 from datetime import timedelta
 from typing import Any, Optional
 
+from harness.ranks.distributed import DistComm
 from harness.ranks.heartbeat import write_heartbeat
 from harness.ranks.outcomes import (
     FAIL_EXIT_CODE,
@@ -71,7 +72,6 @@ def child_main(
     import torch
     import torch.distributed as dist
 
-    from harness.ranks.distributed import DistComm
 
     torch.set_num_threads(1)
     comm = None

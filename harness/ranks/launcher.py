@@ -45,6 +45,7 @@ from contextlib import contextmanager
 from typing import Any, Callable, Iterator, Optional
 
 from harness.ranks.child import child_main
+from harness.ranks.gpu_slice import worker_gpus
 from harness.ranks.heartbeat import HEARTBEAT_ENV
 from harness.ranks.joined import current_world
 from harness.ranks.outcomes import (  # noqa: F401 - the launch's outcomes, importable from here
@@ -90,7 +91,6 @@ def _worker_gpus() -> list[int]:
 
     if not torch.cuda.is_available():
         return []
-    from harness.ranks.gpu_slice import worker_gpus
 
     return worker_gpus()
 

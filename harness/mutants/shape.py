@@ -1,7 +1,7 @@
 """Mutants of the draft-extend runners' shape (issue 20 item 4) and of the eager MLP-sync padding (item 5)."""
 from __future__ import annotations
 
-from harness.mutant_base import Mutant
+from harness.mutants.base import Mutant
 from runners import mlp_sync
 from runners.eagle_draft_extend_graph import EagleDraftExtendCudaGraphRunner
 

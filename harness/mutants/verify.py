@@ -12,7 +12,7 @@ from typing import Sequence
 
 import torch
 
-from harness.mutant_base import Mutant
+from harness.mutants.base import Mutant
 from runners import spec_decode, target, verify_graph
 from runners.batch import ForwardBatch
 from runners.verify_graph import TargetVerifyCudaGraphRunner

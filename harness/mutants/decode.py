@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from harness.mutant_base import Mutant
+from harness.mutants.base import Mutant
 from runners import eagle_draft
 from runners.eagle_draft_graph import EAGLEDraftCudaGraphRunner
 

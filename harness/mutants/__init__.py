@@ -1,0 +1,32 @@
+"""The built-in mutant catalog: named, reversible patches of one behaviour each.
+
+A mutant never edits a file: it monkeypatches one method or function of `runners` for
+the duration of a `with mutant.planted():` block. `harness mutants` plants each one in
+a child process, runs the probes that can see it (`probes`, ids from harness.suite.PROBES,
+cheapest first; unset: every probe) and reports which property killed it. A list holds
+every probe that fails with the mutant planted, and the comment beside it which properties
+fail; `harness mutants --all-probes --all-properties --only ID` re-derives it. A property that cannot
+kill any mutant is not shown to work; a mutant no property kills is a hole.
+"""
+from __future__ import annotations
+
+from harness.mutants import decode, draft_extend, memory, recorded_graph, shape, spec_loop, verify, verify_fill
+from harness.mutants.base import Mutant
+
+# one module per family, in the order `harness mutants` lists them
+CATALOG: tuple[Mutant, ...] = (
+    *draft_extend.MUTANTS, *spec_loop.MUTANTS, *memory.MUTANTS, *verify_fill.MUTANTS, *recorded_graph.MUTANTS,
+    *decode.MUTANTS, *shape.MUTANTS, *verify.MUTANTS,
+)
+BY_ID: dict[str, Mutant] = {m.id: m for m in CATALOG}
+if len(BY_ID) != len(CATALOG):
+    raise ImportError("two mutants share an id: " + ", ".join(sorted({m.id for m in CATALOG if sum(x.id == m.id for x in CATALOG) > 1})))
+
+
+def get(mutant_id: str) -> Mutant:
+    if mutant_id not in BY_ID:
+        raise KeyError(f"unknown mutant {mutant_id!r}; known: {', '.join(BY_ID)}")
+    return BY_ID[mutant_id]
+
+
+__all__ = ["BY_ID", "CATALOG", "Mutant", "get"]

@@ -1,0 +1,159 @@
+"""Mutants of the draft-extend graph runners' metadata and of the layout collectives (P1, P3, P4 kill these)."""
+from __future__ import annotations
+
+from unittest import mock
+
+import torch
+
+from harness import execute
+from harness.mutants.base import Mutant
+from runners import model
+from runners.cuda_graph import EagleDraftExtendCudaGraphRunnerBase, MultiLayerEagleDraftExtendCudaGraphRunner
+from runners.parallel.comm import Group
+from runners.parallel.layout import Branch
+
+# ---- the replacements, each a one-line deviation from the real code ----
+
+
+def _seed_get_forward_batch(self: EagleDraftExtendCudaGraphRunnerBase, bs: int):
+    fb = _REAL_ML_GET_FORWARD_BATCH(self, bs)
+    if self.layout.branch is not Branch.ATTN_TP_GATHER:
+        return fb
+    # sglang#26416: the attn-TP-gather branch of the multi-layer runner counted requests
+    fb.global_num_tokens_for_logprob_cpu = [bs]
+    self.global_num_tokens_for_logprob_gpu.fill_(bs)  # baked from the host list
+    return self._keep_capture_record(fb)
+
+
+_REAL_ML_GET_FORWARD_BATCH = MultiLayerEagleDraftExtendCudaGraphRunner.get_forward_batch
+
+
+def _capture_num_tokens_gpu_requests(self: EagleDraftExtendCudaGraphRunnerBase, bs: int) -> torch.Tensor:
+    fb = REAL_GET_FORWARD_BATCH(self, bs)
+    if self.layout.branch is Branch.MLP_TP_GATHER:
+        self.global_num_tokens_gpu.fill_(bs)  # fixed in the replay fill, not at capture
+        self.capture_records[bs].global_num_tokens_gpu = [bs] * self.global_num_tokens_gpu.shape[0]
+    return fb
+
+
+REAL_GET_FORWARD_BATCH = EagleDraftExtendCudaGraphRunnerBase.get_forward_batch
+REAL_RESET = EagleDraftExtendCudaGraphRunnerBase.reset_for_iteration
+
+
+def _reset_without_seq_len_fill(self: EagleDraftExtendCudaGraphRunnerBase, raw_bs: int, accept_lens: torch.Tensor) -> None:
+    saved = self.seq_lens.clone()
+    REAL_RESET(self, raw_bs, accept_lens)
+    self.seq_lens.copy_(saved)  # padded lanes keep the seq_lens of the last, larger batch
+
+
+def _copy_positions_off_by_one(self: EagleDraftExtendCudaGraphRunnerBase, inp) -> None:
+    REAL_COPY(self, inp)
+    raw_n = inp.bs * self.T
+    self.positions[:raw_n].copy_(inp.positions + 1)
+
+
+REAL_COPY = EagleDraftExtendCudaGraphRunnerBase._copy_live_inputs
+
+
+def _bucket_floor(self: EagleDraftExtendCudaGraphRunnerBase, needed: int) -> int:
+    import bisect
+
+    i = bisect.bisect_right(self.capture_bs, needed) - 1  # largest bucket <= needed
+    return self.capture_bs[max(i, 0)]
+
+
+def _o_proj_all_reduce_world(self, x, fb, attn, meta):
+    """The attention all-reduce over the world group instead of attn-TP (DP attention layouts)."""
+    ctx = self.ctx
+    real_all_reduce = ctx.comm.all_reduce
+
+    def wrong(t, group):
+        return real_all_reduce(t, Group.WORLD if group is Group.ATTN_TP and ctx.layout.attn_dp_size > 1 else group)
+
+    with mock.patch.object(ctx.comm, "all_reduce", wrong):
+        return _REAL_LAYER_FORWARD(self, x, fb, attn, meta)
+
+
+_REAL_LAYER_FORWARD = model.DecoderLayer.forward
+
+
+def _dp_scatter_wrong_chunk(ctx, gathered_partial, num_local, sharded):
+    if sharded and ctx.attn_tp_size > 1:
+        gathered_partial = ctx.comm.all_reduce(gathered_partial, Group.ATTN_TP)
+    if sharded:
+        gathered_partial = ctx.comm.all_reduce(gathered_partial, Group.ATTN_DP)
+    dp = ctx.layout.attn_dp_size
+    max_len = gathered_partial.shape[0] // dp
+    d = (ctx.attn_dp_rank + 1) % dp  # another DP group's rows
+    return gathered_partial[d * max_len : (d + 1) * max_len][:num_local]
+
+
+_REAL_MLP_SYNC = execute.mlp_sync_batch_sizes
+
+
+def _mlp_sync_idle_rank_skips(ctx, local_bs, device):
+    """An idle DP rank skips the scheduler's MLP sync (all_gather over attn-DP) and assumes every group idle."""
+    if local_bs == 0 and ctx.layout.require_mlp_sync and ctx.layout.attn_dp_size > 1:
+        return [0] * ctx.layout.attn_dp_size
+    return _REAL_MLP_SYNC(ctx, local_bs, device)
+
+
+MUTANTS: tuple[Mutant, ...] = (
+    Mutant(
+        "sglang-26416",
+        "multi-layer runner, attn-TP-gather branch: get_forward_batch(bs) sets global_num_tokens_for_logprob = [bs] (requests) instead of [bs * num_tokens_per_bs]",
+        "unit: requests vs tokens",
+        ((MultiLayerEagleDraftExtendCudaGraphRunner, "get_forward_batch", _seed_get_forward_batch),),
+        ("metadata-grid", "spec-cases", "cases"),  # P1 (grid, cases), P3/P4 (cases), P6; P2, P7, P8 pass with it planted
+    ),
+    Mutant(
+        "capture-num-tokens-gpu-requests",
+        "MLP-TP-gather branch: global_num_tokens_gpu baked as [bs] per DP rank at capture; only the replay fill writes bs * num_tokens_per_bs",
+        "fixed in replay, not in capture",
+        ((EagleDraftExtendCudaGraphRunnerBase, "get_forward_batch", _capture_num_tokens_gpu_requests),),
+        ("metadata-grid", "cases"),  # P1 only: the replay fill rewrites the value before any forward
+    ),
+    Mutant(
+        "stale-padded-seq-lens",
+        "replay reset skips seq_lens = fill: after the batch shrinks, padded lanes keep the seq_lens of the earlier, larger batch",
+        "stale padded lane after shrink",
+        ((EagleDraftExtendCudaGraphRunnerBase, "reset_for_iteration", _reset_without_seq_len_fill),),
+        ("metadata-grid", "padded-lanes", "cases"),  # P1 (grid, cases), P2
+    ),
+    Mutant(
+        "replay-positions-off-by-one",
+        "replay copies the live positions shifted by one into the static positions buffer",
+        "position off by one",
+        ((EagleDraftExtendCudaGraphRunnerBase, "_copy_live_inputs", _copy_positions_off_by_one),),
+        ("batch-churn", "cases"),  # P8, P3/P4 (cases); the grid runs no model
+    ),
+    Mutant(
+        "bucket-floor",
+        "replay picks the largest captured bs <= raw_bs instead of the smallest >= raw_bs",
+        "padding rule",
+        ((EagleDraftExtendCudaGraphRunnerBase, "_choose_bucket", _bucket_floor),),
+        ("metadata-grid", "p7-idle-ranks", "padded-lanes", "batch-churn", "spec-cases", "cases"),  # every probe replays buckets: P1, P7, and a crash (run) in the others
+    ),
+    Mutant(
+        "attn-allreduce-world-group",
+        "attention o_proj all-reduce over the world group instead of the attn-TP group under DP attention",
+        "collective over the wrong group",
+        ((model.DecoderLayer, "forward", _o_proj_all_reduce_world),),
+        ("p7-idle-ranks", "padded-lanes", "cases"),  # P7, a desync (run) in P2 and cases; needs DP attention with attn_tp > 1 and a model
+    ),
+    Mutant(
+        "dp-scatter-wrong-chunk",
+        "MLP-TP gather: after the MLP each DP group keeps the next DP group's rows (a broken layout gather)",
+        "broken layout gather",
+        ((model, "dp_scatter", _dp_scatter_wrong_chunk),),
+        ("padded-lanes", "batch-churn", "spec-cases", "cases"),  # P2, P8, P5, P3/P4; the grid runs no model, P7 passes
+    ),
+    Mutant(
+        "idle-rank-skips-mlp-sync",
+        "an idle DP rank (no requests) skips the MLP-sync all_gather of batch sizes over the attn-DP group: busy ranks wait in it while the idle rank runs on",
+        "idle DP rank skips a collective",
+        ((execute, "mlp_sync_batch_sizes", _mlp_sync_idle_rank_skips),),
+        ("p7-idle-ranks", "cases"),  # P7, a desync (run) in cases; the other probes pass with it planted
+    ),
+)
+

@@ -1,0 +1,88 @@
+"""Mutants only a graph that replays kernels, not Python, shows (runners.graph_record)."""
+from __future__ import annotations
+
+from unittest import mock
+
+from harness.mutants.base import Mutant
+from harness.mutants.draft_extend import REAL_COPY, REAL_GET_FORWARD_BATCH
+from runners.attention.torch_ref import AttnMetadata, TorchAttnBackend
+from runners.cuda_graph import EagleDraftExtendCudaGraphRunnerBase
+
+# ---- issue 15: bugs only a graph that replays kernels, not Python, shows ----
+# Each body is correct whenever its Python runs with live host state, so a CPU graph that
+# re-ran the body at replay passed them all; the recorded graph (runners.graph_record)
+# freezes host values at capture and refuses host reads, as a CUDA graph does.
+from runners.draft_extend import SEQ_LEN_FILL_VALUE
+from runners.memory import ReqToTokenPool
+
+_REAL_BODY = EagleDraftExtendCudaGraphRunnerBase._body
+_REAL_TORCH_METADATA = TorchAttnBackend.init_forward_metadata
+_REAL_REQ_ALLOC = ReqToTokenPool.alloc
+
+
+def _keys_below(meta: AttnMetadata, kv_len: int) -> AttnMetadata:
+    """Attention over key positions [0, kv_len) only: exact while kv_len >= every live seq_len (the rest is masked)."""
+    return AttnMetadata(meta.token_to_req, meta.kv_slots[:, :kv_len], meta.key_mask[:, :kv_len])
+
+
+def _forward_batch_sets_host_max_seq_len(self: EagleDraftExtendCudaGraphRunnerBase, bs: int):
+    self.host_max_seq_len = SEQ_LEN_FILL_VALUE  # the bucket's batch: every seq_len is the fill value
+    return REAL_GET_FORWARD_BATCH(self, bs)
+
+
+def _copy_sets_host_max_seq_len(self: EagleDraftExtendCudaGraphRunnerBase, inp) -> None:
+    REAL_COPY(self, inp)
+    self.host_max_seq_len = int(inp.seq_lens.max()) if inp.bs else SEQ_LEN_FILL_VALUE  # outside the graph: a legal host read
+
+
+def _body_keys_below_host_max_seq_len(self: EagleDraftExtendCudaGraphRunnerBase, fb):
+    attn, kv_len = self.worker.attn, self.host_max_seq_len  # a runner attribute the body reads on the host
+
+    def metadata(fb):
+        return _keys_below(_REAL_TORCH_METADATA(attn, fb), kv_len)
+
+    with mock.patch.object(attn, "init_forward_metadata", metadata):
+        return _REAL_BODY(self, fb)
+
+
+def _alloc_rebinds_req_to_token(self: ReqToTokenPool) -> int:
+    idx = _REAL_REQ_ALLOC(self)
+    self.req_to_token = self.req_to_token.clone()  # copy-on-write: the new row goes to a new table, not the captured one
+    return idx
+
+
+def _metadata_reads_max_seq_len(self: TorchAttnBackend, fb) -> AttnMetadata:
+    kv_len = int(fb.seq_lens.max()) if fb.seq_lens.numel() else SEQ_LEN_FILL_VALUE  # a device-to-host read in the step body
+    return _keys_below(_REAL_TORCH_METADATA(self, fb), kv_len)
+
+
+MUTANTS: tuple[Mutant, ...] = (
+    Mutant(
+        "kv-len-from-host-attribute",
+        "the draft-extend body limits attention to the keys below a max seq_len the runner keeps on the host (set by "
+        "get_forward_batch, then by each replay's copy-in): correct whenever the body's Python runs, but a graph bakes "
+        "the capture-time value (the fill seq_len), so replays attend one key. A CPU graph that re-ran the body passed it",
+        "host value frozen at capture",
+        (
+            (EagleDraftExtendCudaGraphRunnerBase, "get_forward_batch", _forward_batch_sets_host_max_seq_len),
+            (EagleDraftExtendCudaGraphRunnerBase, "_copy_live_inputs", _copy_sets_host_max_seq_len),
+            (EagleDraftExtendCudaGraphRunnerBase, "_body", _body_keys_below_host_max_seq_len),
+        ),
+    ),
+    Mutant(
+        "req-to-token-rebound",
+        "ReqToTokenPool.alloc copies the request map to a new tensor (copy-on-write) instead of writing the row in "
+        "place: the step body reads worker.req_pool.req_to_token live, so a body re-run sees the new table, but a "
+        "graph keeps the table it captured and replays with stale KV slot rows",
+        "static buffer rebound after capture",
+        ((ReqToTokenPool, "alloc", _alloc_rebinds_req_to_token),),
+    ),
+    Mutant(
+        "attn-metadata-host-sync",
+        "the reference attention's metadata reads max(seq_lens) to the host (int(t), a device sync) to trim the key "
+        "range: exact in eager and in a body re-run, but a CUDA graph capture fails at the read, and so does the CPU "
+        "graph's (GraphCaptureError: the run property, as on a GPU)",
+        "host sync inside capture",
+        ((TorchAttnBackend, "init_forward_metadata", _metadata_reads_max_seq_len),),
+    ),
+)

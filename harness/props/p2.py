@@ -1,0 +1,198 @@
+"""P2 padded lanes: after the replay fill the padded lanes hold canonical values, and poisoning them and every stale region changes no real row and no live KV."""
+
+from typing import Callable
+
+import torch
+
+from harness import verify_props
+from harness.case import Case
+from harness.crash import crash_verdict
+from harness.ranks.simulated import RankFailure
+from harness.spec_decode import (
+    case_session,
+)
+from harness.verdict import Verdict
+from runners.cuda_graph import EagleDraftExtendCudaGraphRunnerBase
+from runners.draft_extend import SEQ_LEN_FILL_VALUE, DraftExtendInputs, StepOutputs
+from runners.memory import PADDING_SLOT
+from runners.spec_decode import SpecEngine
+
+# ----------------------------------------------------------------------------------------
+# P2 padded lanes: canonical values after the replay fill; poisoned replays change nothing real
+# ----------------------------------------------------------------------------------------
+
+NAN = float("nan")
+POS_SENTINEL_FROM_END = 1  # positions poisoned to max_context_len - 1: the body indexes req_to_token and the rotary table with them
+SEQ_SENTINEL = 1 << 30  # seq_lens poisoned far out of range (a mask bound only)
+
+_RUNNER_BUFFERS = ("input_ids", "positions", "out_cache_loc", "seq_lens", "req_pool_indices", "num_correct_drafts",
+                   "num_accept_tokens", "hidden_states", "next_token_logits_buffer")
+
+
+class LanePoison:
+    """Instruments one engine's graph runners (P2). Every replay runs twice from the same state:
+    clean (then the padded lanes are checked against the canonical fill), and with the padded
+    lanes and stale regions poisoned; real rows and live KV must be bit-identical. The clean
+    run's state is what the loop continues with.
+
+    Poison, per buffer: float buffers NaN (hidden_states of padded and unused rows, the whole
+    logits output buffer; every KV slot no live request owns, the padding slot included).
+    Index buffers only computed with get out-of-range sentinels (seq_lens, num_accept_tokens).
+    Index buffers the body dereferences get an in-bounds sentinel that points at poisoned
+    memory (out_cache_loc: a non-live slot; req_pool_indices: row 0, whose entries, like those
+    of every non-live row and the tail of every live row, point at a non-live slot; positions:
+    the last row of req_to_token and of the rotary table; input_ids: vocab_size - 1, the
+    embedding cannot be poisoned). The step
+    body selects with num_correct_drafts and writes next_input_ids at those rows, so padded
+    lanes get stale but in-domain values [0, T-1]: what the engine can leave there.
+    """
+
+    def __init__(self, engine: SpecEngine, verdict: Verdict):
+        self.engine, self.v = engine, verdict
+        self.replays = 0
+        driver = engine.draft.driver
+        if driver is None:
+            raise ValueError("LanePoison needs the graph runner (runner='graph')")
+        for r in driver.runners:
+            r.replay = self._wrap(r, r.replay)
+
+    def _where(self, r: EagleDraftExtendCudaGraphRunnerBase, raw_bs: int, bs: int) -> dict:
+        e = self.engine
+        return {"layout": e.ctx.layout.describe(), "rank": e.ctx.tp_rank, "engine_step": e.steps, "draft_step": r.step, "raw_bs": raw_bs, "bs": bs}
+
+    def _live(self) -> tuple[list[int], list[int], list[int]]:
+        reqs = [q for q in self.engine.sched.running if q.has_kv]
+        return [s for q in reqs for s in q.slots], [q.req_pool_idx for q in reqs], [len(q.slots) for q in reqs]
+
+    def _snap(self, r) -> dict:
+        w = r.worker
+        return {"buf": {b: getattr(r, b).clone() for b in _RUNNER_BUFFERS},
+                "k": [t.clone() for t in w.kv_pool.k], "v": [t.clone() for t in w.kv_pool.v], "rows": w.req_pool.req_to_token.clone()}
+
+    def _restore(self, r, snap: dict) -> None:
+        w = r.worker
+        for b, t in snap["buf"].items():
+            getattr(r, b).copy_(t)
+        for dst, src in zip(w.kv_pool.k + w.kv_pool.v, snap["k"] + snap["v"], strict=True):
+            dst.copy_(src)
+        w.req_pool.req_to_token.copy_(snap["rows"])
+
+    def _wrap(self, r: EagleDraftExtendCudaGraphRunnerBase, replay: Callable):
+        def poisoned_replay(inp: DraftExtendInputs, record: bool = True):
+            s0 = self._snap(r)  # P2 needs the records (the bucket) whatever the driver asked for
+            out_c, rec_c = replay(inp)
+            self._check_canonical(r, inp.bs, rec_c.bs)
+            s1 = self._snap(r)
+            self._restore(r, s0)
+            self._poison(r, inp.bs)
+            out_p, _ = replay(inp)
+            self._compare(r, inp.bs, rec_c.bs, out_c, out_p, s1)
+            self._restore(r, s1)
+            self.replays += 1
+            return out_c, rec_c if record else None
+
+        return poisoned_replay
+
+    def _check_canonical(self, r, raw_bs: int, bs: int) -> None:
+        T, w = r.T, self._where(r, raw_bs, bs)
+        raw_n = raw_bs * T
+        for name, want in (("input_ids", 0), ("positions", 0), ("out_cache_loc", PADDING_SLOT)):
+            tail = getattr(r, name)[raw_n:]
+            self.v.checked += 1
+            bad = (tail != want).nonzero()
+            if bad.numel():
+                row = raw_n + int(bad[0, 0])
+                self.v.fail("canonical", name, {**w, "row": row}, want, int(tail[bad[0, 0]]),
+                            f"padded token row {row} (lane {row // T}) after the replay fill")
+        lanes = (("seq_lens", lambda x: x == SEQ_LEN_FILL_VALUE, SEQ_LEN_FILL_VALUE),
+                 ("num_correct_drafts", lambda x: (x >= 0) & (x < T), f"in [0, {T - 1}]"),
+                 ("num_accept_tokens", lambda x: (x >= 1) & (x <= T), f"in [1, {T}]"),
+                 ("req_pool_indices", lambda x: (x >= 0) & (x < r.worker.req_pool.req_to_token.shape[0]), "a request row"))
+        for name, ok, want in lanes:
+            tail = getattr(r, name)[raw_bs:bs] if name != "seq_lens" else getattr(r, name)[raw_bs:]
+            self.v.checked += 1
+            bad = (~ok(tail)).nonzero()
+            if bad.numel():
+                lane = raw_bs + int(bad[0, 0])
+                self.v.fail("canonical", name, {**w, "lane": lane}, want, int(tail[bad[0, 0]]), f"padded lane {lane} after the replay fill")
+        if r.global_num_tokens_gpu is not None:
+            self.v.expect_equal("canonical", "global_num_tokens_gpu (replay fill)", w, [bs * T] * r.global_num_tokens_gpu.shape[0],
+                                r.global_num_tokens_gpu.tolist())
+
+    def _poison(self, r, raw_bs: int) -> None:
+        T, w = r.T, r.worker
+        raw_n = raw_bs * T
+        live_slots, live_rows, live_lens = self._live()
+        num_slots = w.kv_pool.k[0].shape[0]
+        dead = torch.ones(num_slots, dtype=torch.bool)
+        dead[live_slots] = False
+        poison_slot = int(dead.nonzero().max())
+        for t in w.kv_pool.k + w.kv_pool.v:
+            t[dead] = NAN
+        rows = w.req_pool.req_to_token
+        keep = rows.clone()
+        rows.fill_(poison_slot)
+        for idx, n in zip(live_rows, live_lens, strict=True):
+            rows[idx, :n] = keep[idx, :n]
+        r.hidden_states[raw_n:] = NAN
+        r.next_token_logits_buffer.fill_(NAN)
+        r.input_ids[raw_n:] = w.cfg.vocab_size - 1
+        r.positions[raw_n:] = w.cfg.max_context_len - POS_SENTINEL_FROM_END
+        r.out_cache_loc[raw_n:] = poison_slot
+        r.seq_lens[raw_bs:] = SEQ_SENTINEL
+        r.req_pool_indices[raw_bs:] = 0
+        lanes = torch.arange(raw_bs, r.max_bs)
+        r.num_correct_drafts[raw_bs:] = (lanes * 3 + 1) % T
+        r.num_accept_tokens[raw_bs:] = -1
+
+    def _compare(self, r, raw_bs: int, bs: int, clean: StepOutputs, poisoned: StepOutputs, s1: dict) -> None:
+        w = self._where(r, raw_bs, bs)
+        T = r.T
+        for name, t_c in clean.tensors().items():
+            t_p = getattr(poisoned, name)
+            self.v.checked += 1
+            if torch.equal(t_c, t_p):
+                continue
+            if t_c.dim() == 0:
+                self.v.fail("poison", name, w, int(t_c), int(t_p), "changed by poisoning the padded lanes")
+                continue
+            diff = (t_c != t_p).reshape(t_c.shape[0], -1).any(dim=1).nonzero()
+            row = int(diff[0, 0])
+            unit = f"token row {row} (request lane {row // T})" if t_c.shape[0] == raw_bs * T else f"request lane {row}"
+            nan = bool(t_p[row].isnan().any()) if t_p.is_floating_point() else False
+            self.v.fail("poison", name, {**w, "row": row}, "bit-identical to the clean replay", "NaN (a poisoned value)" if nan else "differs",
+                        f"real {unit} {'read a poisoned value' if nan else 'changed'} when the padded lanes and stale regions were poisoned")
+        live_slots, _, _ = self._live()
+        if not live_slots:
+            return
+        for name, now, ref in (("draft KV (k)", r.worker.kv_pool.k, s1["k"]), ("draft KV (v)", r.worker.kv_pool.v, s1["v"])):
+            for layer, (a, b) in enumerate(zip(now, ref, strict=True)):
+                self.v.checked += 1
+                if not torch.equal(a[live_slots], b[live_slots]):
+                    bad = (a[live_slots] != b[live_slots]).reshape(len(live_slots), -1).any(dim=1).nonzero()
+                    slot = live_slots[int(bad[0, 0])]
+                    self.v.fail("poison", name, {**w, "layer": layer, "slot": slot}, "bit-identical live KV", "differs",
+                                f"live slot {slot} (layer {layer}) was written differently when the padded lanes were poisoned")
+                    return
+
+
+def check_padded_lanes(case: Case, rounds_per_phase: int = 2) -> dict[str, Verdict]:
+    poisons: list[LanePoison] = []  # one per rank, each with its own verdict (ranks are threads)
+    verify: list[verify_props.VerifyPoison] = []  # the TARGET_VERIFY runner's, likewise
+    where, crash = {"case": case.name, "layout": case.layout.describe()}, {}
+    hook = lambda e: (poisons.append(LanePoison(e, Verdict("P2"))), verify_props.install_poison(verify)(e))  # noqa: E731
+    try:
+        case_session(case, "graph", hook=hook, rounds_per_phase=rounds_per_phase)
+    except RankFailure as err:
+        crash = {"run": crash_verdict("run", where, err)}
+    v = Verdict("P2")
+    for p in sorted(poisons + verify, key=lambda p: p.engine.ctx.tp_rank):
+        v.merge(p.v)
+    if crash:
+        return {"P2": v, **crash}
+    for what, ps in (("draft-extend", poisons), ("target verify", verify)):
+        v.checked += 1
+        if not any(p.replays for p in ps):
+            v.fail("replayed", f"{what} graph replays", where, "> 0", 0, f"no {what} replayed a graph: nothing was checked")
+    return {"P2": v}
+

@@ -1,0 +1,169 @@
+"""P8 batch churn: eager and graph engines side by side under adds, finishes, preemptions and resumes; ChurnPair is the state tests/test_batch_churn.py drives."""
+
+
+import torch
+
+from harness.props.outputs import compare_outputs
+from harness.props.p5_p6 import TIE_MARGIN
+from harness.spec_decode import (
+    DEFAULT_MODEL,
+    SpecSession,
+    oracle,
+    request_prompt,
+)
+from harness.tolerances import eager_vs_graph
+from harness.verdict import Verdict
+from runners.config import ModelConfig, SpecConfig
+from runners.parallel.layout import ParallelLayout
+
+# ----------------------------------------------------------------------------------------
+# P8 batch churn: eager and graph side by side
+# ----------------------------------------------------------------------------------------
+
+
+class ChurnPair:
+    """Eager and graph engines on one layout fed the same commands; `check()` after every step.
+
+    Commands queue up and reach both sessions with the next step (requests arrive, finish and
+    are preempted between scheduler iterations). `running`/`waiting` mirror the scheduler so
+    rules can pick valid targets; natural finishes are read back after each step.
+    """
+
+    def __init__(self, layout: ParallelLayout, spec: SpecConfig, model: ModelConfig = DEFAULT_MODEL, seed: int = 0):
+        self.layout, self.spec, self.model, self.seed = layout, spec, model, seed
+        self.eager = SpecSession(layout, spec, model, runner="eager")
+        self.graph = SpecSession(layout, spec, model, runner="graph")
+        self.v = Verdict("P8")
+        self.pending: list[tuple] = []
+        self.next_rid = 0
+        dp = layout.attn_dp_size
+        self.running: list[list[int]] = [[] for _ in range(dp)]
+        self.waiting: list[list[int]] = [[] for _ in range(dp)]
+        self.diverged: set[int] = set()  # requests whose eager/graph drafts split at a near-tie
+        self.tol = eager_vs_graph("cpu", model.dtype)
+        self._oracle: dict[int, object] = {}
+        self.steps = 0
+
+    # ---- rules ----
+    def room(self, d: int) -> int:
+        return self.spec.max_running_requests - len(self.running[d])
+
+    def add(self, d: int, k: int) -> None:
+        for _ in range(min(k, self.room(d))):
+            prompt, max_new = request_prompt(self.seed, self.next_rid, self.model.vocab_size)
+            self.pending.append(("add", self.next_rid, prompt, max_new, d))
+            self.running[d].append(self.next_rid)
+            self.next_rid += 1
+
+    def finish(self, d: int, i: int) -> None:
+        if self.running[d]:
+            self.pending.append(("finish", self.running[d].pop(i % len(self.running[d]))))
+
+    def preempt(self, d: int, i: int) -> None:
+        if self.running[d]:
+            rid = self.running[d].pop(i % len(self.running[d]))
+            self.pending.append(("preempt", rid))
+            self.waiting[d].append(rid)
+
+    def resume(self, d: int) -> None:
+        if self.waiting[d] and self.room(d) > 0:
+            rid = self.waiting[d].pop(0)
+            self.pending.append(("resume", rid))
+            self.running[d].append(rid)
+
+    def step(self) -> Verdict:
+        cmds, self.pending = self.pending, []
+        where = {"layout": self.layout.describe(), "step": self.steps}
+        e_rep = self.eager.step(cmds)
+        g_rep = self.graph.step(cmds)
+        self.steps += 1
+        self._check(where, e_rep, g_rep)
+        for d in range(self.layout.attn_dp_size):  # natural finishes
+            self.running[d] = [r.rid for r in self.eager.running(d)]
+        return self.v
+
+    # ---- invariants ----
+    def _check(self, where: dict, e_rep, g_rep) -> None:
+        v = self.v
+        for name, s in (("eager", self.eager), ("graph", self.graph)):
+            for e in s.engines:
+                v.checked += 1
+                for p in e.book.problems(e.sched.running):
+                    v.fail("bookkeeping", "KV slots", {**where, "runner": name, "rank": e.ctx.tp_rank}, "consistent", p)
+        for d in range(self.layout.attn_dp_size):
+            for what, fn in (("running", SpecSession.running), ("waiting", SpecSession.waiting)):
+                v.expect_equal("scheduler", what, {**where, "dp_rank": d}, [r.rid for r in fn(self.eager, d)], [r.rid for r in fn(self.graph, d)])
+        er, gr = self.eager.requests(), self.graph.requests()
+        for d in range(self.layout.attn_dp_size):
+            self._compare_draft(where, d, e_rep[d * self.layout.attn_tp_size], g_rep[d * self.layout.attn_tp_size])
+        for rid in sorted(er.keys() & gr.keys()):
+            if rid in self.diverged:
+                continue
+            a, b = er[rid], gr[rid]
+            w = {**where, "request": rid}
+            v.expect_equal("eager-vs-graph", "tokens", w, a.tokens, b.tokens)
+            v.expect_equal("eager-vs-graph", "accept_lens", w, a.accept_lens, b.accept_lens)
+        self._compare_kv(where, er, gr)
+        self._lossless(where, er)
+
+    def _compare_draft(self, where: dict, d: int, e, g) -> None:
+        if e.extend_rids != g.extend_rids:
+            self.v.expect_equal("eager-vs-graph", "draft-extend batch", {**where, "dp_rank": d}, e.extend_rids, g.extend_rids)
+            return
+        T = self.spec.num_tokens_per_bs
+        for step, (oe, og) in enumerate(zip(e.extend_outs, g.extend_outs, strict=True)):
+            for i, rid in enumerate(e.extend_rids):
+                if rid in self.diverged:
+                    continue
+                sl, rq = slice(i * T, (i + 1) * T), slice(i, i + 1)
+                pick = lambda o, sl=sl, rq=rq: {"logits": o.logits[sl], "hidden": o.hidden[sl], "logprobs": o.logprobs[rq], "topk_p": o.topk_p[rq], "topk_index": o.topk_index[rq]}  # noqa: E731
+                before = len(self.v.failures)
+                same = compare_outputs(self.v, "eager-vs-graph", {**where, "dp_rank": d, "draft_step": step, "request": rid}, pick(oe), pick(og), self.tol)
+                if not same and len(self.v.failures) == before:  # a near-tie of the draft: the two runs may now part
+                    self.diverged.add(rid)
+
+    def _compare_kv(self, where: dict, er, gr) -> None:
+        """Live KV at committed positions: draft and target pools, per rank, eager vs graph."""
+        for ee, ge in zip(self.eager.engines, self.graph.engines, strict=True):
+            for a in ee.sched.running:
+                b = next((x for x in ge.sched.running if x.rid == a.rid), None)
+                if b is None or not a.has_kv or not b.has_kv or a.rid in self.diverged:
+                    continue
+                n = min(len(a.tokens), len(b.tokens)) - 1
+                sa, sb = a.slots[:n], b.slots[:n]
+                pools = [("target", ee.target.kv_pool, ge.target.kv_pool)]
+                if hasattr(ee.draft, "worker"):
+                    pools.append(("draft", ee.draft.worker.kv_pool, ge.draft.worker.kv_pool))
+                for name, pa, pb in pools:
+                    for layer in range(len(pa.k)):
+                        for kind, ta, tb in (("k", pa.k[layer], pb.k[layer]), ("v", pa.v[layer], pb.v[layer])):
+                            self.v.checked += 1
+                            x, y = ta[sa].double(), tb[sb].double()
+                            close = torch.isclose(y, x, rtol=self.tol.rtol, atol=self.tol.atol)
+                            if not bool(close.all()):
+                                pos = int((~close).reshape(n, -1).any(dim=1).nonzero()[0, 0])
+                                self.v.fail("eager-vs-graph", f"{name} KV ({kind})",
+                                            {**where, "rank": ee.ctx.tp_rank, "request": a.rid, "layer": layer, "position": pos},
+                                            "equal within eager-vs-graph tolerance", f"max |diff| {float((x - y).abs().nan_to_num(float('inf')).max()):.3g}",
+                                            f"committed position {pos} of request {a.rid}: eager slot {sa[pos]}, graph slot {sb[pos]}")
+                                return
+
+    def _lossless(self, where: dict, reqs) -> None:
+        new = [r for rid, r in sorted(reqs.items()) if rid not in self._oracle]
+        self._oracle.update(oracle(self.eager, new))
+        for rid, r in sorted(reqs.items()):
+            got, exp = r.tokens[len(r.prompt):], self._oracle[rid]
+            self.v.checked += 1
+            bad = next((i for i, (a, b) in enumerate(zip(got, exp.tokens, strict=False)) if a != b), None)
+            if bad is not None and exp.margins[bad] >= TIE_MARGIN:
+                self.v.fail("lossless", "tokens", {**where, "request": rid, "position": bad}, exp.tokens[bad], got[bad],
+                            "committed token differs from target-only greedy")
+
+    def finish_check(self) -> Verdict:
+        replays = sum(e.draft.driver.stats.replays for e in self.graph.engines)
+        self.v.expect_equal("replayed", "graph replays > 0", {"layout": self.layout.describe()}, True, replays > 0)
+        verify = sum(e.verify_graph.backend.stats.replays for e in self.graph.engines)
+        self.v.expect_equal("replayed", "target verify replays > 0", {"layout": self.layout.describe()}, True, verify > 0)
+        return self.v
+
+

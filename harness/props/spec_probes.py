@@ -1,0 +1,103 @@
+"""The probes that run P2 / P5 / P6 / P8 for `harness mutants` and `harness check --props all`."""
+
+from typing import Callable, Sequence
+
+from harness.case import load_case
+from harness.crash import crash_verdict
+from harness.props.p2 import check_padded_lanes
+from harness.props.p5_p6 import check_agreeing_draft, check_spec_case
+from harness.props.p8 import ChurnPair
+from harness.ranks.simulated import RankFailure
+from harness.spec_decode import (
+    Workload,
+)
+from harness.verdict import Verdict, merge_verdicts
+from runners.config import SpecConfig
+from runners.parallel.layout import ParallelLayout
+
+# ----------------------------------------------------------------------------------------
+# probes for `harness mutants` (each a few seconds on 2 cores)
+# ----------------------------------------------------------------------------------------
+
+PROBE_SPEC_CASES = ("tp1_neither", "tp4_attn_tp_gather", "tp4_neither_topk2", "tp2_page4_shrink", "tp2_page4_tree")
+P2_CASES = ("tp2_shrink", "tp4_dp2_mlp_tp_gather", "tp2_page4_tree")
+CHURN_SPEC = SpecConfig(num_steps=3, topk=1, capture_bs=(1, 2, 4, 8), max_running_requests=8)
+# Fixed schedules crossing every bucket boundary (8 -> 4 -> 2 -> 1 and back) with a preemption;
+# (rule, dp_group, arg). The DP one keeps the groups uneven and idles each group once.
+CHURN_SCRIPT: tuple[tuple, ...] = (
+    ("add", 0, 3), ("step",), ("add", 0, 4), ("step",), ("step",),  # 3 (bucket 4), then 7 (bucket 8)
+    ("finish", 0, 0), ("finish", 0, 0), ("step",),  # 5 in bucket 8: padded lanes 5, 6 held requests now at lanes 3, 4
+    ("finish", 0, 0), ("finish", 0, 1), ("step",),  # 3 in bucket 4: lane 3 stale, its request alive at lane 1
+    ("preempt", 0, 0), ("step",), ("resume", 0), ("add", 0, 3), ("step",),  # 2, then the preempted one back and 6
+    ("finish", 0, 1), ("finish", 0, 1), ("finish", 0, 1), ("step",), ("step",),  # 3 in bucket 4 again
+    ("finish", 0, 0), ("step",), ("add", 0, 1), ("step",),
+)
+CHURN_SCRIPT_DP2: tuple[tuple, ...] = (  # two DP groups, uneven, each idle at some point (MLP-TP gather: one bucket for both)
+    ("add", 0, 3), ("step",), ("add", 0, 4), ("add", 1, 2), ("step",),
+    ("finish", 0, 0), ("finish", 0, 0), ("finish", 1, 0), ("step",),
+    ("finish", 0, 0), ("finish", 0, 1), ("add", 1, 2), ("step",),
+    ("preempt", 0, 0), ("finish", 1, 0), ("step",), ("resume", 0), ("add", 0, 2), ("step",),
+    ("finish", 0, 1), ("finish", 0, 1), ("finish", 1, 0), ("step",), ("finish", 1, 0), ("step",), ("step",),
+)
+CHURN_RUNS = ((ParallelLayout(), CHURN_SCRIPT), (ParallelLayout(tp_size=2, dp_size=2, enable_dp_attention=True), CHURN_SCRIPT_DP2))
+
+
+def run_churn_script(layout: ParallelLayout, script: Sequence[tuple], spec: SpecConfig = CHURN_SPEC) -> dict[str, Verdict]:
+    try:
+        pair = ChurnPair(layout, spec)
+        for name, *args in script:
+            getattr(pair, name)(*args)
+    except RankFailure as err:
+        return {"run": crash_verdict("run", {"layout": layout.describe(), "probe": "P8 churn"}, err)}
+    return {"P8": pair.finish_check()}
+
+
+def _guarded(name: str, fn: Callable[[], dict[str, Verdict]]) -> Callable[[], dict[str, Verdict]]:
+    """A probe never raises: an exception anywhere (a rank, the oracle, the harness) is a "run" failure."""
+
+    def probe() -> dict[str, Verdict]:
+        try:
+            return fn()
+        except Exception as err:  # noqa: BLE001 - reported, never swallowed
+            return {"run": crash_verdict("run", {"probe": name}, err)}
+
+    probe.__name__ = f"probe_{name.replace('-', '_')}"
+    return probe
+
+
+AGREE_RUNS = (  # P5's positive control: plain TP (tree with topk 2) and an MLP-TP-gather DP layout
+    (ParallelLayout(tp_size=2), SpecConfig(num_steps=2, topk=2, capture_bs=(1, 2, 4, 8), max_running_requests=8), Workload(((3,), (5,), (2,)), 2)),
+    (ParallelLayout(tp_size=2, dp_size=2, enable_dp_attention=True), SpecConfig(num_steps=3, topk=1, capture_bs=(1, 2, 4, 8), max_running_requests=8),
+     Workload(((2, 1), (3, 0), (1, 2)), 2)),
+)
+
+
+def _spec_cases() -> dict[str, Verdict]:
+    """P5 and P6 (graph runner) over the probe cases; the agreeing draft (P5) on two layouts."""
+    out: dict[str, Verdict] = {}
+    for name in PROBE_SPEC_CASES:
+        merge_verdicts(out, check_spec_case(load_case(name), runners=("graph",)))
+    for layout, spec, wl in AGREE_RUNS:
+        merge_verdicts(out, check_agreeing_draft(layout, spec, wl))
+    return out
+
+
+def _padded_lanes() -> dict[str, Verdict]:
+    out: dict[str, Verdict] = {}
+    for name in P2_CASES:
+        merge_verdicts(out, check_padded_lanes(load_case(name)))
+    return out
+
+
+def _churn() -> dict[str, Verdict]:
+    out: dict[str, Verdict] = {}
+    for layout, script in CHURN_RUNS:
+        merge_verdicts(out, run_churn_script(layout, script))
+    return out
+
+
+probe_spec_cases = _guarded("spec-cases", _spec_cases)
+probe_padded_lanes = _guarded("padded-lanes", _padded_lanes)
+probe_churn = _guarded("batch-churn", _churn)
+
+SPEC_PROBES = (("spec-cases", probe_spec_cases), ("padded-lanes", probe_padded_lanes), ("batch-churn", probe_churn))

@@ -1,0 +1,110 @@
+"""House rules a reviewer would otherwise check by hand: no import cycle, no module over 400 lines.
+
+The import graph counts every import of a project module, at any depth of the file (an import
+inside a function that dodges a cycle is still the cycle), and `from package import module`
+as an import of the module.
+"""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = ("harness", "runners")
+MAX_LINES = 400
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for pkg in PACKAGES:
+        for path in sorted((ROOT / pkg).rglob("*.py")):
+            if "_data" in path.parts:
+                continue
+            parts = path.relative_to(ROOT).with_suffix("").parts
+            name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+            out[name] = path
+    return out
+
+
+def _imports(name: str, path: Path, known: set[str]) -> set[str]:
+    """The project modules a module imports (resolving relative imports and `from pkg import mod`)."""
+    is_pkg = path.name == "__init__.py"
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = name.split(".") if is_pkg else name.split(".")[:-1]
+                anchor = anchor[: len(anchor) - (node.level - 1)]
+                base = ".".join(anchor + ([base] if base else []))
+            found.add(base)
+            found.update(f"{base}.{a.name}" for a in node.names)
+    return {m for m in found if m in known and m != name}
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def _package_edges_ok(a: str, b: str) -> bool:
+    """A package's __init__ re-exporting its own modules is not a cycle with them."""
+    return b.startswith(a + ".")
+
+
+def import_graph() -> dict[str, set[str]]:
+    mods = _modules()
+    known = set(mods)
+    return {n: {m for m in _imports(n, p, known) if not _package_edges_ok(n, m)} for n, p in mods.items()}
+
+
+def test_no_import_cycles():
+    cycles = _cycles(import_graph())
+    assert not cycles, "import cycles (every import counts, inside functions too):\n" + "\n".join(" <-> ".join(c) for c in cycles)
+
+
+def test_runners_never_import_harness():
+    graph = import_graph()
+    bad = sorted(f"{n} imports {m}" for n, deps in graph.items() if n.startswith("runners") for m in deps if m.startswith("harness"))
+    assert not bad, "\n".join(bad)
+
+
+@pytest.mark.parametrize("name", sorted(_modules()))
+def test_module_size(name):
+    path = _modules()[name]
+    n = len(path.read_text().splitlines())
+    assert n <= MAX_LINES, f"{path.relative_to(ROOT)} has {n} lines (house limit {MAX_LINES}): split it along its seams"
