@@ -11,13 +11,12 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
 import sys
-import traceback
 from pathlib import Path
 from typing import Optional
 
 from harness.engines.check import REPRESENTATIVE_LAYOUTS, check_engine
+from harness.engines.drive import drive_engine
 from harness.engines.install import (
     EngineSpec,
     InstallError,
@@ -30,7 +29,6 @@ from harness.engines.install import (
 from harness.engines.releases import run_releases
 from harness.engines.report import format_report
 from harness.engines.sglang.config import EngineConfig
-from harness.engines.sglang.errors import EngineAdapterError, MissingEngineAttribute
 from harness.engines.sglang.loader import load
 from harness.engines.vllm.command import main as vllm_main
 from harness.layout import all_layouts
@@ -94,26 +92,8 @@ def main(args) -> int:
     except (FileNotFoundError, ValueError, InstallError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    engine = None
-    try:
-        engine = load(target, deps)
-        if spec.version is not None and engine.version != spec.version:
-            raise EngineAdapterError(f"asked for sglang=={spec.version}, found {engine.version} at {engine.location}")
-        layouts = all_layouts(8) if args.all_layouts else REPRESENTATIVE_LAYOUTS
-        progress = None if args.json else (lambda m: print(f"... {m}", file=sys.stderr, flush=True))
-        cfg = EngineConfig()
-        rep = check_engine(engine, tuple(layouts), cfg, progress)
-    except (EngineAdapterError, MissingEngineAttribute) as e:
-        print(f"error: the engine adapter cannot drive this release: {e}", file=sys.stderr)
-        return 2
-    except Exception as e:  # the engine's own code raised while being driven: not a verdict either way
-        traceback.print_exc()
-        what = engine.describe() if engine is not None else str(spec)
-        print(f"error: driving {what} raised {type(e).__name__}: {e}", file=sys.stderr)
-        return 2
-    if args.json:
-        print(json.dumps(rep.to_json(), indent=2, default=str))
-    else:
-        print(format_report(rep, cfg))
-    return 0 if rep.ok else 1
+    layouts = tuple(all_layouts(8) if args.all_layouts else REPRESENTATIVE_LAYOUTS)
+    cfg = EngineConfig()
+    return drive_engine(spec, lambda: load(target, deps), lambda engine, progress: check_engine(engine, layouts, cfg, progress),
+                        lambda rep: format_report(rep, cfg), args.json)
 

@@ -9,27 +9,13 @@ from __future__ import annotations
 import contextlib
 from typing import Any, Iterator
 
+from harness.engines.drive import Strict as BaseStrict
 from harness.engines.sglang.errors import MissingEngineAttribute, require
 
 
-class Strict:
-    """Attributes given at construction; reading any other raises MissingEngineAttribute naming it."""
-
-    def __init__(self, _name: str, **attrs: Any) -> None:
-        object.__setattr__(self, "_name", _name)
-        for k, v in attrs.items():
-            object.__setattr__(self, k, v)
-
-    def __getattr__(self, name: str) -> Any:
-        if name.startswith("__"):
-            raise AttributeError(name)
-        raise MissingEngineAttribute(
-            f"the engine read {self._name}.{name}, which the engine adapter's stand-in does not provide "
-            f"(a release moved something: add it to harness/engines/sglang/build.py)"
-        )
-
-    def __repr__(self) -> str:
-        return f"<stand-in {self._name}>"
+class Strict(BaseStrict):
+    engine = "the engine"
+    where = "harness/engines/sglang/build.py"
 
 
 def noop(*args: Any, **kwargs: Any) -> None:

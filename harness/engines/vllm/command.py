@@ -6,16 +6,14 @@ not be checked (not installed, or the adapter cannot drive it: the message says 
 """
 from __future__ import annotations
 
-import json
 import sys
 import time
-import traceback
 from dataclasses import asdict
 from pathlib import Path
 from typing import Callable, Optional
 
+from harness.engines.drive import drive_engine
 from harness.engines.install import EngineSpec, InstallError, deps_dir, is_installed
-from harness.engines.sglang.errors import EngineAdapterError, MissingEngineAttribute
 from harness.engines.vllm.checks import NOT_APPLICABLE, check_capture, check_iteration, line_for
 from harness.engines.vllm.config import VllmCheckConfig
 from harness.engines.vllm.drive import RUNNERS, drive_world
@@ -76,20 +74,5 @@ def main(args) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     deps = [Path(args.deps)] if args.deps else [deps_dir(), vllm_deps_dir()]
-    engine = None
-    try:
-        engine = load(target, deps)
-        if spec.version is not None and engine.version != spec.version:
-            raise EngineAdapterError(f"asked for vllm=={spec.version}, found {engine.version} at {engine.location}")
-        progress = None if args.json else (lambda m: print(f"... {m}", file=sys.stderr, flush=True))
-        rep = check_vllm(engine, VllmCheckConfig(), progress)
-    except (EngineAdapterError, MissingEngineAttribute) as e:
-        print(f"error: the engine adapter cannot drive this release: {e}", file=sys.stderr)
-        return 2
-    except Exception as e:  # the engine's own code raised while being driven: not a verdict either way
-        traceback.print_exc()
-        what = engine.describe() if engine is not None else str(spec)
-        print(f"error: driving {what} raised {type(e).__name__}: {e}", file=sys.stderr)
-        return 2
-    print(json.dumps(rep.to_json(), indent=2, default=str) if args.json else format_report(rep))
-    return 0 if rep.ok else 1
+    return drive_engine(spec, lambda: load(target, deps), lambda engine, progress: check_vllm(engine, VllmCheckConfig(), progress),
+                        format_report, args.json)

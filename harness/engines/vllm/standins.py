@@ -19,24 +19,13 @@ from typing import Any, Callable, Iterator, Optional
 
 import torch
 
+from harness.engines.drive import Strict as BaseStrict
 from harness.engines.sglang.errors import MissingEngineAttribute
 
 
-class Strict:
-    """Attributes given at construction; reading any other raises MissingEngineAttribute naming it."""
-
-    def __init__(self, _name: str, **attrs: Any) -> None:
-        object.__setattr__(self, "_name", _name)
-        for k, v in attrs.items():
-            object.__setattr__(self, k, v)
-
-    def __getattr__(self, name: str) -> Any:
-        if name.startswith("__"):
-            raise AttributeError(name)
-        raise MissingEngineAttribute(
-            f"vllm read {self._name}.{name}, which the adapter's stand-in does not provide "
-            f"(a release moved something: add it in harness/engines/vllm/standins.py)"
-        )
+class Strict(BaseStrict):
+    engine = "vllm"
+    where = "harness/engines/vllm/standins.py"
 
 
 def config_standin(vllm_config_cls: type, **attrs: Any) -> Strict:
