@@ -17,7 +17,7 @@ PY=${PYTHON:-python3}
 TESTS=${GPU_TESTS:-tests}            # what pytest -m gpu collects
 PYTEST_ARGS=${GPU_PYTEST_ARGS:-}     # e.g. -k "not case_files"
 T_TESTS=${GPU_TEST_TIMEOUT:-360}
-T_BENCH=${GPU_BENCH_TIMEOUT:-60}
+T_BENCH=${GPU_BENCH_TIMEOUT:-120}  # each bench run: draft-extend table + every runner (harness.bench_runners)
 status=0
 
 if ! $PY -c "import flashinfer" >/dev/null 2>&1; then
