@@ -12,9 +12,10 @@ from dataclasses import asdict
 
 import pytest
 import torch
-from test_gpu import _record  # the GPU report (SPECHARNESS_GPU_REPORT): measured max differences
+from test_gpu import _bench_args, _record  # the GPU report (SPECHARNESS_GPU_REPORT): measured max differences
 
-from harness.bench_runners import RunnerRig, build_rig, rig_spec
+from harness.bench import format_table, run_bench
+from harness.bench_runners import RunnerRig, build_rig, format_runner_table, rig_spec
 from harness.decode_props import _compare_tree
 from harness.properties import _first_bad_row, check_replay_record, check_replay_rows
 from harness.ranks.simulated import SimulatedWorld
@@ -219,3 +220,14 @@ def test_cpu_recorded_graph_agrees_with_the_real_cuda_graph(layout, backend, dty
             else:
                 _compare_rows(v, where, g_sim, g_real, tol)
     assert v.ok, v.first()
+
+
+def test_bench_runner_table_on_cpu():
+    """`harness bench --runners on` on CPU (recorded graphs): a row per bs with every runner and the iteration."""
+    res = run_bench(_bench_args(device="cpu", backend="torch", bs="1,2", replays=2, runners="on"))
+    (b,) = res["runners"]
+    assert [r["bs"] for r in b["rows"]] == [1, 2] and b["graph_kind"] == "sim"
+    for r in b["rows"]:
+        for name in ("extend", "decode", "verify", "iteration"):
+            assert r[f"{name}_eager_ms"] > 0 and r[f"{name}_graph_ms"] > 0
+    assert "every runner" in format_runner_table(res["runners"], res["meta"]) and "CPU SIMULATION" in format_table(res)
