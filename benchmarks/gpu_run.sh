@@ -5,7 +5,8 @@
 # 2. pytest -m gpu (real CUDA graphs, torch/triton/flashinfer, fp32 and bf16) -> $OUT/gpu_tests.log,
 #    the measured max differences -> $OUT/gpu_report.json;
 # 3. harness bench --json: fp32 and bf16 (default model; flashinfer on the head_dim-64 one), fp32 with the head_dim-64
-#    model for every backend -> $OUT/bench.json, bench_bf16.json, bench_hd64.json; the tables in $OUT/bench.txt.
+#    model for every backend -> $OUT/bench.json, bench_bf16.json, bench_hd64.json; the tables in $OUT/bench.txt
+#    (each run also times every runner and the iteration: harness/bench_runners.py).
 # Every stage has its own time limit so one slow stage cannot hide the others' output.
 # GPU_SKIP_BENCH=1 stops after the tests. Exit status: non-zero if any stage failed.
 set -uo pipefail
@@ -17,7 +18,7 @@ PY=${PYTHON:-python3}
 TESTS=${GPU_TESTS:-tests}            # what pytest -m gpu collects
 PYTEST_ARGS=${GPU_PYTEST_ARGS:-}     # e.g. -k "not case_files"
 T_TESTS=${GPU_TEST_TIMEOUT:-360}
-T_BENCH=${GPU_BENCH_TIMEOUT:-60}
+T_BENCH=${GPU_BENCH_TIMEOUT:-120}  # each bench run: draft-extend table + every runner (harness.bench_runners)
 status=0
 
 if ! $PY -c "import flashinfer" >/dev/null 2>&1; then

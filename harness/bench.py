@@ -30,6 +30,7 @@ from typing import Callable, Optional
 
 import torch
 
+from harness.bench_runners import bench_runners_backend, format_runner_table
 from harness.ranks.simulated import SimulatedWorld
 from harness.scenario import Iteration, RequestSpec, Scenario, materialize, release
 
@@ -70,6 +71,8 @@ def add_parser(subparsers) -> None:
     p.add_argument("--model", default="auto", choices=MODEL_CHOICES, help="auto: default for torch/triton, hd64 for flashinfer")
     p.add_argument("--graph", default="auto", choices=("auto", "sim", "cuda"), help="graph backend; auto: cuda on a GPU, sim on CPU")
     p.add_argument("--quick", action="store_true", help="allow --replays below 50 (smoke tests)")
+    p.add_argument("--runners", default="auto", choices=("auto", "on", "off"),
+                   help="also time every runner (draft-extend, draft decode, verify) and the iteration (harness.bench_runners); auto: on a GPU")
     p.set_defaults(func=main)
 
 
@@ -262,6 +265,13 @@ def run_bench(args) -> dict:
     for backend in backends:
         world = SimulatedWorld(ParallelLayout(), timeout_s=3600)
         results.append(world.run(lambda comm, b=backend: _bench_backend(comm, b, args, device, bs_list))[0])
+    runners = []
+    if args.runners == "on" or (args.runners == "auto" and device.type == "cuda"):
+        if args.num_steps < 2:
+            raise SystemExit("error: --runners needs --num-steps >= 2 (the draft decode runs num_steps - 1 forwards)")
+        for backend in backends:
+            world = SimulatedWorld(ParallelLayout(), timeout_s=3600)
+            runners.append(world.run(lambda comm, b=backend: bench_runners_backend(comm, b, args, device, bs_list, _model, _Timer))[0])
     meta = {
         "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({platform.processor() or platform.machine()}, "
@@ -272,7 +282,7 @@ def run_bench(args) -> dict:
         "timing": "CUDA events, median per repetition" if device.type == "cuda" else "perf_counter, median per repetition",
         "versions": _versions(),
     }
-    return {"meta": meta, "backends": results}
+    return {"meta": meta, "backends": results, "runners": runners}
 
 
 def format_table(res: dict) -> str:
@@ -315,6 +325,8 @@ def main(args) -> int:
         print(json.dumps(res, indent=2))
         return 0
     print(format_table(res), flush=True)
+    if res["runners"]:
+        print("\n" + format_runner_table(res["runners"], res["meta"]), flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(res, f, indent=2)

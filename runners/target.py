@@ -21,6 +21,7 @@ from runners.attention.torch_ref import cache_positions, token_to_request
 from runners.batch import EagleVerifyInput, ForwardBatch, ForwardMode
 from runners.config import ModelConfig
 from runners.dp_metadata import gathered_metadata
+from runners.draft_extend import _move_tensors
 from runners.logits import logits_processor
 from runners.memory import ReqToTokenPool, TokenToKVPool, assign_out_cache_loc
 from runners.model import TargetModel, head_shard
@@ -114,6 +115,8 @@ class TargetRunner:
         self.ctx, self.cfg, self.device = ctx, cfg, device
         self.req_pool = req_pool
         self.model = TargetModel(cfg, ctx)
+        if torch.device(device).type != "cpu":
+            _move_tensors(self.model, torch.device(device))  # weights are generated on CPU (same bits everywhere)
         kv_heads = head_shard(cfg, ctx.attn_tp_rank, ctx.attn_tp_size).kv_count
         self.kv_pool = TokenToKVPool(cfg.num_target_layers, num_slots, kv_heads, cfg.head_dim, cfg.torch_dtype, device, page_size)
         self.attn = make_backend(attention_backend, req_pool=req_pool, kv_pool=self.kv_pool)

@@ -107,7 +107,7 @@ def _report(kind: str, case, **extra) -> None:
 
 def _assert_ok(*verdicts: Verdict) -> None:
     for v in verdicts:
-        assert v.ok, f"{v.name}: {v.first()}"
+        assert v.ok, f"{v.prop}: {v.first()}"
 
 
 # ---------------------------------------------------------------------------------------
