@@ -17,7 +17,8 @@ from test_gpu import _bench_args, _record  # the GPU report (SPECHARNESS_GPU_REP
 from harness.bench import format_table, run_bench
 from harness.bench_runners import RunnerRig, build_rig, format_runner_table, rig_spec
 from harness.decode_props import _compare_tree
-from harness.properties import _first_bad_row, check_replay_record, check_replay_rows
+from harness.props.outputs import first_bad_row
+from harness.props.p1_records import check_replay_record, check_replay_rows
 from harness.ranks.simulated import SimulatedWorld
 from harness.scenario import release
 from harness.tolerances import Tol, cross_device, eager_vs_graph
@@ -107,7 +108,7 @@ def _compare_rows(v: Verdict, where: dict, ref: dict, got: dict, tol) -> None:
         if ref[name].shape != got[name].shape:
             v.fail("P3", name, where, tuple(ref[name].shape), tuple(got[name].shape), "shape")
             continue
-        bad = _first_bad_row(ref[name], got[name], tol)
+        bad = first_bad_row(ref[name], got[name], tol)
         if bad is not None:
             v.fail("P3", name, {**where, "row": bad[0]}, "match", f"max |diff| {bad[1]:.3g}", "bitwise" if tol is None else tol.reason)
 
@@ -180,7 +181,7 @@ def _tree_across(v: Verdict, where: dict, ref: dict, got: dict, tol: Tol) -> Non
         for i in range(ref["step_logits"].shape[0]):
             rows = slice(b * k, (b + 1) * k)
             v.checked += 1
-            bad = _first_bad_row(ref["step_logits"][i][rows], got["step_logits"][i][rows], tol)
+            bad = first_bad_row(ref["step_logits"][i][rows], got["step_logits"][i][rows], tol)
             if bad is not None:
                 v.fail("sim-vs-real", "step_logits", {**where, "request": b, "forward": i}, "match", f"max |diff| {bad[1]:.3g}", tol.reason)
                 break
