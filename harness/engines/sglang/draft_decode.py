@@ -44,13 +44,12 @@ def load(engine: Any) -> tuple[Optional[types.ModuleType], str]:
     missing = [n for n in ("execute", "capture_one_shape", "can_run_graph") if cls is None or not hasattr(cls, n)]
     if missing:
         return None, f"its EAGLEDraftCudaGraphRunner has no {', '.join(missing)} (an older graph-runner API the adapter does not drive)"
-    if getattr(mod, "resolve_num_tokens_per_req", None) is None:
-        return None, "the runner sizes its buffers without resolve_num_tokens_per_req (an older API)"
     if not hasattr(mod, "set_dp_buffer_len"):
         return None, "the runner module does not call set_dp_buffer_len"
     if not isinstance(mod.set_dp_buffer_len, types.FunctionType) or not hasattr(mod.set_dp_buffer_len, "__wrapped_engine__"):
         mod.set_dp_buffer_len = recording_set_dp_buffer_len(mod.set_dp_buffer_len)
-    mod.maybe_flashinfer_autotune_speculative_draft = noop
+    if hasattr(mod, "maybe_flashinfer_autotune_speculative_draft"):
+        mod.maybe_flashinfer_autotune_speculative_draft = noop
     return mod, ""
 
 
@@ -68,8 +67,8 @@ class DraftAttn:
         pass
 
     def init_forward_metadata_out_graph(self, forward_batch: Any, in_capture: bool = False, *args: Any, **kwargs: Any) -> None:
-        if not in_capture:
-            self.last_replay_view = forward_batch
+        if not in_capture:  # read now: some releases pass the live batch itself and restore its raw sum after the replay
+            self.last_replay_view = types.SimpleNamespace(seq_lens_sum=forward_batch.seq_lens_sum, batch_size=forward_batch.batch_size)
 
 
 class DecodeGraphBackend:
@@ -126,7 +125,11 @@ class DraftDecodeHandle:
 
     @property
     def tokens_per_bs(self) -> int:
-        return int(self.runner.captured_req_width)
+        r = vars(self.runner)  # captured_req_width from 0.5.16 on (resolve_num_tokens_per_req), num_tokens_per_bs before
+        width = r.get("captured_req_width", r.get("num_tokens_per_bs"))
+        if width is None:
+            raise EngineAdapterError(f"sglang {self.engine.version}: the draft-decode runner has neither captured_req_width nor num_tokens_per_bs")
+        return int(width)
 
     @property
     def capture_bs(self) -> list[int]:
