@@ -31,7 +31,7 @@ REPO = Path(__file__).resolve().parent.parent
 SEED_BUG = "0.5.13.post1"
 FIXED = "0.5.14"
 NEWEST = os.environ.get("SPECHARNESS_SGLANG_NEWEST", "0.5.23")
-TOPK = 1  # topk of EngineConfig: tokens per request in draft decode (DECODE counts bs * topk)
+TOPK = 2  # draft_decode_topk of EngineConfig: tokens per request in draft decode (DECODE counts bs * topk)
 T = 4  # num_draft_tokens of harness.engines.sglang.config.EngineConfig: tokens per request in draft-extend
 
 pytestmark = pytest.mark.timeout(900)

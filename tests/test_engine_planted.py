@@ -186,3 +186,12 @@ def test_draft_decode_replay_fill_without_the_padded_seq_lens_is_caught_on_its_o
     new = _added(_failures(target, PLAIN, ""))
     assert {r for _c, _f, r, _p in new} == {"draft_decode"}, new
     assert {("padding", "padded seq_lens", "draft_decode", ""), ("canonical", "seq_lens", "draft_decode", "")} <= new, new
+
+
+def test_draft_decode_replay_fill_counting_requests_not_tokens_is_caught_on_its_own_lines(newest, tmp_path):
+    # the replay fill gathers bs (requests) where DECODE carries bs * topk tokens: capture baked bs * topk
+    target = _plant(newest, tmp_path / "sglang", DRAFT, "            buffers.global_num_tokens_gpu.fill_(bs * self.captured_req_width)\n",
+                    "            buffers.global_num_tokens_gpu.fill_(bs)\n")
+    new = _added(_failures(target, ATTN_TP, ""))
+    assert {r for _c, _f, r, _p in new} == {"draft_decode"}, new
+    assert {("fill", "global_num_tokens_gpu (replay fill)", "draft_decode", ""), ("I1", "global_num_tokens_gpu", "draft_decode", "")} <= new, new

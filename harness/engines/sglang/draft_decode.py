@@ -12,6 +12,8 @@ captured_req_width) are not driven: `unsupported()` says why, and the report say
 """
 from __future__ import annotations
 
+import contextlib
+import copy
 import importlib
 import types
 import warnings
@@ -103,13 +105,19 @@ class DraftDecodeHandle:
         self._snap: Optional[dict] = None
         step_attn = runners._attn()
         self.attn = DraftAttn(step_attn)
-        mr = runners._model_runner(runners.server_args, step_attn)
-        worker = runners._worker(runners.server_args, [step_attn], [mr])
+        # the draft decode's own top-k: in the server args (read by releases up to 0.5.18) and the runtime context's spec bag
+        sa = copy.copy(runners.server_args)
+        sa.speculative_eagle_topk = self.cfg.draft_decode_topk
+        mr = runners._model_runner(sa, step_attn)
+        worker = runners._worker(sa, [step_attn], [mr])
         vars(worker).update(draft_forward=self._draft_forward, dsa_seed_topk_width=0)
         Runner = mod.EAGLEDraftCudaGraphRunner
         runner = object.__new__(Runner)
         vars(runner)["capture"] = noop  # __init__ ends by capturing every bucket: each is captured below instead
-        with patched(mod, "resolve_decode_backend", lambda r: None, self.engine.version, "the graph backend"):
+        rc = self.engine.modules.get("runtime_context")
+        spec = getattr(rc, "get_spec", None)
+        topk_ctx = spec().override(speculative_eagle_topk=self.cfg.draft_decode_topk) if spec is not None else contextlib.nullcontext()
+        with patched(mod, "resolve_decode_backend", lambda r: None, self.engine.version, "the graph backend"), topk_ctx:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 Runner.__init__(runner, worker, draft_attn_backend=self.attn)
