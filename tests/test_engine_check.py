@@ -88,9 +88,10 @@ def test_fixed_release_passes_with_json():
     rep = json.loads(proc.stdout)
     assert rep["ok"] and rep["version"] == FIXED and rep["summary"]["failures"] == 0
     lines = rep["lines"]
-    # one line per (runner, branch, bucket): every branch, both runners, every step, checked on real records
+    # one line per (runner, branch, bucket): every branch, every runner (the graphed draft decode too), every step, checked on real records
     assert {ln["branch"] for ln in lines} == {"mlp_tp_gather", "attn_tp_gather", "neither"}
-    assert {(ln["runner"], ln["step"]) for ln in lines} == {("multi_layer", 0), ("multi_layer", 1), ("multi_layer", 2), ("single_layer", 0)}
+    assert {(ln["runner"], ln["step"]) for ln in lines} == {("multi_layer", 0), ("multi_layer", 1), ("multi_layer", 2), ("single_layer", 0),
+                                                            ("draft_decode", 0)}
     assert all(ln["checked"] > 0 and ln["raw_bs"] and max(ln["raw_bs"]) == ln["bucket"] for ln in lines)
     attn = [ln for ln in lines if ln["branch"] == "attn_tp_gather"]
     assert {ln["bucket"] for ln in attn if ln["layout"].startswith("tp4-dense_tp1")} == {4, 8, 16}  # multiples of attn_tp_size

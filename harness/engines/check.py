@@ -8,7 +8,8 @@ prepare path for every raw batch size up to each bucket; converts what the engin
 into our records (runners.cuda_graph.CaptureRecord / ReplayRecord) and runs the same P1
 checks our runners pass: I1 capture = replay, I2 rows fed to lm_head = for_logprob, I3
 branch parity, I4 buffer = Σ for_logprob, I5 for_logprob vs num_tokens, I6 single- vs
-multi-layer, and the padding rules.
+multi-layer, and the padding rules. The graphed draft decode (sglang/draft_decode.py) gets
+the same P1 record checks and padded-lane checks, on its own lines (runner draft_decode).
 """
 from __future__ import annotations
 
