@@ -31,6 +31,7 @@ REPO = Path(__file__).resolve().parent.parent
 SEED_BUG = "0.5.13.post1"
 FIXED = "0.5.14"
 NEWEST = os.environ.get("SPECHARNESS_SGLANG_NEWEST", "0.5.23")
+TOPK = 2  # draft_decode_topk of EngineConfig: tokens per request in draft decode (DECODE counts bs * topk)
 T = 4  # num_draft_tokens of harness.engines.sglang.config.EngineConfig: tokens per request in draft-extend
 
 pytestmark = pytest.mark.timeout(900)
@@ -87,9 +88,10 @@ def test_fixed_release_passes_with_json():
     rep = json.loads(proc.stdout)
     assert rep["ok"] and rep["version"] == FIXED and rep["summary"]["failures"] == 0
     lines = rep["lines"]
-    # one line per (runner, branch, bucket): every branch, both runners, every step, checked on real records
+    # one line per (runner, branch, bucket): every branch, every runner (the graphed draft decode too), every step, checked on real records
     assert {ln["branch"] for ln in lines} == {"mlp_tp_gather", "attn_tp_gather", "neither"}
-    assert {(ln["runner"], ln["step"]) for ln in lines} == {("multi_layer", 0), ("multi_layer", 1), ("multi_layer", 2), ("single_layer", 0)}
+    assert {(ln["runner"], ln["step"]) for ln in lines} == {("multi_layer", 0), ("multi_layer", 1), ("multi_layer", 2), ("single_layer", 0),
+                                                            ("draft_decode", 0)}
     assert all(ln["checked"] > 0 and ln["raw_bs"] and max(ln["raw_bs"]) == ln["bucket"] for ln in lines)
     attn = [ln for ln in lines if ln["branch"] == "attn_tp_gather"]
     assert {ln["bucket"] for ln in attn if ln["layout"].startswith("tp4-dense_tp1")} == {4, 8, 16}  # multiples of attn_tp_size
@@ -168,6 +170,19 @@ def test_newest_release_passes_on_the_gpu_path_and_fails_only_the_native_twins_t
     assert all(ln["ok"] for ln in rep["lines"] if ln["runner"] == "single_layer")
     # past the model call: what it cannot reach is said, as a skip, never as a pass
     assert any(why.startswith("I7 ") for why in rep["skipped"]), rep["skipped"]
+
+
+def test_newest_release_draft_decode_runner_is_driven_on_every_layout_and_passes(newest_run):
+    """SGLang's graphed draft decode (EAGLEDraftCudaGraphRunner) gets its own lines: every representative layout, every
+    bucket its capture_bs lists, DECODE's width (topk tokens per request), and nothing said skipped for it."""
+    rep = newest_run["unmodified"]
+    dd = [ln for ln in rep["lines"] if ln["runner"] == "draft_decode"]
+    assert {ln["layout"] for ln in dd} == {ln["layout"] for ln in rep["lines"] if ln["runner"] == "single_layer"}
+    assert len({ln["layout"] for ln in dd}) == 5
+    assert all(ln["ok"] and ln["checked"] > 0 and ln["raw_bs"] for ln in dd), [ln for ln in dd if not ln["ok"]][:1]
+    assert {ln["tokens_per_bs"] for ln in dd} == {TOPK}
+    assert {ln["bucket"] for ln in dd if ln["branch"] == "neither"} == {1, 2, 4, 8, 16}
+    assert not any("draft_decode" in why for why in rep["skipped"]), rep["skipped"]
 
 
 # ----------------------------------------------------------------------------------------

@@ -30,6 +30,7 @@ FIXED = "0.5.14"  # the first release without the seed bug; its step windows gro
 KERNEL = "sglang/kernels/ops/speculative/multi_layer_eagle.py"
 SINGLE = "sglang/srt/speculative/eagle_draft_extend_cuda_graph_runner.py"
 MULTI = "sglang/srt/speculative/multi_layer_eagle_draft_extend_cuda_graph_runner.py"
+DRAFT = "sglang/srt/speculative/eagle_draft_cuda_graph_runner.py"  # the graphed draft decode (EAGLEDraftCudaGraphRunner)
 CHAIN = "sglang/srt/speculative/triton_ops/multi_layer_eagle.py"  # FIXED's assign_new_state kernel: the in-graph draft chain
 ATTN_TP = "ParallelLayout(4, 1, False, 1)"  # attn-TP gather: gathered buffers, one DP rank
 PLAIN = "ParallelLayout(4)"  # neither branch
@@ -174,3 +175,23 @@ def test_single_layer_select_index_bug_is_caught_and_attributed_to_it_though_it_
     assert {r for _c, _f, r, _p in new} == {"single_layer"}, new
     assert {("lanes", "select_index", "single_layer", ""), ("select", "returned logits", "single_layer", ""),
             ("I6", "selected logits", "single_layer", "")} <= new, new
+
+
+# ---- the graphed draft decode ----
+
+
+def test_draft_decode_replay_fill_without_the_padded_seq_lens_is_caught_on_its_own_lines(newest, tmp_path):
+    # the draft-decode runner's replay fill stops resetting seq_lens when it pads: padded lanes keep a larger batch's lengths
+    target = _plant(newest, tmp_path / "sglang", DRAFT, "            buffers.seq_lens.fill_(self.seq_len_fill_value)\n", "            pass\n")
+    new = _added(_failures(target, PLAIN, ""))
+    assert {r for _c, _f, r, _p in new} == {"draft_decode"}, new
+    assert {("padding", "padded seq_lens", "draft_decode", ""), ("canonical", "seq_lens", "draft_decode", "")} <= new, new
+
+
+def test_draft_decode_replay_fill_counting_requests_not_tokens_is_caught_on_its_own_lines(newest, tmp_path):
+    # the replay fill gathers bs (requests) where DECODE carries bs * topk tokens: capture baked bs * topk
+    target = _plant(newest, tmp_path / "sglang", DRAFT, "            buffers.global_num_tokens_gpu.fill_(bs * self.captured_req_width)\n",
+                    "            buffers.global_num_tokens_gpu.fill_(bs)\n")
+    new = _added(_failures(target, ATTN_TP, ""))
+    assert {r for _c, _f, r, _p in new} == {"draft_decode"}, new
+    assert {("fill", "global_num_tokens_gpu (replay fill)", "draft_decode", ""), ("I1", "global_num_tokens_gpu", "draft_decode", "")} <= new, new

@@ -8,7 +8,8 @@ prepare path for every raw batch size up to each bucket; converts what the engin
 into our records (runners.cuda_graph.CaptureRecord / ReplayRecord) and runs the same P1
 checks our runners pass: I1 capture = replay, I2 rows fed to lm_head = for_logprob, I3
 branch parity, I4 buffer = Σ for_logprob, I5 for_logprob vs num_tokens, I6 single- vs
-multi-layer, and the padding rules.
+multi-layer, and the padding rules. The graphed draft decode (sglang/draft_decode.py) gets
+the same P1 record checks and padded-lane checks, on its own lines (runner draft_decode).
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from harness.engines.after_model import check_body, next_token, selected_row, se
 from harness.engines.install import version_key
 from harness.engines.lanes import FILLED_SINCE, LiveBatch, check_lanes, live_batch
 from harness.engines.report import EngineReport, Line
+from harness.engines.sglang import draft_decode
 from harness.engines.sglang.build import EngineRunners
 from harness.engines.sglang.config import EngineConfig
 from harness.engines.sglang.loader import Engine
@@ -91,13 +93,16 @@ def check_engine(engine: Engine, layouts: tuple[ParallelLayout, ...] = REPRESENT
 
     # the buffers whose padded lanes this release's fill writes, per runner (lanes.FILLED_SINCE)
     filled = {kind: frozenset(b for (k, b), since in FILLED_SINCE.items() if k == kind and version_key(since) <= version_key(engine.version))
-              for kind in ("multi_layer", "single_layer")}
+              for kind in ("multi_layer", "single_layer", draft_decode.KIND)}
 
     def line(layout: ParallelLayout, runner: str, step: int, bucket: int) -> Line:
         key = (layout, runner, step, bucket)
         if key not in lines:
             lines[key] = Line(runner, step, layout, bucket)
         return lines[key]
+
+    dd_mod, dd_why = draft_decode.load(engine)
+    skipped = list(SKIPPED) + ([] if dd_mod is not None else [f"draft_decode (EAGLEDraftCudaGraphRunner): n/a: {dd_why}"])
 
     for layout in layouts:
         if progress:
@@ -139,6 +144,9 @@ def check_engine(engine: Engine, layouts: tuple[ParallelLayout, ...] = REPRESENT
                         bodies[(rec.runner, rec.step)] = body
                 _check_selected_parity(bodies, live, functools.partial(line, layout),
                                        {"layout": layout.describe(), "branch": layout.branch.value, "rank": tp_rank, "iteration": it})
+            if dd_mod is not None:
+                _check_draft_decode(draft_decode.DraftDecodeHandle(dd_mod, runners), layout, d, tp_rank, functools.partial(line, layout),
+                                    filled["draft_decode"])
             for h in runners.handles:
                 for bs in h.capture_bs:
                     ln = line(layout, h.kind, h.step, bs)
@@ -168,7 +176,26 @@ def check_engine(engine: Engine, layouts: tuple[ParallelLayout, ...] = REPRESENT
     _check_parity(lines, per_request, layouts, line)
     ordered = sorted(lines.values(), key=lambda ln: (layouts.index(ln.layout), ln.runner != "multi_layer", ln.step, ln.bucket))
     return EngineReport("sglang", engine.version, engine.generation, engine.location, ordered, engine.stubbed, time.perf_counter() - t0,
-                        list(SKIPPED))
+                        skipped)
+
+
+def _check_draft_decode(dd: draft_decode.DraftDecodeHandle, layout: ParallelLayout, d: int, tp_rank: int, line, filled: frozenset[str]) -> None:
+    """P1 and the padded lanes of the engine's graphed draft decode: DECODE counts bs * topk tokens, a logits row each
+    (as runners.eagle_draft_graph, harness.props.p1_metadata's draft-decode check), so for_logprob == num_tokens."""
+    k, cfg, seen = dd.tokens_per_bs, dd.cfg, {}
+    for it, dp_sizes in enumerate(_schedule(layout, dd.capture_bs, d)):
+        raw = dp_sizes[d]
+        needed = max(dp_sizes) if layout.require_mlp_tp_gather else raw
+        live = live_batch(raw, dp_sizes, it, cfg.num_draft_tokens, cfg.max_running_requests)
+        rec, lanes = dd.replay(live)
+        ln = line(draft_decode.KIND, 0, rec.bs)
+        ln.raw_bs.add(raw)
+        ln.ranks.add(tp_rank)
+        ln.tokens_per_bs = k
+        check_replay_record(ln.verdict, layout, rec, tp_rank, it, needed, require_host_lists=False)
+        w = {"layout": layout.describe(), "branch": layout.branch.value, "runner": draft_decode.KIND, "step": 0, "rank": tp_rank,
+             "iteration": it, "raw_bs": raw, "bs": rec.bs}
+        check_lanes(ln.verdict, lanes, live, seen, w, filled)
 
 
 def _check_selected_parity(bodies: dict, live: LiveBatch, line, w: dict) -> None:

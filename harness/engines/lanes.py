@@ -83,6 +83,8 @@ FILLED_SINCE: dict[tuple[str, str], str] = {
     ("single_layer", "req_pool_indices"): "0.5.14",
     ("multi_layer", "seq_lens"): "0", ("multi_layer", "positions"): "0", ("multi_layer", "out_cache_loc"): "0",
     ("multi_layer", "input_ids"): "0", ("multi_layer", "num_accept_tokens"): "0.5.16",
+    # the graphed draft decode's execute() resets seq_lens, positions and req_pool_indices whenever it pads
+    ("draft_decode", "seq_lens"): "0", ("draft_decode", "positions"): "0", ("draft_decode", "req_pool_indices"): "0",
 }
 
 

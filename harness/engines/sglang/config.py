@@ -12,6 +12,9 @@ class EngineConfig:
 
     num_steps: int = 3
     topk: int = 1
+    # the graphed draft decode runs at a wider top-k: DECODE counts bs * topk tokens, so at topk 1 a count of
+    # requests where tokens are meant would be the same number and pass
+    draft_decode_topk: int = 2
     num_draft_tokens: int = 4
     capture_bs: tuple[int, ...] = (1, 2, 4, 8, 16)
     max_running_requests: int = 16
