@@ -22,7 +22,7 @@ from harness.scenario import Scenario
 from harness.spec_decode import spec_skip_reason
 from harness.verdict import Verdict, merge_verdicts
 
-PROPERTY_ORDER = ("run", "P1", "P2", "P3", "P4", "P5", "P6")  # "run": every rank finished, collectives consistent
+REPORT_ORDER = ("run", "P1", "P2", "P3", "P4", "P5", "P6")  # how a case reports: "run" (every rank finished, collectives consistent) first
 
 
 @dataclass
@@ -41,7 +41,7 @@ class CaseReport:
         return all(v.ok for v in self.verdicts.values())
 
     def first_failure(self) -> Optional[tuple[str, str]]:
-        for name in PROPERTY_ORDER:
+        for name in REPORT_ORDER:
             v = self.verdicts.get(name)
             if v is not None and not v.ok:
                 return name, v.first()

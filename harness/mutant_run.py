@@ -36,7 +36,9 @@ from harness.mutants import Mutant
 from harness.suite import COSTLY_PROBES, PROBES, Probe
 from harness.verdict import Verdict, merge_verdicts
 
-PROPERTY_ORDER = ("P1", "P2", "P3", "P4", "P5", "P6", "P7", "P8", "run")  # "run": a rank crashed or desynced
+# Which property a kill is put on: the first that failed in this order; "run" (a rank crashed or
+# desynced) last, so a property that saw the bug itself is named before the crash it caused.
+KILL_ORDER = ("P1", "P2", "P3", "P4", "P5", "P6", "P7", "P8", "run")
 CATALOG_REF = "harness.mutants:CATALOG"  # "module:attribute", resolved in the parent and again in each child
 DEFAULT_TIMEOUT_S = 300.0
 HEARTBEAT_S = 30.0
@@ -74,7 +76,7 @@ def _is_timeout(v: Verdict) -> bool:
 
 
 def _killing(verdicts: dict[str, Verdict]) -> list[str]:
-    return [p for p in PROPERTY_ORDER if p in verdicts and not verdicts[p].ok and not _is_timeout(verdicts[p])]
+    return [p for p in KILL_ORDER if p in verdicts and not verdicts[p].ok and not _is_timeout(verdicts[p])]
 
 
 def load_catalog(ref: str = CATALOG_REF) -> tuple[Mutant, ...]:

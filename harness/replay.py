@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 from harness.case import Case
-from harness.checks import PROPERTY_ORDER, CaseReport, run_spmd
+from harness.checks import REPORT_ORDER, CaseReport, run_spmd
 from harness.crash import crash_verdict
 from harness.execute import RankRun, run_rank
 from harness.props.p1_metadata import check_metadata
@@ -61,7 +61,7 @@ class ReplayReport:
 
     def first_divergence(self) -> Optional[dict]:
         """The first failure in property order; with --rank / --step, the first one at that rank / step if there is one."""
-        failures = [(prop, f) for prop in PROPERTY_ORDER for v in [self.report.verdicts.get(prop)] if v is not None for f in v.failures]
+        failures = [(prop, f) for prop in REPORT_ORDER for v in [self.report.verdicts.get(prop)] if v is not None for f in v.failures]
         if not failures:
             return None
 
