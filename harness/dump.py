@@ -6,14 +6,15 @@ The case is rerun on simulated ranks up to the target iteration, and then, per r
                            inputs.<name>              the live batch this rank got (input_ids, positions, seq_lens, ...)
                            eager.s{k}.<field>         eager outputs of step k (logits, hidden, logprobs, topk_p, topk_index, ...)
                            graph.s{k}.<field>         graph outputs of step k, sliced to the real rows
-                           buffers.s{k}.<name>        step k's graph runner static buffers after its replay, padded lanes included
+                           buffers.s{k}.<name>        the graph runners' static buffers after the iteration, padded lanes included
                            meta.eager.s{k}.<name>     host metadata of the eager ForwardBatch (ints; -1: None)
                            meta.graph.s{k}.<name>     what the replay used: bucket, baked host values, replay fill, rows fed
     DIR/oracle.npz       the TP1 eager oracle of the same iteration (eager.s{k}.<field>, rids)
     DIR/divergence.json  the case, layout, target, the first divergence and, per rank, its requests
 
-Each multi-layer step has its own runner and buffers, so after the iteration every step's
-buffers still hold what its replay saw.
+The multi-layer steps share one input-buffer set (as the engine's multi-step runner does), so
+every step's `buffers.s{k}` holds the iteration's last state: the last step's inputs, and the
+padded lanes as the replay fill left them.
 """
 from __future__ import annotations
 
