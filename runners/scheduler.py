@@ -70,7 +70,6 @@ class KVBook:
         self.allocator = PageAllocator(num_slots, page_size)
         self.page_size = page_size
         self.max_context_len = req_pool.req_to_token.shape[1]
-        self.scratch: dict[int, list[int]] = {}  # scratch row -> pages it holds (tree verification)
 
     def admit(self, req: Request) -> None:
         req.req_pool_idx = self.req_pool.alloc()
@@ -98,40 +97,12 @@ class KVBook:
             self.allocator.release(pages[self.allocator.pages_for(num_positions):])
             del req.slots[num_positions:]
 
-    def replace_slot(self, req: Request, pos: int, slot: int) -> None:
-        """Position `pos` now lives in `slot` (an accepted tree node's KV; page_size 1 only); its old slot is freed."""
-        if self.page_size != 1:
-            raise RuntimeError("tree verification adopts a sibling's slot, which needs page_size 1")
-        self.allocator.release([req.slots[pos]])
-        req.slots[pos] = slot
-        self.req_pool.req_to_token[req.req_pool_idx, pos] = slot
-
     def release(self, req: Request) -> None:
         if req.req_pool_idx is None:
             return
         self.allocator.release(pages_of(req.slots, self.page_size))
         self.req_pool.release(req.req_pool_idx)
         req.req_pool_idx, req.slots = None, []
-
-    # ---- scratch rows: a copy of a request's row with one position redirected (tree siblings) ----
-    def scratch_row(self, req: Request, pos: int) -> tuple[int, int]:
-        """A request row for a sibling node at `pos`: the request's slots below pos, a fresh slot at pos (page_size 1)."""
-        if self.page_size != 1:
-            raise RuntimeError("tree verification gives a sibling one fresh slot, which needs page_size 1")
-        idx = self.req_pool.alloc()
-        (slot,) = self.allocator.alloc(1)
-        row = self.req_pool.req_to_token
-        row[idx, :pos] = row[req.req_pool_idx, :pos]
-        row[idx, pos] = slot
-        self.scratch[idx] = [slot]
-        return idx, slot
-
-    def drop_scratch(self, keep: set[int] = frozenset()) -> None:
-        """Release every scratch row; pages in `keep` (adopted by a request) stay allocated."""
-        for idx, pages in self.scratch.items():
-            self.allocator.release([p for p in pages if p not in keep])
-            self.req_pool.release(idx)
-        self.scratch.clear()
 
     # ---- invariants (P8) ----
     def problems(self, live: list[Request]) -> list[str]:
