@@ -79,7 +79,7 @@ _MODEL = {f.name: f.type for f in fields(ModelConfig) if f.name not in ("dtype",
 _SCHEDULE = {"batches": list, "max_prefix_len": int, "prefix_lens": list, "accept_lens": list, "rids": list}
 _TOLERANCES = {"eager_vs_graph": dict, "cross_layout": dict, "golden": dict}
 _TOL = {"rtol": float, "atol": float, "reason": str}
-GOLDEN_FLOAT_FIELDS = ("logits", "logprobs", "hidden", "topk_p")  # the float keys a golden stores (harness/golden.py)
+GOLDEN_FLOAT_FIELDS = ("logits", "logprobs", "hidden", "topk_p")  # the float keys a golden stores (harness/golden/)
 NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
 # What one rank's worker holds (runners/draft_extend.py DraftWorker): request pool 128 (index 0 reserved), 4096 KV slots (slot 0 padding).
 MAX_REQUESTS_PER_RANK = 127
