@@ -8,6 +8,8 @@
 #    model for every backend -> $OUT/bench.json, bench_bf16.json, bench_hd64.json; the tables in $OUT/bench.txt
 #    (each run also times every runner and the iteration: harness/bench_runners.py).
 # Every stage has its own time limit so one slow stage cannot hide the others' output.
+# GPU_PROFILE=1 also writes $OUT/profile.txt after the bench (benchmarks/profile_iter.py: host vs device time of a
+# graphed iteration per backend, torch.profiler's ops by self CPU time).
 # GPU_SKIP_BENCH=1 stops after the tests. Exit status: non-zero if any stage failed.
 set -uo pipefail
 OUT=${OUT:-out}
@@ -57,6 +59,9 @@ timeout "$T_BENCH" $PY -m harness.bench --dtype bfloat16 --json "$OUT/bench_bf16
 # the same model (head_dim 64) for every backend, so flashinfer's row compares with the others'
 timeout "$T_BENCH" $PY -m harness.bench --model hd64 --json "$OUT/bench_hd64.json" 2>&1 | tee -a "$OUT/bench.txt" || status=1
 echo "bench: $(( $(date +%s) - start )) s" | tee -a "$OUT/bench.txt"
+if [ -n "${GPU_PROFILE:-}" ]; then
+  timeout "$T_BENCH" $PY benchmarks/profile_iter.py > "$OUT/profile.txt" 2>&1 || status=1
+fi
 
 if [ -d "$FLASHINFER_WORKSPACE_BASE/.cache" ]; then
   tar -czf "$OUT/fi_ws.tgz" -C "$FLASHINFER_WORKSPACE_BASE" .cache 2>/dev/null

@@ -3,8 +3,8 @@
 For each backend and batch size (every size is a capture bucket, so raw_bs == bucket and
 no lane is padded) it times, after warm-up, the median of >= 50 repetitions of
 - step: one draft-extend step (draft layer 0): `draft_extend_step` eagerly with the live
-  batch's metadata, against one graph replay of the bucket (plus the backend's re-plan
-  before the replay, for flashinfer, since a replay needs it);
+  batch's metadata, against one graph replay of the bucket (for flashinfer plus the host
+  plan that the first step of an iteration needs: `plan_replay`; the later steps reuse it);
 - iter: a whole draft-extend iteration (every draft layer, with the runner's copy-in,
   replay fill and slicing): `run_eager` against `DraftExtendGraphDriver.run`;
 and the capture time of every bucket (warm-ups included), after one eager step has
@@ -192,7 +192,7 @@ def _bench_backend(comm, backend: str, args, device: torch.device, bs_list: list
         runner.reset_for_iteration(bs, inp.accept_lens)
         rec = runner.prepare_replay(inp)
         graph = runner.graphs[rec.bs]
-        replan = getattr(worker.attn, "init_forward_metadata_replay_cuda_graph", None)
+        replan = getattr(worker.attn, "plan_replay", None)
         cap_fb = runner.capture_batches[rec.bs]
 
         def replay_step(graph=graph, cap_fb=cap_fb, replan=replan):
@@ -201,7 +201,7 @@ def _bench_backend(comm, backend: str, args, device: torch.device, bs_list: list
             gb.replay(graph)
 
         graph_step = timer.measure(replay_step, args.replays, args.warmup)
-        # where a re-plan precedes each replay (flashinfer), the replay alone too: the plan is host work
+        # where a plan precedes the replay (flashinfer), the replay alone too: the plan is host work
         replay_only = timer.measure(lambda graph=graph: gb.replay(graph), args.replays, args.warmup) if replan is not None else None
         replay_step()
         timer.sync()
@@ -307,7 +307,7 @@ def format_table(res: dict) -> str:
                          f"{r['graph_iter_recorded_ms']:>9.3f}ms {r['max_abs_diff_logits']:>10.2e}")
         only = [f"bs {r['bs']}: {r['graph_replay_only_ms']:.3f}ms" for r in b["rows"] if r.get("graph_replay_only_ms") is not None]
         if only:
-            lines.append(f"graph step includes the host re-plan before each replay; the replay alone: {', '.join(only)}")
+            lines.append(f"graph step includes the host plan of an iteration's first step; the replay alone: {', '.join(only)}")
         if b.get("graph_ops"):
             ops = "; ".join(f"layer {k}: " + ", ".join(f"bs {bs} {n}" for bs, n in layer.items()) for k, layer in enumerate(b["graph_ops"]))
             lines.append(f"recorded ops per graph: {ops}")

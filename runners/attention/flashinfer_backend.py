@@ -15,7 +15,14 @@ into the wrapper's int workspace), so it can never run inside a graph. As the en
 - before every replay the graph runner calls `init_forward_metadata_replay_cuda_graph(fb)`
   with the bucket's batch, whose tensors hold the live lanes by then: the wrapper is
   re-planned with the live seq_lens / req_pool_indices (flashinfer always splits the KV
-  in CUDA-graph mode, so the replayed grid does not depend on the lengths).
+  in CUDA-graph mode, so the replayed grid does not depend on the lengths);
+- that re-plan is skipped when nothing it reads was written since the wrapper's last plan
+  (`plan_inputs_key`): the multi-layer draft-extend steps of an iteration share one buffer
+  set and one wrapper per bucket, and only the chain inputs change between steps, so the
+  steps' graphs are planned once per iteration, at the first step (the engine stages the
+  metadata once in the multi-step runner's prepare for the same reason). A plan is a host
+  round trip (a device sync, the work partition, its upload), which a per-step plan would
+  pay once per draft layer.
 
 A TARGET_VERIFY batch (its tree mask in `EagleVerifyInput`) is refused: this backend plans a
 causal mask only.
@@ -58,6 +65,9 @@ class _Wrapper:
     kv_indices: torch.Tensor
     last_page_len: torch.Tensor
     plans: int = 0
+    replans_skipped: int = 0
+    plan_key: Optional[tuple] = None  # what the last plan read (plan_inputs_key); None: an eager or warm-up plan
+    plan_refs: tuple = ()  # keeps the keyed tensors alive, so no new tensor can take their storage address
 
 
 @dataclass
@@ -133,17 +143,14 @@ class FlashInferAttnBackend:
         qo = list(fb.extend_seq_lens_cpu) if kind == "prefill" and fb.extend_seq_lens_cpu else [1] * bs
         if len(qo) != bs or sum(qo) != fb.input_ids.shape[0]:
             raise ValueError(f"flashinfer plan: extend lengths {qo} do not cover the batch's {fb.input_ids.shape[0]} tokens")
-        seq = [int(s) for s in fb.seq_lens[:bs].tolist()]
+        seq = [int(s) for s in fb.seq_lens[:bs].tolist()]  # the plan's one device sync
         kv = [max(1, min(max(s, q), self.max_ctx)) for s, q in zip(seq, qo, strict=True)]
         qo_indptr = torch.tensor([0] + _cumsum(qo), dtype=torch.int32)
         kv_indptr = torch.tensor([0] + _cumsum(kv), dtype=torch.int32)
-        rows = self.req_pool.req_to_token[fb.req_pool_indices[:bs]]  # [bs, C]
-        kv_dev = torch.tensor(kv, dtype=torch.int64, device=self.device)
-        mask = torch.arange(self.max_ctx, device=self.device)[None, :] < kv_dev[:, None]
-        kv_indices = rows[mask].to(torch.int32)
+        kv_indices = paged_kv_indices(self.req_pool.req_to_token, fb.req_pool_indices[:bs], kv)
         return _PlanArgs(qo_indptr, kv_indptr, kv_indices, torch.ones(bs, dtype=torch.int32))
 
-    def _plan(self, entry: _Wrapper, args: _PlanArgs, num_qo_heads: int) -> None:
+    def _plan(self, entry: _Wrapper, args: _PlanArgs, num_qo_heads: int, key: Optional[tuple] = None, refs: tuple = ()) -> None:
         common = dict(q_data_type=self.compute_dtype, kv_data_type=self.compute_dtype)
         if entry.kind == "prefill":
             entry.wrapper.plan(
@@ -155,6 +162,7 @@ class FlashInferAttnBackend:
                 args.kv_indptr, args.kv_indices, args.last_page_len, num_qo_heads, self.num_kv_heads, self.head_dim, 1, **common,
             )
         entry.plans += 1
+        entry.plan_key, entry.plan_refs = key, refs
         self.num_qo_heads = num_qo_heads
 
     # ---- the backend interface ----
@@ -175,12 +183,24 @@ class FlashInferAttnBackend:
         return FlashInferMetadata(entry, self._plan_args(fb, kind))
 
     def init_forward_metadata_replay_cuda_graph(self, fb: ForwardBatch) -> None:
-        """Before a replay: re-plan the bucket's wrapper with the live lengths in fb's buffers."""
-        kind = self._kind(fb)
-        entry = self._entry(kind, fb.batch_size)
+        """Before a replay: re-plan the bucket's wrapper with the live lengths in fb's buffers,
+        unless its last plan was a replay plan of the same, unwritten, inputs."""
+        entry = self._entry(self._kind(fb), fb.batch_size)
         if self.num_qo_heads is None:
             raise RuntimeError("flashinfer: replay before any plan (the graph was never warmed up)")
-        self._plan(entry, self._plan_args(fb, kind), self.num_qo_heads)
+        key = plan_inputs_key(fb, self.req_pool.req_to_token, self.num_qo_heads)
+        if key is not None and key == entry.plan_key:
+            entry.replans_skipped += 1
+            return
+        self.plan_replay(fb, key)
+
+    def plan_replay(self, fb: ForwardBatch, key: Optional[tuple] = None) -> None:
+        """Plans the bucket's wrapper for a replay over fb's buffers, whatever its last plan was."""
+        kind = self._kind(fb)
+        if self.num_qo_heads is None:
+            raise RuntimeError("flashinfer: replay before any plan (the graph was never warmed up)")
+        refs = (fb.seq_lens, fb.req_pool_indices, self.req_pool.req_to_token)
+        self._plan(self._entry(kind, fb.batch_size), self._plan_args(fb, kind), self.num_qo_heads, key, refs)
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fb: ForwardBatch, meta: FlashInferMetadata) -> torch.Tensor:
         """q [N, hq, d], k/v [N, hkv, d] (this pass's tokens) -> [N, hq, d]."""
@@ -193,6 +213,44 @@ class FlashInferAttnBackend:
             kc, vc = kc.to(self.compute_dtype), vc.to(self.compute_dtype)
         o = meta.entry.wrapper.run(q.to(self.compute_dtype).contiguous(), (kc.unsqueeze(1), vc.unsqueeze(1)))
         return o.to(q.dtype)
+
+
+def _written(t: torch.Tensor) -> Optional[tuple[int, int]]:
+    """Where a tensor's storage is and how often it was written in place (views share the count)."""
+    try:
+        return t.untyped_storage().data_ptr(), t._version
+    except RuntimeError:  # an inference tensor keeps no version counter: never treat it as unchanged
+        return None
+
+
+def plan_inputs_key(fb: ForwardBatch, req_to_token: torch.Tensor, num_qo_heads: int) -> Optional[tuple]:
+    """What a replay plan reads, by storage and write count: equal keys mean no in-place write
+    (a buffer fill, a copy-in, the scheduler's req_to_token rows) reached those tensors in between.
+
+    The count only sees writes made through torch; a replayed CUDA graph's writes it does not
+    see, so this holds because no captured body writes seq_lens, req_pool_indices or
+    req_to_token (the graphs read them). None: unknown, plan anyway.
+    """
+    parts = (_written(fb.seq_lens), _written(fb.req_pool_indices), _written(req_to_token))
+    if any(p is None for p in parts):
+        return None
+    return (fb.forward_mode, fb.batch_size, tuple(fb.extend_seq_lens_cpu), num_qo_heads, *parts)
+
+
+def paged_kv_indices(req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, kv_lens: list[int]) -> torch.Tensor:
+    """The page-size-1 KV slots of every request, concatenated: req_to_token[row_b, :kv_lens[b]] for each b.
+
+    The lane and offset of every output entry are laid out on the host (the lengths are host
+    values already), so the gather has a size known in advance and needs no device sync.
+    """
+    dev = req_to_token.device
+    lens = torch.tensor(kv_lens, dtype=torch.int64)
+    lane = torch.repeat_interleave(torch.arange(len(kv_lens)), lens)
+    starts = torch.cumsum(lens, 0) - lens
+    offset = torch.arange(int(lens.sum())) - starts[lane]
+    lane_off = torch.stack((lane, offset)).to(dev, non_blocking=True)
+    rows = req_pool_indices.to(torch.int64)[lane_off[0]]
+    return req_to_token.reshape(-1)[rows * req_to_token.shape[1] + lane_off[1]].to(torch.int32)
 
 
 def _cumsum(xs: list[int]) -> list[int]:

@@ -1,0 +1,132 @@
+"""flashinfer's replay plan: once per iteration for the multi-layer draft-extend steps of a bucket,
+and again whenever what it reads was written.
+
+CPU: the two pieces the plan is made of (the KV slot list, the key of what a plan read) against
+values written out by hand. GPU (marker `gpu`): the plan count over real iterations, and that a
+plan kept past a change of the lengths is caught by P3 (flashinfer runs on a GPU only, so the
+stale-plan break cannot be a CPU mutant).
+"""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from test_gpu import make_case, run_world
+
+from harness.props.p3 import check_eager_vs_graph
+from harness.ranks.simulated import SimulatedWorld
+from harness.scenario import Iteration, RequestSpec, Scenario, materialize, release
+from runners.attention import BACKENDS, unavailable_reason
+from runners.attention.flashinfer_backend import paged_kv_indices, plan_inputs_key
+from runners.batch import ForwardMode
+
+
+def _need_flashinfer() -> None:
+    if "flashinfer" not in BACKENDS:
+        pytest.skip(f"backend flashinfer: {unavailable_reason('flashinfer')}")
+
+
+# ---- CPU ----
+def test_paged_kv_indices_concatenates_each_requests_first_slots():
+    req_to_token = torch.arange(60).view(6, 10) + 100  # row r, position p -> slot 100 + 10 r + p
+    got = paged_kv_indices(req_to_token, torch.tensor([3, 0, 5]), [2, 1, 4])
+    assert got.dtype == torch.int32
+    assert got.tolist() == [130, 131, 100, 150, 151, 152, 153]
+
+
+def test_paged_kv_indices_of_no_request_is_empty():
+    assert paged_kv_indices(torch.zeros(2, 4, dtype=torch.int64), torch.zeros(0, dtype=torch.int64), []).numel() == 0
+
+
+def _batch(seq_buf: torch.Tensor, rpi_buf: torch.Tensor, bs: int, mode=ForwardMode.DRAFT_EXTEND_V2):
+    return SimpleNamespace(forward_mode=mode, batch_size=bs, seq_lens=seq_buf[:bs], req_pool_indices=rpi_buf[:bs],
+                           extend_seq_lens_cpu=[4] * bs)
+
+
+def test_plan_key_changes_with_every_write_the_plan_reads_and_only_those():
+    seq, rpi, r2t, ids = torch.full((8,), 1), torch.zeros(8, dtype=torch.int64), torch.zeros(9, 16, dtype=torch.int64), torch.zeros(32)
+    fb = _batch(seq, rpi, 4)
+    key = plan_inputs_key(fb, r2t, 8)
+    assert key == plan_inputs_key(_batch(seq, rpi, 4), r2t, 8)  # a new view of unwritten buffers
+    ids.fill_(3)  # a chain input (the next step's token ids): the plan does not read it
+    assert plan_inputs_key(fb, r2t, 8) == key
+    writes = (
+        lambda: seq.fill_(1),  # the reset writes the same values: still a write
+        lambda: seq[6:].copy_(torch.tensor([9, 9])),  # through another view, past the bucket: the storage was written
+        lambda: rpi[:2].copy_(torch.tensor([1, 2])),
+        lambda: r2t[3, :5].copy_(torch.arange(5)),  # the scheduler's rows
+    )
+    for write in writes:
+        before = plan_inputs_key(fb, r2t, 8)
+        write()
+        assert plan_inputs_key(fb, r2t, 8) != before
+    assert plan_inputs_key(_batch(seq, rpi, 2), r2t, 8) != plan_inputs_key(fb, r2t, 8)  # another bucket
+    assert plan_inputs_key(_batch(seq, rpi, 4, ForwardMode.TARGET_VERIFY), r2t, 8) != plan_inputs_key(fb, r2t, 8)
+    assert plan_inputs_key(_batch(seq.clone(), rpi, 4), r2t, 8) != plan_inputs_key(fb, r2t, 8)  # another buffer set
+
+
+def test_plan_key_of_an_inference_tensor_is_unknown():
+    with torch.inference_mode():
+        seq = torch.ones(4, dtype=torch.int64)
+    assert plan_inputs_key(_batch(seq, torch.zeros(4, dtype=torch.int64), 4), torch.zeros(2, 8, dtype=torch.int64), 8) is None
+
+
+# ---- GPU ----
+@pytest.mark.gpu
+def test_flashinfer_plans_once_per_multi_layer_iteration():
+    """3 draft layers, one bucket: each iteration plans its wrapper once (at step 0) and skips
+    the other two steps' plans; the next iteration's fill plans again."""
+    _need_flashinfer()
+    from runners.config import ModelConfig, SpecConfig
+    from runners.cuda_graph import DraftExtendGraphDriver
+    from runners.draft_extend import DraftWorker
+    from runners.graph_backend import GraphBackend
+    from runners.parallel.dp_attention import RankContext
+    from runners.parallel.layout import ParallelLayout
+
+    layout = ParallelLayout()
+    model = ModelConfig(hidden_size=512, num_heads=8, num_kv_heads=2, intermediate_size=1024, dtype="bfloat16")
+    spec = SpecConfig(num_steps=3, capture_bs=(4,), max_running_requests=4)
+    device = torch.device("cuda")
+
+    def fn(comm):
+        worker = DraftWorker(RankContext(layout, 0, comm), model, spec, attention_backend="flashinfer", device=device,
+                             max_reqs=12, num_slots=1 + 8 * (16 + 4) + 64)
+        driver = DraftExtendGraphDriver(worker, GraphBackend("cuda", device), record=False)
+        driver.capture()
+        entry = worker.attn._wrappers[("prefill", 4)]
+        counts = []
+        for it, bs in enumerate((3, 4, 3)):
+            reqs = tuple(RequestSpec(100 * it + i, 5 + 3 * i + it, 1 + i % 4) for i in range(bs))
+            sc = Scenario(model, spec, layout, (Iteration((reqs,)),), seed=0, attention_backend="flashinfer", name=f"plan-{it}")
+            batch = materialize(worker, sc, sc.iterations[0])
+            before = (entry.plans, entry.replans_skipped)
+            driver.run(batch.inputs)
+            counts.append((entry.plans - before[0], entry.replans_skipped - before[1]))
+            release(worker, batch)
+        return counts
+
+    assert SimulatedWorld(layout, timeout_s=600).run(fn)[0] == [(1, 2)] * 3
+
+
+@pytest.mark.gpu
+def test_flashinfer_stale_plan_is_caught(monkeypatch):
+    """A key blind to writes keeps the first plan of a bucket for good: the bucket's later
+    iterations (other requests, other lengths) replay it, and P3 must fail."""
+    _need_flashinfer()
+    from runners.attention import flashinfer_backend
+
+    monkeypatch.setattr(flashinfer_backend, "plan_inputs_key", lambda fb, req_to_token, heads: (fb.forward_mode, fb.batch_size))
+    case = make_case("tp1", "flashinfer", "bfloat16", "hd64", batches=([3], [4], [3]))
+    runs = run_world(case.scenario, "cuda", "cuda")
+    assert not check_eager_vs_graph(case.scenario, runs, "cuda").ok
+
+
+@pytest.mark.gpu
+def test_flashinfer_graph_matches_eager_over_one_bucket_reused():
+    """The same schedule unbroken: P3 holds, so the test above fails for the stale plan alone."""
+    _need_flashinfer()
+    case = make_case("tp1", "flashinfer", "bfloat16", "hd64", batches=([3], [4], [3]))
+    runs = run_world(case.scenario, "cuda", "cuda")
+    assert check_eager_vs_graph(case.scenario, runs, "cuda").ok
