@@ -41,7 +41,7 @@ def test_paged_kv_indices_of_no_request_is_empty():
 
 def _batch(seq_buf: torch.Tensor, rpi_buf: torch.Tensor, bs: int, mode=ForwardMode.DRAFT_EXTEND_V2):
     return SimpleNamespace(forward_mode=mode, batch_size=bs, seq_lens=seq_buf[:bs], req_pool_indices=rpi_buf[:bs],
-                           extend_seq_lens_cpu=[4] * bs)
+                           extend_seq_lens_cpu=[4] * bs, spec_info=None)
 
 
 def test_plan_key_changes_with_every_write_the_plan_reads_and_only_those():
@@ -130,3 +130,44 @@ def test_flashinfer_graph_matches_eager_over_one_bucket_reused():
     case = make_case("tp1", "flashinfer", "bfloat16", "hd64", batches=([3], [4], [3]))
     runs = run_world(case.scenario, "cuda", "cuda")
     assert check_eager_vs_graph(case.scenario, runs, "cuda").ok
+
+
+@pytest.mark.gpu
+def test_flashinfer_verify_graph_runs_chains_and_refuses_a_tree_at_its_replay_plan():
+    """The verify graph hands flashinfer every batch's mask: a chain replays (the causal plan is
+    its mask), a tree filled into the same buffers is refused by the replay plan, not run causal."""
+    _need_flashinfer()
+    from harness.bench_runners import build_rig, rig_spec
+    from runners.config import ModelConfig
+    from runners.parallel.layout import ParallelLayout
+    from runners.target import Lane
+
+    layout = ParallelLayout()
+    model = ModelConfig(hidden_size=512, num_heads=8, num_kv_heads=2, intermediate_size=1024, dtype="bfloat16")
+
+    def fn(comm):
+        rig = build_rig(comm, model, rig_spec((1, 2, 4)), "flashinfer", torch.device("cuda"), "cuda", layout, runners=("verify",))
+        batch = rig.batch(2, 1000)
+        lanes = rig.verify_lanes(batch, seed=0)
+        out, _ = rig.verify.replay(rig.verify_inputs(lanes), record=False)
+        torch.cuda.synchronize()
+        assert torch.isfinite(out.logits).all()
+        tree = [Lane(lane.req_pool_idx, lane.start, lane.tokens, [-1, 0, 0, 1]) for lane in lanes]  # node 2 branches off the root
+        with pytest.raises(NotImplementedError, match="tree mask"):
+            rig.verify.replay(rig.verify_inputs(tree), record=False)
+        release(rig.worker, batch)
+        return True
+
+    assert SimulatedWorld(layout, timeout_s=600).run(fn)[0]
+
+
+def test_plan_key_of_a_verify_batch_reads_its_mask_buffer():
+    from runners.batch import EagleVerifyInput
+
+    seq, rpi, r2t = torch.full((4,), 1), torch.zeros(4, dtype=torch.int64), torch.zeros(5, 16, dtype=torch.int64)
+    mask = torch.ones(4, 4, 4, dtype=torch.bool).tril()
+    fb = _batch(seq, rpi, 4, ForwardMode.TARGET_VERIFY)
+    fb.spec_info = EagleVerifyInput(4, mask)
+    before = plan_inputs_key(fb, r2t, 8)
+    mask[1, 2, 1].fill_(False)  # a tree written into the graph's mask buffer: the plan must see it
+    assert plan_inputs_key(fb, r2t, 8) != before

@@ -24,8 +24,12 @@ into the wrapper's int workspace), so it can never run inside a graph. As the en
   round trip (a device sync, the work partition, its upload), which a per-step plan would
   pay once per draft layer.
 
-A TARGET_VERIFY batch (its tree mask in `EagleVerifyInput`) is refused: this backend plans a
-causal mask only.
+A TARGET_VERIFY batch (its tree mask in `EagleVerifyInput`) runs only while every lane's tree is
+a chain: this backend plans a causal mask, which is then exactly the tree mask (node i at
+position root + i sees the prefix and nodes 0..i). The verify graph runner hands every batch its
+mask, chains included, so the check runs at every plan, eager or before a replay (the replay plan
+reads the graph's mask buffer as filled); a real tree is refused there, never run with the wrong
+mask. Under capture there is no plan: the capture-time fill is the chain mask.
 
 Semantics match the reference for real lanes (query i of a request of qo_len T and
 kv_len S sees keys j <= S - T + i, i.e. key_pos <= position when positions are
@@ -47,6 +51,7 @@ import torch
 from runners import graph_record
 from runners.batch import EagleVerifyInput, ForwardBatch, ForwardMode
 from runners.memory import ReqToTokenPool, TokenToKVPool
+from runners.verify import chain_mask
 
 TREE_MASK_UNSUPPORTED = ("the flashinfer backend does not apply the verify tree mask (a TARGET_VERIFY batch's custom_mask): "
                          "the speculative loop verifies with the torch or triton backend")
@@ -109,6 +114,7 @@ class FlashInferAttnBackend:
         self.workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
         self.num_qo_heads: Optional[int] = None
         self._wrappers: dict[tuple[str, int], _Wrapper] = {}
+        self._chains: dict[int, torch.Tensor] = {}  # the chain mask of T nodes, on the device
 
     # ---- wrappers and plans ----
     @staticmethod
@@ -143,12 +149,25 @@ class FlashInferAttnBackend:
         qo = list(fb.extend_seq_lens_cpu) if kind == "prefill" and fb.extend_seq_lens_cpu else [1] * bs
         if len(qo) != bs or sum(qo) != fb.input_ids.shape[0]:
             raise ValueError(f"flashinfer plan: extend lengths {qo} do not cover the batch's {fb.input_ids.shape[0]} tokens")
-        seq = [int(s) for s in fb.seq_lens[:bs].tolist()]  # the plan's one device sync
+        seq_dev = fb.seq_lens[:bs]
+        tree = fb.spec_info if isinstance(fb.spec_info, EagleVerifyInput) else None
+        if tree is not None:  # one read-back for both: the lengths and whether some lane's tree is no chain
+            not_chain = (tree.custom_mask[:bs] != self._chain(tree.draft_token_num)).any().view(1).to(seq_dev.dtype)
+            *seq, refused = torch.cat((seq_dev, not_chain)).tolist()  # the plan's one device sync
+            if refused:
+                raise NotImplementedError(TREE_MASK_UNSUPPORTED)
+        else:
+            seq = seq_dev.tolist()  # the plan's one device sync
         kv = [max(1, min(max(s, q), self.max_ctx)) for s, q in zip(seq, qo, strict=True)]
         qo_indptr = torch.tensor([0] + _cumsum(qo), dtype=torch.int32)
         kv_indptr = torch.tensor([0] + _cumsum(kv), dtype=torch.int32)
         kv_indices = paged_kv_indices(self.req_pool.req_to_token, fb.req_pool_indices[:bs], kv)
         return _PlanArgs(qo_indptr, kv_indptr, kv_indices, torch.ones(bs, dtype=torch.int32))
+
+    def _chain(self, T: int) -> torch.Tensor:
+        if T not in self._chains:
+            self._chains[T] = chain_mask(T).to(self.device)
+        return self._chains[T]
 
     def _plan(self, entry: _Wrapper, args: _PlanArgs, num_qo_heads: int, key: Optional[tuple] = None, refs: tuple = ()) -> None:
         common = dict(q_data_type=self.compute_dtype, kv_data_type=self.compute_dtype)
@@ -172,8 +191,6 @@ class FlashInferAttnBackend:
             # recording graph would replay everything but the attention. Refuse, don't mislead.
             raise graph_record.GraphCaptureError("flashinfer kernels bypass the torch dispatcher; the recording CPU graph "
                                                  "cannot capture them: use the cuda graph backend with flashinfer")
-        if isinstance(fb.spec_info, EagleVerifyInput):
-            raise NotImplementedError(TREE_MASK_UNSUPPORTED)
         kind = self._kind(fb)
         entry = self._entry(kind, fb.batch_size)
         if torch.cuda.is_current_stream_capturing():
@@ -199,7 +216,7 @@ class FlashInferAttnBackend:
         kind = self._kind(fb)
         if self.num_qo_heads is None:
             raise RuntimeError("flashinfer: replay before any plan (the graph was never warmed up)")
-        refs = (fb.seq_lens, fb.req_pool_indices, self.req_pool.req_to_token)
+        refs = (fb.seq_lens, fb.req_pool_indices, self.req_pool.req_to_token, fb.spec_info)
         self._plan(self._entry(kind, fb.batch_size), self._plan_args(fb, kind), self.num_qo_heads, key, refs)
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fb: ForwardBatch, meta: FlashInferMetadata) -> torch.Tensor:
@@ -231,7 +248,10 @@ def plan_inputs_key(fb: ForwardBatch, req_to_token: torch.Tensor, num_qo_heads: 
     see, so this holds because no captured body writes seq_lens, req_pool_indices or
     req_to_token (the graphs read them). None: unknown, plan anyway.
     """
-    parts = (_written(fb.seq_lens), _written(fb.req_pool_indices), _written(req_to_token))
+    read = [fb.seq_lens, fb.req_pool_indices, req_to_token]
+    if isinstance(fb.spec_info, EagleVerifyInput):
+        read.append(fb.spec_info.custom_mask)
+    parts = tuple(_written(t) for t in read)
     if any(p is None for p in parts):
         return None
     return (fb.forward_mode, fb.batch_size, tuple(fb.extend_seq_lens_cpu), num_qo_heads, *parts)
