@@ -9,7 +9,7 @@
 #    (each run also times every runner and the iteration: harness/bench_runners.py).
 # Every stage has its own time limit so one slow stage cannot hide the others' output.
 # GPU_PROFILE=1 also writes $OUT/profile.txt after the bench (benchmarks/profile_iter.py: host vs device time of a
-# graphed iteration per backend, torch.profiler's ops by self CPU time).
+# graphed iteration per backend, torch.profiler's ops by self CPU and CUDA time; GPU_PROFILE_BACKENDS picks the backends).
 # GPU_SKIP_BENCH=1 stops after the tests. Exit status: non-zero if any stage failed.
 set -uo pipefail
 OUT=${OUT:-out}
@@ -60,7 +60,7 @@ timeout "$T_BENCH" $PY -m harness.bench --dtype bfloat16 --json "$OUT/bench_bf16
 timeout "$T_BENCH" $PY -m harness.bench --model hd64 --json "$OUT/bench_hd64.json" 2>&1 | tee -a "$OUT/bench.txt" || status=1
 echo "bench: $(( $(date +%s) - start )) s" | tee -a "$OUT/bench.txt"
 if [ -n "${GPU_PROFILE:-}" ]; then
-  timeout "$T_BENCH" $PY benchmarks/profile_iter.py > "$OUT/profile.txt" 2>&1 || status=1
+  timeout "$T_BENCH" $PY benchmarks/profile_iter.py --backends "${GPU_PROFILE_BACKENDS:-torch,triton,flashinfer}" > "$OUT/profile.txt" 2>&1 || status=1
 fi
 
 if [ -d "$FLASHINFER_WORKSPACE_BASE/.cache" ]; then

@@ -51,6 +51,7 @@ def _profile_backend(comm, backend: str, model_choice: str, dtype: str, bs_list:
         out.append(f"=== {backend} {model_choice} {dtype} bs {bs}: host {statistics.median(host):.3f} ms/iter (no sync), "
                    f"events {dev:.3f} ms/iter; " + ", ".join(f"{k} {v:.3f}" for k, v in parts.items()) + f"; profiled {reps} iterations")
         out.append(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=60))
+        out.append(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=15, max_name_column_width=60))
         release(rig.worker, batch)
     return "\n".join(out)
 
