@@ -260,17 +260,17 @@ def plan_inputs_key(fb: ForwardBatch, req_to_token: torch.Tensor, num_qo_heads: 
 def paged_kv_indices(req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, kv_lens: list[int]) -> torch.Tensor:
     """The page-size-1 KV slots of every request, concatenated: req_to_token[row_b, :kv_lens[b]] for each b.
 
-    The lane and offset of every output entry are laid out on the host (the lengths are host
-    values already), so the gather has a size known in advance and needs no device sync.
+    Built on the device with the output size given from the host lengths, so no op has to read
+    a size back (a boolean-mask gather would: a device sync); the host does no per-slot work.
     """
     dev = req_to_token.device
-    lens = torch.tensor(kv_lens, dtype=torch.int64)
-    lane = torch.repeat_interleave(torch.arange(len(kv_lens)), lens)
+    total = sum(kv_lens)
+    lens = torch.tensor(kv_lens, dtype=torch.int64).to(dev, non_blocking=True)
+    lane = torch.repeat_interleave(torch.arange(len(kv_lens), device=dev), lens, output_size=total)
     starts = torch.cumsum(lens, 0) - lens
-    offset = torch.arange(int(lens.sum())) - starts[lane]
-    lane_off = torch.stack((lane, offset)).to(dev, non_blocking=True)
-    rows = req_pool_indices.to(torch.int64)[lane_off[0]]
-    return req_to_token.reshape(-1)[rows * req_to_token.shape[1] + lane_off[1]].to(torch.int32)
+    offset = torch.arange(total, device=dev) - starts[lane]
+    rows = req_pool_indices.to(torch.int64)[lane]
+    return req_to_token.reshape(-1)[rows * req_to_token.shape[1] + offset].to(torch.int32)
 
 
 def _cumsum(xs: list[int]) -> list[int]:
