@@ -38,6 +38,14 @@ def needs_dp_padding(layout: ParallelLayout, fb: ForwardBatch) -> bool:
     return layout.require_mlp_sync and layout.attn_dp_size > 1 and fb.global_num_tokens_cpu is not None
 
 
+def padded_lane_len(fb: ForwardBatch, lane_len: Optional[int]) -> Optional[int]:
+    """A verify batch pads in whole trees of draft_token_num nodes: its custom mask is laid out per
+    lane of T nodes, so a padded lane of any other length has no mask rows to attend with."""
+    if isinstance(fb.spec_info, EagleVerifyInput):
+        return fb.spec_info.draft_token_num
+    return lane_len
+
+
 def prepare_mlp_sync_batch(fb: ForwardBatch, layout: ParallelLayout, dp_tokens: Sequence[int],
                            lane_len: Optional[int]) -> tuple[ForwardBatch, Optional[MlpSyncPadding]]:
     """fb padded to max(dp_tokens) tokens, and how to unpad; (fb, None) when nothing is padded.
@@ -49,8 +57,7 @@ def prepare_mlp_sync_batch(fb: ForwardBatch, layout: ParallelLayout, dp_tokens: 
     if not needs_dp_padding(layout, fb) or target <= n:
         return fb, None
     extra = target - n
-    if isinstance(fb.spec_info, EagleVerifyInput):
-        lane_len = fb.spec_info.draft_token_num  # a verify batch pads in whole trees: the mask is per lane of T nodes
+    lane_len = padded_lane_len(fb, lane_len)
     lens = [lane_len] * (extra // lane_len) if lane_len else [extra]
     starts = [n + lane_len * i for i in range(len(lens))] if lane_len else [n]
     dev = fb.input_ids.device
