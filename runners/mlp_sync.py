@@ -9,6 +9,16 @@ in-pass KV write slot lookup lands in the padding slot; seq_len the fill value; 
 in-range accept length so a lane selects its own last token. After the forward only the
 original rows are kept. global_num_tokens_for_logprob keeps the real counts: the padded
 rows never reach lm_head.
+
+Attention metadata and the padded batch: the engine builds the metadata once, for the padded
+batch, and its kernels launch with the batch size the metadata remembers, so metadata planned
+before the pad would leave the padded lanes uncomputed (or, planned after an unpad, launch past
+the batch). Here every step body builds its metadata from the batch it is handed, which is the
+padded one (prepare_mlp_sync_batch runs first), so both always agree. A planted disagreement
+could not be told apart by any output: the padded lanes write only the padding slot, every op
+after attention is row-wise (the DP gather, the MLP, the reduce-scatter keep rows apart), and
+post_forward_mlp_sync_batch drops the padded rows before anything reads them; with the torch
+reference a disagreement is a shape error, not a wrong value. So the mechanism is not modelled.
 """
 from __future__ import annotations
 
