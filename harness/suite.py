@@ -37,7 +37,7 @@ def probe_metadata_grid() -> dict[str, Verdict]:
 
 
 # The cases probe's cases: one per branch family plus the shrink and idle-rank
-# schedules, world sizes 1..8. `harness check` runs all shipped cases (world 16 and 32 too);
+# schedules, world sizes 1..8, DP attention in every branch. `harness check` runs all shipped cases (world 16 and 32 too);
 # the mutant run takes this subset: it is the costliest probe, so mutants list it last.
 MUTANT_CASES = (
     "tp1_neither",
@@ -47,6 +47,7 @@ MUTANT_CASES = (
     "tp4_dp2_mlp_tp_gather",
     "tp4_dp2_attn_tp_gather",
     "tp8_dp4_mlp_idle_rank",
+    "tp4_dp4_neither",  # DP attention without gathered counts: the eager pass must not be MLP-sync padded
 )
 
 

@@ -19,6 +19,7 @@ import torch
 
 from harness.props.outputs import first_bad_row
 from harness.props.p1_records import check_replay_rows
+from harness.props.poison import NAN, RunnerPoison
 from harness.tolerances import eager_vs_graph
 from harness.verdict import Verdict
 from runners.draft_extend import SEQ_LEN_FILL_VALUE
@@ -167,73 +168,35 @@ def shadow_verdicts(shadows: list[VerifyShadow], where: dict) -> dict[str, Verdi
 # P2 over the TARGET_VERIFY runner: canonical padded lanes after the fill; poisoned replays change nothing real
 # ----------------------------------------------------------------------------------------
 
-NAN = float("nan")
 SEQ_SENTINEL = 1 << 30  # seq_lens poisoned far out of range (a mask bound only)
 _BUFFERS = ("input_ids", "positions", "out_cache_loc", "seq_lens", "req_pool_indices", "custom_mask", "hidden_buffer", "logits_buffer")
 
 
-class VerifyPoison:
-    """Instruments one engine's verify runner (P2). Every replay runs twice from the same state:
-    clean (then the padded lanes must hold the canonical fill: tokens and positions 0, the padding
-    row and slot, the seq-len fill value, the chain mask), and with the padded lanes and every
-    stale region poisoned; the real rows' logits and hidden states and the live target KV must be
-    bit-identical. The clean run's state is what the loop continues with.
+class VerifyPoison(RunnerPoison):
+    """Instruments one engine's verify runner (P2, harness.props.poison): after the clean replay the
+    padded lanes must hold the canonical fill (tokens and positions 0, the padding row and slot, the
+    seq-len fill value, the chain mask); with them and every stale region poisoned, the real rows'
+    logits and hidden states and the live target KV must be bit-identical.
 
-    Poison: every target KV slot no running request owns NaN (the padding slot included), every
-    req_to_token entry outside the running requests' positions pointing at one of them, padded
-    lanes' positions at max_context_len - T (in bounds for the rotary table and the node slots
-    root + i, and there a poisoned entry), their mask all True (every node sees every node),
-    seq_lens out of range, input_ids vocab_size - 1, the output buffers NaN.
+    Padded lanes' poison: positions at max_context_len - T (in bounds for the rotary table and the
+    node slots root + i, and there a poisoned entry), their mask all True (every node sees every
+    node), seq_lens out of range, input_ids vocab_size - 1, the output buffers NaN.
     """
 
+    runner = "target_verify"
+    buffers = _BUFFERS
+
     def __init__(self, engine: SpecEngine, verdict: Verdict):
-        self.engine, self.v = engine, verdict
-        self.replays = 0
-        g = engine.verify_graph
-        if g is None:
+        if engine.verify_graph is None:
             raise ValueError("VerifyPoison needs the graph runner (runner='graph')")
-        g.replay = self._wrap(g, g.replay)
+        super().__init__(engine, verdict, engine.verify_graph)
 
-    def _where(self, raw_bs: int, bs: int) -> dict:
-        e = self.engine
-        return {"layout": e.ctx.layout.describe(), "runner": "target_verify", "rank": e.ctx.tp_rank, "engine_step": e.steps,
-                "raw_bs": raw_bs, "bs": bs}
+    def kv_pool(self, g: TargetVerifyCudaGraphRunner):
+        return self.engine.target.kv_pool
 
-    def _live(self) -> tuple[list[int], list[int], list[int]]:
-        reqs = [q for q in self.engine.sched.running if q.has_kv]
-        return [s for q in reqs for s in q.slots], [q.req_pool_idx for q in reqs], [len(q.slots) for q in reqs]
-
-    def _snap(self, g: TargetVerifyCudaGraphRunner) -> dict:
-        kv = self.engine.target.kv_pool
-        return {"buf": {b: getattr(g, b).clone() for b in _BUFFERS}, "kv": [t.clone() for t in kv.k + kv.v],
-                "rows": self.engine.req_pool.req_to_token.clone()}
-
-    def _restore(self, g: TargetVerifyCudaGraphRunner, snap: dict) -> None:
-        kv = self.engine.target.kv_pool
-        for b, t in snap["buf"].items():
-            getattr(g, b).copy_(t)
-        for dst, src in zip(kv.k + kv.v, snap["kv"], strict=True):
-            dst.copy_(src)
-        self.engine.req_pool.req_to_token.copy_(snap["rows"])
-
-    def _wrap(self, g: TargetVerifyCudaGraphRunner, replay):
-        def poisoned_replay(inp: VerifyInputs, record: bool = True):
-            s0 = self._snap(g)
-            out_c, rec = replay(inp, record=True)  # the record names the bucket, whatever the engine asked for
-            self._check_canonical(g, inp.bs, rec.bs)
-            s1 = self._snap(g)
-            self._restore(g, s0)
-            self._poison(g, inp.bs)
-            out_p, _ = replay(inp, record=True)
-            self._compare(g, inp.bs, rec.bs, out_c, out_p, s1)
-            self._restore(g, s1)
-            self.replays += 1
-            return out_c, rec if record else None
-
-        return poisoned_replay
-
-    def _check_canonical(self, g: TargetVerifyCudaGraphRunner, raw_bs: int, bs: int) -> None:
-        T, w = g.T, self._where(raw_bs, bs)
+    def after_clean(self, g: TargetVerifyCudaGraphRunner, inp: VerifyInputs, rec) -> None:
+        raw_bs, bs = inp.bs, rec.bs
+        T, w = g.T, self.where(raw_bs, bs)
         raw_n = raw_bs * T
         for name, per_token, want in (("input_ids", True, 0), ("positions", True, 0), ("out_cache_loc", True, PADDING_SLOT),
                                       ("seq_lens", False, SEQ_LEN_FILL_VALUE), ("req_pool_indices", False, PADDING_ROW)):
@@ -255,20 +218,10 @@ class VerifyPoison:
             self.v.expect_equal("canonical", "global_num_tokens_gpu (replay fill)", w, [bs * T] * g.global_num_tokens_gpu.shape[0],
                                 g.global_num_tokens_gpu.tolist())
 
-    def _poison(self, g: TargetVerifyCudaGraphRunner, raw_bs: int) -> None:
-        T, cfg, kv = g.T, g.cfg, self.engine.target.kv_pool
+    def poison(self, g: TargetVerifyCudaGraphRunner, raw_bs: int) -> None:
+        T, cfg = g.T, g.cfg
         raw_n = raw_bs * T
-        live_slots, live_rows, live_lens = self._live()
-        dead = torch.ones(kv.k[0].shape[0], dtype=torch.bool)
-        dead[live_slots] = False
-        poison_slot = int(dead.nonzero().max())
-        for t in kv.k + kv.v:
-            t[dead] = NAN
-        rows = self.engine.req_pool.req_to_token
-        keep = rows.clone()
-        rows.fill_(poison_slot)
-        for idx, n in zip(live_rows, live_lens, strict=True):
-            rows[idx, :n] = keep[idx, :n]
+        poison_slot = self.poison_stale(g)
         g.input_ids[raw_n:] = cfg.vocab_size - 1
         g.positions[raw_n:] = cfg.max_context_len - T
         g.out_cache_loc[raw_n:] = poison_slot
@@ -278,8 +231,8 @@ class VerifyPoison:
         g.hidden_buffer.fill_(NAN)
         g.logits_buffer.fill_(NAN)
 
-    def _compare(self, g: TargetVerifyCudaGraphRunner, raw_bs: int, bs: int, clean: TargetOutput, poisoned: TargetOutput, s1: dict) -> None:
-        w, T = self._where(raw_bs, bs), g.T
+    def compare(self, g: TargetVerifyCudaGraphRunner, raw_bs: int, bs: int, clean: TargetOutput, poisoned: TargetOutput, s1: dict) -> None:
+        w, T = self.where(raw_bs, bs), g.T
         for name in ("logits", "hidden"):
             self.v.checked += 1
             bad = first_bad_row(getattr(clean, name), getattr(poisoned, name), None)
@@ -289,16 +242,7 @@ class VerifyPoison:
                 self.v.fail("poison", name, {**w, "row": row}, "bit-identical to the clean replay", "NaN (a poisoned value)" if nan else "differs",
                             f"real verify token row {row} (request lane {row // T}) {'read a poisoned value' if nan else 'changed'} "
                             "when the padded lanes and stale regions were poisoned")
-        live_slots, _, _ = self._live()
-        kv = self.engine.target.kv_pool
-        for i, (now, ref) in enumerate(zip(kv.k + kv.v, s1["kv"], strict=True)):
-            self.v.checked += 1
-            bad = first_bad_row(ref[live_slots], now[live_slots], None) if live_slots else None
-            if bad is not None:
-                slot = live_slots[bad[0]]
-                self.v.fail("poison", "target KV", {**w, "kv": i, "slot": slot}, "bit-identical live KV", "differs",
-                            f"live slot {slot} was written differently when the padded lanes were poisoned")
-                return
+        self.compare_live_kv(g, w, s1, "target KV")
 
 
 def install_poison(poisons: list[VerifyPoison]):

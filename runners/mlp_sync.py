@@ -9,6 +9,16 @@ in-pass KV write slot lookup lands in the padding slot; seq_len the fill value; 
 in-range accept length so a lane selects its own last token. After the forward only the
 original rows are kept. global_num_tokens_for_logprob keeps the real counts: the padded
 rows never reach lm_head.
+
+Attention metadata and the padded batch: the engine builds the metadata once, for the padded
+batch, and its kernels launch with the batch size the metadata remembers, so metadata planned
+before the pad would leave the padded lanes uncomputed (or, planned after an unpad, launch past
+the batch). Here every step body builds its metadata from the batch it is handed, which is the
+padded one (prepare_mlp_sync_batch runs first), so both always agree. A planted disagreement
+could not be told apart by any output: the padded lanes write only the padding slot, every op
+after attention is row-wise (the DP gather, the MLP, the reduce-scatter keep rows apart), and
+post_forward_mlp_sync_batch drops the padded rows before anything reads them; with the torch
+reference a disagreement is a shape error, not a wrong value. So the mechanism is not modelled.
 """
 from __future__ import annotations
 
@@ -38,6 +48,14 @@ def needs_dp_padding(layout: ParallelLayout, fb: ForwardBatch) -> bool:
     return layout.require_mlp_sync and layout.attn_dp_size > 1 and fb.global_num_tokens_cpu is not None
 
 
+def padded_lane_len(fb: ForwardBatch, lane_len: Optional[int]) -> Optional[int]:
+    """A verify batch pads in whole trees of draft_token_num nodes: its custom mask is laid out per
+    lane of T nodes, so a padded lane of any other length has no mask rows to attend with."""
+    if isinstance(fb.spec_info, EagleVerifyInput):
+        return fb.spec_info.draft_token_num
+    return lane_len
+
+
 def prepare_mlp_sync_batch(fb: ForwardBatch, layout: ParallelLayout, dp_tokens: Sequence[int],
                            lane_len: Optional[int]) -> tuple[ForwardBatch, Optional[MlpSyncPadding]]:
     """fb padded to max(dp_tokens) tokens, and how to unpad; (fb, None) when nothing is padded.
@@ -49,8 +67,7 @@ def prepare_mlp_sync_batch(fb: ForwardBatch, layout: ParallelLayout, dp_tokens: 
     if not needs_dp_padding(layout, fb) or target <= n:
         return fb, None
     extra = target - n
-    if isinstance(fb.spec_info, EagleVerifyInput):
-        lane_len = fb.spec_info.draft_token_num  # a verify batch pads in whole trees: the mask is per lane of T nodes
+    lane_len = padded_lane_len(fb, lane_len)
     lens = [lane_len] * (extra // lane_len) if lane_len else [extra]
     starts = [n + lane_len * i for i in range(len(lens))] if lane_len else [n]
     dev = fb.input_ids.device

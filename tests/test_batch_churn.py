@@ -83,9 +83,9 @@ TestBatchChurnDP2 = BatchChurnDP2.TestCase
 TestBatchChurnDP2.settings = settings(settings(), max_examples=max(1, EXAMPLES // 2), stateful_step_count=STEPS, deadline=None)
 
 
-@pytest.mark.parametrize("layout,script", CHURN_RUNS, ids=lambda x: x.describe() if isinstance(x, PL) else "script")
-def test_p8_fixed_script_holds(layout, script):
-    v = run_churn_script(layout, script)
+@pytest.mark.parametrize("layout,script,spec", CHURN_RUNS, ids=lambda x: x.describe() if isinstance(x, PL) else x.draft if isinstance(x, SpecConfig) else "script")
+def test_p8_fixed_script_holds(layout, script, spec):
+    v = run_churn_script(layout, script, spec)
     assert set(v) == {"P8"} and v["P8"], v["P8"].report()
     assert v["P8"].checked > 500
 
@@ -93,7 +93,7 @@ def test_p8_fixed_script_holds(layout, script):
 def test_p8_kills_stale_padded_lanes_after_a_shrink():
     """Co-killed with P2 (which sees the non-canonical padded lanes): here the stale lanes' request
     rows send their in-graph KV writes into slots a live request was handed right after another finished."""
-    layout, script = CHURN_RUNS[0]
+    layout, script, _ = CHURN_RUNS[0]
     with mutants.get("stale-padded-req-pool-indices").planted():
         v = run_churn_script(layout, script)["P8"]
     assert not v
@@ -103,7 +103,7 @@ def test_p8_kills_stale_padded_lanes_after_a_shrink():
 
 
 def test_p8_kills_a_padded_kv_write_into_a_live_slot():
-    layout, script = CHURN_RUNS[0]
+    layout, script, _ = CHURN_RUNS[0]
     with mutants.get("padded-kv-write-live-slot").planted():
         v = run_churn_script(layout, script)["P8"]
     assert not v and v.failures[0].check == "eager-vs-graph"
@@ -122,3 +122,13 @@ def test_churn_pair_rules_keep_the_shadow_scheduler_honest():
     pair.step()
     assert pair.v, pair.v.report()
     assert {r.rid: r.preemptions for r in pair.graph.requests().values()}[pair.running[0][-1]] == 1
+
+
+def test_p8_churn_over_the_draft_decode_sees_a_stale_request_row():
+    """The single-layer run: the draft decode's padded lanes keep a finished request's row after a shrink; their
+    in-graph KV writes land in a live request's draft slots and that request's graph tree differs from eager."""
+    layout, script, spec = CHURN_RUNS[2]
+    assert spec.draft == "single_layer"
+    with mutants.get("decode-fill-req-pool-indices").planted():
+        v = run_churn_script(layout, script, spec)["P8"]
+    assert not v and v.failures[0].where.get("draft") == "decode", v.report()

@@ -7,6 +7,7 @@ import torch
 from harness import mutants
 from harness.case import load_case
 from harness.checks import check_case
+from harness.props.p5_p6 import check_spec_case
 from runners import mlp_sync
 from runners.config import ModelConfig, SpecConfig
 from runners.draft_extend import SEQ_LEN_FILL_VALUE, DraftExtendInputs, DraftWorker, eager_forward_batch
@@ -122,3 +123,38 @@ def test_padded_lane_on_a_live_request_row_is_caught():
     with mutants.get("dp-pad-live-request-row").planted():
         rep = check_case(load_case("tp4_dp2_mlp_idle_rank"))
     assert not rep.verdicts["P3"]
+
+
+def test_verify_batch_padded_in_whole_trees_with_chain_masks():
+    """DP rank 0 verifies 1 tree of T = 3, rank 1 three: rank 0 runs 3 trees, two of them padding, each with the chain mask."""
+    ctx = RankContext(MLP_DP2, 0, comm=None)
+    fb = extend_batch(ctx, [Lane(5, 4, [11, 12, 13], parents=[-1, 0, 0])], [3, 9], torch.device("cpu"))
+    padded, pad = mlp_sync.prepare_mlp_sync_batch(fb, MLP_DP2, [3, 9], None)
+    assert pad == mlp_sync.MlpSyncPadding(1, 3)
+    assert padded.batch_size == 3 and padded.extend_seq_lens.tolist() == [3, 3, 3] and padded.extend_start_loc.tolist() == [0, 3, 6]
+    masks = padded.spec_info.custom_mask.int().tolist()
+    assert masks[0] == [[1, 0, 0], [1, 1, 0], [1, 0, 1]], "the real tree: both children see the root, not each other"
+    assert masks[1] == masks[2] == [[1, 0, 0], [1, 1, 0], [1, 1, 1]]
+
+
+def test_batch_without_gathered_counts_is_not_padded():
+    """The neither branch (attn-DP 4, dp-lm-head, no gathered buffer): every DP rank runs its own MLP on its own tokens."""
+    layout = load_case("tp4_dp4_neither").layout
+    fb = extend_batch(RankContext(layout, 0, comm=None), [Lane(4, 0, [11, 12])], [2, 5, 1, 3], torch.device("cpu"))
+    assert fb.global_num_tokens_cpu is None
+    assert mlp_sync.prepare_mlp_sync_batch(fb, layout, [2, 5, 1, 3], None) == (fb, None)
+
+
+def test_padding_without_gathered_counts_is_caught():
+    """The padded rows reach lm_head (P1/I2 counts them), which is how the guard was found."""
+    with mutants.get("dp-pad-without-gathered-counts").planted():
+        rep = check_case(load_case("tp4_dp4_neither"))
+    f = rep.verdicts["P1"].failures
+    assert f and f[0].check == "I2", rep.verdicts["P1"].report()
+
+
+def test_verify_padding_in_token_lanes_is_caught():
+    """A padded lane of 2 * T tokens has mask rows for T of them: the loop's eager verify fails on the first short rank."""
+    with mutants.get("dp-verify-pad-token-lanes").planted():
+        out = check_spec_case(load_case("tp2_dp2_mlp_tp_gather"), runners=("eager",))
+    assert not out["run"] and "IndexError" in out["run"].failures[0].message(), out["run"].report()

@@ -7,6 +7,7 @@ import torch
 from harness import verify_props
 from harness.case import Case
 from harness.crash import crash_verdict
+from harness.props.p2_decode import DecodePoison, install_decode_poison
 from harness.ranks.simulated import RankFailure
 from harness.spec_decode import (
     case_session,
@@ -179,18 +180,20 @@ class LanePoison:
 def check_padded_lanes(case: Case, rounds_per_phase: int = 2) -> dict[str, Verdict]:
     poisons: list[LanePoison] = []  # one per rank, each with its own verdict (ranks are threads)
     verify: list[verify_props.VerifyPoison] = []  # the TARGET_VERIFY runner's, likewise
+    decode: list[DecodePoison] = []  # the single-layer draft's draft-decode runner's, likewise
     where, crash = {"case": case.name, "layout": case.layout.describe()}, {}
-    hook = lambda e: (poisons.append(LanePoison(e, Verdict("P2"))), verify_props.install_poison(verify)(e))  # noqa: E731
+    hook = lambda e: (poisons.append(LanePoison(e, Verdict("P2"))), verify_props.install_poison(verify)(e),  # noqa: E731
+                      install_decode_poison(decode)(e))
     try:
         case_session(case, "graph", hook=hook, rounds_per_phase=rounds_per_phase)
     except RankFailure as err:
         crash = {"run": crash_verdict("run", where, err)}
     v = Verdict("P2")
-    for p in sorted(poisons + verify, key=lambda p: p.engine.ctx.tp_rank):
+    for p in sorted(poisons + verify + decode, key=lambda p: p.engine.ctx.tp_rank):
         v.merge(p.v)
     if crash:
         return {"P2": v, **crash}
-    for what, ps in (("draft-extend", poisons), ("target verify", verify)):
+    for what, ps in (("draft-extend", poisons), ("target verify", verify), *((("draft decode", decode),) if decode else ())):
         v.checked += 1
         if not any(p.replays for p in ps):
             v.fail("replayed", f"{what} graph replays", where, "> 0", 0, f"no {what} replayed a graph: nothing was checked")

@@ -3,7 +3,7 @@
 
 import torch
 
-from harness.props.outputs import compare_outputs
+from harness.props.outputs import compare_outputs, first_bad_row
 from harness.props.p5_p6 import TIE_MARGIN
 from harness.spec_decode import (
     DEFAULT_MODEL,
@@ -15,6 +15,8 @@ from harness.tolerances import eager_vs_graph
 from harness.verdict import Verdict
 from runners.config import ModelConfig, SpecConfig
 from runners.parallel.layout import ParallelLayout
+
+TREE_EXACT, TREE_CLOSE = ("tokens", "parents", "child_index"), ("scores", "child_p")  # the draft-decode tree, per request
 
 # ----------------------------------------------------------------------------------------
 # P8 batch churn: eager and graph side by side
@@ -110,6 +112,7 @@ class ChurnPair:
         if e.extend_rids != g.extend_rids:
             self.v.expect_equal("eager-vs-graph", "draft-extend batch", {**where, "dp_rank": d}, e.extend_rids, g.extend_rids)
             return
+        self._compare_decode(where, d, e, g)
         T = self.spec.num_tokens_per_bs
         for step, (oe, og) in enumerate(zip(e.extend_outs, g.extend_outs, strict=True)):
             for i, rid in enumerate(e.extend_rids):
@@ -121,6 +124,27 @@ class ChurnPair:
                 same = compare_outputs(self.v, "eager-vs-graph", {**where, "dp_rank": d, "draft_step": step, "request": rid}, pick(oe), pick(og), self.tol)
                 if not same and len(self.v.failures) == before:  # a near-tie of the draft: the two runs may now part
                     self.diverged.add(rid)
+
+    def _compare_decode(self, where: dict, d: int, e, g) -> None:
+        """The single-layer draft decode's tree of each request (rows in extend_rids order), eager vs graph:
+        the structure exactly (a flipped node is another proposal), the probabilities within tolerance."""
+        if (e.decode_outs is None) != (g.decode_outs is None):
+            self.v.expect_equal("eager-vs-graph", "draft decode ran", {**where, "dp_rank": d}, e.decode_outs is not None, g.decode_outs is not None)
+            return
+        if e.decode_outs is None:
+            return
+        te, tg = e.decode_outs.tensors(), g.decode_outs.tensors()
+        for i, rid in enumerate(e.extend_rids):
+            if rid in self.diverged:
+                continue
+            w = {**where, "dp_rank": d, "draft": "decode", "request": rid}
+            for f in TREE_EXACT:
+                self.v.expect_equal("eager-vs-graph", f, w, te[f][i].tolist(), tg[f][i].tolist())
+            for f in TREE_CLOSE:
+                self.v.checked += 1
+                bad = first_bad_row(te[f][i : i + 1], tg[f][i : i + 1], self.tol)
+                if bad is not None:
+                    self.v.fail("eager-vs-graph", f, w, "match", f"max |diff| {bad[1]:.3g}", f"rtol={self.tol.rtol} atol={self.tol.atol}")
 
     def _compare_kv(self, where: dict, er, gr) -> None:
         """Live KV at committed positions: draft and target pools, per rank, eager vs graph."""
@@ -164,6 +188,9 @@ class ChurnPair:
         self.v.expect_equal("replayed", "graph replays > 0", {"layout": self.layout.describe()}, True, replays > 0)
         verify = sum(e.verify_graph.backend.stats.replays for e in self.graph.engines)
         self.v.expect_equal("replayed", "target verify replays > 0", {"layout": self.layout.describe()}, True, verify > 0)
+        if self.spec.draft == "single_layer" and self.spec.num_steps > 1:
+            decode = sum(e.draft.decode_graph.backend.stats.replays for e in self.graph.engines)
+            self.v.expect_equal("replayed", "draft decode replays > 0", {"layout": self.layout.describe()}, True, decode > 0)
         return self.v
 
 

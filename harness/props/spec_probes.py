@@ -20,7 +20,10 @@ from runners.parallel.layout import ParallelLayout
 # ----------------------------------------------------------------------------------------
 
 PROBE_SPEC_CASES = ("tp1_neither", "tp4_attn_tp_gather", "tp4_neither_topk2", "tp2_page4_shrink", "tp2_page4_tree")
-P2_CASES = ("tp2_shrink", "tp4_dp2_mlp_tp_gather", "tp2_page4_tree")
+# The eager runner only: under DP attention only an eager pass is MLP-sync padded (runners.mlp_sync),
+# a verify batch in whole trees; a graph replay pads to its bucket instead. Uneven groups, one idle at the end.
+PROBE_DP_EAGER_CASES = ("tp2_dp2_mlp_tp_gather",)
+P2_CASES = ("tp2_shrink", "tp4_dp2_mlp_tp_gather", "tp2_page4_tree", "tp2_single_layer_shrink")  # the last: the draft-decode runner at TP2
 CHURN_SPEC = SpecConfig(num_steps=3, topk=1, capture_bs=(1, 2, 4, 8), max_running_requests=8)
 # Fixed schedules crossing every bucket boundary (8 -> 4 -> 2 -> 1 and back) with a preemption;
 # (rule, dp_group, arg). The DP one keeps the groups uneven and idles each group once.
@@ -39,7 +42,10 @@ CHURN_SCRIPT_DP2: tuple[tuple, ...] = (  # two DP groups, uneven, each idle at s
     ("preempt", 0, 0), ("finish", 1, 0), ("step",), ("resume", 0), ("add", 0, 2), ("step",),
     ("finish", 0, 1), ("finish", 0, 1), ("finish", 1, 0), ("step",), ("finish", 1, 0), ("step",), ("step",),
 )
-CHURN_RUNS = ((ParallelLayout(), CHURN_SCRIPT), (ParallelLayout(tp_size=2, dp_size=2, enable_dp_attention=True), CHURN_SCRIPT_DP2))
+# The single-layer draft (draft-extend, then the graphed draft decode), topk 2: a tree whose lanes the buckets pad.
+CHURN_DECODE_SPEC = SpecConfig(num_steps=3, topk=2, capture_bs=(1, 2, 4, 8), max_running_requests=8, draft="single_layer")
+CHURN_RUNS = ((ParallelLayout(), CHURN_SCRIPT, CHURN_SPEC), (ParallelLayout(tp_size=2, dp_size=2, enable_dp_attention=True), CHURN_SCRIPT_DP2, CHURN_SPEC),
+              (ParallelLayout(), CHURN_SCRIPT, CHURN_DECODE_SPEC))
 
 
 def run_churn_script(layout: ParallelLayout, script: Sequence[tuple], spec: SpecConfig = CHURN_SPEC) -> dict[str, Verdict]:
@@ -73,10 +79,12 @@ AGREE_RUNS = (  # P5's positive control: plain TP (tree with topk 2) and an MLP-
 
 
 def _spec_cases() -> dict[str, Verdict]:
-    """P5 and P6 (graph runner) over the probe cases; the agreeing draft (P5) on two layouts."""
+    """P5 and P6 (graph runner) over the probe cases, (eager runner) over the DP ones; the agreeing draft (P5) on two layouts."""
     out: dict[str, Verdict] = {}
     for name in PROBE_SPEC_CASES:
         merge_verdicts(out, check_spec_case(load_case(name), runners=("graph",)))
+    for name in PROBE_DP_EAGER_CASES:
+        merge_verdicts(out, check_spec_case(load_case(name), runners=("eager",)))
     for layout, spec, wl in AGREE_RUNS:
         merge_verdicts(out, check_agreeing_draft(layout, spec, wl))
     return out
@@ -91,8 +99,8 @@ def _padded_lanes() -> dict[str, Verdict]:
 
 def _churn() -> dict[str, Verdict]:
     out: dict[str, Verdict] = {}
-    for layout, script in CHURN_RUNS:
-        merge_verdicts(out, run_churn_script(layout, script))
+    for layout, script, spec in CHURN_RUNS:
+        merge_verdicts(out, run_churn_script(layout, script, spec))
     return out
 
 

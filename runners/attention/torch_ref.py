@@ -43,12 +43,14 @@ def cache_positions(fb: ForwardBatch, token_to_req: torch.Tensor) -> torch.Tenso
 
 def tree_key_mask(fb: ForwardBatch, token_to_req: torch.Tensor, key_pos: torch.Tensor) -> torch.Tensor:
     """[N, C] bool: the prefix (below the root's position) and, of the lane's own nodes, those the
-    tree mask gives (a padded lane: root position 0, so only its own nodes, behind seq_len's bound)."""
+    tree mask gives (a padded lane: root position 0, so only its own nodes, behind seq_len's bound).
+    The node index is not clamped: a lane of other than T tokens has no mask rows for its extra
+    nodes, and reading them must fail here as the kernel's read past the mask would on a GPU."""
     T = fb.spec_info.draft_token_num
     lane_start = fb.extend_start_loc[token_to_req]
     node = torch.arange(fb.positions.shape[0], device=fb.positions.device) - lane_start
     rel = key_pos[None, :] - fb.positions[lane_start][:, None]  # key column - root position
-    bits = fb.spec_info.custom_mask[token_to_req[:, None], node.clamp(0, T - 1)[:, None], rel.clamp(0, T - 1)]
+    bits = fb.spec_info.custom_mask[token_to_req[:, None], node[:, None], rel.clamp(0, T - 1)]
     return (rel < 0) | ((rel < T) & bits)
 
 
