@@ -29,7 +29,6 @@ import torch
 
 from runners import draft_decode
 from runners.config import ModelConfig, SpecConfig
-from runners.cuda_graph import ReplayRecord
 from runners.draft_decode import EagleProposer, TargetProposer
 from runners.draft_extend import DraftExtendInputs, StepOutputs
 from runners.eagle_draft import DraftDecodeOutputs
@@ -95,10 +94,7 @@ class StepReport:
     finished: list[int] = field(default_factory=list)
     extend_rids: list[int] = field(default_factory=list)  # row order of the draft-extend below
     extend_outs: list[StepOutputs] = field(default_factory=list)  # per draft step, real rows
-    records: list[ReplayRecord] = field(default_factory=list)  # graph replays (empty: eager or fallback)
-    verify_records: list[ReplayRecord] = field(default_factory=list)  # the TARGET_VERIFY replay (empty: eager verify)
     decode_outs: Optional[DraftDecodeOutputs] = None  # the single-layer draft decode's tree (real requests)
-    decode_records: list[ReplayRecord] = field(default_factory=list)  # its graph replay (empty: eager, fallback or multi-layer)
 
 
 def loop_unsupported_reason(spec: SpecConfig) -> Optional[str]:
@@ -252,8 +248,7 @@ class SpecEngine:
                 props = self.draft.extend(inp)
                 rep.extend_rids = [r.rid for r in reqs]
                 rep.extend_outs = self.draft.last_outs
-                rep.records = self.draft.last_records
-                rep.decode_outs, rep.decode_records = self.draft.last_decode, self.draft.last_decode_records
+                rep.decode_outs = self.draft.last_decode
         if props is None:
             props = self.draft.propose(reqs) if isinstance(self.draft, TargetProposer) else []
         for r, p in zip(reqs, props, strict=True):
@@ -285,9 +280,7 @@ class SpecEngine:
         if g is not None:
             inp = verify_inputs(lanes, [t // self.T for t in dp_tokens], self.device, self.T)
             if g.can_run(inp):
-                out, rec = g.replay(inp)
-                rep.verify_records = [rec]
-                return out
+                return g.replay(inp)
             g.backend.stats.eager_fallbacks += 1
         return self.target.forward_synced(lanes, dp_tokens)
 

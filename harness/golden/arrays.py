@@ -10,7 +10,7 @@ from harness.case import GOLDEN_FLOAT_FIELDS, Case
 from harness.checks import run_spmd
 from harness.execute import RankRun
 from harness.golden.base import INT_FIELDS, META_FIELDS
-from runners.cuda_graph import ReplayRecord
+from harness.records import ReplayRecord
 
 # ----------------------------------------------------------------------------------------
 # what goes in
