@@ -77,7 +77,7 @@ def slot_budget(spec: SpecConfig, max_context_len: int) -> int:
 
 
 @dataclass
-class RoundRecord:
+class RoundResult:
     """What one verify round did to one request."""
 
     rid: int
@@ -90,7 +90,7 @@ class RoundRecord:
 class StepReport:
     step: int
     prefilled: list[int] = field(default_factory=list)
-    verified: list[RoundRecord] = field(default_factory=list)
+    verified: list[RoundResult] = field(default_factory=list)
     finished: list[int] = field(default_factory=list)
     extend_rids: list[int] = field(default_factory=list)  # row order of the draft-extend below
     extend_outs: list[StepOutputs] = field(default_factory=list)  # per draft step, real rows
@@ -227,7 +227,7 @@ class SpecEngine:
             r.tokens.extend(acc.new_tokens[:take])
             r.accept_lens.append(acc.accept_len)
             r.sibling_accepts.append(acc.off_chain)
-            rep.verified.append(RoundRecord(r.rid, acc.accept_len, acc.off_chain, take))
+            rep.verified.append(RoundResult(r.rid, acc.accept_len, acc.off_chain, take))
             row_ids, row_hid = draft_decode.eagle_pairs(row_ids, row_hid)
             ids.append(row_ids)
             hid.append(row_hid)
