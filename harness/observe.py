@@ -27,6 +27,7 @@ from harness.records import CaptureRecord, ReplayRecord, tensor_values
 from runners.batch import ForwardBatch
 from runners.draft_decode import EagleProposer
 from runners.draft_extend import SEQ_LEN_FILL_VALUE
+from runners.graph_runner import RunnerKind
 from runners.parallel.layout import ParallelLayout
 from runners.spec_decode import SpecEngine
 
@@ -41,7 +42,7 @@ class LiveBatch(Protocol):
 class ObservedRunner(Protocol):
     """What the observer reads of a graph runner: the engine-shaped names of runners.graph_runner."""
 
-    runner_kind: str
+    runner_kind: RunnerKind
     step: int
     layout: ParallelLayout
     T: int

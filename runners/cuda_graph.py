@@ -27,7 +27,7 @@ from runners.draft_extend import (
 from runners.draft_extend_buffers import DraftExtendGraphRunner, DraftExtendInputBuffers
 from runners.eagle_draft_extend_graph import EagleDraftExtendCudaGraphRunner
 from runners.graph_backend import GraphBackend
-from runners.graph_runner import compute_capture_bs
+from runners.graph_runner import RunnerKind, compute_capture_bs
 from runners.memory import PADDING_ROW, PADDING_SLOT
 
 __all__ = [
@@ -127,7 +127,7 @@ class EagleDraftExtendCudaGraphRunnerBase(DraftExtendGraphRunner):
 class MultiLayerEagleDraftExtendCudaGraphRunner(EagleDraftExtendCudaGraphRunnerBase):
     """One draft layer (one speculative step) of the multi-layer EAGLE draft."""
 
-    runner_kind = "multi_layer"
+    runner_kind = RunnerKind.MULTI_LAYER
 
 
 class MultiLayerEagleMultiStepDraftExtendCudaGraphRunner:

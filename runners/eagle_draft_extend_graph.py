@@ -15,13 +15,14 @@ from runners.batch import EagleDraftInput, ForwardBatch, ForwardMode
 from runners.draft_extend import SEQ_LEN_FILL_VALUE, DraftExtendInputs, DraftWorker, StepOutputs
 from runners.draft_extend_buffers import DraftExtendGraphRunner
 from runners.graph_backend import GraphBackend
+from runners.graph_runner import RunnerKind
 from runners.memory import PADDING_ROW, PADDING_SLOT
 
 
 class EagleDraftExtendCudaGraphRunner(DraftExtendGraphRunner):
     """The single-layer EAGLE draft-extend runner: one graph per bucket over its own buffers."""
 
-    runner_kind = "single_layer"
+    runner_kind = RunnerKind.SINGLE_LAYER
 
     def __init__(self, worker: DraftWorker, backend: GraphBackend):
         super().__init__(worker, 0, backend)

@@ -18,14 +18,14 @@ from runners.dp_metadata import gathered_metadata
 from runners.draft_extend import SEQ_LEN_FILL_VALUE, DraftWorker
 from runners.eagle_draft import DraftDecodeInputs, DraftDecodeOutputs, DraftDecodeSpecInfo, draft_decode_forward
 from runners.graph_backend import GraphBackend
-from runners.graph_runner import BucketedGraphRunner, compute_capture_bs
+from runners.graph_runner import BucketedGraphRunner, RunnerKind, compute_capture_bs
 from runners.memory import PADDING_ROW, PADDING_SLOT
 
 
 class EAGLEDraftCudaGraphRunner(BucketedGraphRunner):
     """One rank's draft-decode graphs (num_steps - 1 forwards of the one draft layer each)."""
 
-    runner_kind = "draft_decode"
+    runner_kind = RunnerKind.DRAFT_DECODE
 
     def __init__(self, worker: DraftWorker, backend: GraphBackend):
         spec = worker.spec

@@ -11,6 +11,7 @@ backends that plan outside the graph, then the graph).
 from __future__ import annotations
 
 import bisect
+from enum import StrEnum
 from typing import Any, Optional, Protocol
 
 import torch
@@ -41,6 +42,15 @@ def gathered_buffers(layout: ParallelLayout, device: torch.device) -> tuple[Opti
     return torch.zeros(n, dtype=torch.int32, device=device), torch.zeros(n, dtype=torch.int32, device=device)
 
 
+class RunnerKind(StrEnum):
+    """Which graph runner: the engine's four CUDA-graph runners of speculative decoding."""
+
+    MULTI_LAYER = "multi_layer"  # a step of MultiLayerEagleMultiStepDraftExtendCudaGraphRunner
+    SINGLE_LAYER = "single_layer"  # EAGLEDraftExtendCudaGraphRunner
+    DRAFT_DECODE = "draft_decode"  # EAGLEDraftCudaGraphRunner
+    TARGET_VERIFY = "target_verify"  # the target's CudaGraphRunner in TARGET_VERIFY mode
+
+
 class LiveBatch(Protocol):
     dp_batch_sizes: list[int]
     seq_lens: torch.Tensor
@@ -54,7 +64,7 @@ class BucketedGraphRunner:
     and define `comm`, `get_forward_batch(bs)`, `_fill_for_replay(inp)` and `_body(fb)`;
     `_init_gathered` sets the gathered tensors."""
 
-    runner_kind = "base"
+    runner_kind: RunnerKind
     step = 0  # a multi-step runner's step (draft-extend layer); one-pass runners (verify) are step 0
     layout: ParallelLayout
     backend: GraphBackend

@@ -24,7 +24,7 @@ from runners.config import ModelConfig, SpecConfig
 from runners.dp_metadata import gathered_metadata
 from runners.draft_extend import SEQ_LEN_FILL_VALUE
 from runners.graph_backend import GraphBackend
-from runners.graph_runner import BucketedGraphRunner, compute_capture_bs
+from runners.graph_runner import BucketedGraphRunner, RunnerKind, compute_capture_bs
 from runners.memory import PADDING_SLOT
 from runners.parallel.dp_attention import RankContext
 from runners.target import Lane, TargetOutput, TargetRunner, target_step
@@ -71,7 +71,7 @@ class TargetVerifyCudaGraphRunner(BucketedGraphRunner):
     """One rank's TARGET_VERIFY graphs. `target=None` gives a metadata-only runner (no model:
     get_forward_batch and prepare_replay only), which the fast P1 path drives."""
 
-    runner_kind = "target_verify"
+    runner_kind = RunnerKind.TARGET_VERIFY
 
     def __init__(self, ctx: RankContext, cfg: ModelConfig, spec: SpecConfig, target: Optional[TargetRunner],
                  backend: GraphBackend, device: torch.device | str = "cpu"):

@@ -19,6 +19,7 @@ from runners.draft_extend import DraftExtendInputs, DraftWorker
 from runners.eagle_draft import DraftDecodeInputs
 from runners.eagle_draft_graph import EAGLEDraftCudaGraphRunner
 from runners.graph_backend import GraphBackend
+from runners.graph_runner import RunnerKind
 from runners.parallel.dp_attention import RankContext
 from runners.parallel.layout import ParallelLayout
 from runners.verify_graph import TargetVerifyCudaGraphRunner, VerifyInputs
@@ -88,9 +89,9 @@ def check_metadata(
         _check_verify_metadata(v, layout, spec, schedule, model, tp_rank, seed)
         _check_decode_metadata(v, layout, spec, schedule, model, tp_rank, seed)
         # I6: single-layer and multi-layer agree on for_logprob (each multi-layer step vs single)
-        single = lp_by_runner.get(("single_layer", 0), [])
+        single = lp_by_runner.get((RunnerKind.SINGLE_LAYER, 0), [])
         for (kind, step), vals in lp_by_runner.items():
-            if kind == "multi_layer":
+            if kind is RunnerKind.MULTI_LAYER:
                 v.expect_equal("I6", "global_num_tokens_for_logprob", {"layout": layout.describe(), "rank": tp_rank, "step": step}, single, vals,
                                "single-layer vs multi-layer runner, same batches")
     _check_branch_parity(v, layout, spec, schedule, model, seed)
