@@ -69,7 +69,6 @@ class RunnerObserver:
         self.replays: list[ReplayRecord] = [] if replays is None else replays
         self._saved: dict[str, Optional[Callable]] = {}
         self._live: Optional[LiveBatch] = None
-        self._baking = False
 
     # ---- attach / detach: instance attributes over the class's methods, put back in reverse order ----
     def attach(self) -> "RunnerObserver":

@@ -209,7 +209,7 @@ class SpecEngine:
         n0 = [len(r.tokens) for r in batch]
         trees: list[DraftTree] = [tree_of(r.proposal, T - 1, self.tree) for r in batch]
         lanes = [Lane(r.req_pool_idx, n - 1, *t.lane(r.tokens[-1])) for r, n, t in zip(batch, n0, trees, strict=True)]
-        out = self._target_verify(lanes, rep)
+        out = self._target_verify(lanes)
         if out is None:
             return
         rows = out.lane_rows(lanes)
@@ -267,7 +267,7 @@ class SpecEngine:
         for t in kv.k + kv.v:
             t[dst] = t[src]
 
-    def _target_verify(self, lanes: list[Lane], rep: StepReport) -> Optional[TargetOutput]:
+    def _target_verify(self, lanes: list[Lane]) -> Optional[TargetOutput]:
         """The verify pass: the TARGET_VERIFY graph when there is one and the batch fits, else eager.
 
         One MLP sync decides for every rank alike (the MLP-TP-gather branch pads every DP
