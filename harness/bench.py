@@ -31,6 +31,7 @@ from typing import Callable, Optional
 import torch
 
 from harness.bench_runners import bench_runners_backend, format_runner_table
+from harness.observe import observe_all
 from harness.ranks.simulated import SimulatedWorld
 from harness.scenario import Iteration, RequestSpec, Scenario, materialize, release
 
@@ -190,10 +191,10 @@ def _bench_backend(comm, backend: str, args, device: torch.device, bs_list: list
 
         runner = driver.runners[0]
         runner.reset_for_iteration(bs, inp.accept_lens)
-        rec = runner.prepare_replay(inp)
-        graph = runner.graphs[rec.bs]
+        bucket = runner.prepare_replay(inp)
+        graph = runner.graphs[bucket]
         replan = getattr(worker.attn, "plan_replay", None)
-        cap_fb = runner.capture_batches[rec.bs]
+        cap_fb = runner.capture_batches[bucket]
 
         def replay_step(graph=graph, cap_fb=cap_fb, replan=replan):
             if replan is not None:
@@ -209,10 +210,11 @@ def _bench_backend(comm, backend: str, args, device: torch.device, bs_list: list
         diff = float((graph.output.logits[:n].float() - eager_out.logits[:n].float()).abs().max())
 
         eager_iter = timer.measure(lambda inp=inp: run_eager(worker, inp), args.replays, args.warmup)
-        driver.record = False  # as an engine runs it
-        graph_iter = timer.measure(lambda inp=inp: driver.run(inp), args.replays, args.warmup)
-        driver.record = True  # as the harness runs it: plus P1's ReplayRecords (host read-backs)
-        graph_iter_rec = timer.measure(lambda inp=inp: driver.run(inp), args.replays, args.warmup)
+        graph_iter = timer.measure(lambda inp=inp: driver.run(inp), args.replays, args.warmup)  # as an engine runs it
+        observers = observe_all(driver.runners)  # as the harness runs it: plus P1's ReplayRecords (host read-backs)
+        graph_iter_rec = timer.measure(lambda inp=inp, first=observers[0]: (driver.run(inp), first.take()), args.replays, args.warmup)
+        for obs in reversed(observers):
+            obs.detach()
         release(worker, batch)
         med = statistics.median
         rows.append({

@@ -117,8 +117,7 @@ def _runner_calls(rig: RunnerRig, ext, dec: DraftDecodeInputs, lanes: list[Lane]
     """Eager and graph calls per runner, and the iteration (the three back to back)."""
     ver = rig.verify_inputs(lanes)
     eager = {"extend": lambda: run_eager(rig.worker, ext), "decode": lambda: rig.eager_decode(dec), "verify": lambda: rig.eager_verify(lanes)}
-    graph = {"extend": lambda: rig.extend.run(ext), "decode": lambda: rig.decode.replay(dec, record=False),
-             "verify": lambda: rig.verify.replay(ver, record=False)}
+    graph = {"extend": lambda: rig.extend.run(ext), "decode": lambda: rig.decode.replay(dec), "verify": lambda: rig.verify.replay(ver)}
     for calls in (eager, graph):
         parts = [calls["extend"], calls["decode"], calls["verify"]]
         calls["iteration"] = lambda parts=parts: [f() for f in parts]
@@ -126,13 +125,12 @@ def _runner_calls(rig: RunnerRig, ext, dec: DraftDecodeInputs, lanes: list[Lane]
 
 
 def bench_runners_backend(comm, backend: str, args, device: torch.device, bs_list: list[int], model_of, timer_cls) -> dict:
-    """Per batch size (each a capture bucket): every runner eager vs graph (replays without P1 records, as an engine runs them)."""
+    """Per batch size (each a capture bucket): every runner eager vs graph (replays unobserved, as an engine runs them)."""
     model_name, model = model_of(args.model, backend, args.dtype)
     spec = rig_spec(tuple(bs_list), num_steps=args.num_steps)
     gkind = args.graph if args.graph != "auto" else ("cuda" if device.type == "cuda" else "sim")
     rig = build_rig(comm, model, spec, backend, device, gkind)
     timer = timer_cls(device)
-    rig.extend.record = False
     rows = []
     for i, bs in enumerate(bs_list):
         batch = rig.batch(bs, 1000 * (i + 1))

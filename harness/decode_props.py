@@ -50,14 +50,15 @@ def check_decode_case(case: Case, props: Sequence[str] = ("P1", "P3", "P6")) -> 
     sessions = {r: case_session(case, r) for r in ("eager", "graph")}
     tol = case.tol("eager_vs_graph", eager_vs_graph("cpu", case.scenario.model.dtype, case.scenario.attention_backend))
     replays = 0
+    graph_records = sessions["graph"].records
     for step, (e_reps, g_reps) in enumerate(zip(sessions["eager"].reports, sessions["graph"].reports, strict=True)):
         for rank, (e, g) in enumerate(zip(e_reps, g_reps, strict=True)):
             where = {"case": case.name, "layout": layout.describe(), "runner": "draft_decode", "rank": rank, "step": step}
-            for rec in g.decode_records:
+            for rec in graph_records[step][rank].decode:
                 replays += 1
                 if "P1" in out:
                     # every DP group replays the largest group's bucket in the MLP branch: the largest raw batch of this step decides
-                    needed = max(r.raw_bs for rr in g_reps for r in rr.decode_records) if layout.require_mlp_tp_gather else rec.raw_bs
+                    needed = max(r.raw_bs for rr in graph_records[step] for r in rr.decode) if layout.require_mlp_tp_gather else rec.raw_bs
                     check_replay_record(out["P1"], layout, rec, rank, step, needed)
                     check_replay_rows(out["P1"], layout, rec, rank, step, expected_rows=rec.bs * k)
             if "P3" in out and (e.decode_outs is None) != (g.decode_outs is None):
@@ -193,7 +194,7 @@ def check_decode_padded_lanes(topk: int, model: ModelConfig = DEFAULT_MODEL) -> 
         before = graph.kv_pool.k[0].clone()
         _poison(runner, 3, live_row=4)
         try:
-            got, _ = runner.replay(inp, record=False)
+            got = runner.replay(inp)
         except (IndexError, RuntimeError) as err:
             v.fail("P2", "replay", where, "a replay", f"{type(err).__name__}: {str(err).splitlines()[0][:160]}", "a poisoned padded lane was read")
             return

@@ -8,7 +8,9 @@ The case is rerun on simulated ranks up to the target iteration, and then, per r
                            graph.s{k}.<field>         graph outputs of step k, sliced to the real rows
                            buffers.s{k}.<name>        the graph runners' static buffers after the iteration, padded lanes included
                            meta.eager.s{k}.<name>     host metadata of the eager ForwardBatch (ints; -1: None)
-                           meta.graph.s{k}.<name>     what the replay used: bucket, baked host values, replay fill, rows fed
+                           meta.graph.s{k}.<field>    the replay's record (harness.records.ReplayRecord), by field name: bucket,
+                                                      replay fill, rows fed; capture.<field> the bucket as baked,
+                                                      capture.host.<name> its host metadata
     DIR/oracle.npz       the TP1 eager oracle of the same iteration (eager.s{k}.<field>, rids)
     DIR/divergence.json  the case, layout, target, the first divergence and, per rank, its requests
 
@@ -19,7 +21,7 @@ padded lanes as the replay fill left them.
 from __future__ import annotations
 
 import json
-from dataclasses import replace
+from dataclasses import fields, replace
 from pathlib import Path
 from typing import Optional
 
@@ -28,7 +30,9 @@ import torch
 
 from harness.case import Case
 from harness.execute import _prepare, make_worker
+from harness.observe import observe_all
 from harness.ranks.simulated import RankFailure, SimulatedWorld
+from harness.records import ReplayRecord
 from harness.scenario import release
 from runners.cuda_graph import DraftExtendGraphDriver
 from runners.draft_extend import run_eager
@@ -56,13 +60,23 @@ def _meta(d: dict, prefix: str) -> dict[str, np.ndarray]:
     return out
 
 
+def _record_fields(rec: ReplayRecord) -> dict:
+    """The record flattened under its own field names (one name per value, as in the record)."""
+    cap = rec.capture
+    out = {f.name: getattr(rec, f.name) for f in fields(rec) if f.name != "capture"}
+    out.update({f"capture.{f.name}": getattr(cap, f.name) for f in fields(cap) if f.name != "host"})
+    out.update({f"capture.host.{name}": v for name, v in cap.host.items()})
+    return out
+
+
 def _dump_rank(comm, case: Case, target_it: int, runner: str) -> dict[str, np.ndarray]:
     sc = case.scenario
     out: dict[str, np.ndarray] = {}
     eager_worker = make_worker(comm, sc, False, "cpu") if runner in ("eager", "both") else None
-    driver = None
+    driver = observers = None
     if runner in ("graph", "both"):
         driver = DraftExtendGraphDriver(make_worker(comm, sc, False, "cpu"), GraphBackend("auto", "cpu"))
+        observers = observe_all(driver.runners)
         driver.capture()
     for it in range(target_it + 1):
         last = it == target_it
@@ -79,7 +93,8 @@ def _dump_rank(comm, case: Case, target_it: int, runner: str) -> dict[str, np.nd
             release(eager_worker, batch)
         if driver is not None:
             batch = _prepare(driver.worker, sc, it)
-            outs, recs = driver.run(batch.inputs)
+            outs = driver.run(batch.inputs)
+            recs = observers[0].take()
             if last:
                 if "inputs.rids" not in out:
                     out.update({f"inputs.{n}": _np(getattr(batch.inputs, n)) for n in INPUTS})
@@ -92,15 +107,8 @@ def _dump_rank(comm, case: Case, target_it: int, runner: str) -> dict[str, np.nd
                         buf = getattr(r, name, None)
                         if isinstance(buf, torch.Tensor):
                             out[f"buffers.s{k}.{name}"] = _np(buf)
-                for k, rec in enumerate(recs or []):
-                    m = {"raw_bs": rec.raw_bs, "bs": rec.bs, "rows_fed": rec.rows_fed, "logits_rows": rec.logits_rows,
-                         "seq_lens_sum": rec.seq_lens_sum, "fill_global_num_tokens_gpu": rec.global_num_tokens_gpu,
-                         "fill_global_num_tokens_for_logprob_gpu": rec.global_num_tokens_for_logprob_gpu,
-                         "capture_global_num_tokens_gpu": rec.capture.global_num_tokens_gpu,
-                         "capture_global_num_tokens_for_logprob_gpu": rec.capture.global_num_tokens_for_logprob_gpu,
-                         "captured_bs": rec.captured_bs}
-                    m.update({f"capture_{h}": v for h, v in rec.capture.host.items()})
-                    out.update(_meta(m, f"meta.graph.s{k}"))
+                for k, rec in enumerate(recs):
+                    out.update(_meta(_record_fields(rec), f"meta.graph.s{k}"))
             release(driver.worker, batch)
     return out
 

@@ -10,8 +10,10 @@ from typing import Callable, Literal, Optional
 
 import torch
 
+from harness.observe import observe_all
+from harness.records import ReplayRecord
 from harness.scenario import MaterializedBatch, Scenario, materialize, release
-from runners.cuda_graph import DraftExtendGraphDriver, ReplayRecord
+from runners.cuda_graph import DraftExtendGraphDriver
 from runners.draft_extend import DraftWorker, run_eager
 from runners.graph_backend import GraphBackend, GraphStats
 from runners.parallel.comm import Communicator
@@ -63,10 +65,11 @@ def run_rank(
 ) -> RankRun:
     result = RankRun(rank=comm.rank)
     eager_worker = make_worker(comm, sc, single_layer, device) if runner in ("eager", "both") else None
-    driver = None
+    driver = observers = None
     if runner in ("graph", "both"):
         graph_worker = make_worker(comm, sc, single_layer, device)
         driver = DraftExtendGraphDriver(graph_worker, GraphBackend(graph_kind, device), single_layer=single_layer)
+        observers = observe_all(driver.runners)  # before the capture: it records each bucket as baked
         driver.capture()
     for it in range(len(sc.iterations)):
         if eager_worker is not None:
@@ -77,7 +80,8 @@ def run_rank(
             release(eager_worker, batch)
         if driver is not None:
             batch = _prepare(driver.worker, sc, it)
-            outs, recs = driver.run(batch.inputs)
+            outs = driver.run(batch.inputs)
+            recs = observers[0].take()
             result.graph.append([StepResult(_cpu(o), rec.capture.host if rec else {}) for o, rec in zip(outs, recs or [None] * len(outs), strict=True)])
             result.records.append(recs)
             if eager_worker is None:

@@ -34,8 +34,8 @@ class StepRow:
     raw_bs: int
     bs: Optional[int]
     num_tokens: Optional[int]
-    for_logprob: Optional[int]
-    dp_buffer_len: Optional[int]
+    global_num_tokens_for_logprob: Optional[int]  # this rank's entry of the host list
+    global_dp_buffer_len: Optional[int]
     rows_fed: Optional[int]
     max_logit_diff: Optional[float]
 
@@ -180,14 +180,15 @@ def replay_case(case: Case, step: Optional[int] = None, rank: Optional[int] = No
 
 
 def format_table(rep: ReplayReport) -> str:
-    head = f"{'iter':>4} {'step':>4} {'rank':>4} {'branch':<15} {'raw_bs->bs':>10} {'num_tok':>7} {'for_logprob':>11} {'dp_buf':>6} {'rows_fed':>8} {'max|dlogit|':>11}"
+    head = (f"{'iter':>4} {'step':>4} {'rank':>4} {'branch':<15} {'raw_bs->bs':>10} {'num_tokens':>10} {'global_num_tokens_for_logprob':>29} "
+            f"{'global_dp_buffer_len':>20} {'rows_fed':>8} {'max|dlogit|':>11}")
     lines = [f"case {rep.case}: {rep.layout}", head, "-" * len(head)]
     for r in rep.rows:
         bs = f"{r.raw_bs}->{r.bs}" if r.bs is not None else f"{r.raw_bs}->eager"
         diff = "-" if r.max_logit_diff is None else f"{r.max_logit_diff:.2e}"
         fmt = lambda x: "-" if x is None else str(x)  # noqa: E731
-        lines.append(f"{r.iteration:>4} {r.step:>4} {r.rank:>4} {r.branch:<15} {bs:>10} {fmt(r.num_tokens):>7} {fmt(r.for_logprob):>11} "
-                     f"{fmt(r.dp_buffer_len):>6} {fmt(r.rows_fed):>8} {diff:>11}")
+        lines.append(f"{r.iteration:>4} {r.step:>4} {r.rank:>4} {r.branch:<15} {bs:>10} {fmt(r.num_tokens):>10} "
+                     f"{fmt(r.global_num_tokens_for_logprob):>29} {fmt(r.global_dp_buffer_len):>20} {fmt(r.rows_fed):>8} {diff:>11}")
     lines.append(f"(max|dlogit|: {rep.diff_label}, real rows)")
     lines.append("")
     for prop, v in rep.report.verdicts.items():

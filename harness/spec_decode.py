@@ -27,6 +27,7 @@ import torch
 
 from harness.case import Case, default_cases, load_case
 from harness.data import shipped_dir
+from harness.observe import LoopObserver, LoopRecords
 from harness.ranks.simulated import SimulatedWorld
 from runners.attention.flashinfer_backend import TREE_MASK_UNSUPPORTED
 from runners.config import DEFAULT_MODEL, ModelConfig, SpecConfig
@@ -85,13 +86,17 @@ class SpecSession:
         def build(comm):
             e = SpecEngine(RankContext(layout, comm.rank, comm), model, spec, proposer=proposer, runner=runner, tree=tree, alignment=alignment,
                            attention_backend=attention_backend)
+            observer = LoopObserver(e)
             if hook is not None:
                 hook(e)
-            return e
+            return e, observer
 
         with one_torch_thread():
-            self.engines: list[SpecEngine] = self.world.run(build)
+            built = self.world.run(build)
+        self.engines: list[SpecEngine] = [e for e, _ in built]
+        self.observers: list[LoopObserver] = [o for _, o in built]
         self.reports: list[list[StepReport]] = []  # per step, per rank
+        self.records: list[list[LoopRecords]] = []  # per step, per rank: the graph replays P1 reads
 
     def step(self, commands: Sequence[tuple] = ()) -> list[StepReport]:
         """Apply the commands on every rank (each keeps its DP group's), then one engine step."""
@@ -105,6 +110,7 @@ class SpecSession:
         with one_torch_thread():
             reps = self.world.run(fn)
         self.reports.append(reps)
+        self.records.append([o.take() for o in self.observers])
         return reps
 
     def leader(self, dp_rank: int) -> SpecEngine:

@@ -17,6 +17,7 @@ from typing import Optional
 
 import torch
 
+from harness.observe import RunnerObserver
 from harness.props.outputs import first_bad_row
 from harness.props.p1_records import check_replay_rows
 from harness.props.poison import NAN, RunnerPoison
@@ -65,6 +66,7 @@ class VerifyShadow:
         self.tol = eager_vs_graph(engine.device.type, engine.cfg.dtype, engine.target.attn.name)
         g = engine.verify_graph
         if g is not None:  # None: an eager engine, nothing to compare
+            self.observer = RunnerObserver(g).attach()
             g.replay = self._wrap(g, g.replay)
 
     def _where(self, raw_bs: int, bs: int) -> dict:
@@ -76,7 +78,7 @@ class VerifyShadow:
         return sorted({s for r in self.engine.sched.running if r.has_kv for s in r.slots})
 
     def _wrap(self, g: TargetVerifyCudaGraphRunner, replay):
-        def shadowed(inp: VerifyInputs, record: bool = True):
+        def shadowed(inp: VerifyInputs) -> TargetOutput:
             e, T = self.engine, g.T
             kv = e.target.kv_pool
             before = [t.clone() for t in kv.k + kv.v]
@@ -86,12 +88,13 @@ class VerifyShadow:
                 self._tree_vs_chain(inp, T, ref)
             for dst, src in zip(kv.k + kv.v, before, strict=True):
                 dst.copy_(src)
-            out, rec = replay(inp, record=True)  # the records are what P1 reads, whatever the engine asked for
+            out = replay(inp)
+            rec = self.observer.replays[-1]
             w = self._where(inp.bs, rec.bs)
             self._compare(w, ref, out, eager_kv, kv.k + kv.v, T)
             check_replay_rows(self.p1, e.ctx.layout, rec, e.ctx.tp_rank, e.steps, expected_rows=rec.bs * T)
             self.replays += 1
-            return out, rec if record else None
+            return out
 
         return shadowed
 

@@ -27,13 +27,12 @@ from runners.draft_extend import (
 from runners.draft_extend_buffers import DraftExtendGraphRunner, DraftExtendInputBuffers
 from runners.eagle_draft_extend_graph import EagleDraftExtendCudaGraphRunner
 from runners.graph_backend import GraphBackend
-from runners.graph_runner import CaptureRecord, ReplayRecord, compute_capture_bs
+from runners.graph_runner import RunnerKind, compute_capture_bs
 from runners.memory import PADDING_ROW, PADDING_SLOT
 
 __all__ = [
-    "CaptureRecord", "DraftExtendGraphDriver", "EagleDraftExtendCudaGraphRunner", "EagleDraftExtendCudaGraphRunnerBase",
-    "MultiLayerEagleDraftExtendCudaGraphRunner", "MultiLayerEagleMultiStepDraftExtendCudaGraphRunner", "ReplayRecord",
-    "compute_capture_bs",
+    "DraftExtendGraphDriver", "EagleDraftExtendCudaGraphRunner", "EagleDraftExtendCudaGraphRunnerBase",
+    "MultiLayerEagleDraftExtendCudaGraphRunner", "MultiLayerEagleMultiStepDraftExtendCudaGraphRunner", "compute_capture_bs",
 ]
 
 
@@ -82,7 +81,7 @@ class EagleDraftExtendCudaGraphRunnerBase(DraftExtendGraphRunner):
             global_num_tokens_for_logprob_gpu=buffers.global_num_tokens_for_logprob_gpu,
             global_dp_buffer_len=global_dp_buffer_len,
         )
-        return self._keep_capture_record(fb)
+        return fb
 
     # ---- the replay fill (§6.4) ----
     def reset_for_iteration(self, raw_bs: int, accept_lens: torch.Tensor) -> None:
@@ -120,19 +119,15 @@ class EagleDraftExtendCudaGraphRunnerBase(DraftExtendGraphRunner):
             self.global_num_tokens_for_logprob_gpu.fill_(bs * self.T)
         return bs
 
-    def prepare_replay(self, inp: DraftExtendInputs) -> ReplayRecord:
-        """Copy in, choose the bucket, write the replay fill. No graph runs (the fast P1 path)."""
-        return self._record(inp, self._fill_for_replay(inp))
-
-    def replay(self, inp: DraftExtendInputs, record: bool = True) -> tuple[StepOutputs, Optional[ReplayRecord]]:
+    def replay(self, inp: DraftExtendInputs) -> StepOutputs:
         """Replays this step over the buffers as filled (prepare, then the chain inputs of earlier steps)."""
-        return self._replay_filled(inp, self._choose_bucket(self._needed_bs(inp)), record)
+        return self._replay_filled(inp, self._choose_bucket(self._needed_bs(inp)))
 
 
 class MultiLayerEagleDraftExtendCudaGraphRunner(EagleDraftExtendCudaGraphRunnerBase):
     """One draft layer (one speculative step) of the multi-layer EAGLE draft."""
 
-    runner_kind = "multi_layer"
+    runner_kind = RunnerKind.MULTI_LAYER
 
 
 class MultiLayerEagleMultiStepDraftExtendCudaGraphRunner:
@@ -159,14 +154,14 @@ class MultiLayerEagleMultiStepDraftExtendCudaGraphRunner:
         self.raw_bs, self.bs = inp.bs, first._fill_for_replay(inp)
         return self.bs
 
-    def replay(self, step: int, inp: DraftExtendInputs, record: bool = True) -> tuple[StepOutputs, Optional[ReplayRecord]]:
+    def replay(self, step: int, inp: DraftExtendInputs) -> StepOutputs:
         """Step k > 0 reads the previous step's token ids and hidden states (`inp`, live rows):
         written outside the graph, as the engine's worker rotates the input ids between steps."""
         if step:
             raw_n = inp.bs * self.runners[0].T
             self.buffers.input_ids[:raw_n].copy_(inp.input_ids)
             self.buffers.hidden_states[:raw_n].copy_(inp.hidden_states)
-        return self.runners[step].replay(inp, record)
+        return self.runners[step].replay(inp)
 
 
 class DraftExtendGraphDriver:
@@ -177,10 +172,8 @@ class DraftExtendGraphDriver:
     EagleDraftExtendCudaGraphRunner. `runners` lists the per-step runners either way.
     """
 
-    def __init__(self, worker: DraftWorker, backend: GraphBackend, single_layer: bool = False, record: bool = True):
-        """record=False skips the ReplayRecords (P1's host read-back, a few device syncs per step):
-        the driver then runs as an engine would, and `run` returns no records."""
-        self.worker, self.backend, self.record = worker, backend, record
+    def __init__(self, worker: DraftWorker, backend: GraphBackend, single_layer: bool = False):
+        self.worker, self.backend = worker, backend
         self.multi_step: Optional[MultiLayerEagleMultiStepDraftExtendCudaGraphRunner] = None
         if single_layer:
             self.runners: list[DraftExtendGraphRunner] = [EagleDraftExtendCudaGraphRunner(worker, backend)]
@@ -198,23 +191,20 @@ class DraftExtendGraphDriver:
         else:
             self.runners[0].capture()
 
-    def run(self, inp: DraftExtendInputs) -> tuple[list[StepOutputs], list[ReplayRecord]]:
+    def run(self, inp: DraftExtendInputs) -> list[StepOutputs]:
         if not all(r.can_run(inp) for r in self.runners):
             self.backend.stats.eager_fallbacks += 1
             outs, _ = run_eager(self.worker, inp)
-            return outs[: len(self.runners)], []
+            return outs[: len(self.runners)]
         if self.multi_step is None:
             single = self.runners[0]
             single.reset_for_iteration(inp.bs, inp.accept_lens)
-            out, rec = single.replay(inp, record=self.record)
-            return [out], [rec] if rec is not None else []
+            return [single.replay(inp)]
         self.multi_step.prepare(inp)
-        outs, records = [], []
+        outs = []
         step_inp = inp
         for k in range(len(self.runners)):
-            out, rec = self.multi_step.replay(k, step_inp, record=self.record)
+            out = self.multi_step.replay(k, step_inp)
             outs.append(out)
-            if rec is not None:
-                records.append(rec)
             step_inp = with_step_inputs(inp, out.next_input_ids, out.hidden)
-        return outs, records
+        return outs

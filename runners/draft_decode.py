@@ -37,7 +37,7 @@ import torch
 from runners.attention import make_backend
 from runners.attention.torch_ref import TorchAttnBackend
 from runners.config import ModelConfig, SpecConfig
-from runners.cuda_graph import DraftExtendGraphDriver, ReplayRecord
+from runners.cuda_graph import DraftExtendGraphDriver
 from runners.draft_extend import (
     DraftExtendInputs,
     DraftWorker,
@@ -99,9 +99,7 @@ class EagleProposer:
         self.decode_graph: Optional[EAGLEDraftCudaGraphRunner] = None
         self.decode_attn = TorchAttnBackend(req_pool, w.kv_pool)  # draft decode reads a lane's slot column: the reference math
         self.last_outs: list[StepOutputs] = []
-        self.last_records: list[ReplayRecord] = []
         self.last_decode: Optional[DraftDecodeOutputs] = None
-        self.last_decode_records: list[ReplayRecord] = []
 
     @property
     def model(self):
@@ -164,10 +162,10 @@ class EagleProposer:
     # ---- draft-extend after a verify ----
     def extend(self, inp: DraftExtendInputs) -> list[Proposal]:
         if self.driver is not None:
-            outs, records = self.driver.run(inp)
+            outs = self.driver.run(inp)
         else:
-            outs, records = run_eager(self.worker, inp)[0], []
-        self.last_outs, self.last_records = outs, records
+            outs = run_eager(self.worker, inp)[0]
+        self.last_outs = outs
         if self.single_layer:
             rows = (torch.arange(inp.bs, device=self.device) * self.worker.tokens_per_bs + inp.accept_lens - 1).tolist()
             return self._decode(outs[0], list(range(inp.bs)), rows, inp.positions, inp.req_pool_indices.tolist())
@@ -176,7 +174,7 @@ class EagleProposer:
     # ---- single-layer: the draft decode after the draft-extend ----
     def _decode(self, out: StepOutputs, lanes: list[int], rows: list[int], positions: torch.Tensor, pool: list[int]) -> list[Proposal]:
         """The selected row of each request (it read the last committed token at position p) seeds lanes at position p + 1."""
-        self.last_decode, self.last_decode_records = None, []
+        self.last_decode = None
         S, k, dev = self.spec.num_steps, self.spec.topk, self.device
         if S == 1:
             return tree_proposals(out.topk_index[lanes], None, S)
@@ -186,8 +184,7 @@ class EagleProposer:
                                 torch.tensor(pool, dtype=torch.int64, device=dev), seq.repeat_interleave(k), dp_sizes)
         g = self.decode_graph
         if g is not None and g.can_run(inp):
-            dout, rec = g.replay(inp)
-            self.last_decode_records = [rec]
+            dout = g.replay(inp)
         else:
             if g is not None:
                 g.backend.stats.eager_fallbacks += 1

@@ -18,7 +18,7 @@ import torch
 from runners.batch import ForwardBatch
 from runners.draft_extend import SEQ_LEN_FILL_VALUE, DraftExtendInputs, DraftWorker, StepOutputs, draft_extend_step
 from runners.graph_backend import GraphBackend
-from runners.graph_runner import BucketedGraphRunner, CaptureRecord, ReplayRecord, compute_capture_bs, gathered_buffers
+from runners.graph_runner import BucketedGraphRunner, compute_capture_bs, gathered_buffers
 from runners.memory import PADDING_SLOT
 
 
@@ -83,7 +83,6 @@ class DraftExtendGraphRunner(BucketedGraphRunner):
         self.buffers = buffers if buffers is not None else DraftExtendInputBuffers.allocate(worker)
         self.graphs: dict[int, object] = {}
         self.capture_batches: dict[int, ForwardBatch] = {}  # the frozen batch each bucket's graph was captured with
-        self.capture_records: dict[int, CaptureRecord] = {}
 
     @property
     def comm(self):
@@ -96,11 +95,10 @@ class DraftExtendGraphRunner(BucketedGraphRunner):
         out.logits = self.next_token_logits_buffer[:n]
         return out
 
-    def _replay_filled(self, inp: DraftExtendInputs, bs: int, record: bool) -> tuple[StepOutputs, Optional[ReplayRecord]]:
+    def _replay_filled(self, inp: DraftExtendInputs, bs: int) -> StepOutputs:
         """Replays bucket bs over buffers the caller has filled; the raw rows come out."""
-        rec = self._record(inp, bs) if record else None
-        out: StepOutputs = self._replay_graph(bs, self.worker.attn, rec)
-        return out.sliced(inp.bs, self.T), rec
+        out: StepOutputs = self._replay_graph(bs, self.worker.attn)
+        return out.sliced(inp.bs, self.T)
 
 
 for _f in fields(DraftExtendInputBuffers):

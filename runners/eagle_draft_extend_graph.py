@@ -9,22 +9,20 @@ does: a padded lane selects its own last token (num_correct_drafts = T - 1).
 """
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 
 from runners.batch import EagleDraftInput, ForwardBatch, ForwardMode
 from runners.draft_extend import SEQ_LEN_FILL_VALUE, DraftExtendInputs, DraftWorker, StepOutputs
 from runners.draft_extend_buffers import DraftExtendGraphRunner
 from runners.graph_backend import GraphBackend
-from runners.graph_runner import ReplayRecord
+from runners.graph_runner import RunnerKind
 from runners.memory import PADDING_ROW, PADDING_SLOT
 
 
 class EagleDraftExtendCudaGraphRunner(DraftExtendGraphRunner):
     """The single-layer EAGLE draft-extend runner: one graph per bucket over its own buffers."""
 
-    runner_kind = "single_layer"
+    runner_kind = RunnerKind.SINGLE_LAYER
 
     def __init__(self, worker: DraftWorker, backend: GraphBackend):
         super().__init__(worker, 0, backend)
@@ -73,7 +71,7 @@ class EagleDraftExtendCudaGraphRunner(DraftExtendGraphRunner):
             global_num_tokens_for_logprob_gpu=buffers.global_num_tokens_for_logprob_gpu,
             global_dp_buffer_len=global_dp_buffer_len,
         )
-        return self._keep_capture_record(fb)
+        return fb
 
     # ---- the replay fill (§6.4) ----
     def reset_for_iteration(self, raw_bs: int, accept_lens: torch.Tensor) -> None:
@@ -117,9 +115,5 @@ class EagleDraftExtendCudaGraphRunner(DraftExtendGraphRunner):
             self.buffers.global_num_tokens_gpu.fill_(bs * self.T)
             self.buffers.global_num_tokens_for_logprob_gpu.fill_(bs * self.T)
 
-    def prepare_replay(self, inp: DraftExtendInputs) -> ReplayRecord:
-        """The fill and its record; no graph runs (the fast P1 path)."""
-        return self._record(inp, self._fill_for_replay(inp))
-
-    def replay(self, inp: DraftExtendInputs, record: bool = True) -> tuple[StepOutputs, Optional[ReplayRecord]]:
-        return self._replay_filled(inp, self._fill_for_replay(inp), record)
+    def replay(self, inp: DraftExtendInputs) -> StepOutputs:
+        return self._replay_filled(inp, self._fill_for_replay(inp))

@@ -10,8 +10,6 @@ the eager reference.
 """
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 
 from runners.attention.torch_ref import TorchAttnBackend
@@ -20,14 +18,14 @@ from runners.dp_metadata import gathered_metadata
 from runners.draft_extend import SEQ_LEN_FILL_VALUE, DraftWorker
 from runners.eagle_draft import DraftDecodeInputs, DraftDecodeOutputs, DraftDecodeSpecInfo, draft_decode_forward
 from runners.graph_backend import GraphBackend
-from runners.graph_runner import BucketedGraphRunner, CaptureRecord, ReplayRecord, compute_capture_bs
+from runners.graph_runner import BucketedGraphRunner, RunnerKind, compute_capture_bs
 from runners.memory import PADDING_ROW, PADDING_SLOT
 
 
 class EAGLEDraftCudaGraphRunner(BucketedGraphRunner):
     """One rank's draft-decode graphs (num_steps - 1 forwards of the one draft layer each)."""
 
-    runner_kind = "draft_decode"
+    runner_kind = RunnerKind.DRAFT_DECODE
 
     def __init__(self, worker: DraftWorker, backend: GraphBackend):
         spec = worker.spec
@@ -54,7 +52,6 @@ class EAGLEDraftCudaGraphRunner(BucketedGraphRunner):
         self._init_gathered(dev)
         self.graphs: dict[int, object] = {}
         self.capture_batches: dict[int, ForwardBatch] = {}
-        self.capture_records: dict[int, CaptureRecord] = {}
 
     # ---- metadata, per branch (§6.3): DECODE counts every lane (bs * topk tokens), logits for each ----
     def _capture_num_tokens(self, bs: int) -> int:
@@ -93,7 +90,7 @@ class EAGLEDraftCudaGraphRunner(BucketedGraphRunner):
             global_num_tokens_for_logprob_gpu=self.global_num_tokens_for_logprob_gpu,
             **host,
         )
-        return self._keep_capture_record(fb)
+        return fb
 
     # ---- capture (§6.2) ----
     def _body(self, fb: ForwardBatch) -> DraftDecodeOutputs:
@@ -144,12 +141,7 @@ class EAGLEDraftCudaGraphRunner(BucketedGraphRunner):
             self.global_num_tokens_for_logprob_gpu.fill_(bs * self.T)
         return bs
 
-    def prepare_replay(self, inp: DraftDecodeInputs) -> ReplayRecord:
-        """Copy in, choose the bucket, write the replay fill. No graph runs (the fast P1 path)."""
-        return self._record(inp, self._fill_for_replay(inp))
-
-    def replay(self, inp: DraftDecodeInputs, record: bool = True) -> tuple[DraftDecodeOutputs, Optional[ReplayRecord]]:
+    def replay(self, inp: DraftDecodeInputs) -> DraftDecodeOutputs:
         bs = self._fill_for_replay(inp)
-        rec = self._record(inp, bs) if record else None
-        out: DraftDecodeOutputs = self._replay_graph(bs, self.attn, rec)
-        return out.sliced(inp.bs, self.T), rec
+        out: DraftDecodeOutputs = self._replay_graph(bs, self.attn)
+        return out.sliced(inp.bs, self.T)

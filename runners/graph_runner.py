@@ -11,14 +11,13 @@ backends that plan outside the graph, then the graph).
 from __future__ import annotations
 
 import bisect
-from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Any, Optional, Protocol
 
 import torch
 
 from runners.batch import ForwardBatch
 from runners.dp_metadata import GatheredMetadata
-from runners.draft_extend import SEQ_LEN_FILL_VALUE
 from runners.graph_backend import GraphBackend
 from runners.parallel.comm import Group
 from runners.parallel.layout import Branch, ParallelLayout
@@ -43,37 +42,13 @@ def gathered_buffers(layout: ParallelLayout, device: torch.device) -> tuple[Opti
     return torch.zeros(n, dtype=torch.int32, device=device), torch.zeros(n, dtype=torch.int32, device=device)
 
 
-@dataclass
-class CaptureRecord:
-    """Host and gpu metadata as baked for one bucket (the capture side of invariant I1)."""
+class RunnerKind(StrEnum):
+    """Which graph runner: the engine's four CUDA-graph runners of speculative decoding."""
 
-    bs: int
-    num_tokens: int
-    host: dict
-    global_num_tokens_gpu: Optional[list[int]]
-    global_num_tokens_for_logprob_gpu: Optional[list[int]]
-
-
-@dataclass
-class ReplayRecord:
-    """What one replay used: the baked host values of its bucket and the gpu values after the fill."""
-
-    runner: str
-    step: int
-    branch: str
-    raw_bs: int
-    bs: int
-    tokens_per_bs: int
-    capture: CaptureRecord
-    global_num_tokens_gpu: Optional[list[int]]
-    global_num_tokens_for_logprob_gpu: Optional[list[int]]
-    gpu_shape: Optional[tuple[int, ...]]
-    padded_seq_lens: list[int]
-    seq_lens_sum: int
-    seq_lens_sum_actual: int
-    rows_fed: Optional[int] = None
-    logits_rows: Optional[int] = None
-    captured_bs: list[int] = field(default_factory=list)
+    MULTI_LAYER = "multi_layer"  # a step of MultiLayerEagleMultiStepDraftExtendCudaGraphRunner
+    SINGLE_LAYER = "single_layer"  # EAGLEDraftExtendCudaGraphRunner
+    DRAFT_DECODE = "draft_decode"  # EAGLEDraftCudaGraphRunner
+    TARGET_VERIFY = "target_verify"  # the target's CudaGraphRunner in TARGET_VERIFY mode
 
 
 class LiveBatch(Protocol):
@@ -85,11 +60,11 @@ class LiveBatch(Protocol):
 
 
 class BucketedGraphRunner:
-    """Subclasses set layout, backend, T, capture_bs, max_bs, seq_lens, graphs, capture_batches,
-    capture_records (get_forward_batch fills it) and define `comm`, `get_forward_batch(bs)` and
-    `_body(fb)`; `_init_gathered` sets the gathered tensors."""
+    """Subclasses set layout, backend, T, capture_bs, max_bs, seq_lens, graphs, capture_batches
+    and define `comm`, `get_forward_batch(bs)`, `_fill_for_replay(inp)` and `_body(fb)`;
+    `_init_gathered` sets the gathered tensors."""
 
-    runner_kind = "base"
+    runner_kind: RunnerKind
     step = 0  # a multi-step runner's step (draft-extend layer); one-pass runners (verify) are step 0
     layout: ParallelLayout
     backend: GraphBackend
@@ -97,7 +72,6 @@ class BucketedGraphRunner:
     max_bs: int
     graphs: dict[int, Any]
     capture_batches: dict[int, ForwardBatch]
-    capture_records: dict[int, CaptureRecord]
     T: int
     seq_lens: torch.Tensor
     global_num_tokens_gpu: Optional[torch.Tensor]
@@ -143,58 +117,19 @@ class BucketedGraphRunner:
             self.global_num_tokens_gpu.copy_(torch.tensor(meta.global_num_tokens, dtype=torch.int32))
             self.global_num_tokens_for_logprob_gpu.copy_(torch.tensor(meta.global_num_tokens_for_logprob, dtype=torch.int32))
 
-    def _keep_capture_record(self, fb: ForwardBatch) -> ForwardBatch:
-        """The capture side of invariant I1: the bucket's host values and gathered tensors as baked."""
-        self.capture_records[fb.batch_size] = CaptureRecord(
-            fb.batch_size, fb.num_tokens, fb.host_metadata(),
-            _tolist(self.global_num_tokens_gpu), _tolist(self.global_num_tokens_for_logprob_gpu),
-        )
-        return fb
-
     # ---- replay ----
-    def _replay_graph(self, bs: int, attn: Any, rec: Optional[ReplayRecord]) -> Any:
+    def _fill_for_replay(self, inp: Any) -> int:
+        raise NotImplementedError
+
+    def prepare_replay(self, inp: Any) -> int:
+        """Copy in, choose the bucket, write the replay fill; returns the bucket. No graph runs."""
+        return self._fill_for_replay(inp)
+
+    def _replay_graph(self, bs: int, attn: Any) -> Any:
         """Replays the bucket's graph over the filled buffers; returns the graph's (unsliced) output."""
         replan = getattr(attn, "init_forward_metadata_replay_cuda_graph", None)
         if replan is not None:  # host-planned backends (flashinfer): re-plan with the live lanes, outside the graph
             replan(self.capture_batches[bs])
         graph = self.graphs[bs]
         self.backend.replay(graph)
-        out = graph.output
-        if rec is not None:
-            rec.rows_fed = int(out.rows_fed)
-            rec.logits_rows = int(out.logits.shape[0])
-        return out
-
-    def _record(self, inp: LiveBatch, bs: int) -> ReplayRecord:
-        """What P1 compares: reads the static buffers back to the host (device syncs; an engine skips this)."""
-        raw_bs = inp.bs
-        capture = self.capture_records.get(bs) or self._capture_record_for(bs)
-        return ReplayRecord(
-            runner=self.runner_kind,
-            step=self.step,
-            branch=self.layout.branch.value,
-            raw_bs=raw_bs,
-            bs=bs,
-            tokens_per_bs=self.T,
-            capture=capture,
-            global_num_tokens_gpu=_tolist(self.global_num_tokens_gpu),
-            global_num_tokens_for_logprob_gpu=_tolist(self.global_num_tokens_for_logprob_gpu),
-            gpu_shape=None if self.global_num_tokens_gpu is None else tuple(self.global_num_tokens_gpu.shape),
-            padded_seq_lens=self.seq_lens[raw_bs:bs].tolist(),
-            seq_lens_sum=int(inp.seq_lens.sum()) + (bs - raw_bs) * SEQ_LEN_FILL_VALUE,
-            seq_lens_sum_actual=int(self.seq_lens[:bs].sum()),
-            captured_bs=list(self.capture_bs),
-        )
-
-    def _capture_record_for(self, bs: int) -> CaptureRecord:
-        """Metadata-only mode: bake the bucket's batch without capturing a graph; keep the live fill."""
-        saved = (_tolist(self.global_num_tokens_gpu), _tolist(self.global_num_tokens_for_logprob_gpu))
-        self.get_forward_batch(bs)
-        if saved[0] is not None:
-            self.global_num_tokens_gpu.copy_(torch.tensor(saved[0], dtype=torch.int32))
-            self.global_num_tokens_for_logprob_gpu.copy_(torch.tensor(saved[1], dtype=torch.int32))
-        return self.capture_records[bs]
-
-
-def _tolist(t: Optional[torch.Tensor]) -> Optional[list[int]]:
-    return None if t is None else [int(x) for x in t.tolist()]
+        return graph.output

@@ -29,7 +29,6 @@ import torch
 
 from runners import draft_decode
 from runners.config import ModelConfig, SpecConfig
-from runners.cuda_graph import ReplayRecord
 from runners.draft_decode import EagleProposer, TargetProposer
 from runners.draft_extend import DraftExtendInputs, StepOutputs
 from runners.eagle_draft import DraftDecodeOutputs
@@ -78,7 +77,7 @@ def slot_budget(spec: SpecConfig, max_context_len: int) -> int:
 
 
 @dataclass
-class RoundRecord:
+class RoundResult:
     """What one verify round did to one request."""
 
     rid: int
@@ -91,14 +90,11 @@ class RoundRecord:
 class StepReport:
     step: int
     prefilled: list[int] = field(default_factory=list)
-    verified: list[RoundRecord] = field(default_factory=list)
+    verified: list[RoundResult] = field(default_factory=list)
     finished: list[int] = field(default_factory=list)
     extend_rids: list[int] = field(default_factory=list)  # row order of the draft-extend below
     extend_outs: list[StepOutputs] = field(default_factory=list)  # per draft step, real rows
-    records: list[ReplayRecord] = field(default_factory=list)  # graph replays (empty: eager or fallback)
-    verify_records: list[ReplayRecord] = field(default_factory=list)  # the TARGET_VERIFY replay (empty: eager verify)
     decode_outs: Optional[DraftDecodeOutputs] = None  # the single-layer draft decode's tree (real requests)
-    decode_records: list[ReplayRecord] = field(default_factory=list)  # its graph replay (empty: eager, fallback or multi-layer)
 
 
 def loop_unsupported_reason(spec: SpecConfig) -> Optional[str]:
@@ -213,7 +209,7 @@ class SpecEngine:
         n0 = [len(r.tokens) for r in batch]
         trees: list[DraftTree] = [tree_of(r.proposal, T - 1, self.tree) for r in batch]
         lanes = [Lane(r.req_pool_idx, n - 1, *t.lane(r.tokens[-1])) for r, n, t in zip(batch, n0, trees, strict=True)]
-        out = self._target_verify(lanes, rep)
+        out = self._target_verify(lanes)
         if out is None:
             return
         rows = out.lane_rows(lanes)
@@ -231,7 +227,7 @@ class SpecEngine:
             r.tokens.extend(acc.new_tokens[:take])
             r.accept_lens.append(acc.accept_len)
             r.sibling_accepts.append(acc.off_chain)
-            rep.verified.append(RoundRecord(r.rid, acc.accept_len, acc.off_chain, take))
+            rep.verified.append(RoundResult(r.rid, acc.accept_len, acc.off_chain, take))
             row_ids, row_hid = draft_decode.eagle_pairs(row_ids, row_hid)
             ids.append(row_ids)
             hid.append(row_hid)
@@ -252,8 +248,7 @@ class SpecEngine:
                 props = self.draft.extend(inp)
                 rep.extend_rids = [r.rid for r in reqs]
                 rep.extend_outs = self.draft.last_outs
-                rep.records = self.draft.last_records
-                rep.decode_outs, rep.decode_records = self.draft.last_decode, self.draft.last_decode_records
+                rep.decode_outs = self.draft.last_decode
         if props is None:
             props = self.draft.propose(reqs) if isinstance(self.draft, TargetProposer) else []
         for r, p in zip(reqs, props, strict=True):
@@ -272,7 +267,7 @@ class SpecEngine:
         for t in kv.k + kv.v:
             t[dst] = t[src]
 
-    def _target_verify(self, lanes: list[Lane], rep: StepReport) -> Optional[TargetOutput]:
+    def _target_verify(self, lanes: list[Lane]) -> Optional[TargetOutput]:
         """The verify pass: the TARGET_VERIFY graph when there is one and the batch fits, else eager.
 
         One MLP sync decides for every rank alike (the MLP-TP-gather branch pads every DP
@@ -285,9 +280,7 @@ class SpecEngine:
         if g is not None:
             inp = verify_inputs(lanes, [t // self.T for t in dp_tokens], self.device, self.T)
             if g.can_run(inp):
-                out, rec = g.replay(inp)
-                rep.verify_records = [rec]
-                return out
+                return g.replay(inp)
             g.backend.stats.eager_fallbacks += 1
         return self.target.forward_synced(lanes, dp_tokens)
 

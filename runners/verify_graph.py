@@ -24,7 +24,7 @@ from runners.config import ModelConfig, SpecConfig
 from runners.dp_metadata import gathered_metadata
 from runners.draft_extend import SEQ_LEN_FILL_VALUE
 from runners.graph_backend import GraphBackend
-from runners.graph_runner import BucketedGraphRunner, CaptureRecord, ReplayRecord, compute_capture_bs
+from runners.graph_runner import BucketedGraphRunner, RunnerKind, compute_capture_bs
 from runners.memory import PADDING_SLOT
 from runners.parallel.dp_attention import RankContext
 from runners.target import Lane, TargetOutput, TargetRunner, target_step
@@ -71,7 +71,7 @@ class TargetVerifyCudaGraphRunner(BucketedGraphRunner):
     """One rank's TARGET_VERIFY graphs. `target=None` gives a metadata-only runner (no model:
     get_forward_batch and prepare_replay only), which the fast P1 path drives."""
 
-    runner_kind = "target_verify"
+    runner_kind = RunnerKind.TARGET_VERIFY
 
     def __init__(self, ctx: RankContext, cfg: ModelConfig, spec: SpecConfig, target: Optional[TargetRunner],
                  backend: GraphBackend, device: torch.device | str = "cpu"):
@@ -97,7 +97,6 @@ class TargetVerifyCudaGraphRunner(BucketedGraphRunner):
         self._init_gathered(dev)
         self.graphs: dict[int, object] = {}
         self.capture_batches: dict[int, ForwardBatch] = {}
-        self.capture_records: dict[int, CaptureRecord] = {}
 
     # ---- metadata, per branch (§6.3): every count is tokens, and every token gets logits ----
     def get_forward_batch(self, bs: int) -> ForwardBatch:
@@ -125,7 +124,7 @@ class TargetVerifyCudaGraphRunner(BucketedGraphRunner):
             global_num_tokens_for_logprob_gpu=self.global_num_tokens_for_logprob_gpu,
             global_dp_buffer_len=meta.global_dp_buffer_len,
         )
-        return self._keep_capture_record(fb)
+        return fb
 
     # ---- capture (§6.2) ----
     def _body(self, fb: ForwardBatch) -> TargetOutput:
@@ -185,13 +184,8 @@ class TargetVerifyCudaGraphRunner(BucketedGraphRunner):
         self._fill_gathered(bs)
         return bs
 
-    def prepare_replay(self, inp: VerifyInputs) -> ReplayRecord:
-        """Copy in, choose the bucket, write the replay fill; no graph runs (the fast P1 path)."""
-        return self._record(inp, self._fill_for_replay(inp))
-
-    def replay(self, inp: VerifyInputs, record: bool = True) -> tuple[TargetOutput, Optional[ReplayRecord]]:
+    def replay(self, inp: VerifyInputs) -> TargetOutput:
         bs = self._fill_for_replay(inp)
-        rec = self._record(inp, bs) if record else None
-        out: TargetOutput = self._replay_graph(bs, self.target.attn, rec)
+        out: TargetOutput = self._replay_graph(bs, self.target.attn)
         n = inp.bs * self.T
-        return TargetOutput(out.hidden[:n].clone(), out.logits[:n].clone(), out.rows_fed.clone()), rec
+        return TargetOutput(out.hidden[:n].clone(), out.logits[:n].clone(), out.rows_fed.clone())

@@ -6,6 +6,7 @@ import torch
 from harness import mutants
 from harness.case import load_case
 from harness.decode_props import check_decode_case, check_decode_padded_lanes
+from harness.observe import RunnerObserver
 from harness.props.p1_metadata import check_decode_metadata
 from harness.ranks.simulated import SimulatedWorld
 from runners.attention.torch_ref import TorchAttnBackend
@@ -127,11 +128,12 @@ def test_eager_vs_graph_bitwise_at_a_full_bucket(topk):
     def fn(comm):
         eager, graph = _workers(comm, topk)
         runner = EAGLEDraftCudaGraphRunner(graph, GraphBackend("sim"))
+        observer = RunnerObserver(runner).attach()
         runner.capture()
         inp = _inputs(4, topk, seed=3)  # bucket 4 = raw bs: the same ops on the same shapes
         e = run_eager_decode(eager, inp, TorchAttnBackend(eager.req_pool, eager.kv_pool))
-        g, rec = runner.replay(inp)
-        assert runner.backend.stats.replays == 1 and rec.bs == 4
+        g = runner.replay(inp)
+        assert runner.backend.stats.replays == 1 and [r.bs for r in observer.replays] == [4]
         for name, t in e.tensors().items():
             assert torch.equal(t, g.tensors()[name]), name
         # the same slots written with the same values; slot 0 (padding) took the capture's writes
@@ -145,6 +147,7 @@ def _stale_row_run(comm, topk):
     """A batch of 4 requests, then requests 1-3 in bucket 4: lane 3 is padded, and before the fill it held request 4."""
     eager, graph = _workers(comm, topk)
     runner = EAGLEDraftCudaGraphRunner(graph, GraphBackend("sim"))
+    observer = RunnerObserver(runner).attach()
     runner.capture()
     attn = TorchAttnBackend(eager.req_pool, eager.kv_pool)
     big = _inputs(4, topk, seed=5)
@@ -153,7 +156,8 @@ def _stale_row_run(comm, topk):
     before = graph.kv_pool.k[0].clone()
     small = _inputs(3, topk, seed=6, rows=[1, 2, 3])
     e = run_eager_decode(eager, small, attn)
-    g, rec = runner.replay(small)
+    g = runner.replay(small)
+    rec = observer.replays[-1]
     assert (rec.raw_bs, rec.bs) == (3, 4)
     written = {0}  # the padding slot, and each request's draft slots: topk * (num_steps - 1) from its seq_len on
     for r, seq in zip((1, 2, 3), small.seq_lens.tolist(), strict=True):

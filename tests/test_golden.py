@@ -93,7 +93,7 @@ def test_golden_contents_exact_ints_and_float_tolerances(tmp_path):
     assert set(G.parse_key(k)[3] for k in arrays) == {"requests", "meta", *G.INT_FIELDS, *G.DEFAULT_TOLERANCES}
     meta = G.unpack_meta(arrays["r1.i0.s1.meta"])
     assert meta["raw_bs"] == [1] and meta["bs"] == [2] and meta["rows_fed"] == [6] and meta["graph_replayed"] == [1]
-    assert meta["for_logprob_cpu"] is None  # plain TP: no gathered buffer
+    assert meta["global_num_tokens_for_logprob_cpu"] is None  # plain TP: no gathered buffer
     assert arrays["r0.i1.requests"].shape == (2, 3) and arrays["r0.i1.s0.logits"].shape == (6, 512)
     assert g.meta["aliases"]["r1.i0.s0.logits"] == "r0.i0.s0.logits"  # rank 1's identical logits are stored once
     m = g.meta

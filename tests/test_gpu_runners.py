@@ -17,6 +17,7 @@ from test_gpu import _bench_args, _record  # the GPU report (SPECHARNESS_GPU_REP
 from harness.bench import format_table, run_bench
 from harness.bench_runners import RunnerRig, build_rig, format_runner_table, rig_spec
 from harness.decode_props import _compare_tree
+from harness.observe import RunnerObserver
 from harness.props.outputs import first_bad_row
 from harness.props.p1_records import check_replay_record, check_replay_rows
 from harness.ranks.simulated import SimulatedWorld
@@ -69,19 +70,21 @@ def _run(layout: ParallelLayout, backend: str, dtype: str, device: str, graph_ki
 def _steps(rig: RunnerRig, runners: tuple[str, ...]) -> dict[str, list]:
     """Per runner and schedule entry: (iteration, raw_bs, eager output, graph output, replay record)."""
     out = {r: [] for r in runners}
+    observers = {r: RunnerObserver(getattr(rig, r)).attach() for r in runners}
     for it, raw_bs in enumerate(SCHEDULE):
         batch = rig.batch(raw_bs, 1000 * (it + 1))
         for runner in runners:
             if runner == "decode":
                 inp = rig.decode_inputs(batch, seed=it)
                 ref = rig.eager_decode(inp)
-                got, rec = rig.decode.replay(inp)
+                got = rig.decode.replay(inp)
                 ref, got = ref.tensors(), got.tensors()
             else:
                 lanes = rig.verify_lanes(batch, seed=it)
                 ref = rig.eager_verify(lanes)
-                got, rec = rig.verify.replay(rig.verify_inputs(lanes))
+                got = rig.verify.replay(rig.verify_inputs(lanes))
                 ref, got = {"logits": ref.logits, "hidden": ref.hidden}, {"logits": got.logits, "hidden": got.hidden}
+            rec = observers[runner].replays[-1]
             out[runner].append((it, raw_bs, {k: v.cpu() for k, v in ref.items()}, {k: v.cpu() for k, v in got.items()}, rec))
         release(rig.worker, batch)
     return out

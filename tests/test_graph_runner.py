@@ -5,6 +5,7 @@ import torch
 
 from harness.case import load_case
 from harness.checks import run_spmd
+from harness.observe import RunnerObserver, observe_all
 from runners.config import ModelConfig, SpecConfig
 from runners.cuda_graph import (
     EagleDraftExtendCudaGraphRunner,
@@ -68,13 +69,14 @@ def test_capture_bs_base_and_pool():
 
 def test_replay_picks_smallest_bucket_and_fills():
     r = runner(PL(4, 2, True))
+    observer = RunnerObserver(r)
     r.reset_for_iteration(3, torch.full((3,), 2))
-    rec = r.prepare_replay(inputs(3, dp_sizes=[3, 1]))
+    rec = observer.prepare(inputs(3, dp_sizes=[3, 1]))
     assert (rec.raw_bs, rec.bs) == (3, 4)
     assert rec.global_num_tokens_gpu == [16, 16] and rec.global_num_tokens_for_logprob_gpu == [16, 16]  # fill bs*T
     assert rec.padded_seq_lens == [SEQ_LEN_FILL_VALUE]
     # MLP branch: the bucket covers the largest DP group, not this one
-    rec = r.prepare_replay(inputs(1, dp_sizes=[1, 5]))
+    rec = observer.prepare(inputs(1, dp_sizes=[1, 5]))
     assert rec.bs == 8
 
 
@@ -83,10 +85,9 @@ def test_padded_lanes_get_the_padding_row_and_seq_len_fill_after_a_shrink():
     the larger batch's rows (the step body looks KV write slots up through them); seq_lens are the fill."""
     r = runner(PL(1))
     r.reset_for_iteration(7, torch.full((7,), 2))
-    r.prepare_replay(inputs(7))
+    assert r.prepare_replay(inputs(7)) == 8
     r.reset_for_iteration(2, torch.full((2,), 2))
-    rec = r.prepare_replay(inputs(2))
-    assert rec.bs == 2
+    assert r.prepare_replay(inputs(2)) == 2
     assert r.req_pool_indices[:7].tolist() == [1, 2, 0, 0, 0, 0, 0]  # the larger batch had rows 1..7
     assert r.seq_lens[2:8].tolist() == [SEQ_LEN_FILL_VALUE] * 6
 
@@ -170,8 +171,8 @@ def test_no_gc_during_capture_nests_across_threads_and_restores_the_collector():
         gc.enable()
 
 
-def test_driver_without_records_replays_the_same_outputs():
-    """record=False (the bench's engine-like iteration: no P1 host read-backs) must change nothing but the records."""
+def test_observed_driver_replays_the_same_outputs():
+    """The observer (P1's host read-backs) changes nothing the runners compute: an unobserved run, as an engine's, gives the same outputs."""
     from harness.ranks.simulated import SimulatedWorld
     from harness.scenario import materialize, release
     from runners.cuda_graph import DraftExtendGraphDriver
@@ -183,11 +184,13 @@ def test_driver_without_records_replays_the_same_outputs():
         driver = DraftExtendGraphDriver(DraftWorker(ctx, sc.model, sc.spec, attention_backend=sc.attention_backend), GraphBackend("sim"))
         driver.capture()
         got = {}
-        for record in (True, False):
-            driver.record = record
+        for observed in (True, False):
+            observers = observe_all(driver.runners) if observed else []
             batch = materialize(driver.worker, sc, sc.iterations[1])
-            got[record] = driver.run(batch.inputs)
+            got[observed] = driver.run(batch.inputs), observers[0].take() if observers else []
             release(driver.worker, batch)
+            for obs in reversed(observers):
+                obs.detach()
         return got
 
     (got,) = SimulatedWorld(sc.layout).run(rank)
@@ -222,7 +225,7 @@ def test_multi_layer_steps_share_one_buffer_set_filled_once_per_iteration():
         driver.capture()
         batch = materialize(driver.worker, sc, sc.iterations[1])
         with mock.patch.object(EagleDraftExtendCudaGraphRunnerBase, "_fill_for_replay", counting_fill):
-            outs, _ = driver.run(batch.inputs)
+            outs = driver.run(batch.inputs)
         raw_n = batch.inputs.bs * driver.worker.tokens_per_bs
         last_chain = driver.runners[0].input_ids[:raw_n].clone()
         release(driver.worker, batch)
@@ -248,8 +251,7 @@ def test_single_layer_padded_lanes_select_their_own_last_token():
     """Its reset differs from the multi-layer one where the engine's does: padded accept lengths T (select row T - 1)."""
     r = runner(PL(1), single=True)
     r.reset_for_iteration(3, torch.full((3,), 2))
-    rec = r.prepare_replay(inputs(3))
-    assert rec.bs == 4
+    assert r.prepare_replay(inputs(3)) == 4
     assert r.num_correct_drafts[:4].tolist() == [1, 1, 1, 3] and r.num_accept_tokens[:4].tolist() == [2, 2, 2, 4]
     assert r.req_pool_indices[:4].tolist() == [1, 2, 3, 0] and r.seq_lens[:4].tolist() == [10, 10, 10, SEQ_LEN_FILL_VALUE]
 

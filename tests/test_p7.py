@@ -1,6 +1,7 @@
 """P7 uneven DP load on simulated ranks: the property, its trace checks, and its mutant."""
 from __future__ import annotations
 
+import dataclasses
 import time
 import unittest.mock as mock
 
@@ -88,7 +89,7 @@ def test_idle_path_checks_the_padded_dummy_path():
     assert runs[2].eager[0][0].tensors["logits"].shape[0] == 0  # eager: zero rows, every collective joined
     runs[2].stats.eager_fallbacks = 1
     runs[3].records[0] = runs[3].records[0][:1]
-    rec.bs = 2
+    runs[2].records[0][0] = dataclasses.replace(rec, bs=2)
     v = check_idle_path(sc, runs)
     assert {(f.field, f.where["rank"]) for f in v.failures} == {("eager fallbacks", 2), ("graph replays", 3), ("bucket", 2)}
 

@@ -29,7 +29,7 @@ def test_p2_checks_every_replay_and_leaves_the_run_unchanged():
     poisoned = run_workload(SpecSession(PL(), spec, runner="graph", hook=lambda e: poisons.append(LanePoison(e, v))), SHRINK)
     assert v, v.report()
     (p,) = poisons
-    assert p.replays == sum(len(rep[0].records) for rep in poisoned.reports) > 0  # every replay of every draft step
+    assert 2 * p.replays == sum(len(recs[0].extend) for recs in poisoned.records) > 0  # every replay of every draft step, twice: clean, poisoned
     a, b = plain.requests(), poisoned.requests()
     assert {k: (r.tokens, r.accept_lens) for k, r in a.items()} == {k: (r.tokens, r.accept_lens) for k, r in b.items()}
 
@@ -88,15 +88,15 @@ def test_out_of_domain_num_correct_drafts_would_leak_into_a_real_row():
     real_replay = runner.replay
     changed_rows = []
 
-    def replay(inp, record=True):
-        out_clean, rec = real_replay(inp)
+    def replay(inp):
+        out_clean = real_replay(inp)
         saved = runner.num_correct_drafts.clone()  # a step replays the buffers as prepared: sabotage them, replay, restore
         runner.num_correct_drafts[inp.bs:] = -1
-        out_bad, _ = real_replay(inp)
+        out_bad = real_replay(inp)
         runner.num_correct_drafts.copy_(saved)
         rows = (out_clean.next_input_ids != out_bad.next_input_ids).nonzero().flatten().tolist()
         changed_rows.extend((row, inp.bs * runner.T - 1) for row in rows)  # the first padded lane selects raw_bs*T - 1
-        return out_clean, rec
+        return out_clean
 
     runner.replay = replay
     s.step([("add", rid, tuple(range(5 + rid, 13 + rid)), 16, 0) for rid in range(3)])

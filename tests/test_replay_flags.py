@@ -15,7 +15,7 @@ def test_runner_eager_alone_is_compared_with_the_oracle(capsys):
     data = json.loads(capsys.readouterr().out)
     assert data["runner"] == "eager" and data["max_logit_diff"] == "eager vs the TP1 eager oracle"
     assert set(data["properties"]) == {"P1", "P4"}  # P3 needs both runners
-    assert all(row["bs"] is None and row["for_logprob"] is None and row["rows_fed"] == row["num_tokens"] for row in data["steps"])
+    assert all(row["bs"] is None and row["global_num_tokens_for_logprob"] is None and row["rows_fed"] == row["num_tokens"] for row in data["steps"])
     assert all(row["max_logit_diff"] is not None and row["max_logit_diff"] < 1e-4 for row in data["steps"])
 
 
@@ -47,8 +47,8 @@ def test_dump_at_the_first_divergence_is_loadable_with_numpy(tmp_path, capsys):
     assert sorted(info["files"]) == ["oracle.npz", "rank0.npz", "rank1.npz", "rank2.npz", "rank3.npz"]
     with np.load(d / "rank1.npz") as z:
         # the seed bug in the dump: [bs] baked at capture, bs * T written by the replay fill
-        assert z["meta.graph.s0.capture_global_num_tokens_for_logprob_gpu"].tolist() == [4]
-        assert z["meta.graph.s0.fill_global_num_tokens_for_logprob_gpu"].tolist() == [16]
+        assert z["meta.graph.s0.capture.global_num_tokens_for_logprob_gpu"].tolist() == [4]
+        assert z["meta.graph.s0.global_num_tokens_for_logprob_gpu"].tolist() == [16]
         assert z["buffers.s0.seq_lens"].shape == (8,) and z["inputs.rids"].tolist() == [0, 1, 2]
         err = np.abs(z["graph.s1.logits"] - z["eager.s1.logits"]).max(axis=1)
         # rows past bs reach lm_head as zeros from step 1 on; real rows differ only by the fp32 reorder of

@@ -15,6 +15,7 @@ if "triton" not in sys.modules and not torch.cuda.is_available():
 
 from harness import mutants, spec_decode  # noqa: E402
 from harness.case import load_case  # noqa: E402
+from harness.observe import RunnerObserver  # noqa: E402
 from harness.props.p2 import check_padded_lanes  # noqa: E402
 from harness.props.p5_p6 import check_lossless, check_spec_case  # noqa: E402
 from harness.ranks.simulated import RankFailure, SimulatedWorld  # noqa: E402
@@ -174,17 +175,18 @@ def _graph_over_trees(comm):
     t, row = runner(comm=comm)
     t.forward_synced([Lane(row, 0, [7, 8, 9])], [3])
     g = TargetVerifyCudaGraphRunner(t.ctx, CFG, spec, t, GraphBackend("sim"))
+    observer = RunnerObserver(g).attach()
     g.capture()
     lanes = [Lane(row, ROOT, LANE_TOKENS, LANE_PARENTS)]
     g.custom_mask.fill_(False)  # as if a larger batch of other trees had left its masks
-    out, rec = g.replay(verify_inputs(lanes, [1], torch.device("cpu")))
-    assert rec.bs == 1 and torch.equal(g.custom_mask[0], tree_mask(LANE_PARENTS))
+    out = g.replay(verify_inputs(lanes, [1], torch.device("cpu")))
+    assert observer.replays[-1].bs == 1 and torch.equal(g.custom_mask[0], tree_mask(LANE_PARENTS))
     ref = t.forward_synced(lanes, [T])
     torch.testing.assert_close(out.logits, ref.logits, rtol=1e-5, atol=1e-5)  # the same body; GEMM blocking of a padded M
     g.custom_mask[3].fill_(False)  # a stale mask that hides even the root
     lanes3 = [Lane(row, ROOT, LANE_TOKENS, LANE_PARENTS)] * 3
-    _, rec3 = g.replay(verify_inputs(lanes3, [3], torch.device("cpu")))
-    assert rec3.bs == 4
+    g.replay(verify_inputs(lanes3, [3], torch.device("cpu")))
+    assert observer.replays[-1].bs == 4
     chain = torch.ones(T, T, dtype=torch.bool).tril()
     assert torch.equal(g.custom_mask[3], chain)  # the padded lane: the canonical chain mask
     assert g.out_cache_loc[3 * T :].tolist() == [PADDING_SLOT] * T  # its KV goes to the padding slot

@@ -6,6 +6,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from harness import mutants
 from harness.case import load_case
+from harness.observe import RunnerObserver
 from harness.props.p1_metadata import check_metadata
 from harness.props.p5_p6 import check_spec_case
 from harness.ranks.simulated import SimulatedWorld
@@ -59,9 +60,10 @@ def test_get_forward_batch_per_branch(layout, gnt, buf):
 
 def test_replay_fill_after_a_shrink():
     r = metadata_runner(PL(4, 2, True))
-    rec = r.prepare_replay(inputs(6, dp_sizes=[6, 2]))
+    observer = RunnerObserver(r)
+    rec = observer.prepare(inputs(6, dp_sizes=[6, 2]))
     assert (rec.raw_bs, rec.bs) == (6, 8)
-    rec = r.prepare_replay(inputs(1, dp_sizes=[1, 3]))  # the MLP-TP gather branch pads to the largest group's bucket
+    rec = observer.prepare(inputs(1, dp_sizes=[1, 3]))  # the MLP-TP gather branch pads to the largest group's bucket
     assert (rec.raw_bs, rec.bs) == (1, 4)
     assert r.input_ids[:4].tolist() == [100, 101, 102, 103] and r.req_pool_indices[:1].tolist() == [1]
     assert r.seq_lens.tolist() == [10] + [1] * 7  # the fill value past the live lane, over the stale 10s
@@ -97,6 +99,7 @@ def _one_rank_pass(raw_bs: int):
             lanes.append(Lane(idx, L, toks[L:]))
             at += L + T
         runner = TargetVerifyCudaGraphRunner(ctx, cfg, SPEC, target, GraphBackend("sim"))
+        observer = RunnerObserver(runner).attach()
         runner.capture()
         kv = target.kv_pool
         before = [t.clone() for t in kv.k + kv.v]
@@ -104,8 +107,8 @@ def _one_rank_pass(raw_bs: int):
         eager_kv = [t.clone() for t in kv.k + kv.v]
         for dst, src in zip(kv.k + kv.v, before, strict=True):
             dst.copy_(src)
-        graph, rec = runner.replay(verify_inputs(lanes, [raw_bs], torch.device("cpu")))
-        return eager, graph, rec, eager_kv, [t.clone() for t in kv.k + kv.v]
+        graph = runner.replay(verify_inputs(lanes, [raw_bs], torch.device("cpu")))
+        return eager, graph, observer.replays[-1], eager_kv, [t.clone() for t in kv.k + kv.v]
 
     return SimulatedWorld(PL()).run(fn)[0]
 
@@ -127,9 +130,9 @@ def test_the_loop_verifies_through_the_graph_and_the_shadow_sees_every_replay():
     s = run_workload(SpecSession(PL(), SPEC, runner="graph", hook=lambda e: shadows.append(VerifyShadow(e, Verdict("P3"), Verdict("P1")))), wl)
     (sh,) = shadows
     stats = sh.engine.verify_graph.backend.stats
-    verifies = sum(len(rep[0].verify_records) for rep in s.reports)
+    verifies = sum(len(recs[0].verify) for recs in s.records)
     assert stats.replays == sh.replays == verifies > 0 and stats.eager_fallbacks == 0
-    assert {(r.raw_bs, r.bs) for rep in s.reports for r in rep[0].verify_records} >= {(6, 8), (3, 4)}
+    assert {(r.raw_bs, r.bs) for recs in s.records for r in recs[0].verify} >= {(6, 8), (3, 4)}
     assert sh.p3 and sh.p1, (sh.p3.report(), sh.p1.report())
     assert sh.p3.checked > 0 and sh.p1.checked > 0
 

@@ -10,7 +10,7 @@ from harness.case import GOLDEN_FLOAT_FIELDS, Case
 from harness.checks import run_spmd
 from harness.execute import RankRun
 from harness.golden.base import INT_FIELDS, META_FIELDS
-from runners.cuda_graph import ReplayRecord
+from harness.records import ReplayRecord
 
 # ----------------------------------------------------------------------------------------
 # what goes in
@@ -27,12 +27,12 @@ def _record_meta(rec: Optional[ReplayRecord], rows_fed: int) -> dict[str, object
         "bs": rec.bs,
         "num_tokens": host["num_tokens"],
         "global_num_tokens_cpu": host["global_num_tokens_cpu"],
-        "for_logprob_cpu": host["global_num_tokens_for_logprob_cpu"],
-        "dp_buffer_len": host["global_dp_buffer_len"],
-        "capture_num_tokens_gpu": rec.capture.global_num_tokens_gpu,
-        "capture_for_logprob_gpu": rec.capture.global_num_tokens_for_logprob_gpu,
-        "fill_num_tokens_gpu": rec.global_num_tokens_gpu,
-        "fill_for_logprob_gpu": rec.global_num_tokens_for_logprob_gpu,
+        "global_num_tokens_for_logprob_cpu": host["global_num_tokens_for_logprob_cpu"],
+        "global_dp_buffer_len": host["global_dp_buffer_len"],
+        "capture.global_num_tokens_gpu": rec.capture.global_num_tokens_gpu,
+        "capture.global_num_tokens_for_logprob_gpu": rec.capture.global_num_tokens_for_logprob_gpu,
+        "global_num_tokens_gpu": rec.global_num_tokens_gpu,
+        "global_num_tokens_for_logprob_gpu": rec.global_num_tokens_for_logprob_gpu,
         "padded_seq_lens": rec.padded_seq_lens,
         "seq_lens_sum": rec.seq_lens_sum,
         "rows_fed": rec.rows_fed,

@@ -23,9 +23,10 @@ INT_FIELDS = ("topk_index", "next_input_ids")
 # Per step, every metadata int in one packed vector `r.i.s.meta`: for each field in this order, its
 # length then its values (length -1: None, no gathered buffer in this branch). One array instead of
 # fifteen keeps the .npz small (each entry costs ~250 bytes of zip and npy headers).
-META_FIELDS = ("graph_replayed", "raw_bs", "bs", "num_tokens", "global_num_tokens_cpu", "for_logprob_cpu", "dp_buffer_len",
-               "capture_num_tokens_gpu", "capture_for_logprob_gpu", "fill_num_tokens_gpu", "fill_for_logprob_gpu",
-               "padded_seq_lens", "seq_lens_sum", "rows_fed", "logits_rows")
+# Named as in harness.records.ReplayRecord (capture.<field>: its CaptureRecord; the host lists under their ForwardBatch names).
+META_FIELDS = ("graph_replayed", "raw_bs", "bs", "num_tokens", "global_num_tokens_cpu", "global_num_tokens_for_logprob_cpu",
+               "global_dp_buffer_len", "capture.global_num_tokens_gpu", "capture.global_num_tokens_for_logprob_gpu",
+               "global_num_tokens_gpu", "global_num_tokens_for_logprob_gpu", "padded_seq_lens", "seq_lens_sum", "rows_fed", "logits_rows")
 PAUSE_ENV = "SPECHARNESS_GOLDEN_TEST_PAUSE"  # "<point>:<seconds>", point in {written, between}: tests kill record there
 
 

@@ -22,7 +22,7 @@ def _seed_get_forward_batch(self: EagleDraftExtendCudaGraphRunnerBase, bs: int):
     # sglang#26416: the attn-TP-gather branch of the multi-layer runner counted requests
     fb.global_num_tokens_for_logprob_cpu = [bs]
     self.global_num_tokens_for_logprob_gpu.fill_(bs)  # baked from the host list
-    return self._keep_capture_record(fb)
+    return fb
 
 
 _REAL_ML_GET_FORWARD_BATCH = MultiLayerEagleDraftExtendCudaGraphRunner.get_forward_batch
@@ -32,7 +32,6 @@ def _capture_num_tokens_gpu_requests(self: EagleDraftExtendCudaGraphRunnerBase, 
     fb = REAL_GET_FORWARD_BATCH(self, bs)
     if self.layout.branch is Branch.MLP_TP_GATHER:
         self.global_num_tokens_gpu.fill_(bs)  # fixed in the replay fill, not at capture
-        self.capture_records[bs].global_num_tokens_gpu = [bs] * self.global_num_tokens_gpu.shape[0]
     return fb
 
 

@@ -21,7 +21,7 @@ def _single_forward_batch_logprob_requests(self: EagleDraftExtendCudaGraphRunner
         return fb
     fb.global_num_tokens_for_logprob_cpu = [bs] * len(fb.global_num_tokens_for_logprob_cpu)  # num_tokens_for_logprob = bs
     self.buffers.global_num_tokens_for_logprob_gpu.fill_(bs)
-    return self._keep_capture_record(fb)
+    return fb
 
 
 _REAL_PREPARE = mlp_sync.prepare_mlp_sync_batch

@@ -6,6 +6,7 @@ from typing import Optional, Sequence
 import torch
 
 from harness.layout import branch_sibling
+from harness.observe import RunnerObserver
 from harness.props.p1_records import check_replay_record
 from harness.verdict import Verdict
 from runners.config import DEFAULT_MODEL, ModelConfig, SpecConfig
@@ -18,6 +19,7 @@ from runners.draft_extend import DraftExtendInputs, DraftWorker
 from runners.eagle_draft import DraftDecodeInputs
 from runners.eagle_draft_graph import EAGLEDraftCudaGraphRunner
 from runners.graph_backend import GraphBackend
+from runners.graph_runner import RunnerKind
 from runners.parallel.dp_attention import RankContext
 from runners.parallel.layout import ParallelLayout
 from runners.verify_graph import TargetVerifyCudaGraphRunner, VerifyInputs
@@ -61,23 +63,24 @@ def check_metadata(
 
     Drives every graph runner of one rank per DP group (each multi-layer draft-extend step, the
     single-layer draft-extend, the target verify and the draft decode) through capture-time
-    get_forward_batch and replay-time prepare_replay.
+    get_forward_batch and replay-time prepare_replay, observed from outside (harness.observe).
     """
     v = Verdict("P1")
     T = spec.num_tokens_per_bs
     for d in range(layout.attn_dp_size):
         tp_rank = d * layout.attn_tp_size
-        runners = _metadata_runners(layout, spec, model, tp_rank)
+        runners = [RunnerObserver(r) for r in _metadata_runners(layout, spec, model, tp_rank)]
         lp_by_runner: dict[tuple[str, int], list[Optional[int]]] = {}
         for it, sizes in enumerate(schedule):
             dp_sizes = list(sizes) if layout.attn_dp_size > 1 else [sizes[0]]
             raw_bs = dp_sizes[d]
             inp = _synthetic_inputs(raw_bs, T, model.hidden_size, dp_sizes, seed + 1000 * it + d)
-            for r in runners:
+            for obs in runners:
+                r = obs.runner
                 if not r.can_run(inp):
                     continue
                 r.reset_for_iteration(raw_bs, inp.accept_lens)
-                rec = r.prepare_replay(inp)
+                rec = obs.prepare(inp)
                 needed = max(dp_sizes) if layout.require_mlp_tp_gather else raw_bs
                 check_replay_record(v, layout, rec, tp_rank, it, needed)
                 host_lp = rec.capture.host["global_num_tokens_for_logprob_cpu"]
@@ -86,9 +89,9 @@ def check_metadata(
         _check_verify_metadata(v, layout, spec, schedule, model, tp_rank, seed)
         _check_decode_metadata(v, layout, spec, schedule, model, tp_rank, seed)
         # I6: single-layer and multi-layer agree on for_logprob (each multi-layer step vs single)
-        single = lp_by_runner.get(("single_layer", 0), [])
+        single = lp_by_runner.get((RunnerKind.SINGLE_LAYER, 0), [])
         for (kind, step), vals in lp_by_runner.items():
-            if kind == "multi_layer":
+            if kind is RunnerKind.MULTI_LAYER:
                 v.expect_equal("I6", "global_num_tokens_for_logprob", {"layout": layout.describe(), "rank": tp_rank, "step": step}, single, vals,
                                "single-layer vs multi-layer runner, same batches")
     _check_branch_parity(v, layout, spec, schedule, model, seed)
@@ -99,6 +102,7 @@ def _check_verify_metadata(v: Verdict, layout: ParallelLayout, spec: SpecConfig,
     """I1, I4, I5 and the padding rules for the TARGET_VERIFY runner of one rank: logits for every token, like DRAFT_EXTEND_V2."""
     d = layout.attn_dp_rank(tp_rank)
     runner = TargetVerifyCudaGraphRunner(RankContext(layout, tp_rank, comm=None), model, spec, None, GraphBackend("sim"))
+    observer = RunnerObserver(runner)
     T = spec.num_tokens_per_bs
     for it, sizes in enumerate(schedule):
         dp_sizes = list(sizes) if layout.attn_dp_size > 1 else [sizes[0]]
@@ -108,7 +112,7 @@ def _check_verify_metadata(v: Verdict, layout: ParallelLayout, spec: SpecConfig,
         inp = VerifyInputs(zeros, zeros, torch.randint(T, 4 * T, (raw_bs,), generator=g), torch.arange(1, raw_bs + 1), dp_sizes)
         if runner.can_run(inp):
             needed = max(dp_sizes) if layout.require_mlp_tp_gather else raw_bs
-            check_replay_record(v, layout, runner.prepare_replay(inp), tp_rank, it, needed)
+            check_replay_record(v, layout, observer.prepare(inp), tp_rank, it, needed)
 
 
 def _check_decode_metadata(v: Verdict, layout: ParallelLayout, spec: SpecConfig, schedule, model: ModelConfig, tp_rank: int, seed: int) -> None:
@@ -118,6 +122,7 @@ def _check_decode_metadata(v: Verdict, layout: ParallelLayout, spec: SpecConfig,
     k = spec.topk
     worker = DraftWorker(RankContext(layout, tp_rank, comm=None), model, spec, num_layers=1, build_model=False)
     runner = EAGLEDraftCudaGraphRunner(worker, GraphBackend("sim"))
+    observer = RunnerObserver(runner)
     d = layout.attn_dp_rank(tp_rank)
     for it, sizes in enumerate(schedule):
         dp_sizes = list(sizes) if layout.attn_dp_size > 1 else [sizes[0]]
@@ -128,7 +133,7 @@ def _check_decode_metadata(v: Verdict, layout: ParallelLayout, spec: SpecConfig,
                                 seq, torch.arange(1, raw_bs + 1), seq.repeat_interleave(k), dp_sizes)
         if runner.can_run(inp):
             needed = max(dp_sizes) if layout.require_mlp_tp_gather else raw_bs
-            check_replay_record(v, layout, runner.prepare_replay(inp), tp_rank, it, needed)
+            check_replay_record(v, layout, observer.prepare(inp), tp_rank, it, needed)
 
 
 def check_decode_metadata(layout: ParallelLayout, spec: SpecConfig, schedule: Sequence[Sequence[int]], model: ModelConfig = DEFAULT_MODEL,
@@ -143,13 +148,14 @@ def check_decode_metadata(layout: ParallelLayout, spec: SpecConfig, schedule: Se
 def _logprob_rows_per_request(layout: ParallelLayout, spec: SpecConfig, schedule, model: ModelConfig, d: int, seed: int) -> dict[int, int]:
     """for_logprob of DP group d's step-0 runner divided by its padded bs, per iteration it could replay."""
     runner = _metadata_runners(layout, spec, model, d * layout.attn_tp_size)[0]
+    observer = RunnerObserver(runner)
     out = {}
     for it, sizes in enumerate(schedule):
         inp = _synthetic_inputs(sizes[d], spec.num_tokens_per_bs, model.hidden_size, list(sizes), seed + 1000 * it + d)
         if not runner.can_run(inp):
             continue
         runner.reset_for_iteration(inp.bs, inp.accept_lens)
-        rec = runner.prepare_replay(inp)
+        rec = observer.prepare(inp)
         lp = rec.capture.host["global_num_tokens_for_logprob_cpu"]
         out[it] = lp[d if layout.require_mlp_tp_gather else 0] // rec.bs
     return out

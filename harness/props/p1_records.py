@@ -3,10 +3,8 @@ from __future__ import annotations
 
 from typing import Optional
 
+from harness.records import ReplayRecord
 from harness.verdict import Verdict
-from runners.cuda_graph import (
-    ReplayRecord,
-)
 from runners.draft_extend import SEQ_LEN_FILL_VALUE
 from runners.parallel.layout import ParallelLayout
 

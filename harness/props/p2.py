@@ -7,6 +7,7 @@ import torch
 from harness import verify_props
 from harness.case import Case
 from harness.crash import crash_verdict
+from harness.observe import RunnerObserver
 from harness.props.p2_decode import DecodePoison, install_decode_poison
 from harness.ranks.simulated import RankFailure
 from harness.spec_decode import (
@@ -54,7 +55,9 @@ class LanePoison:
         driver = engine.draft.driver
         if driver is None:
             raise ValueError("LanePoison needs the graph runner (runner='graph')")
+        self.observers = {}
         for r in driver.runners:
+            self.observers[id(r)] = RunnerObserver(r).attach()
             r.replay = self._wrap(r, r.replay)
 
     def _where(self, r: EagleDraftExtendCudaGraphRunnerBase, raw_bs: int, bs: int) -> dict:
@@ -79,18 +82,19 @@ class LanePoison:
         w.req_pool.req_to_token.copy_(snap["rows"])
 
     def _wrap(self, r: EagleDraftExtendCudaGraphRunnerBase, replay: Callable):
-        def poisoned_replay(inp: DraftExtendInputs, record: bool = True):
-            s0 = self._snap(r)  # P2 needs the records (the bucket) whatever the driver asked for
-            out_c, rec_c = replay(inp)
+        def poisoned_replay(inp: DraftExtendInputs):
+            s0 = self._snap(r)
+            out_c = replay(inp)
+            rec_c = self.observers[id(r)].replays[-1]  # names the bucket
             self._check_canonical(r, inp.bs, rec_c.bs)
             s1 = self._snap(r)
             self._restore(r, s0)
             self._poison(r, inp.bs)
-            out_p, _ = replay(inp)
+            out_p = replay(inp)
             self._compare(r, inp.bs, rec_c.bs, out_c, out_p, s1)
             self._restore(r, s1)
             self.replays += 1
-            return out_c, rec_c if record else None
+            return out_c
 
         return poisoned_replay
 

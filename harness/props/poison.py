@@ -14,6 +14,7 @@ from typing import Callable
 
 import torch
 
+from harness.observe import RunnerObserver
 from harness.props.outputs import first_bad_row
 from harness.verdict import Verdict
 from runners.memory import TokenToKVPool
@@ -32,6 +33,7 @@ class RunnerPoison:
         self.engine, self.v = engine, verdict
         self.replays = 0
         self.clean = False  # True while the clean replay runs
+        self.observer = RunnerObserver(g).attach()  # its replay records name the bucket each replay used
         g.replay = self._wrap(g, g.replay)
 
     # ---- what a subclass provides ----
@@ -71,20 +73,21 @@ class RunnerPoison:
         self.engine.req_pool.req_to_token.copy_(snap["rows"])
 
     def _wrap(self, g, replay: Callable):
-        def poisoned_replay(inp, record: bool = True):
+        def poisoned_replay(inp):
             s0 = self._snap(g)
             self.clean = True
-            out_c, rec = replay(inp, record=True)  # the record names the bucket, whatever the engine asked for
+            out_c = replay(inp)
+            rec = self.observer.replays[-1]
             self.clean = False
             self.after_clean(g, inp, rec)
             s1 = self._snap(g)
             self._restore(g, s0)
             self.poison(g, inp.bs)
-            out_p, _ = replay(inp, record=True)
+            out_p = replay(inp)
             self.compare(g, inp.bs, rec.bs, out_c, out_p, s1)
             self._restore(g, s1)
             self.replays += 1
-            return out_c, rec if record else None
+            return out_c
 
         return poisoned_replay
 

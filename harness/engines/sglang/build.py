@@ -25,7 +25,7 @@ from harness.engines.sglang.handle import RunnerHandle
 from harness.engines.sglang.loader import Engine, attn_backend_class
 from harness.engines.sglang.process import configure_process, make_server_args
 from harness.engines.sglang.standins import FakeGroup, Strict, noop, patched
-from runners.cuda_graph import ReplayRecord
+from harness.records import ReplayRecord
 from runners.parallel.layout import ParallelLayout
 
 # one runner's replay: our record, the logits rows it handed back, its lanes per fill path, its body past the model call

@@ -25,7 +25,7 @@ from harness.engines.lanes import LaneRecord, LiveBatch
 from harness.engines.sglang.errors import EngineAdapterError
 from harness.engines.sglang.graph import DP_CALLS, StopBody, recording_set_dp_buffer_len, tolist
 from harness.engines.sglang.standins import Strict, noop, patched
-from runners.cuda_graph import CaptureRecord, ReplayRecord
+from harness.records import CaptureRecord, ReplayRecord
 
 MODULE = "sglang.srt.speculative.eagle_draft_cuda_graph_runner"
 KIND = "draft_decode"

@@ -20,7 +20,7 @@ import torch
 from harness.engines.vllm.config import VllmCheckConfig
 from harness.engines.vllm.loader import VllmEngine
 from harness.engines.vllm.standins import DPWorld, FakeGraph, Strict, config_standin
-from runners.graph_runner import CaptureRecord, ReplayRecord
+from harness.records import CaptureRecord, ReplayRecord
 
 RUNNERS = ("target_verify", "draft_prefill", "draft_decode")
 LANE_BUFFERS = ("input_ids", "positions", "query_start_loc", "seq_lens")
