@@ -9,6 +9,7 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Callable, Optional
 
 from harness.case import Case
@@ -19,7 +20,8 @@ from harness.props.p1_metadata import check_metadata
 from harness.props.p1_run import check_run_metadata
 from harness.props.p3 import check_eager_vs_graph
 from harness.props.p4 import check_cross_layout
-from harness.ranks.simulated import RankFailure, SimulatedWorld
+from harness.ranks import run as ranks_run
+from harness.ranks.simulated import RankFailure
 from harness.ranks.trace import CollectiveError
 
 RUNNERS = ("eager", "graph", "both")
@@ -93,7 +95,7 @@ def _run_with_progress(case: Case, runner: str, ranks: str, say: Callable[[str],
             if done[it] == world:
                 say(f"iteration {it + 1}/{n_it} done on {world} rank(s) ({time.perf_counter() - t0:.1f}s)")
 
-    return SimulatedWorld(sc.layout, timeout_s=60.0).run(lambda comm: run_rank(comm, sc, runner=runner, on_step=tick))
+    return ranks_run(sc.layout, partial(run_rank, on_step=tick), sc, runner)[0]
 
 
 def run_case(case: Case, runner: str = "both", ranks: str = "sim", progress: Optional[Callable[[str], None]] = None) -> CaseReport:
