@@ -6,12 +6,15 @@ leaves an unchanged golden alone; check fails on a planted mutant and names the 
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 
+from harness.case import CaseError, load_case
 from harness.cli import main
 from harness.golden import GOLDEN_DIR
 from harness.golden import store as golden_store
+from runners.attention.kinds import AttentionBackend
 
 ACCEPT = GOLDEN_DIR / "acceptance"
 
@@ -67,4 +70,21 @@ def test_record_without_cases_names_the_kind(serial, capsys):
 
 def test_an_unknown_kind_names_the_allowed_ones(capsys):
     assert main(["golden", "check", "--kind", "trees"]) == 2
-    assert "invalid choice: 'trees' (choose from 'arrays', 'acceptance', 'draft-tree')" in capsys.readouterr().err
+    assert "--kind: expected one of arrays, acceptance, draft-tree, got 'trees'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("argv", "said"), [
+    (["check", "tp1_neither", "--ranks", "threads"], "--ranks: expected one of sim, gloo, nccl, got 'threads'"),
+    (["replay", "tp1_neither", "--runner", "cuda"], "--runner: expected one of eager, graph, both, got 'cuda'"),
+])
+def test_an_option_outside_its_enum_is_refused_once_with_the_allowed_values(capsys, argv, said):
+    assert main(argv) == 2
+    assert said in capsys.readouterr().err
+
+
+def test_a_case_file_backend_is_parsed_into_the_enum(tmp_path):
+    assert load_case("tp1_neither").scenario.attention_backend is AttentionBackend.TORCH
+    text = Path(load_case("tp1_neither").path).read_text().replace('backend = "torch"', 'backend = "cuda"')
+    (tmp_path / "tp1_neither.toml").write_text(text)
+    with pytest.raises(CaseError, match=r"tp1_neither.toml.*backend.*one of torch, triton, flashinfer"):
+        load_case(str(tmp_path / "tp1_neither.toml"))

@@ -15,6 +15,7 @@ from typing import Callable, Optional
 
 from harness.case import Case, load_case
 from harness.cli_cases import add_cases_dir, cases_dir, named_cases
+from harness.cli_options import enum_option
 from harness.cli_ranks import mutant_ctx
 from harness.errors import UsageError
 from harness.golden.acceptance import GOLDEN_CASES, record_acceptance
@@ -28,6 +29,7 @@ LOOP_KINDS: dict[GoldenKind, tuple[tuple[str, ...], Callable[[Case], Verdict]]] 
     GoldenKind.ACCEPTANCE: (GOLDEN_CASES, check_acceptance_case),
     GoldenKind.DRAFT_TREE: (TREE_CASES, check_tree_case),
 }
+KIND_OPTION = enum_option(GoldenKind)
 
 
 def golden_dir(args):
@@ -40,7 +42,7 @@ def _accept_dir(args) -> Optional[Path]:
 
 def cmd_golden_record(args) -> int:
     refuse_under_xdist(golden_dir(args))
-    kind = GoldenKind(args.kind)
+    kind = args.kind
     if kind is not GoldenKind.ARRAYS:
         if args.cases and args.all:
             raise GoldenError("name cases or pass --all, not both")
@@ -78,7 +80,7 @@ def _check_one(kind: GoldenKind, case: Case, args) -> tuple[bool, str, dict]:
 
 
 def cmd_golden_check(args) -> int:
-    kind = GoldenKind(args.kind)
+    kind = args.kind
     if kind is not GoldenKind.ARRAYS and args.golden_dir:
         raise UsageError(f"--golden-dir: checks of --kind {kind} read the shipped goldens only (golden/acceptance/)")
     if kind is GoldenKind.ARRAYS:
@@ -108,7 +110,7 @@ def cmd_golden_check(args) -> int:
 
 
 def _add_kind(s: argparse.ArgumentParser) -> None:
-    s.add_argument("--kind", choices=[k.value for k in GoldenKind], default=GoldenKind.ARRAYS.value,
+    s.add_argument("--kind", type=KIND_OPTION, metavar=KIND_OPTION.choices_text, default=GoldenKind.ARRAYS,
                    help="arrays: golden/<case>.npz + .json (default); acceptance: the loop's accept lengths; "
                         "draft-tree: the single-layer draft decode's trees (both golden/acceptance/)")
 
