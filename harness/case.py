@@ -21,6 +21,7 @@ from harness.data import shipped_dir
 from harness.scenario import Iteration, RequestSpec, Scenario
 from harness.tolerances import Tol
 from runners.attention import BACKENDS
+from runners.attention.kinds import AttentionBackend
 from runners.config import DTYPES, ModelConfig, SpecConfig
 from runners.draft_decode import DRAFTS
 from runners.model import check_model_fits_layout
@@ -237,9 +238,10 @@ def parse_case(data: dict, path: Path | str = "<case>") -> Case:
     dtype = data.get("dtype", "float32")
     if dtype not in DTYPES:
         raise CaseError(path, "dtype", f"one of {sorted(DTYPES)}", dtype)
-    backend = data.get("backend", "torch")
-    if backend not in ("torch", "triton", "flashinfer"):
-        raise CaseError(path, "backend", "one of torch, triton, flashinfer", backend)
+    try:
+        backend = AttentionBackend(data.get("backend", "torch"))
+    except (ValueError, TypeError):
+        raise CaseError(path, "backend", f"one of {', '.join(AttentionBackend)}", data.get("backend")) from None
     if backend not in BACKENDS:
         raise CaseError(path, "backend", f"a backend available in this install ({', '.join(sorted(BACKENDS))})", backend)
     seed = data.get("seed", 0)

@@ -25,6 +25,7 @@ from harness.case import (
     NAME_RE,
     PAGE_SIZES,
 )
+from runners.attention.kinds import AttentionBackend
 from runners.config import DTYPES
 from runners.draft_decode import DRAFTS
 
@@ -64,7 +65,7 @@ def case_json_schema() -> dict:
                         {"eager_vs_graph": tol, "cross_layout": tol,
                          "golden": {"type": "object", "additionalProperties": False, "properties": {f: tol for f in GOLDEN_FLOAT_FIELDS}}})
     top = _table(_TOP, {"name": {"pattern": f"^{NAME_RE.pattern}$"}, "seed": {"minimum": 0, "maximum": 2**31 - 1},
-                        "dtype": {"enum": sorted(DTYPES)}, "backend": {"enum": ["torch", "triton", "flashinfer"]},
+                        "dtype": {"enum": sorted(DTYPES)}, "backend": {"enum": [b.value for b in AttentionBackend]},
                         "model": model, "spec": spec, "layout": layout, "schedule": schedule, "tolerances": tolerances},
                  required=_REQUIRED)
     return {"$schema": "https://json-schema.org/draft/2020-12/schema", "$id": "https://specharness/case.schema.json",

@@ -15,8 +15,9 @@ from harness.props.p2 import check_padded_lanes
 from harness.props.p3 import check_eager_vs_graph
 from harness.props.p4 import check_cross_layout
 from harness.props.p5_p6 import check_spec_case
-from harness.ranks.launcher import launch
-from harness.ranks.simulated import RankFailure, SimulatedWorld
+from harness.ranks import RanksKind
+from harness.ranks import run as ranks_run
+from harness.ranks.simulated import RankFailure
 from harness.ranks.trace import CollectiveError
 from harness.scenario import Scenario
 from harness.spec_decode import spec_skip_reason
@@ -59,19 +60,11 @@ class CaseReport:
         }
 
 
-RANKS = ("sim", "gloo", "nccl")
-
-
-def run_spmd(sc: Scenario, runner: str = "both", single_layer: bool = False, timeout_s: float = 60.0, ranks: str = "sim") -> list[RankRun]:
-    """The same SPMD function on simulated ranks (threads) or real ones (a process per rank)."""
-    if ranks == "sim":
-        return SimulatedWorld(sc.layout, timeout_s=timeout_s).run(lambda comm: run_rank(comm, sc, runner=runner, single_layer=single_layer))
-    if ranks not in RANKS:
-        raise ValueError(f"ranks must be one of {RANKS}, got {ranks!r}")
-
-    device = "cuda" if ranks == "nccl" else "cpu"
-    res = launch(sc.layout, run_rank, sc, runner, single_layer, "auto", device, backend=ranks, timeout_s=timeout_s)
-    return list(res.results)
+def run_spmd(sc: Scenario, runner: str = "both", single_layer: bool = False, timeout_s: float = 60.0,
+             ranks: RanksKind | str = RanksKind.SIM) -> list[RankRun]:
+    """Every rank's run of the scenario (run_rank) on the chosen ranks; the traces stay with harness.ranks.run."""
+    kind = RanksKind.parse(ranks)
+    return ranks_run(sc.layout, run_rank, sc, runner, single_layer, "auto", kind.device, ranks=kind, timeout_s=timeout_s)[0]
 
 
 FAST_PROPS = ("P1", "P3", "P4")  # one run of the case: the draft-extend runners

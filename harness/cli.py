@@ -13,10 +13,16 @@ from typing import Optional, Sequence
 from harness import __version__
 from harness.case import CaseError, default_cases, load_case
 from harness.cli_cases import add_cases_dir, cases_dir, named_cases
+from harness.cli_options import enum_option
 from harness.cli_ranks import finish, mutant_ctx, quiet, run_command
 from harness.errors import ExitCode, UsageError
 from harness.outcome import KINDS, Tee, classify, emit_error, wants_json
+from harness.ranks import RanksKind
 from harness.ranks.joined import check_world
+from runners.graph_mode import GraphMode
+
+RANKS_OPTION = enum_option(RanksKind)
+RUNNER_OPTION = enum_option(GraphMode, "both")  # both: eager vs graph (P3)
 
 
 def cmd_list(args) -> int:
@@ -183,7 +189,7 @@ def cmd_case_schema(args) -> int:
 
 
 def _add_ranks(s: argparse.ArgumentParser) -> None:
-    s.add_argument("--ranks", choices=("sim", "gloo", "nccl"), default="sim",
+    s.add_argument("--ranks", type=RANKS_OPTION, metavar=RANKS_OPTION.choices_text, default=RanksKind.SIM,
                    help="simulated ranks (threads), or real ones: a process per rank over gloo (CPU) or nccl (a GPU per rank)")
 
 
@@ -223,7 +229,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--rank", type=int, help="only this rank")
     s.add_argument("--mutant", help="plant a mutant first, e.g. sglang-26416")
     _add_ranks(s)
-    s.add_argument("--runner", choices=("eager", "graph", "both"), default="both",
+    s.add_argument("--runner", type=RUNNER_OPTION, metavar=RUNNER_OPTION.choices_text, default="both",
                    help="both: eager vs graph (P3) and each vs TP1 (P4); eager or graph: that runner alone vs the TP1 oracle")
     s.add_argument("--dump", metavar="DIR", help="write every rank's buffers and metadata at the first divergence to DIR (np.load-able .npz)")
     s.add_argument("--json", action="store_true")

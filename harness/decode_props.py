@@ -7,25 +7,24 @@ through the speculative decoding loop: every draft-decode replay's record (rows 
 I2) and its tree (tokens, parents, children exact; scores and logits within the eager-vs-graph
 tolerance) against the eager reference run of the same workload. P2: every padded buffer poisoned
 before a replay after a shrink; the real trees and every live KV slot must not notice. P6: the acceptance golden of
-each single-layer case and its draft-tree golden (golden/acceptance/<case>.draft_tree.json), for
+each single-layer case and its draft-tree golden (harness.golden.draft_tree), for
 both runners.
 """
 from __future__ import annotations
 
-import json
-import sys
-from pathlib import Path
 from typing import Optional, Sequence
 
 import torch
 
 from harness.case import Case, load_case
+from harness.golden.acceptance import AcceptanceGoldenError, load_acceptance_golden
+from harness.golden.draft_tree import TREE_CASES, check_tree_golden
 from harness.layout import all_layouts
 from harness.props.p1_metadata import check_decode_metadata
 from harness.props.p1_records import check_replay_record, check_replay_rows
 from harness.props.p5_p6 import compare_acceptance
 from harness.ranks.simulated import SimulatedWorld
-from harness.spec_decode import ACCEPT_DIR, AcceptanceGoldenError, SpecSession, case_session, load_acceptance_golden
+from harness.spec_decode import case_session
 from harness.tolerances import Tol, eager_vs_graph
 from harness.verdict import Verdict, merge_verdicts
 from runners.attention.torch_ref import TorchAttnBackend
@@ -37,7 +36,6 @@ from runners.graph_backend import GraphBackend
 from runners.parallel.dp_attention import RankContext
 from runners.parallel.layout import ParallelLayout
 
-DECODE_CASES = ("tp2_single_layer_shrink", "tp4_dp2_single_layer_topk2")
 EXACT = ("tokens", "parents", "child_index")
 CLOSE = ("scores", "child_p", "step_logits")
 
@@ -77,67 +75,6 @@ def check_decode_case(case: Case, props: Sequence[str] = ("P1", "P3", "P6")) -> 
             for runner, s in sessions.items():
                 compare_acceptance(out["P6"], golden, s, {"case": case.name, "layout": layout.describe(), "runner": runner})
     return out
-
-
-# ---- P6's draft-tree golden: what the step body computes, which eager and graph share (P3 cannot see a bug in it),
-# finer than the accept lengths it decides (the aligned draft leans on the token embedding, so a wrong position or
-# parent hidden state moves the probabilities long before it moves an accept length) ----
-TREE_FORMAT = "specharness-draft-tree/1"
-TREE_FLOATS = Tol(1e-5, 1e-5, "fp32 CPU re-run of the recorded workload; a wrong position or parent moves probabilities by far more")
-
-
-def tree_golden_path(name: str) -> Path:
-    return ACCEPT_DIR / f"{name}.draft_tree.json"
-
-
-def tree_arrays(session: SpecSession) -> dict[str, list]:
-    """Per loop step and rank, the draft decode's tree of the real requests."""
-    out = {}
-    for step, reps in enumerate(session.reports):
-        for rank, rep in enumerate(reps):
-            if rep.decode_outs is not None:
-                t = rep.decode_outs.tensors()
-                for f in ("tokens", "parents", "child_index", "scores", "child_p"):
-                    out[f"s{step}.r{rank}.{f}"] = t[f].tolist()
-    return out
-
-
-def record_tree_golden(case: Case) -> Path:
-    """From the eager run; refused when the graph run's tree differs (P3 would say where)."""
-    sessions = {r: case_session(case, r) for r in ("eager", "graph")}
-    v = Verdict("P6")
-    data = {"format": TREE_FORMAT, "case": case.name, "fingerprint": case.scenario.model.fingerprint(), "trees": tree_arrays(sessions["eager"])}
-    _compare_trees(v, case.name, data["trees"], tree_arrays(sessions["graph"]))
-    if not v.ok:
-        raise AcceptanceGoldenError(f"{case.name}: eager and graph draft trees differ; not recording ({v.first()})")
-    path = tree_golden_path(case.name)
-    path.write_text(json.dumps(data, separators=(",", ":")) + "\n")
-    return path
-
-
-def check_tree_golden(v: Verdict, case: Case, sessions: dict[str, SpecSession]) -> None:
-    path = tree_golden_path(case.name)
-    if not path.exists():
-        v.fail("draft tree", "file", {"case": case.name}, "a draft-tree golden", "none", f"record it: python -m harness.decode_props record {case.name}")
-        return
-    data = json.loads(path.read_text())
-    if data.get("format") != TREE_FORMAT or data.get("fingerprint") != case.scenario.model.fingerprint():
-        v.fail("draft tree", "file", {"case": case.name}, TREE_FORMAT, data.get("format"), "recorded for another format or model; re-record it")
-        return
-    for runner, s in sessions.items():
-        _compare_trees(v, f"{case.name} ({runner})", data["trees"], tree_arrays(s))
-
-
-def _compare_trees(v: Verdict, label: str, want: dict[str, list], got: dict[str, list]) -> None:
-    v.expect_equal("draft tree", "keys", {"case": label}, sorted(want), sorted(got), "loop steps and ranks that ran a draft decode")
-    for key in sorted(set(want) & set(got)):
-        v.checked += 1
-        a, b = torch.tensor(want[key]), torch.tensor(got[key])
-        exact = not key.endswith(("scores", "child_p"))
-        same = a.shape == b.shape and (torch.equal(a, b) if exact else torch.allclose(a, b, rtol=TREE_FLOATS.rtol, atol=TREE_FLOATS.atol))
-        if not same:
-            v.fail("draft tree", key, {"case": label}, want[key] if exact else "match", got[key] if exact else "differs",
-                   "exact" if exact else f"rtol={TREE_FLOATS.rtol} atol={TREE_FLOATS.atol}: {TREE_FLOATS.reason}")
 
 
 def _compare_tree(v: Verdict, where: dict, ref: dict[str, torch.Tensor], got: dict[str, torch.Tensor], tol: Optional[Tol]) -> None:
@@ -234,20 +171,6 @@ def _probe() -> dict[str, Verdict]:
             sched = [s if sum(s) else (1,) + tuple(s[1:]) for s in sched]
             v.merge(check_decode_metadata(layout, spec, sched))
     out = {"P1": v, "P2": check_decode_padded_lanes(1).merge(check_decode_padded_lanes(2))}
-    for name in DECODE_CASES:
+    for name in TREE_CASES:
         merge_verdicts(out, check_decode_case(load_case(name)))
     return out
-
-
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] != "record":
-        print("usage: python -m harness.decode_props record [CASE ...]", file=sys.stderr)
-        return 2
-    for name in argv[1:] or DECODE_CASES:
-        print(f"{name}: -> {record_tree_golden(load_case(name))}")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

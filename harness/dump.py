@@ -31,7 +31,8 @@ import torch
 from harness.case import Case
 from harness.execute import _prepare, make_worker
 from harness.observe import observe_all
-from harness.ranks.simulated import RankFailure, SimulatedWorld
+from harness.ranks import run as ranks_run
+from harness.ranks.simulated import RankFailure
 from harness.records import ReplayRecord
 from harness.scenario import release
 from runners.cuda_graph import DraftExtendGraphDriver
@@ -133,7 +134,7 @@ def dump_case(case: Case, directory: Path | str, iteration: int, step: int, runn
     info = {"case": case.name, "path": case.path, "layout": sc.layout.describe(), "branch": sc.layout.branch.value, "runner": runner,
             "iteration": iteration, "step": step, "why": why, "first_divergence": divergence, "files": {}}
     try:
-        per_rank = SimulatedWorld(sc.layout, timeout_s=60.0).run(lambda comm: _dump_rank(comm, case, iteration, runner))
+        per_rank = ranks_run(sc.layout, _dump_rank, case, iteration, runner)[0]
     except RankFailure as err:
         info["error"] = str(err).splitlines()[0]
         per_rank = []
@@ -143,7 +144,7 @@ def dump_case(case: Case, directory: Path | str, iteration: int, step: int, runn
                                          "keys": len(arrays)}
     if not info.get("error"):
         tp1 = replace(case, scenario=sc.as_tp1())
-        oracle = SimulatedWorld(tp1.layout, timeout_s=60.0).run(lambda comm: _dump_rank(comm, tp1, iteration, "eager"))[0]
+        oracle = ranks_run(tp1.layout, _dump_rank, tp1, iteration, "eager")[0][0]
         np.savez(d / "oracle.npz", **{k: v for k, v in oracle.items() if k.startswith(("eager.", "inputs."))})
         info["files"]["oracle.npz"] = {"rank": "TP1 eager oracle", "rids": oracle["inputs.rids"].tolist(), "keys": len(oracle)}
     (d / "divergence.json").write_text(json.dumps(info, indent=2, default=str) + "\n")

@@ -32,8 +32,9 @@ from harness.case import seeded_requests
 from harness.crash import crash_detail, crash_name
 from harness.execute import RankRun, run_rank
 from harness.mutants import get
-from harness.ranks.launcher import launch
-from harness.ranks.simulated import RankFailure, SimulatedWorld
+from harness.ranks import RanksKind
+from harness.ranks import run as ranks_run
+from harness.ranks.simulated import RankFailure
 from harness.ranks.trace import CollectiveCall, CollectiveError
 from harness.scenario import Scenario
 from harness.verdict import Verdict
@@ -90,24 +91,16 @@ def planted_run_rank(comm, mutant_id: Optional[str], sc: Scenario, runner: str =
         return run_rank(comm, sc, runner=runner, single_layer=single_layer, graph_kind=graph_kind, device=device)
 
 
-def run_with_traces(sc: Scenario, ranks: str = "sim", timeout_s: float = 60.0, runner: str = "both",
+def run_with_traces(sc: Scenario, ranks: RanksKind | str = RanksKind.SIM, timeout_s: float = 60.0, runner: str = "both",
                     mutant: Optional[str] = None, **launch_kw) -> tuple[list[RankRun], list[list[CollectiveCall]]]:
-    """(per-rank RankRun, per-rank collective trace). Raises RankFailure (sim) or a CollectiveError (real)."""
-    if ranks == "sim":
-        world = SimulatedWorld(sc.layout, timeout_s=timeout_s)
-        ctx = contextlib.nullcontext()
-        if mutant:
+    """(per-rank RankRun, per-rank collective trace). Raises RankFailure (sim) or a CollectiveError (real).
 
-            ctx = get(mutant).planted()
-        with ctx:
-            runs = world.run(lambda comm: run_rank(comm, sc, runner=runner))
-        return runs, world.traces
-    if ranks not in ("gloo", "nccl"):
-        raise ValueError(f"ranks must be sim, gloo or nccl (got {ranks!r})")
-
-    device = "cuda" if ranks == "nccl" else "cpu"
-    res = launch(sc.layout, planted_run_rank, mutant, sc, runner, False, "auto", device, backend=ranks, timeout_s=timeout_s, **launch_kw)
-    return list(res.results), [list(t) for t in res.traces]
+    Simulated ranks share this process: the mutant is planted once around them; real ranks plant it each."""
+    kind = RanksKind.parse(ranks)
+    ctx = get(mutant).planted() if mutant and kind is RanksKind.SIM else contextlib.nullcontext()
+    with ctx:
+        return ranks_run(sc.layout, planted_run_rank, None if kind is RanksKind.SIM else mutant, sc, runner, False, "auto", kind.device,
+                         ranks=kind, timeout_s=timeout_s, **launch_kw)
 
 
 # ---------------------------------------------------------------------------------------

@@ -9,20 +9,21 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Callable, Optional
 
 from harness.case import Case
 from harness.checks import REPORT_ORDER, CaseReport, run_spmd
 from harness.crash import crash_verdict
-from harness.execute import RankRun, run_rank
+from harness.execute import RankRun, RunnerChoice, run_rank
 from harness.props.p1_metadata import check_metadata
 from harness.props.p1_run import check_run_metadata
 from harness.props.p3 import check_eager_vs_graph
 from harness.props.p4 import check_cross_layout
-from harness.ranks.simulated import RankFailure, SimulatedWorld
+from harness.ranks import RanksKind
+from harness.ranks import run as ranks_run
+from harness.ranks.simulated import RankFailure
 from harness.ranks.trace import CollectiveError
-
-RUNNERS = ("eager", "graph", "both")
 
 
 @dataclass
@@ -78,7 +79,7 @@ class ReplayReport:
                 "properties": {k: v.to_json() for k, v in self.report.verdicts.items()}}
 
 
-def _run_with_progress(case: Case, runner: str, ranks: str, say: Callable[[str], None]) -> list[RankRun]:
+def _run_with_progress(case: Case, runner: RunnerChoice, ranks: RanksKind, say: Callable[[str], None]) -> list[RankRun]:
     """run_spmd, reporting each iteration once every rank has finished it (simulated ranks)."""
     sc = case.scenario
     if ranks != "sim":
@@ -93,13 +94,11 @@ def _run_with_progress(case: Case, runner: str, ranks: str, say: Callable[[str],
             if done[it] == world:
                 say(f"iteration {it + 1}/{n_it} done on {world} rank(s) ({time.perf_counter() - t0:.1f}s)")
 
-    return SimulatedWorld(sc.layout, timeout_s=60.0).run(lambda comm: run_rank(comm, sc, runner=runner, on_step=tick))
+    return ranks_run(sc.layout, partial(run_rank, on_step=tick), sc, runner)[0]
 
 
-def run_case(case: Case, runner: str = "both", ranks: str = "sim", progress: Optional[Callable[[str], None]] = None) -> CaseReport:
+def run_case(case: Case, runner: RunnerChoice = "both", ranks: RanksKind = RanksKind.SIM, progress: Optional[Callable[[str], None]] = None) -> CaseReport:
     """check_case with a choice of runner: P1 always; P3 (eager vs graph) with both; P4 for each runner that ran."""
-    if runner not in RUNNERS:
-        raise ValueError(f"runner must be one of {RUNNERS}, got {runner!r}")
     t0 = time.perf_counter()
     sc = case.scenario
     say = progress or (lambda _msg: None)
@@ -136,7 +135,7 @@ def _oracle_rows(oracle: list[RankRun], it: int, step: int, rids: list[int], T: 
     return torch.cat([logits[pos[r] * T:(pos[r] + 1) * T] for r in rids]) if rids else logits[:0]
 
 
-def replay_case(case: Case, step: Optional[int] = None, rank: Optional[int] = None, progress=None, ranks: str = "sim",
+def replay_case(case: Case, step: Optional[int] = None, rank: Optional[int] = None, progress=None, ranks: RanksKind = RanksKind.SIM,
                 runner: str = "both") -> ReplayReport:
     rep = run_case(case, runner=runner, ranks=ranks, progress=progress)
     out = ReplayReport(case.name, case.layout.describe(), rep, runner=runner, rank_filter=rank, step_filter=step)

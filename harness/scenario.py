@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from runners.attention.kinds import AttentionBackend
 from runners.config import ModelConfig, SpecConfig
 from runners.draft_extend import DraftExtendInputs, DraftWorker
 from runners.model import head_shard
@@ -47,7 +48,7 @@ class Scenario:
     layout: ParallelLayout
     iterations: tuple[Iteration, ...]
     seed: int = 0
-    attention_backend: str = "torch"
+    attention_backend: AttentionBackend = AttentionBackend.TORCH
     name: str = "scenario"
 
     def as_tp1(self) -> "Scenario":

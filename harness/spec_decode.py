@@ -1,4 +1,4 @@
-"""Drive the speculative decoding loop (runners.spec_decode) on simulated ranks; acceptance goldens.
+"""Drive the speculative decoding loop (runners.spec_decode) on simulated ranks; the acceptance statistics.
 
 * `SpecSession`: one layout's ranks, each with a `SpecEngine`, stepped together (threads of
   one `SimulatedWorld`; the engines live across steps).
@@ -6,27 +6,18 @@
   each phase runs `rounds_per_phase` steps. Requests arrive to fill a group, the oldest are
   finished early to shrink it (so lanes shift and padded lanes go stale), requests also finish
   on their own token budget, and one is preempted and resumed at every phase change.
-* Acceptance goldens (P6): golden/acceptance/<case>.json, per request the accept length of
-  every verify round and the per-position accept counts. Exact integers; refused when the
-  model fingerprint, the alignment, the workload or the spec differ.
-
-    python -m harness.acceptance record [CASE ...]   # regenerate (serially, never under xdist)
-    python -m harness.acceptance check  [CASE ...]
+* `acceptance_stats`: what P6 compares with the case's acceptance golden (harness.golden.acceptance).
 """
 from __future__ import annotations
 
 import contextlib
-import json
-import os
 import zlib
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Callable, Iterator, Optional, Sequence
 
 import torch
 
-from harness.case import Case, default_cases, load_case
-from harness.data import shipped_dir
+from harness.case import Case
 from harness.observe import LoopObserver, LoopRecords
 from harness.ranks.simulated import SimulatedWorld
 from runners.attention.flashinfer_backend import TREE_MASK_UNSUPPORTED
@@ -37,23 +28,12 @@ from runners.scheduler import Request
 from runners.spec_decode import DEFAULT_ALIGNMENT, Alignment, SpecEngine, StepReport, loop_unsupported_reason
 from runners.target import GreedyOutput, target_greedy
 
-ACCEPT_DIR = shipped_dir("golden") / "acceptance"
-FORMAT = "specharness-acceptance/1"
-
 
 def spec_skip_reason(case: Case) -> Optional[str]:
     """Why P2/P5/P6 cannot run this case here (None: they run, with the case's attention backend)."""
     if case.scenario.attention_backend == "flashinfer":
         return TREE_MASK_UNSUPPORTED
     return loop_unsupported_reason(case.scenario.spec)
-
-
-# every shipped case the loop can run has an acceptance golden
-GOLDEN_CASES = tuple(c.name for c in default_cases() if spec_skip_reason(c) is None)
-
-
-class AcceptanceGoldenError(Exception):
-    """Missing, refused or malformed acceptance golden: a message, never a traceback."""
 
 
 # ----------------------------------------------------------------------------------------
@@ -232,64 +212,3 @@ def case_session(case: Case, runner: str, proposer: str = "eagle", hook=None, ro
     sc = case.scenario
     s = SpecSession(sc.layout, sc.spec, sc.model, runner=runner, proposer=proposer, hook=hook, attention_backend=sc.attention_backend)
     return run_workload(s, Workload.from_case(case, rounds_per_phase))
-
-
-def golden_identity(case: Case, wl: Workload, alignment: Alignment = DEFAULT_ALIGNMENT) -> dict:
-    sc = case.scenario
-    spec = sc.spec
-    return {
-        "fingerprint": sc.model.fingerprint(),
-        "alignment": alignment.to_json(),
-        "workload": wl.to_json(),
-        "spec": {"num_steps": spec.num_steps, "topk": spec.topk, "num_tokens_per_bs": spec.num_tokens_per_bs, "capture_bs": list(spec.capture_bs),
-                 "max_running_requests": spec.max_running_requests, "page_size": spec.page_size,
-                 **({"draft": spec.draft} if spec.draft != "multi_layer" else {})},
-        "layout": sc.layout.describe(),
-    }
-
-
-def golden_path(name: str) -> Path:
-    return ACCEPT_DIR / f"{name}.json"
-
-
-def load_acceptance_golden(case: Case, wl: Optional[Workload] = None) -> dict:
-    """The case's golden, or AcceptanceGoldenError naming what is missing or differs."""
-    path = golden_path(case.name)
-    if not path.exists():
-        raise AcceptanceGoldenError(f"{path}: no acceptance golden for case {case.name!r}; record it: python -m harness.acceptance record {case.name}")
-    try:
-        data = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise AcceptanceGoldenError(f"{path}: not valid JSON ({e})") from None
-    if data.get("format") != FORMAT:
-        raise AcceptanceGoldenError(f"{path}: format {data.get('format')!r}, expected {FORMAT!r}")
-    want = golden_identity(case, wl or Workload.from_case(case))
-    diff = [k for k in want if data.get(k) != want[k]]
-    if diff:
-        detail = "; ".join(f"{k}: golden {data.get(k)!r}, case {want[k]!r}" for k in diff)
-        raise AcceptanceGoldenError(f"{path}: refused, recorded for another model or setup ({detail}); re-record it")
-    return data
-
-
-def record(names: Sequence[str] = GOLDEN_CASES, say: Callable[[str], None] = print) -> list[Path]:
-    """Record from the eager runner; refuse if the graph runner's acceptance differs (it must not)."""
-    if os.environ.get("PYTEST_XDIST_WORKER"):
-        raise AcceptanceGoldenError("acceptance goldens are recorded serially, never under pytest-xdist")
-    paths = []
-    for name in names:
-        case = load_case(name)
-        wl = Workload.from_case(case)
-        eager = acceptance_stats(case_session(case, "eager"))
-        graph = acceptance_stats(case_session(case, "graph"))
-        if eager["requests"] != graph["requests"]:
-            raise AcceptanceGoldenError(f"{name}: eager and graph runners accept differently; not recording (run the P6 check to see where)")
-        ACCEPT_DIR.mkdir(parents=True, exist_ok=True)
-        data = {"format": FORMAT, "case": name, **golden_identity(case, wl), **eager}
-        path = golden_path(name)
-        tmp = path.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(data, indent=1, sort_keys=False) + "\n")
-        os.replace(tmp, path)
-        s = eager["summary"]
-        say(f"{name}: {s['verify_rounds']} verify rounds, mean accept length {s['mean_accept_len']}, per position {s['position_accept_rate']} -> {path}")
-        paths.append(path)
-    return paths

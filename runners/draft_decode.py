@@ -55,6 +55,7 @@ from runners.eagle_draft import (
 )
 from runners.eagle_draft_graph import EAGLEDraftCudaGraphRunner
 from runners.graph_backend import GraphBackend
+from runners.graph_mode import GraphMode
 from runners.memory import ReqToTokenPool
 from runners.parallel.dp_attention import RankContext, mlp_sync_batch_sizes
 from runners.scheduler import Proposal, Request
@@ -79,10 +80,10 @@ class EagleProposer:
     """The EAGLE draft of one rank (multi-layer, or single-layer with its draft decode): a DraftWorker on the engine's request map."""
 
     def __init__(self, ctx: RankContext, cfg: ModelConfig, spec: SpecConfig, req_pool: ReqToTokenPool, num_slots: int,
-                 runner: str, device: torch.device, attention_backend: str = "torch", graph_kind: str = "auto",
+                 runner: GraphMode | str, device: torch.device, attention_backend: str = "torch", graph_kind: str = "auto",
                  draft: str = "multi_layer"):
-        if runner not in ("eager", "graph"):
-            raise ValueError(f"runner must be 'eager' or 'graph', got {runner!r}")
+        if runner not in set(GraphMode):
+            raise ValueError(f"runner must be one of {', '.join(GraphMode)}, got {runner!r}")
         if draft not in DRAFTS:
             raise ValueError(f"draft must be one of {DRAFTS}, got {draft!r}")
         self.single_layer = draft == "single_layer"

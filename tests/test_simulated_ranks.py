@@ -15,13 +15,13 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+from harness.ranks import RanksKind, run
 from harness.ranks.simulated import (
     PeerFailed,
     RankFailure,
     SimComm,
     SimulatedWorld,
     compare_traces,
-    run_spmd,
 )
 from harness.ranks.trace import CollectiveCall, CollectiveError, CollectiveMismatch, CollectiveTimeout
 from runners.parallel.comm import Communicator, Group, group_rank
@@ -548,7 +548,7 @@ def _traced_program(c: SimComm, dp_rows: int = 2):
 
 
 def test_traces_record_every_call_in_order():
-    res, traces = run_spmd(L4DP2, _traced_program)
+    res, traces = run(L4DP2, _traced_program)
     assert res == [0, 1, 2, 3]
     assert traces[2] == [
         CollectiveCall(0, "all_reduce", "attn_tp", (2, 3), (2, 3), "torch.float32"),
@@ -577,11 +577,11 @@ def test_traces_kept_after_a_failing_run_and_reset_per_run():
 
 
 def test_compare_traces_equal_and_planted_difference():
-    _, a = run_spmd(L4DP2, _traced_program)
-    _, b = run_spmd(L4DP2, _traced_program)
+    _, a = run(L4DP2, _traced_program)
+    _, b = run(L4DP2, _traced_program)
     assert compare_traces(a, b) is None
     # ATTN_DP group {1,3} gathers 3 rows in run c: consistent within the group, so the run succeeds
-    _, c = run_spmd(L4DP2, lambda comm: _traced_program(comm, dp_rows=3 if comm.rank in (1, 3) else 2))
+    _, c = run(L4DP2, lambda comm: _traced_program(comm, dp_rows=3 if comm.rank in (1, 3) else 2))
     assert compare_traces(a, c) == (
         "rank 1 call #1: a called all_gather(group=attn_dp, shape=(2,), dtype=float32) over ranks (1, 3), "
         "b called all_gather(group=attn_dp, shape=(3,), dtype=float32) over ranks (1, 3)"
@@ -589,7 +589,7 @@ def test_compare_traces_equal_and_planted_difference():
 
 
 def test_compare_traces_lengths_and_world_sizes():
-    _, a = run_spmd(L2, _traced_program)
+    _, a = run(L2, _traced_program)
     shorter = [a[0], a[1][:2]]
     assert compare_traces(a, shorter) == (
         "rank 1 call #2: a called barrier(group=world, shape=(), dtype=) over ranks (0, 1), "
@@ -603,7 +603,7 @@ def test_compare_traces_lengths_and_world_sizes():
 
 def test_concurrent_worlds_are_independent():
     def job(layout: ParallelLayout):
-        return run_spmd(layout, lambda c: c.all_reduce(torch.tensor([float(c.rank)]), W).item())[0]
+        return run(layout, lambda c: c.all_reduce(torch.tensor([float(c.rank)]), W).item())[0]
 
     layouts = [L2, L4, L8, L4DP2, L8DP4, L8DP2]
     with ThreadPoolExecutor(max_workers=len(layouts)) as pool:
@@ -621,3 +621,14 @@ def test_no_thread_leak_after_failures():
     _fail(L2, lambda c: c.barrier(W) if c.rank == 0 else time.sleep(0.3), timeout_s=0.1)
     assert threading.active_count() == baseline
     assert _sim_threads() == []
+
+
+def test_ranks_run_names_the_allowed_kinds_on_a_typo():
+    with pytest.raises(ValueError, match=r"ranks: expected one of sim, gloo, nccl, got 'simm'"):
+        run(L2, lambda c: c.rank, ranks="simm")
+
+
+def test_ranks_run_takes_the_kind_as_enum_or_string_and_refuses_launch_options_for_threads():
+    assert run(L2, lambda c: c.rank, ranks=RanksKind.SIM)[0] == run(L2, lambda c: c.rank, ranks="sim")[0] == [0, 1]
+    with pytest.raises(TypeError, match="check_signatures"):
+        run(L2, lambda c: c.rank, ranks="sim", check_signatures=True)

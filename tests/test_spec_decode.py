@@ -7,14 +7,14 @@ import torch
 
 from harness import mutants, spec_decode
 from harness.case import load_case
+from harness.golden import GoldenError
+from harness.golden import acceptance as acceptance_golden
+from harness.golden.acceptance import GOLDEN_CASES, AcceptanceGoldenError, load_acceptance_golden
 from harness.props.p5_p6 import check_agreeing_draft, check_lossless, check_spec_case
 from harness.spec_decode import (
-    GOLDEN_CASES,
-    AcceptanceGoldenError,
     SpecSession,
     Workload,
     acceptance_stats,
-    load_acceptance_golden,
     position_accepts,
     run_workload,
 )
@@ -184,9 +184,9 @@ def test_p6_sees_the_seed_bug_as_acceptance_only():
 
 def test_p6_golden_refused_for_another_model(tmp_path, monkeypatch):
     case = load_case("tp1_neither")
-    data = json.loads(spec_decode.golden_path(case.name).read_text())
+    data = json.loads(acceptance_golden.golden_path(case.name).read_text())
     data["fingerprint"] = "0000000000000000"
-    monkeypatch.setattr(spec_decode, "ACCEPT_DIR", tmp_path)
+    monkeypatch.setattr(acceptance_golden, "ACCEPT_DIR", tmp_path)
     (tmp_path / "tp1_neither.json").write_text(json.dumps(data))
     with pytest.raises(AcceptanceGoldenError, match="refused.*fingerprint"):
         load_acceptance_golden(case)
@@ -197,13 +197,13 @@ def test_p6_golden_refused_for_another_model(tmp_path, monkeypatch):
 
 def test_p6_record_refuses_under_xdist(monkeypatch):
     monkeypatch.setenv("PYTEST_XDIST_WORKER", "gw0")
-    with pytest.raises(AcceptanceGoldenError, match="serially"):
-        spec_decode.record(["tp1_neither"])
+    with pytest.raises(GoldenError, match="serially"):
+        acceptance_golden.record_acceptance(["tp1_neither"])
 
 
 def test_goldens_are_consistent():
     for name in GOLDEN_CASES:
-        g = json.loads(spec_decode.golden_path(name).read_text())
+        g = json.loads(acceptance_golden.golden_path(name).read_text())
         s = g["summary"]
         assert 1.0 < s["mean_accept_len"] < g["spec"]["num_steps"] + 1 and s["verify_rounds"] >= 20, (name, s)
         assert all(p["position_accepts"] == position_accepts(p["accept_lens"], g["spec"]["num_steps"]) for p in g["requests"].values())

@@ -7,9 +7,10 @@ import numpy as np
 import torch
 
 from harness.case import GOLDEN_FLOAT_FIELDS, Case
-from harness.checks import run_spmd
-from harness.execute import RankRun
+from harness.execute import RankRun, run_rank
 from harness.golden.base import INT_FIELDS, META_FIELDS
+from harness.ranks import RanksKind
+from harness.ranks import run as ranks_run
 from harness.records import ReplayRecord
 
 # ----------------------------------------------------------------------------------------
@@ -83,7 +84,7 @@ def collect(case: Case, runs: Sequence[RankRun]) -> dict[str, np.ndarray]:
     return out
 
 
-def run_for_golden(case: Case, ranks: str = "sim") -> list[RankRun]:
-
-    return run_spmd(case.scenario, runner="graph", ranks=ranks)
+def run_for_golden(case: Case, ranks: RanksKind | str = RanksKind.SIM) -> list[RankRun]:
+    kind = RanksKind.parse(ranks)
+    return ranks_run(case.layout, run_rank, case.scenario, "graph", False, "auto", kind.device, ranks=kind)[0]
 

@@ -1,6 +1,7 @@
 """Shared by every part of the golden lifecycle: the shipped directory, the format, the fields, the errors."""
 from __future__ import annotations
 
+from enum import StrEnum
 from pathlib import Path
 
 from harness.data import shipped_dir
@@ -8,6 +9,14 @@ from harness.tolerances import Tol
 
 GOLDEN_DIR = shipped_dir("golden")
 FORMAT = "specharness-golden/1"
+
+
+class GoldenKind(StrEnum):
+    """What a golden records; every kind goes through the same record / check / report lifecycle."""
+
+    ARRAYS = "arrays"  # golden/<case>.npz + .json: one graph run's metadata and outputs, per rank, iteration, step
+    ACCEPTANCE = "acceptance"  # golden/acceptance/<case>.json: the loop's accept lengths (P6)
+    DRAFT_TREE = "draft-tree"  # golden/acceptance/<case>.draft_tree.json: the single-layer draft decode's trees (P6)
 
 # Record and check run the same fp32 CPU code: bitwise equal on one machine. Across CPUs, MKL /
 # oneDNN pick other kernels (AVX2 vs AVX-512) and reorder fp32 sums: a few ulps on logits of

@@ -131,6 +131,18 @@ def write_golden(golden_dir: Path, name: str, arrays: dict[str, np.ndarray], met
     return p
 
 
+def write_text_atomic(path: Path, text: str) -> None:
+    """One-file goldens (acceptance, draft trees): a synced temporary, then os.replace under the directory's lock;
+    a crash leaves the old file or the new one, never half of one."""
+    d = path.parent
+    d.mkdir(parents=True, exist_ok=True)
+    tmp = d / f".{path.name}.tmp"
+    with golden_lock(d):
+        _write_synced(tmp, text.encode())
+        os.replace(tmp, path)
+        _fsync_dir(d)
+
+
 @dataclass
 class Golden:
     name: str

@@ -5,15 +5,14 @@ from typing import Sequence
 from harness import verify_props
 from harness.case import Case
 from harness.crash import crash_verdict
+from harness.golden.acceptance import AcceptanceGoldenError, load_acceptance_golden
 from harness.ranks.simulated import RankFailure
 from harness.spec_decode import (
     DEFAULT_MODEL,
-    AcceptanceGoldenError,
     SpecSession,
     Workload,
     acceptance_stats,
     case_session,
-    load_acceptance_golden,
     oracle,
     run_workload,
 )

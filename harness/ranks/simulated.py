@@ -342,19 +342,6 @@ def _consistent(a: _Arrival, b: _Arrival) -> bool:
     return ca.shape == cb.shape
 
 
-# ---------------------------------------------------------------- helpers
-
-
-def run_spmd(
-    layout: ParallelLayout, fn: Callable[[SimComm], T], timeout_s: float = 30.0
-) -> tuple[list[T], list[list[CollectiveCall]]]:
-    """Run fn on a fresh SimulatedWorld; return (per-rank results, per-rank traces)."""
-    world = SimulatedWorld(layout, timeout_s=timeout_s)
-    results = world.run(fn)
-    return results, world.traces
-
-
-
 __all__ = [
     "BARRIER_DTYPE",
     "PeerFailed",
@@ -362,5 +349,4 @@ __all__ = [
     "SimComm",
     "SimulatedWorld",
     "compare_traces",
-    "run_spmd",
 ]

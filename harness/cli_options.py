@@ -1,0 +1,24 @@
+"""Options that name one of a fixed set (ranks kind, graph mode): parsed into their enum once, where the user types them."""
+from __future__ import annotations
+
+import argparse
+from enum import StrEnum
+from typing import Callable
+
+
+def enum_option(cls: type[StrEnum], *extra: str) -> Callable[[str], object]:
+    """An argparse `type` giving cls(value) (or one of the `extra` plain values), refusing anything else
+    with the allowed values named; its `choices_text` is the metavar."""
+    allowed = [m.value for m in cls] + list(extra)
+
+    def parse(value: str):
+        if value in extra:
+            return value
+        try:
+            return cls(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected one of {', '.join(allowed)}, got {value!r}") from None
+
+    parse.__name__ = cls.__name__
+    parse.choices_text = "{" + ",".join(allowed) + "}"  # type: ignore[attr-defined]
+    return parse

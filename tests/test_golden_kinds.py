@@ -1,0 +1,90 @@
+"""`harness golden record|check --kind acceptance|draft-tree`: the loop goldens go through the golden lifecycle.
+
+Recording writes the shipped file's bytes again (the format did not change), atomically, and
+leaves an unchanged golden alone; check fails on a planted mutant and names the golden kind.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from harness.case import CaseError, load_case
+from harness.cli import main
+from harness.golden import GOLDEN_DIR
+from harness.golden import store as golden_store
+from runners.attention.kinds import AttentionBackend
+
+ACCEPT = GOLDEN_DIR / "acceptance"
+
+
+@pytest.fixture
+def serial(monkeypatch):
+    monkeypatch.delenv("PYTEST_XDIST_WORKER", raising=False)  # a private golden dir cannot race; the shipped one is never written here
+
+
+@pytest.mark.parametrize(("kind", "case", "file"), [("acceptance", "tp1_neither", "tp1_neither.json"),
+                                                    ("draft-tree", "tp2_single_layer_shrink", "tp2_single_layer_shrink.draft_tree.json")])
+def test_record_rewrites_the_shipped_bytes(tmp_path, serial, capsys, kind, case, file):
+    assert main(["golden", "record", "--kind", kind, case, "--golden-dir", str(tmp_path)]) == 0
+    assert (tmp_path / "acceptance" / file).read_bytes() == (ACCEPT / file).read_bytes()
+    assert [p.name for p in (tmp_path / "acceptance").iterdir() if p.name.endswith(".tmp")] == []
+
+
+def test_an_unchanged_acceptance_golden_is_not_rewritten(tmp_path, serial, capsys):
+    (tmp_path / "acceptance").mkdir()
+    path = tmp_path / "acceptance" / "tp1_neither.json"
+    path.write_bytes((ACCEPT / "tp1_neither.json").read_bytes())
+    os.utime(path, (1, 1))
+    assert main(["golden", "record", "--kind", "acceptance", "tp1_neither", "--golden-dir", str(tmp_path)]) == 0
+    assert "unchanged" in capsys.readouterr().out
+    assert path.stat().st_mtime == 1
+
+
+def test_a_failed_write_leaves_the_old_golden(tmp_path, monkeypatch):
+    path = tmp_path / "g.json"
+    path.write_text("old\n")
+
+    def crash(*_a):
+        raise OSError("disk gone")
+
+    monkeypatch.setattr(golden_store.os, "replace", crash)
+    with pytest.raises(OSError, match="disk gone"):
+        golden_store.write_text_atomic(path, "new\n")
+    assert path.read_text() == "old\n"
+
+
+def test_check_acceptance_passes_and_fails_under_a_mutant(capsys):
+    assert main(["golden", "check", "--kind", "acceptance", "tp1_neither"]) == 0
+    assert "PASS tp1_neither" in capsys.readouterr().out
+    assert main(["golden", "check", "--kind", "acceptance", "tp1_neither", "--mutant", "draft-hidden-next-step"]) == 1
+    out = capsys.readouterr().out
+    assert "FAIL tp1_neither" in out and "golden" in out
+
+
+def test_record_without_cases_names_the_kind(serial, capsys):
+    assert main(["golden", "record", "--kind", "draft-tree"]) == 2
+    assert "--kind draft-tree tp2_single_layer_shrink" in capsys.readouterr().err
+
+
+def test_an_unknown_kind_names_the_allowed_ones(capsys):
+    assert main(["golden", "check", "--kind", "trees"]) == 2
+    assert "--kind: expected one of arrays, acceptance, draft-tree, got 'trees'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("argv", "said"), [
+    (["check", "tp1_neither", "--ranks", "threads"], "--ranks: expected one of sim, gloo, nccl, got 'threads'"),
+    (["replay", "tp1_neither", "--runner", "cuda"], "--runner: expected one of eager, graph, both, got 'cuda'"),
+])
+def test_an_option_outside_its_enum_is_refused_once_with_the_allowed_values(capsys, argv, said):
+    assert main(argv) == 2
+    assert said in capsys.readouterr().err
+
+
+def test_a_case_file_backend_is_parsed_into_the_enum(tmp_path):
+    assert load_case("tp1_neither").scenario.attention_backend is AttentionBackend.TORCH
+    text = Path(load_case("tp1_neither").path).read_text().replace('backend = "torch"', 'backend = "cuda"')
+    (tmp_path / "tp1_neither.toml").write_text(text)
+    with pytest.raises(CaseError, match=r"tp1_neither.toml.*backend.*one of torch, triton, flashinfer"):
+        load_case(str(tmp_path / "tp1_neither.toml"))
