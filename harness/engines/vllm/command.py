@@ -67,8 +67,6 @@ def _resolve(spec: EngineSpec, args) -> Path:
 def main(args) -> int:
     try:
         spec = EngineSpec.parse(args.engine)
-        if getattr(args, "releases", None):
-            raise ValueError("--releases is for sglang; give --engine vllm==VERSION")
         target = _resolve(spec, args)
     except (FileNotFoundError, ValueError, InstallError) as e:
         print(f"error: {e}", file=sys.stderr)
