@@ -40,8 +40,8 @@ class Product:
 # (sglang/srt/speculative/multi_layer_eagle_draft_extend_cuda_graph_runner.py).
 SGLANG = Product("sglang", "0.5.7", ensure_installed)
 # vLLM: the oldest release whose model runner v2 has the EAGLE speculator and its graph managers
-# (vllm/v1/worker/gpu/spec_decode/eagle/, .../autoregressive/cudagraph_utils.py).
-VLLM = Product("vllm", "0.28.0", ensure_vllm_installed)
+# (vllm/v1/worker/gpu/spec_decode/eagle_cudagraph.py; later eagle/cudagraph.py, then .../cudagraph_utils.py).
+VLLM = Product("vllm", "0.12.0", ensure_vllm_installed)
 PRODUCTS = {p.name: p for p in (SGLANG, VLLM)}
 FIRST_RELEASE = SGLANG.first_release
 
