@@ -2,7 +2,9 @@
 
 One line per (runner, layout/branch, bucket), then a verdict. Exit 0: every check held;
 1: a check failed; 2: the engine could not be checked (not installed, or the adapter cannot
-drive this release: the message says what moved). See docs/engine-check.md.
+drive this release: the message says what moved); 3: the release is outside what the
+adapter claims (n/a, with the reason). `--releases` checks many releases of either engine
+into one table. See docs/engine-check.md.
 
 Every SGLang-specific stub and shim lives in harness/engines/sglang/; installs come from
 harness/engines/install.py (`python -m harness.engine_install sglang==X`, or --install here).

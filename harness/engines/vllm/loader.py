@@ -8,6 +8,11 @@ input-prep Triton kernel and BlockTables.compute_slot_mappings' kernel (run by T
 interpreter on CPU tensors, the code a GPU runs). The attention metadata of a draft step
 (_build_uniform_attn_metadata) is a stand-in: no attention backend runs.
 
+Which releases it claims: those with the EAGLE speculator's graph managers (GRAPH_PATH) and the
+request-keyed capture sizes its configuration and rules describe (from 0.34). Older ones are
+imported as far as vllm.config and then said n/a with the reason (errors.ReleaseNotCovered),
+so a release table tells the path's absence, an older API and an adapter that fell behind apart.
+
 What is swapped, process-wide (one engine per process), each for its reason:
   torch.cuda.graph / CUDAGraph   no device: the capture pass's forward is recorded as the bake
   graph_capture, capture_pool     device streams and memory pools
