@@ -34,20 +34,17 @@ class Product:
     name: str
     first_release: str  # "all" starts here
     install: Callable[..., Path]
+    where_keys: tuple[str, ...]  # the parts of a failure's `where` a table row names
 
 
 # SGLang: the oldest release whose wheel has the multi-layer draft-extend graph runner
 # (sglang/srt/speculative/multi_layer_eagle_draft_extend_cuda_graph_runner.py).
-SGLANG = Product("sglang", "0.5.7", ensure_installed)
+SGLANG = Product("sglang", "0.5.7", ensure_installed, ("branch", "runner", "step", "path", "raw_bs", "bs"))
 # vLLM: the oldest release whose model runner v2 has the EAGLE speculator and its graph managers
 # (vllm/v1/worker/gpu/spec_decode/eagle_cudagraph.py; later eagle/cudagraph.py, then .../cudagraph_utils.py).
-VLLM = Product("vllm", "0.12.0", ensure_vllm_installed)
+VLLM = Product("vllm", "0.12.0", ensure_vllm_installed, ("dp", "rank", "runner", "num_reqs", "iteration", "raw_bs", "bs"))
 PRODUCTS = {p.name: p for p in (SGLANG, VLLM)}
 FIRST_RELEASE = SGLANG.first_release
-
-
-# the parts of a failure's `where` a table row names
-WHERE_KEYS = ("dp", "rank", "branch", "runner", "step", "path", "raw_bs", "bs")
 
 
 @dataclass
@@ -111,7 +108,7 @@ def check_release(version: str, extra: list[str], log: Callable[[str], None], pr
         for ln in rep["lines"]:
             if ln["failures"]:
                 f = ln["failures"][0]
-                w = ", ".join(f"{k}={x}" for k, x in f["where"].items() if k in WHERE_KEYS)
+                w = ", ".join(f"{k}={x}" for k, x in f["where"].items() if k in product.where_keys)
                 first = f"{f['prop']}/{f['check']} {f['field']}: expected {f['expected']}, got {f['got']} [{w}]"
                 break
     elif proc.returncode == NOT_APPLICABLE:
