@@ -53,7 +53,10 @@ SKIPPED = (
     "I7 (eager vs graph): the engine's eager draft-extend path is its worker's (multi_layer_eagle_worker_v2 builds the "
     "batch from a ScheduleBatch, ForwardBatch.init_new), which the adapter does not build; it drives the graph runners only",
     "logits processor DP gather: the stand-in model stands for the whole model, the logits processor's gather and "
-    "lm_head included; only its row selection (_get_pruned_states) runs",
+    "lm_head included; only its row selection (_get_pruned_states) runs. The gather (LogitsMetadata."
+    "compute_dp_attention_metadata, dp_gather_replicate, dp_scatter) sizes its buffer from global_num_tokens_for_logprob "
+    "and needs every DP rank's rows in one collective, while the adapter replays one rank's runner at a time; a wrong "
+    "count is seen by I1-I6 (counts vs rows), not by a corrupted gather",
 )
 
 

@@ -2,7 +2,9 @@
 
 One line per (runner, layout/branch, bucket), then a verdict. Exit 0: every check held;
 1: a check failed; 2: the engine could not be checked (not installed, or the adapter cannot
-drive this release: the message says what moved). See docs/engine-check.md.
+drive this release: the message says what moved); 3: the release is outside what the
+adapter claims (n/a, with the reason). `--releases` checks many releases of either engine
+into one table. See docs/engine-check.md.
 
 Every SGLang-specific stub and shim lives in harness/engines/sglang/; installs come from
 harness/engines/install.py (`python -m harness.engine_install sglang==X`, or --install here).
@@ -26,7 +28,7 @@ from harness.engines.install import (
     installed_versions,
     is_installed,
 )
-from harness.engines.releases import run_releases
+from harness.engines.releases import PRODUCTS, run_releases
 from harness.engines.report import format_report
 from harness.engines.sglang.config import EngineConfig
 from harness.engines.sglang.loader import load
@@ -53,8 +55,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--install", action="store_true", help="install sglang==VERSION into the default place first if it is missing")
     p.add_argument("--all-layouts", action="store_true", help="every valid layout up to tp8, not one or two per branch")
     p.add_argument("--releases", metavar="SPEC",
-                   help="with --engine sglang: install and check each release ('all' from the oldest with the multi-layer "
-                        "draft-extend runner, 'A,B,C', or 'A..B'); prints one table (or --json)")
+                   help="install and check each release ('all' from the oldest carrying the checked path: sglang's multi-layer "
+                        "draft-extend runner, vllm's model-runner-v2 EAGLE speculator; 'A,B,C', or 'A..B'); one table (or --json)")
 
 
 def _resolve(args) -> tuple[Optional[Path], Optional[Path]]:
@@ -78,14 +80,19 @@ def _resolve(args) -> tuple[Optional[Path], Optional[Path]]:
 
 
 def main(args) -> int:
+    if args.releases:
+        try:
+            spec = EngineSpec.parse(args.engine)
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        if spec.version is not None or args.target:
+            print(f"error: --releases picks the versions: give --engine {spec.name}, without ==VERSION or --target", file=sys.stderr)
+            return 2
+        extra = ["--all-layouts"] if args.all_layouts and spec.name == "sglang" else []
+        return run_releases(args.releases, args.json, extra, lambda m: print(m, file=sys.stderr, flush=True), PRODUCTS[spec.name])
     if args.engine.strip().lower().startswith("vllm"):
         return vllm_main(args)
-    if args.releases:
-        if EngineSpec.parse(args.engine).version is not None or args.target:
-            print("error: --releases picks the versions: give --engine sglang, without ==VERSION or --target", file=sys.stderr)
-            return 2
-        return run_releases(args.releases, args.json, ["--all-layouts"] if args.all_layouts else [],
-                            lambda m: print(m, file=sys.stderr, flush=True))
     try:
         spec = EngineSpec.parse(args.engine)
         target, deps = _resolve(args)

@@ -2,7 +2,8 @@
 
 A release the adapter cannot drive (an attribute moved) and the engine's own code raising
 while driven are exit 2, never a verdict either way; a report is exit 0 (every check held)
-or 1.
+or 1; a release outside what the adapter claims (it predates the checked path or its API) is exit 3
+(n/a, with why).
 """
 from __future__ import annotations
 
@@ -12,8 +13,9 @@ import traceback
 from typing import Any, Callable, Optional
 
 from harness.engines.install import EngineSpec
-from harness.engines.sglang.errors import EngineAdapterError, MissingEngineAttribute
+from harness.engines.sglang.errors import EngineAdapterError, MissingEngineAttribute, ReleaseNotCovered
 
+NOT_APPLICABLE = 3  # exit status: the release is outside what the adapter claims (errors.ReleaseNotCovered)
 Progress = Optional[Callable[[str], None]]
 
 
@@ -26,6 +28,11 @@ def drive_engine(spec: EngineSpec, load_engine: Callable[[], Any], check: Callab
             raise EngineAdapterError(f"asked for {spec.name}=={spec.version}, found {engine.version} at {engine.location}")
         progress = None if as_json else (lambda m: print(f"... {m}", file=sys.stderr, flush=True))
         rep = check(engine, progress)
+    except ReleaseNotCovered as e:
+        print(f"n/a: {spec}: {e}", file=sys.stderr)
+        if as_json:
+            print(json.dumps({"engine": spec.name, "version": spec.version, "ok": None, "not_covered": str(e)}, indent=2))
+        return NOT_APPLICABLE
     except (EngineAdapterError, MissingEngineAttribute) as e:
         print(f"error: the engine adapter cannot drive this release: {e}", file=sys.stderr)
         return 2

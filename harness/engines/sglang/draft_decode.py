@@ -23,7 +23,7 @@ import torch
 
 from harness.engines.lanes import LaneRecord, LiveBatch
 from harness.engines.sglang.errors import EngineAdapterError
-from harness.engines.sglang.graph import DP_CALLS, StopBody, recording_set_dp_buffer_len, tolist
+from harness.engines.sglang.graph import recording_set_dp_buffer_len, run_until_model, stop_at_model, tolist
 from harness.engines.sglang.standins import Strict, noop, patched
 from harness.records import CaptureRecord, ReplayRecord
 
@@ -101,7 +101,6 @@ class DraftDecodeHandle:
     def __init__(self, mod: types.ModuleType, runners: Any) -> None:
         self.mod, self.engine, self.cfg, self.layout = mod, runners.engine, runners.cfg, runners.layout
         self.captures: dict[int, CaptureRecord] = {}
-        self._body: Any = None
         self._snap: Optional[dict] = None
         step_attn = runners._attn()
         self.attn = DraftAttn(step_attn)
@@ -145,21 +144,10 @@ class DraftDecodeHandle:
 
     # ---- capture ----
     def _draft_forward(self, fb: Any) -> Any:
-        if not DP_CALLS:
-            raise EngineAdapterError(f"sglang {self.engine.version}: the draft-decode body called draft_forward without set_dp_buffer_len")
-        self._body = (fb, dict(DP_CALLS[-1]), tolist(fb.global_num_tokens_gpu), tolist(fb.global_num_tokens_for_logprob_gpu))
-        raise StopBody
+        stop_at_model(fb, fb, f"sglang {self.engine.version}: the draft-decode body (draft_forward)")
 
     def run_body_until_model(self, bs: int, run_once: Any) -> None:
-        self._body = None
-        DP_CALLS.clear()
-        try:
-            run_once()
-        except StopBody:
-            pass
-        if self._body is None:
-            raise EngineAdapterError(f"sglang {self.engine.version}: the draft-decode capture body for bucket {bs} never called draft_forward")
-        fb, dp, gpu_tokens, gpu_logprob = self._body
+        fb, dp, gpu_tokens, gpu_logprob = run_until_model(run_once, f"sglang {self.engine.version}: the draft-decode capture body for bucket {bs}")
         if int(fb.batch_size) != bs:
             raise EngineAdapterError(f"sglang {self.engine.version}: capturing draft-decode bucket {bs} built a batch of {fb.batch_size}")
         nt = dp.get("global_num_tokens")

@@ -8,6 +8,12 @@ class EngineAdapterError(RuntimeError):
     """The installed engine does not look like anything this adapter knows how to drive."""
 
 
+class ReleaseNotCovered(EngineAdapterError):
+    """The release is outside what the adapter claims: it does not carry the code path the adapter
+    checks, or carries it in an older API the adapter's rules were not written for. engine-check's
+    verdict is n/a (exit 3) with the reason: neither a pass nor an adapter that fell behind."""
+
+
 class MissingEngineAttribute(AttributeError):
     """The engine read an attribute that our stand-in does not provide (a release moved something)."""
 

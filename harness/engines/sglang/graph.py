@@ -15,7 +15,7 @@ from __future__ import annotations
 import inspect
 import types
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Protocol
+from typing import Any, Callable, NoReturn, Optional, Protocol
 
 import torch
 
@@ -130,7 +130,26 @@ class FakeGraphBackend:
 
 
 class StopBody(Exception):
-    """Raised by the model stand-in: the step body has run up to the model, which is all we need."""
+    """Raised by the model stand-in: the step body has run up to the model, which is all we need.
+    Carries what the body had set up by then (stop_at_model's tuple)."""
+
+
+def stop_at_model(fb: Any, gathered: Any, what: str) -> NoReturn:
+    """The model call of a capture body: what the graph bakes is the batch, the DP buffer the body
+    set and the gathered gpu tensors (held by `gathered`: the runner's buffers or the batch)."""
+    if not DP_CALLS:
+        raise EngineAdapterError(f"{what} called the model without set_dp_buffer_len")
+    raise StopBody((fb, dict(DP_CALLS[-1]), tolist(gathered.global_num_tokens_gpu), tolist(gathered.global_num_tokens_for_logprob_gpu)))
+
+
+def run_until_model(run_once: Callable, what: str) -> tuple[Any, dict[str, Any], Optional[list[int]], Optional[list[int]]]:
+    """Run a captured step body (the warm-up) up to its model call, whose stand-in stops it there."""
+    DP_CALLS.clear()
+    try:
+        run_once()
+    except StopBody as stop:
+        return stop.args[0]
+    raise EngineAdapterError(f"{what} never called the model")
 
 
 class ModelProbe:

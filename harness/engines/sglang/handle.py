@@ -24,7 +24,8 @@ from harness.engines.sglang.graph import (
     FakeGraphBackend,
     ModelProbe,
     Snapshot,
-    StopBody,
+    run_until_model,
+    stop_at_model,
     tolist,
 )
 from harness.engines.sglang.loader import Engine
@@ -99,15 +100,8 @@ class RunnerHandle:
         model with the capture-time batch. The model stand-in records the batch, the DP
         buffer it was given and the rows the logits processor would feed lm_head, and stops.
         """
-        self._body = None
         self._bodies[bs] = run_once
-        DP_CALLS.clear()
-        try:
-            run_once()
-        except StopBody:
-            pass
-        if self._body is None:
-            raise EngineAdapterError(f"sglang {self.engine.version}: the {self.kind} runner's capture body for bucket {bs} never called the model")
+        self._body = run_until_model(run_once, f"sglang {self.engine.version}: the {self.kind} runner's capture body for bucket {bs}")
         self._record_capture(bs)
 
     def on_model_forward(self, fb: Any) -> Any:
@@ -115,11 +109,7 @@ class RunnerHandle:
         what the graph bakes (and the body stops); at a replay that drives the body, the stand-in model's output."""
         if self._replaying:
             return self._stand_in_output(fb)
-        if not DP_CALLS:
-            raise EngineAdapterError(f"sglang {self.engine.version}: the {self.kind} step body called the model without set_dp_buffer_len")
-        buf = self._buffers()
-        self._body = (fb, dict(DP_CALLS[-1]), tolist(buf.global_num_tokens_gpu), tolist(buf.global_num_tokens_for_logprob_gpu))
-        raise StopBody
+        stop_at_model(fb, self._buffers(), f"sglang {self.engine.version}: the {self.kind} step body")
 
     def _record_capture(self, bs: int) -> None:
         fb, dp, gpu_tokens, gpu_logprob = self._body

@@ -2,7 +2,8 @@
 
 One line per (DP size, runner, bucket), the invariants that do not apply to vLLM's design with
 their reason, then a verdict. Exit 0: every check held; 1: a check failed; 2: the release could
-not be checked (not installed, or the adapter cannot drive it: the message says what moved).
+not be checked (not installed, or the adapter cannot drive it: the message says what moved);
+3: the release predates the path or its request-keyed capture API (n/a, with the reason).
 """
 from __future__ import annotations
 
@@ -67,8 +68,6 @@ def _resolve(spec: EngineSpec, args) -> Path:
 def main(args) -> int:
     try:
         spec = EngineSpec.parse(args.engine)
-        if getattr(args, "releases", None):
-            raise ValueError("--releases is for sglang; give --engine vllm==VERSION")
         target = _resolve(spec, args)
     except (FileNotFoundError, ValueError, InstallError) as e:
         print(f"error: {e}", file=sys.stderr)

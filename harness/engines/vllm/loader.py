@@ -8,6 +8,11 @@ input-prep Triton kernel and BlockTables.compute_slot_mappings' kernel (run by T
 interpreter on CPU tensors, the code a GPU runs). The attention metadata of a draft step
 (_build_uniform_attn_metadata) is a stand-in: no attention backend runs.
 
+Which releases it claims: those with the EAGLE speculator's graph managers (GRAPH_PATH) and the
+request-keyed capture sizes its configuration and rules describe (from 0.34). Older ones are
+imported as far as vllm.config and then said n/a with the reason (errors.ReleaseNotCovered),
+so a release table tells the path's absence, an older API and an adapter that fell behind apart.
+
 What is swapped, process-wide (one engine per process), each for its reason:
   torch.cuda.graph / CUDAGraph   no device: the capture pass's forward is recorded as the bake
   graph_capture, capture_pool     device streams and memory pools
@@ -22,6 +27,7 @@ What is swapped, process-wide (one engine per process), each for its reason:
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import logging
 import os
 import sys
@@ -31,24 +37,35 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-from harness.engines.sglang.errors import EngineAdapterError
+from harness.engines.sglang.errors import EngineAdapterError, ReleaseNotCovered
 from harness.engines.sglang.stubs import StubFinder
 from harness.engines.vllm.standins import DPWorld, GraphCapture, Strict, null_graph_capture, null_pool, torch_proxy
-from harness.engines.vllm.stubs import REAL_MODULES, STUBBED_MODULES
+from harness.engines.vllm.stubs import REAL_MODULES, STUBBED_MODULES, StubDistributionFinder
 
-MODULES = {
-    "cg": "vllm.v1.worker.gpu.cudagraph_utils",
-    "scg": "vllm.v1.worker.gpu.spec_decode.autoregressive.cudagraph_utils",
-    "dp": "vllm.v1.worker.gpu.dp_utils",
-    "ar": "vllm.v1.worker.gpu.spec_decode.autoregressive.speculator",
-    "tdar": "vllm.v1.worker.gpu.spec_decode.target_dependent_ar.speculator",
-    "spec": "vllm.v1.worker.gpu.spec_decode.speculator",
-    "eagle": "vllm.v1.worker.gpu.spec_decode.eagle.speculator",
-    "compilation": "vllm.config.compilation",
-    "config": "vllm.config.vllm",
-    "input_batch": "vllm.v1.worker.gpu.input_batch",
-    "block_table": "vllm.v1.worker.gpu.block_table",
+# Where each module the adapter drives lives, newest layout first: up to 0.33 the autoregressive
+# speculator and its graph manager were the target-dependent speculator's own modules.
+MODULES: dict[str, tuple[str, ...]] = {
+    "cg": ("vllm.v1.worker.gpu.cudagraph_utils",),
+    "scg": ("vllm.v1.worker.gpu.spec_decode.autoregressive.cudagraph_utils",
+            "vllm.v1.worker.gpu.spec_decode.target_dependent_ar.cudagraph_utils"),
+    "dp": ("vllm.v1.worker.gpu.dp_utils",),
+    "ar": ("vllm.v1.worker.gpu.spec_decode.autoregressive.speculator",
+           "vllm.v1.worker.gpu.spec_decode.target_dependent_ar.speculator"),
+    "spec": ("vllm.v1.worker.gpu.spec_decode.speculator",),
+    "eagle": ("vllm.v1.worker.gpu.spec_decode.eagle.speculator",),
+    "compilation": ("vllm.config.compilation",),
+    "config": ("vllm.config.vllm",),
+    "input_batch": ("vllm.v1.worker.gpu.input_batch",),
+    "block_table": ("vllm.v1.worker.gpu.block_table",),
 }
+# The EAGLE speculator's graph managers in model runner v2, in every layout a release has had
+# (newest first): a release with none of them does not carry the path this adapter checks.
+GRAPH_PATH = (
+    "vllm.v1.worker.gpu.spec_decode.autoregressive.cudagraph_utils",
+    "vllm.v1.worker.gpu.spec_decode.target_dependent_ar.cudagraph_utils",
+    "vllm.v1.worker.gpu.spec_decode.eagle.cudagraph",
+    "vllm.v1.worker.gpu.spec_decode.eagle_cudagraph",
+)
 
 
 @dataclass
@@ -91,9 +108,11 @@ def load(target: Optional[Path], deps: list[Path]) -> VllmEngine:
     for d in deps:
         if Path(d).is_dir():
             sys.path.append(str(d))  # after site-packages: the interpreter's own copies win
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # vllm logs to stdout, where --json writes its document
     os.environ["TRITON_INTERPRET"] = "1"  # the input-prep kernels run on CPU tensors under Triton's interpreter
     finder = StubFinder(STUBBED_MODULES)
     sys.meta_path.insert(0, finder)
+    sys.meta_path.insert(0, StubDistributionFinder())
     for name in REAL_MODULES:
         try:
             importlib.import_module(name)
@@ -105,20 +124,62 @@ def load(target: Optional[Path], deps: list[Path]) -> VllmEngine:
         warnings.simplefilter("ignore")
         _import_real_triton()
         _patch_interpreter_index()
-        for key, name in MODULES.items():
-            try:
-                mods[key] = importlib.import_module(name)
-            except ModuleNotFoundError as e:
-                top = (e.name or "").split(".")[0]
-                if top != "vllm":
-                    raise EngineAdapterError(f"importing {name} needs {e.name!r}, neither installed nor stubbed: "
-                                             "add it to STUBBED_MODULES in harness/engines/vllm/stubs.py") from e
-                raise EngineAdapterError(f"this vllm has no {e.name} (not a model-runner-v2 EAGLE release?)") from e
-    vllm = importlib.import_module("vllm")
-    location = str(Path(vllm.__file__).resolve().parent.parent)
-    _LOADED = VllmEngine(_version_of(vllm, location), location, mods, GraphCapture(), sorted(finder.served))
+        vllm = importlib.import_module("vllm")
+        location = str(Path(vllm.__file__).resolve().parent.parent)
+        version = _version_of(vllm, location)
+        try:
+            _require_graph_path(version)
+            mods["config"] = _import_first(MODULES["config"])
+            _require_request_keyed_capture(mods["config"].VllmConfig, version)
+            for key, names in MODULES.items():
+                mods[key] = _import_first(names)
+        except ModuleNotFoundError as e:
+            raise _missing_module(e) from e
+    _LOADED = VllmEngine(version, location, mods, GraphCapture(), sorted(finder.served))
     _install_shims(_LOADED)
     return _LOADED
+
+
+def _import_first(names: tuple[str, ...]) -> types.ModuleType:
+    present = [n for n in names if _spec_exists(n)]
+    if not present:
+        raise EngineAdapterError(f"this vllm has none of {', '.join(names)}: the release moved it")
+    return importlib.import_module(present[0])
+
+
+def _missing_module(e: ModuleNotFoundError) -> EngineAdapterError:
+    if (e.name or "").split(".")[0] == "vllm":
+        return EngineAdapterError(f"importing the proposer modules needs {e.name}, which this release lacks")
+    return EngineAdapterError(f"importing the proposer modules needs {e.name!r}, neither installed nor stubbed: "
+                              "add it to STUBBED_MODULES in harness/engines/vllm/stubs.py")
+
+
+def _require_graph_path(version: str) -> str:
+    found = [n for n in GRAPH_PATH if _spec_exists(n)]
+    if not found:
+        raise ReleaseNotCovered(f"vllm {version} has no model-runner-v2 EAGLE speculator graph path (none of {', '.join(GRAPH_PATH)})")
+    return found[0]
+
+
+def _require_request_keyed_capture(vllm_config_cls: type, version: str) -> None:
+    """The adapter's configuration and capture-size rules are 0.34's request-keyed ones (decode
+    graphs per request count: VllmConfig.get_draft_decode_cudagraph_request_sizes). Releases
+    before carry the path with token-keyed sizes (compilation_config.cudagraph_capture_sizes)
+    in other module layouts."""
+    if not hasattr(vllm_config_cls, "get_draft_decode_cudagraph_request_sizes"):
+        raise ReleaseNotCovered(f"vllm {version} carries model runner v2's EAGLE speculator graph path ({_require_graph_path(version)}) "
+                                "with token-keyed capture sizes (compilation_config.cudagraph_capture_sizes, no "
+                                "VllmConfig.get_draft_decode_cudagraph_request_sizes); the adapter drives the request-keyed "
+                                "capture API (from 0.34)")
+
+
+def _spec_exists(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except ModuleNotFoundError as e:
+        if e.name and (name == e.name or name.startswith(e.name + ".")):  # `name` or a parent package is missing
+            return False
+        raise
 
 
 def _install_shims(engine: VllmEngine) -> None:

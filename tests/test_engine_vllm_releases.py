@@ -1,0 +1,80 @@
+"""`harness engine-check --engine vllm --releases ...`: one table over vLLM releases, each verdict
+the one the release's source calls for.
+
+Expected rows, read from the wheels: 0.11.2 has no model runner v2 EAGLE speculator
+(vllm/v1/worker/gpu/ has no spec_decode/eagle*): N/A, no path. 0.33.0 has it (the graph
+manager in spec_decode/target_dependent_ar/cudagraph_utils.py) with token-keyed capture
+sizes (compilation_config.cudagraph_capture_sizes; VllmConfig has no
+get_draft_decode_cudagraph_request_sizes): N/A, older API, after importing on CPU. 0.34.0
+is driven and passes. Releases are installed on first use (cached, locked) or the table
+test skips with pip's reason.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib.metadata
+import io
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from harness.engines.command import add_arguments, main
+from harness.engines.install import InstallError
+from harness.engines.releases import VLLM, _json_document, select
+from harness.engines.vllm.install import ensure_vllm_installed
+from harness.engines.vllm.stubs import StubDistributionFinder
+
+REPO = Path(__file__).resolve().parent.parent
+TABLE_RELEASES = ("0.11.2", "0.33.0", "0.34.0")
+
+
+def test_vllm_all_starts_at_the_first_release_with_the_speculator_graphs():
+    listed = ["0.11.0", "0.11.1", "0.11.2", "0.12.0", "0.15.1", "0.34.0"]
+    assert select("all", lambda: listed, product=VLLM) == ["0.12.0", "0.15.1", "0.34.0"]
+    assert select("0.15.1..", lambda: listed, product=VLLM) == ["0.15.1", "0.34.0"]
+
+
+def test_vllm_releases_refuses_a_pinned_engine():
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        rc = main(parser.parse_args(["--engine", "vllm==0.34.0", "--releases", "all"]))
+    assert rc == 2 and "give --engine vllm, without ==VERSION" in err.getvalue()
+
+
+def test_json_document_after_engine_log_lines():
+    out = 'WARNING 12-03 [interface.py:358] Failed to import from vllm._C\n{\n  "ok": null,\n  "x": {\n    "y": 1\n  }\n}\n'
+    assert _json_document(out) == {"ok": None, "x": {"y": 1}}
+
+
+def test_stubbed_transformers_reports_the_version_old_releases_require():
+    finder = StubDistributionFinder()
+    sys.meta_path.insert(0, finder)
+    try:
+        assert importlib.metadata.version("transformers") == "5.0.0"
+    finally:
+        sys.meta_path.remove(finder)
+
+
+@pytest.mark.timeout(900)
+def test_release_table_verdicts_follow_the_sources():
+    for v in TABLE_RELEASES:
+        try:
+            ensure_vllm_installed(v, log=lambda m: print(m, file=sys.stderr))
+        except InstallError as e:
+            pytest.skip(f"cannot install vllm=={v} here: {e}")
+    proc = subprocess.run([sys.executable, "-m", "harness.engine_check", "--engine", "vllm", "--releases", ",".join(TABLE_RELEASES),
+                           "--json"], cwd=REPO, capture_output=True, text=True)
+    rows = {r["version"]: r for r in json.loads(proc.stdout)}
+    assert proc.returncode == 0, proc.stderr[-2000:]  # N/A rows do not count against the table
+    assert rows["0.11.2"]["verdict"] == "N/A" and rows["0.11.2"]["exit_code"] == 3
+    assert "has no model-runner-v2 EAGLE speculator graph path" in rows["0.11.2"]["first_failure"]
+    assert rows["0.33.0"]["verdict"] == "N/A" and rows["0.33.0"]["exit_code"] == 3
+    assert "target_dependent_ar.cudagraph_utils" in rows["0.33.0"]["first_failure"]
+    assert "token-keyed capture sizes" in rows["0.33.0"]["first_failure"]
+    assert rows["0.34.0"]["verdict"] == "PASS" and rows["0.34.0"]["failures"] == 0 and rows["0.34.0"]["api"] == "mrv2"
