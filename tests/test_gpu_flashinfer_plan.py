@@ -93,7 +93,7 @@ def test_flashinfer_plans_once_per_multi_layer_iteration():
     def fn(comm):
         worker = DraftWorker(RankContext(layout, 0, comm), model, spec, attention_backend="flashinfer", device=device,
                              max_reqs=12, num_slots=1 + 8 * (16 + 4) + 64)
-        driver = DraftExtendGraphDriver(worker, GraphBackend("cuda", device), record=False)
+        driver = DraftExtendGraphDriver(worker, GraphBackend("cuda", device))
         driver.capture()
         entry = worker.attn._wrappers[("prefill", 4)]
         counts = []
@@ -149,12 +149,12 @@ def test_flashinfer_verify_graph_runs_chains_and_refuses_a_tree_at_its_replay_pl
         rig = build_rig(comm, model, rig_spec((1, 2, 4)), "flashinfer", torch.device("cuda"), "cuda", layout, runners=("verify",))
         batch = rig.batch(2, 1000)
         lanes = rig.verify_lanes(batch, seed=0)
-        out, _ = rig.verify.replay(rig.verify_inputs(lanes), record=False)
+        out = rig.verify.replay(rig.verify_inputs(lanes))
         torch.cuda.synchronize()
         assert torch.isfinite(out.logits).all()
         tree = [Lane(lane.req_pool_idx, lane.start, lane.tokens, [-1, 0, 0, 1]) for lane in lanes]  # node 2 branches off the root
         with pytest.raises(NotImplementedError, match="tree mask"):
-            rig.verify.replay(rig.verify_inputs(tree), record=False)
+            rig.verify.replay(rig.verify_inputs(tree))
         release(rig.worker, batch)
         return True
 
