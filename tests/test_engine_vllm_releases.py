@@ -16,6 +16,7 @@ import contextlib
 import importlib.metadata
 import io
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -62,6 +63,9 @@ def test_stubbed_transformers_reports_the_version_old_releases_require():
 
 
 @pytest.mark.timeout(900)
+@pytest.mark.skipif(bool(os.environ.get("CI")) and not os.environ.get("SPECHARNESS_VLLM_TABLE"),
+                    reason="downloads two more vLLM wheels (about 1.8 GB installed) that CI does not need: 0.34.0's verdict is checked "
+                           "by tests/test_engine_vllm.py; set SPECHARNESS_VLLM_TABLE=1 to run the table of N/A releases in CI")
 def test_release_table_verdicts_follow_the_sources():
     for v in TABLE_RELEASES:
         try:
