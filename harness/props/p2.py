@@ -1,14 +1,13 @@
 """P2 padded lanes: after the replay fill the padded lanes hold canonical values, and poisoning them and every stale region changes no real row and no live KV."""
 
-from typing import Callable
 
 import torch
 
 from harness import verify_props
 from harness.case import Case
 from harness.crash import crash_verdict
-from harness.observe import RunnerObserver
 from harness.props.p2_decode import DecodePoison, install_decode_poison
+from harness.props.poison import RunnerPoison
 from harness.ranks.simulated import RankFailure
 from harness.spec_decode import (
     case_session,
@@ -16,7 +15,7 @@ from harness.spec_decode import (
 from harness.verdict import Verdict
 from runners.cuda_graph import EagleDraftExtendCudaGraphRunnerBase
 from runners.draft_extend import SEQ_LEN_FILL_VALUE, DraftExtendInputs, StepOutputs
-from runners.memory import PADDING_SLOT
+from runners.memory import PADDING_SLOT, TokenToKVPool
 from runners.spec_decode import SpecEngine
 
 # ----------------------------------------------------------------------------------------
@@ -31,7 +30,7 @@ _RUNNER_BUFFERS = ("input_ids", "positions", "out_cache_loc", "seq_lens", "req_p
                    "num_accept_tokens", "hidden_states", "next_token_logits_buffer")
 
 
-class LanePoison:
+class LanePoison(RunnerPoison):
     """Instruments one engine's graph runners (P2). Every replay runs twice from the same state:
     clean (then the padded lanes are checked against the canonical fill), and with the padded
     lanes and stale regions poisoned; real rows and live KV must be bit-identical. The clean
@@ -49,54 +48,29 @@ class LanePoison:
     lanes get stale but in-domain values [0, T-1]: what the engine can leave there.
     """
 
+    buffers = _RUNNER_BUFFERS
+
     def __init__(self, engine: SpecEngine, verdict: Verdict):
-        self.engine, self.v = engine, verdict
-        self.replays = 0
         driver = engine.draft.driver
         if driver is None:
             raise ValueError("LanePoison needs the graph runner (runner='graph')")
-        self.observers = {}
-        for r in driver.runners:
-            self.observers[id(r)] = RunnerObserver(r).attach()
-            r.replay = self._wrap(r, r.replay)
+        super().__init__(engine, verdict, *driver.runners)
 
     def _where(self, r: EagleDraftExtendCudaGraphRunnerBase, raw_bs: int, bs: int) -> dict:
         e = self.engine
         return {"layout": e.ctx.layout.describe(), "rank": e.ctx.tp_rank, "engine_step": e.steps, "draft_step": r.step, "raw_bs": raw_bs, "bs": bs}
 
-    def _live(self) -> tuple[list[int], list[int], list[int]]:
-        reqs = [q for q in self.engine.sched.running if q.has_kv]
-        return [s for q in reqs for s in q.slots], [q.req_pool_idx for q in reqs], [len(q.slots) for q in reqs]
+    def kv_pool(self, r: EagleDraftExtendCudaGraphRunnerBase) -> TokenToKVPool:
+        return r.worker.kv_pool
 
-    def _snap(self, r) -> dict:
-        w = r.worker
-        return {"buf": {b: getattr(r, b).clone() for b in _RUNNER_BUFFERS},
-                "k": [t.clone() for t in w.kv_pool.k], "v": [t.clone() for t in w.kv_pool.v], "rows": w.req_pool.req_to_token.clone()}
+    def after_clean(self, r: EagleDraftExtendCudaGraphRunnerBase, inp: DraftExtendInputs, rec) -> None:
+        self._check_canonical(r, inp.bs, rec.bs)
 
-    def _restore(self, r, snap: dict) -> None:
-        w = r.worker
-        for b, t in snap["buf"].items():
-            getattr(r, b).copy_(t)
-        for dst, src in zip(w.kv_pool.k + w.kv_pool.v, snap["k"] + snap["v"], strict=True):
-            dst.copy_(src)
-        w.req_pool.req_to_token.copy_(snap["rows"])
+    def poison(self, r: EagleDraftExtendCudaGraphRunnerBase, raw_bs: int) -> None:
+        self._poison(r, raw_bs)
 
-    def _wrap(self, r: EagleDraftExtendCudaGraphRunnerBase, replay: Callable):
-        def poisoned_replay(inp: DraftExtendInputs):
-            s0 = self._snap(r)
-            out_c = replay(inp)
-            rec_c = self.observers[id(r)].replays[-1]  # names the bucket
-            self._check_canonical(r, inp.bs, rec_c.bs)
-            s1 = self._snap(r)
-            self._restore(r, s0)
-            self._poison(r, inp.bs)
-            out_p = replay(inp)
-            self._compare(r, inp.bs, rec_c.bs, out_c, out_p, s1)
-            self._restore(r, s1)
-            self.replays += 1
-            return out_c
-
-        return poisoned_replay
+    def compare(self, r: EagleDraftExtendCudaGraphRunnerBase, raw_bs: int, bs: int, clean, poisoned, s1: dict) -> None:
+        self._compare(r, raw_bs, bs, clean, poisoned, s1)
 
     def _check_canonical(self, r, raw_bs: int, bs: int) -> None:
         T, w = r.T, self._where(r, raw_bs, bs)
@@ -127,7 +101,7 @@ class LanePoison:
     def _poison(self, r, raw_bs: int) -> None:
         T, w = r.T, r.worker
         raw_n = raw_bs * T
-        live_slots, live_rows, live_lens = self._live()
+        live_slots, live_rows, live_lens = self.live()
         num_slots = w.kv_pool.k[0].shape[0]
         dead = torch.ones(num_slots, dtype=torch.bool)
         dead[live_slots] = False
@@ -167,10 +141,11 @@ class LanePoison:
             nan = bool(t_p[row].isnan().any()) if t_p.is_floating_point() else False
             self.v.fail("poison", name, {**w, "row": row}, "bit-identical to the clean replay", "NaN (a poisoned value)" if nan else "differs",
                         f"real {unit} {'read a poisoned value' if nan else 'changed'} when the padded lanes and stale regions were poisoned")
-        live_slots, _, _ = self._live()
+        live_slots, _, _ = self.live()
         if not live_slots:
             return
-        for name, now, ref in (("draft KV (k)", r.worker.kv_pool.k, s1["k"]), ("draft KV (v)", r.worker.kv_pool.v, s1["v"])):
+        kv, n = r.worker.kv_pool, len(r.worker.kv_pool.k)  # the snapshot holds k + v
+        for name, now, ref in (("draft KV (k)", kv.k, s1["kv"][:n]), ("draft KV (v)", kv.v, s1["kv"][n:])):
             for layer, (a, b) in enumerate(zip(now, ref, strict=True)):
                 self.v.checked += 1
                 if not torch.equal(a[live_slots], b[live_slots]):

@@ -24,17 +24,19 @@ NAN = float("nan")
 
 
 class RunnerPoison:
-    """Instruments one engine's graph runner `g` (P2); subclasses name its buffers, its KV pool and the checks."""
+    """Instruments graph runners of one engine (P2); subclasses name their buffers, their KV pool and the checks."""
 
     runner: str = ""
     buffers: tuple[str, ...] = ()
 
-    def __init__(self, engine: SpecEngine, verdict: Verdict, g):
+    def __init__(self, engine: SpecEngine, verdict: Verdict, *runners):
         self.engine, self.v = engine, verdict
         self.replays = 0
         self.clean = False  # True while the clean replay runs
-        self.observer = RunnerObserver(g).attach()  # its replay records name the bucket each replay used
-        g.replay = self._wrap(g, g.replay)
+        self.observers: dict[int, RunnerObserver] = {}  # per runner: its replay records name the bucket each replay used
+        for g in runners:
+            self.observers[id(g)] = RunnerObserver(g).attach()
+            g.replay = self._wrap(g, g.replay)
 
     # ---- what a subclass provides ----
     def kv_pool(self, g) -> TokenToKVPool:
@@ -77,7 +79,7 @@ class RunnerPoison:
             s0 = self._snap(g)
             self.clean = True
             out_c = replay(inp)
-            rec = self.observer.replays[-1]
+            rec = self.observers[id(g)].replays[-1]
             self.clean = False
             self.after_clean(g, inp, rec)
             s1 = self._snap(g)
