@@ -55,23 +55,15 @@ def pytest_configure(config: pytest.Config) -> None:
         settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE") or ("ci" if os.environ.get("CI") else "dev"))
 
 
-# A test module whose module-scoped fixture is costly (a wheel built and installed; four vLLM imports; one SGLang
-# check of every layout): under `--dist loadgroup` (tox.ini) its users share one worker, so the setup runs once.
-SHARED_SETUP = {"test_packaging.py": "installed", "test_engine_vllm.py": "results", "test_engine_check.py": "newest_run"}
 # Modules of long tests (subprocesses, engine imports, real ranks), handed out first: xdist gives tests to whichever
 # worker is free in collection order, so the ones that start last should be short. Only wall time depends on it.
 LONG_FIRST = ("test_engine_vllm.py", "test_packaging.py", "test_plugin.py", "test_engine_planted.py", "test_engine_check.py",
               "test_properties.py", "test_real_ranks.py", "test_torchrun.py", "test_distributed_ranks.py")
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the xdist_group marks
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     import torch
 
-    for item in items:
-        fixture = SHARED_SETUP.get(item.path.name)
-        if fixture is not None and fixture in getattr(item, "fixturenames", ()):
-            item.add_marker(pytest.mark.xdist_group(item.path.name))
     items.sort(key=lambda it: LONG_FIRST.index(it.path.name) if it.path.name in LONG_FIRST else len(LONG_FIRST))
 
     have_gpu = torch.cuda.is_available()
