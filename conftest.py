@@ -55,8 +55,16 @@ def pytest_configure(config: pytest.Config) -> None:
         settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE") or ("ci" if os.environ.get("CI") else "dev"))
 
 
+# Modules of long tests (subprocesses, engine imports, real ranks), handed out first: xdist gives tests to whichever
+# worker is free in collection order, so the ones that start last should be short. Only wall time depends on it.
+LONG_FIRST = ("test_engine_vllm.py", "test_packaging.py", "test_plugin.py", "test_engine_planted.py", "test_engine_check.py",
+              "test_properties.py", "test_real_ranks.py", "test_torchrun.py", "test_distributed_ranks.py")
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     import torch
+
+    items.sort(key=lambda it: LONG_FIRST.index(it.path.name) if it.path.name in LONG_FIRST else len(LONG_FIRST))
 
     have_gpu = torch.cuda.is_available()
     skip_slow = pytest.mark.skip(reason="slow: pass --runslow to run it")

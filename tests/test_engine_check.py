@@ -24,6 +24,7 @@ from pathlib import Path
 
 import pytest
 from engine_releases import installed_release
+from prewarmed import run_python
 
 from harness.engines.install import EngineSpec
 
@@ -42,7 +43,7 @@ def _run(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
 
 
 def _python(code: str, timeout: float = 600) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], cwd=REPO, capture_output=True, text=True, timeout=timeout)
+    return run_python(textwrap.dedent(code), timeout=timeout)
 
 
 # ----------------------------------------------------------------------------------------

@@ -16,13 +16,12 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import pytest
 from engine_releases import installed_release
+from prewarmed import run_python
 
 REPO = Path(__file__).resolve().parent.parent
 NEWEST = os.environ.get("SPECHARNESS_SGLANG_NEWEST", "0.5.23")
@@ -63,7 +62,7 @@ def _failures(target: Path, layouts: str, kernel_layouts: str) -> list[dict]:
         print(json.dumps([dict(check=f.check, field=f.field, runner=f.where.get("runner"), step=f.where.get("step"),
                                path=f.where.get("path", "")) for f in rep.failures()]))
     """
-    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], cwd=REPO, capture_output=True, text=True, timeout=600)
+    proc = run_python(textwrap.dedent(code), timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 

@@ -11,13 +11,13 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
 import pytest
 import torch
+from prewarmed import Started
 
 from harness.engines.command import main as engine_check_main
 from harness.engines.install import InstallError, engines_root
@@ -90,14 +90,12 @@ def results(tmp_path_factory) -> dict[str, dict]:
     for name, edits in PLANTED.items():
         targets[name] = _plant(release, base / name, edits)
     overrides = {name: {"dp_sizes": PLANTED_DP[name]} if name in PLANTED_DP else {} for name in targets}
-    procs = {name: subprocess.Popen([sys.executable, "-c", textwrap.dedent(_CHECK.format(target=str(t), overrides=overrides[name]))], cwd=REPO,
-                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for name, t in targets.items()}
+    procs = {name: Started(textwrap.dedent(_CHECK.format(target=str(t), overrides=overrides[name]))) for name, t in targets.items()}
     out = {}
     for name, p in procs.items():
-        stdout, stderr = p.communicate(timeout=600)
-        assert p.returncode == 0, f"{name}: " + stdout[-2000:] + stderr[-3000:]
-        out[name] = json.loads(stdout)
+        proc = p.result(timeout=600)
+        assert proc.returncode == 0, f"{name}: " + proc.stdout[-2000:] + proc.stderr[-3000:]
+        out[name] = json.loads(proc.stdout)
     return out
 
 
