@@ -36,8 +36,26 @@ class Line:
         }
 
 
+class LineVerdicts:
+    """What a report of per-line verdicts says as a whole, the same for every engine's report
+    (the release table, harness.engines.releases, reads one `summary` schema from all of them).
+    The inheriting dataclass has a `lines` field whose items carry a `verdict`."""
+
+    @property
+    def ok(self) -> bool:
+        return all(ln.verdict.ok for ln in self.lines)
+
+    def failures(self) -> list[Failure]:
+        return [f for ln in self.lines for f in ln.verdict.failures]
+
+    def summary(self) -> dict[str, int]:
+        return {"lines": len(self.lines), "failed_lines": sum(not ln.verdict.ok for ln in self.lines),
+                "checks": sum(ln.verdict.checked for ln in self.lines), "failures": len(self.failures()),
+                "notes": sum(len(ln.verdict.notes) for ln in self.lines)}
+
+
 @dataclass
-class EngineReport:
+class EngineReport(LineVerdicts):
     engine: str
     version: str
     generation: str
@@ -47,20 +65,11 @@ class EngineReport:
     seconds: float = 0.0
     skipped: list[str] = field(default_factory=list)  # invariants not checked on this engine, each with its reason
 
-    @property
-    def ok(self) -> bool:
-        return all(line.verdict.ok for line in self.lines)
-
-    def failures(self) -> list[Failure]:
-        return [f for line in self.lines for f in line.verdict.failures]
-
     def to_json(self) -> dict:
-        failed = [ln for ln in self.lines if not ln.verdict.ok]
         return {
             "engine": self.engine, "version": self.version, "api": self.generation, "location": self.location, "ok": self.ok,
             "seconds": round(self.seconds, 2), "stubbed_modules": self.stubbed, "skipped": list(self.skipped),
-            "summary": {"lines": len(self.lines), "failed_lines": len(failed), "checks": sum(ln.verdict.checked for ln in self.lines),
-                        "failures": len(self.failures()), "notes": sum(len(ln.verdict.notes) for ln in self.lines)},
+            "summary": self.summary(),
             "lines": [ln.to_json() for ln in self.lines],
         }
 

@@ -5,7 +5,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from harness.verdict import Failure, Verdict
+from harness.engines.report import LineVerdicts
+from harness.verdict import Verdict
 
 
 @dataclass
@@ -27,7 +28,7 @@ class VLine:
 
 
 @dataclass
-class VllmReport:
+class VllmReport(LineVerdicts):
     version: str
     location: str
     config: dict[str, Any]
@@ -36,20 +37,11 @@ class VllmReport:
     stubbed: list[str]
     seconds: float = 0.0
 
-    @property
-    def ok(self) -> bool:
-        return all(ln.verdict.ok for ln in self.lines)
-
-    def failures(self) -> list[Failure]:
-        return [f for ln in self.lines for f in ln.verdict.failures]
-
     def to_json(self) -> dict:
         return {
             "engine": "vllm", "version": self.version, "location": self.location, "ok": self.ok, "seconds": round(self.seconds, 2),
             "config": self.config, "stubbed_modules": self.stubbed, "not_applicable": self.not_applicable,
-            "summary": {"lines": len(self.lines), "failed_lines": sum(not ln.verdict.ok for ln in self.lines),
-                        "checks": sum(ln.verdict.checked for ln in self.lines), "failures": len(self.failures()),
-                        "notes": sum(len(ln.verdict.notes) for ln in self.lines)},
+            "summary": self.summary(),
             "lines": [ln.to_json() for ln in self.lines],
         }
 
