@@ -24,9 +24,9 @@ from pathlib import Path
 import pytest
 
 from harness.engines.command import add_arguments, main
-from harness.engines.install import InstallError
+from harness.engines.install import MARKER, InstallError
 from harness.engines.releases import VLLM, _json_document, select
-from harness.engines.vllm.install import ensure_vllm_installed
+from harness.engines.vllm.install import ensure_vllm_installed, installed_vllm_versions
 from harness.engines.vllm.stubs import StubDistributionFinder
 
 REPO = Path(__file__).resolve().parent.parent
@@ -82,3 +82,12 @@ def test_release_table_verdicts_follow_the_sources():
     assert "target_dependent_ar.cudagraph_utils" in rows["0.33.0"]["first_failure"]
     assert "token-keyed capture sizes" in rows["0.33.0"]["first_failure"]
     assert rows["0.34.0"]["verdict"] == "PASS" and rows["0.34.0"]["failures"] == 0 and rows["0.34.0"]["api"] == "mrv2"
+
+
+def test_installed_releases_are_ordered_as_releases_not_as_strings(tmp_path):
+    """The newest install is what `--engine vllm` (no version) checks: 0.34.0 comes after 0.9.2, and the deps folder is no release."""
+    for name in ("vllm-0.9.2", "vllm-0.34.0", "vllm-0.12.0", "vllm-deps", "vllm-0.35.0"):
+        (tmp_path / name).mkdir()
+        if name != "vllm-0.35.0":  # an unfinished install has no marker
+            (tmp_path / name / MARKER).write_text("")
+    assert installed_vllm_versions(tmp_path) == ["0.9.2", "0.12.0", "0.34.0"]

@@ -83,11 +83,16 @@ def is_installed(path: Path) -> bool:
     return (path / MARKER).is_file()
 
 
-def installed_versions(root: Optional[os.PathLike] = None) -> list[str]:
+def installed_releases(engine: str, root: Optional[os.PathLike] = None) -> list[str]:
+    """The releases of `engine` installed under .engines/, oldest first in release order (0.9 before 0.34)."""
     base = engines_root(root)
     if not base.is_dir():
         return []
-    return sorted((p.name[len("sglang-"):] for p in base.glob("sglang-*") if is_installed(p)), key=version_key)
+    return sorted((p.name[len(engine) + 1:] for p in base.glob(f"{engine}-[0-9]*") if is_installed(p)), key=version_key)
+
+
+def installed_versions(root: Optional[os.PathLike] = None) -> list[str]:
+    return installed_releases("sglang", root)
 
 
 def version_key(v: str):

@@ -13,7 +13,7 @@ import re
 from pathlib import Path
 from typing import Optional
 
-from harness.engines.install import _locked, _pip_target, engines_root, ensure_deps, is_installed
+from harness.engines.install import _locked, _pip_target, engines_root, ensure_deps, installed_releases, is_installed
 from harness.engines.vllm.stubs import REAL_REQUIREMENTS
 
 _VERSION = re.compile(r"^[0-9][0-9A-Za-z.+!-]*$")
@@ -28,8 +28,7 @@ def vllm_deps_dir(root: Optional[os.PathLike] = None) -> Path:
 
 
 def installed_vllm_versions(root: Optional[os.PathLike] = None) -> list[str]:
-    base = engines_root(root)
-    return sorted(p.name[len("vllm-"):] for p in base.glob("vllm-[0-9]*") if is_installed(p)) if base.is_dir() else []
+    return installed_releases("vllm", root)
 
 
 def _requirement(version: str) -> str:
