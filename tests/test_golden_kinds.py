@@ -12,8 +12,9 @@ import pytest
 
 from harness.case import CaseError, load_case
 from harness.cli import main
-from harness.golden import GOLDEN_DIR
+from harness.golden import GOLDEN_DIR, draft_tree
 from harness.golden import store as golden_store
+from harness.verdict import Verdict
 from runners.attention.kinds import AttentionBackend
 
 ACCEPT = GOLDEN_DIR / "acceptance"
@@ -88,3 +89,16 @@ def test_a_case_file_backend_is_parsed_into_the_enum(tmp_path):
     (tmp_path / "tp1_neither.toml").write_text(text)
     with pytest.raises(CaseError, match=r"tp1_neither.toml.*backend.*one of torch, triton, flashinfer"):
         load_case(str(tmp_path / "tp1_neither.toml"))
+
+
+@pytest.mark.parametrize("text,field", [("{not json", "file"), ('{"format": "specharness-acceptance/1"}', "file"),
+                                        ('{"format": "specharness-draft-tree/1", "fingerprint": "other", "trees": {}}', "fingerprint")])
+def test_a_malformed_or_foreign_draft_tree_golden_is_a_failed_verdict_naming_the_file(tmp_path, text, field):
+    case = load_case("tp2_single_layer_shrink")
+    path = draft_tree.tree_golden_path(case.name, tmp_path)
+    path.write_text(text)
+    v = Verdict("P6")
+    draft_tree.check_tree_golden(v, case, {}, accept_dir=tmp_path)  # no session needed: the file is refused first
+    assert not v.ok and v.failures[0].field == field, v.report()
+    if field == "file":
+        assert str(path) in v.failures[0].message(), v.report()

@@ -48,19 +48,25 @@ def golden_path(name: str, accept_dir: Optional[Path] = None) -> Path:
     return (accept_dir or ACCEPT_DIR) / f"{name}.json"
 
 
+def read_golden_json(path: Path, fmt: str) -> dict:
+    """A loop golden's JSON object, or AcceptanceGoldenError naming the file and what is wrong (acceptance and draft-tree goldens alike)."""
+    try:
+        data = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise AcceptanceGoldenError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(data, dict) or data.get("format") != fmt:
+        got = data.get("format") if isinstance(data, dict) else type(data).__name__
+        raise AcceptanceGoldenError(f"{path}: format {got!r}, expected {fmt!r}")
+    return data
+
+
 def load_acceptance_golden(case: Case, wl: Optional[Workload] = None, accept_dir: Optional[Path] = None) -> dict:
     """The case's golden, or AcceptanceGoldenError naming what is missing or differs."""
     path = golden_path(case.name, accept_dir)
     if not path.exists():
         raise AcceptanceGoldenError(f"{path}: no acceptance golden for case {case.name!r}; "
                                     f"record it: harness golden record --kind acceptance {case.name}")
-    try:
-        data = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise AcceptanceGoldenError(f"{path}: not valid JSON ({e})") from None
-    if not isinstance(data, dict) or data.get("format") != FORMAT:
-        got = data.get("format") if isinstance(data, dict) else type(data).__name__
-        raise AcceptanceGoldenError(f"{path}: format {got!r}, expected {FORMAT!r}")
+    data = read_golden_json(path, FORMAT)
     want = golden_identity(case, wl or Workload.from_case(case))
     diff = [k for k in want if data.get(k) != want[k]]
     if diff:

@@ -14,7 +14,7 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from harness.case import Case, load_case
-from harness.golden.acceptance import ACCEPT_DIR, AcceptanceGoldenError
+from harness.golden.acceptance import ACCEPT_DIR, AcceptanceGoldenError, read_golden_json
 from harness.golden.base import GOLDEN_DIR
 from harness.golden.lifecycle import refuse_under_xdist
 from harness.golden.store import write_text_atomic
@@ -85,9 +85,14 @@ def check_tree_golden(v: Verdict, case: Case, sessions: dict[str, SpecSession], 
         v.fail("draft tree", "file", {"case": case.name}, "a draft-tree golden", "none",
                f"record it: harness golden record --kind draft-tree {case.name}")
         return
-    data = json.loads(path.read_text())
-    if data.get("format") != TREE_FORMAT or data.get("fingerprint") != case.scenario.model.fingerprint():
-        v.fail("draft tree", "file", {"case": case.name}, TREE_FORMAT, data.get("format"), "recorded for another format or model; re-record it")
+    try:
+        data = read_golden_json(path, TREE_FORMAT)
+    except AcceptanceGoldenError as e:
+        v.fail("draft tree", "file", {"case": case.name}, TREE_FORMAT, "unreadable", f"{e}; re-record it")
+        return
+    if data.get("fingerprint") != case.scenario.model.fingerprint():
+        v.fail("draft tree", "fingerprint", {"case": case.name}, case.scenario.model.fingerprint(), data.get("fingerprint"),
+               "recorded for another model; re-record it")
         return
     for runner, s in sessions.items():
         compare_trees(v, f"{case.name} ({runner})", data["trees"], tree_arrays(s))
