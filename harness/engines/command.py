@@ -26,7 +26,7 @@ from harness.engines.install import (
     engine_dir,
     ensure_installed,
     installed_versions,
-    is_installed,
+    release_dir,
 )
 from harness.engines.releases import PRODUCTS, run_releases
 from harness.engines.report import format_report
@@ -65,12 +65,8 @@ def _resolve(args) -> tuple[Optional[Path], Optional[Path]]:
     if args.target:
         return Path(args.target), deps
     if spec.version is not None:
-        target = engine_dir(spec.version)
-        if not is_installed(target):
-            if not args.install:
-                raise FileNotFoundError(f"sglang=={spec.version} is not installed at {target}: run `python -m harness.engine_install {spec}` or pass --install")
-            ensure_installed(spec.version, log=lambda m: print(m, file=sys.stderr))
-        return target, deps
+        how = f"run `python -m harness.engine_install {spec}` or pass --install"
+        return release_dir(spec, engine_dir(spec.version), args.install, ensure_installed, how), deps
     if importlib.util.find_spec("sglang") is not None:
         return None, deps  # the environment's own sglang
     versions = installed_versions()

@@ -27,7 +27,7 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Callable, Iterator, Optional
 
 REPO = Path(__file__).resolve().parents[2]
 REQUIREMENTS = REPO / "requirements" / "engine.txt"
@@ -89,6 +89,15 @@ def installed_releases(engine: str, root: Optional[os.PathLike] = None) -> list[
     if not base.is_dir():
         return []
     return sorted((p.name[len(engine) + 1:] for p in base.glob(f"{engine}-[0-9]*") if is_installed(p)), key=version_key)
+
+
+def release_dir(spec: EngineSpec, target: Path, install: bool, ensure: Callable[..., Path], how: str) -> Path:
+    """`target`, the install dir of spec's release: installed first when `install` is set, else an error saying `how`."""
+    if not is_installed(target):
+        if not install:
+            raise FileNotFoundError(f"{spec} is not installed at {target}: {how}")
+        ensure(spec.version, log=lambda m: print(m, file=sys.stderr))
+    return target
 
 
 def installed_versions(root: Optional[os.PathLike] = None) -> list[str]:

@@ -53,6 +53,19 @@ class LineVerdicts:
                 "checks": sum(ln.verdict.checked for ln in self.lines), "failures": len(self.failures()),
                 "notes": sum(len(ln.verdict.notes) for ln in self.lines)}
 
+    def verdict_text(self, unit: str, group: str) -> list[str]:
+        """The closing lines of a text report: the failing (check, field, group) triples, then the verdict.
+        `unit` names what a line is (e.g. "(runner, branch, bucket)"); `group` is the `where` key the triples show."""
+        checks = sum(ln.verdict.checked for ln in self.lines)
+        if self.ok:
+            return [f"verdict: PASS: {len(self.lines)} {unit} lines, {checks} checks ({self.seconds:.1f}s)"]
+        failures = self.failures()
+        triples = sorted({(f.check, f.field, f.where.get(group)) for f in failures}, key=lambda t: tuple(map(str, t)))
+        failed = sum(not ln.verdict.ok for ln in self.lines)
+        return [f"failing (check, field, {group}): " + "; ".join(f"{c} {fl} [{g}]" for c, fl, g in triples),
+                f"verdict: FAIL: {failed} of {len(self.lines)} {unit} lines failed, {len(failures)} failures in "
+                f"{checks} checks ({self.seconds:.1f}s); first: {failures[0].message()}"]
+
 
 @dataclass
 class EngineReport(LineVerdicts):
@@ -106,15 +119,7 @@ def format_report(rep: EngineReport, cfg: Any) -> str:
         for (_check, branch), ns in groups.items():
             out.append(f"  {ns[0]}" + (f" (+{len(ns) - 1} like it in {branch})" if len(ns) > 1 else ""))
     out += [f"skipped (not checked, not passed): {why}" for why in rep.skipped]
-    failed = [ln for ln in rep.lines if not ln.verdict.ok]
-    checks = sum(ln.verdict.checked for ln in rep.lines)
-    if failed:
-        fields = sorted({(f.check, f.field, f.where.get("branch")) for f in rep.failures()})
-        out.append("failing (check, field, branch): " + "; ".join(f"{c} {fl} [{b}]" for c, fl, b in fields))
-        out.append(f"verdict: FAIL: {len(failed)} of {len(rep.lines)} (runner, branch, bucket) lines failed, {len(rep.failures())} failures in "
-                   f"{checks} checks ({rep.seconds:.1f}s); first: {rep.failures()[0].message()}")
-    else:
-        out.append(f"verdict: PASS: {len(rep.lines)} (runner, branch, bucket) lines, {checks} checks ({rep.seconds:.1f}s)")
+    out += rep.verdict_text("(runner, branch, bucket)", "branch")
     return "\n".join(out)
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from harness.engines.drive import drive_engine
-from harness.engines.install import EngineSpec, InstallError, deps_dir, is_installed
+from harness.engines.install import EngineSpec, InstallError, deps_dir, release_dir
 from harness.engines.vllm.checks import NOT_APPLICABLE, check_capture, check_iteration, line_for
 from harness.engines.vllm.config import VllmCheckConfig
 from harness.engines.vllm.drive import RUNNERS, drive_world
@@ -53,12 +53,7 @@ def _resolve(spec: EngineSpec, args) -> Path:
     if args.target:
         return Path(args.target)
     if spec.version is not None:
-        target = vllm_dir(spec.version)
-        if not is_installed(target):
-            if not args.install:
-                raise FileNotFoundError(f"vllm=={spec.version} is not installed at {target}: pass --install")
-            ensure_vllm_installed(spec.version, log=lambda m: print(m, file=sys.stderr))
-        return target
+        return release_dir(spec, vllm_dir(spec.version), args.install, ensure_vllm_installed, "pass --install")
     versions = installed_vllm_versions()
     if not versions:
         raise FileNotFoundError("no vllm under .engines/: give --engine vllm==VERSION --install")

@@ -78,13 +78,5 @@ def format_report(rep: VllmReport) -> str:
     out.append("not applicable to vLLM's design (never counted as a pass):")
     out += [f"  {n}" for n in rep.not_applicable]
     out += [f"  {n} (+{sum(m.split(':')[1] == n.split(':')[1] for m in notes) - 1} like it)" for n in firsts]
-    checks = sum(ln.verdict.checked for ln in rep.lines)
-    if not rep.ok:
-        failed = [ln for ln in rep.lines if not ln.verdict.ok]
-        fields = sorted({(f.check, f.field, f.where.get("runner")) for f in rep.failures()})
-        out.append("failing (check, field, runner): " + "; ".join(f"{c} {fl} [{r}]" for c, fl, r in fields))
-        out.append(f"verdict: FAIL: {len(failed)} of {len(rep.lines)} (dp, runner, bucket) lines failed, {len(rep.failures())} failures in "
-                   f"{checks} checks ({rep.seconds:.1f}s); first: {rep.failures()[0].message()}")
-    else:
-        out.append(f"verdict: PASS: {len(rep.lines)} (dp, runner, bucket) lines, {checks} checks ({rep.seconds:.1f}s)")
+    out += rep.verdict_text("(dp, runner, bucket)", "runner")
     return "\n".join(out)
