@@ -18,7 +18,7 @@ from harness.props.p3 import check_eager_vs_graph
 from harness.ranks.simulated import SimulatedWorld
 from harness.scenario import Iteration, RequestSpec, Scenario, materialize, release
 from runners.attention import BACKENDS, unavailable_reason
-from runners.attention.flashinfer_backend import paged_kv_indices, plan_inputs_key
+from runners.attention.flashinfer_plan import paged_kv_indices, plan_inputs_key
 from runners.batch import ForwardMode
 
 
