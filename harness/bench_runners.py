@@ -21,7 +21,6 @@ from typing import Callable, Optional
 import torch
 
 from harness.scenario import Iteration, MaterializedBatch, RequestSpec, Scenario, materialize, release
-from runners.attention.torch_ref import TorchAttnBackend
 from runners.config import ModelConfig, SpecConfig
 from runners.cuda_graph import DraftExtendGraphDriver
 from runners.draft_extend import DraftWorker, run_eager
@@ -75,7 +74,7 @@ class RunnerRig:
         return verify_inputs(lanes, [len(lanes)], self.worker.device)
 
     def eager_decode(self, inp: DraftDecodeInputs):
-        return run_eager_decode(self.worker, inp, TorchAttnBackend(self.worker.req_pool, self.worker.kv_pool))
+        return run_eager_decode(self.worker, inp)  # the worker's backend: the one its graph runner captured
 
     def eager_verify(self, lanes: list[Lane]):
         return self.target.forward_synced(lanes, [len(lanes) * self.worker.spec.num_tokens_per_bs])
@@ -142,13 +141,13 @@ def bench_runners_backend(comm, backend: str, args, device: torch.device, bs_lis
         release(rig.worker, batch)
         rows.append(row)
     return {"backend": backend, "model": model_name, "dtype": args.dtype, "graph_kind": gkind, "tokens_per_bs": spec.num_tokens_per_bs,
-            "draft_decode_attention": "torch reference (the draft decode's attention whatever the backend)", "rows": rows}
+            "rows": rows}
 
 
 def format_runner_table(results: list[dict], meta: dict) -> str:
     lines = [f"harness bench: every runner, single-layer EAGLE, TP1, {meta['dtype']}, {meta['num_steps']} steps, {meta['date']}, {meta['device']}",
              "eager vs graph, median ms; iteration = draft-extend + draft decode + verify back to back (no scheduler host work); "
-             "the draft decode attends with the torch reference on every backend"]
+             "every runner attends with the row's backend"]
     hdr = f"{'backend':<10} {'bs':>3}" + "".join(f" {n:>22}" for n in ("extend e/g (x)", "decode e/g (x)", "verify e/g (x)", "iteration e/g (x)"))
     for b in results:
         lines += ["", f"[{b['backend']}] model {b['model']}, T={b['tokens_per_bs']}, graphs: {b['graph_kind']}", hdr]
