@@ -15,7 +15,7 @@ tests/test_gpu_runners.py drives the same rig for P1 / P3 and the CPU-vs-GPU com
 from __future__ import annotations
 
 import statistics
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Optional
 
 import torch
@@ -59,10 +59,11 @@ class RunnerRig:
         k, bs, dev = w.spec.topk, inp.bs, w.device
         g = torch.Generator().manual_seed(seed)
         seq = inp.seq_lens - w.spec.num_tokens_per_bs  # the KV-ready prefix
+        seq_cpu = inp.seq_lens_cpu - w.spec.num_tokens_per_bs  # its host copy, as the scheduler keeps it
         p = torch.rand(bs, k, generator=g).sort(dim=1, descending=True).values
         ids = torch.randint(0, w.cfg.vocab_size, (bs, k), generator=g)
         hid = torch.randn(bs, w.cfg.hidden_size, generator=g).to(w.cfg.torch_dtype)
-        return DraftDecodeInputs(p.to(dev), ids.to(dev), hid.to(dev), seq, inp.req_pool_indices, seq.repeat_interleave(k), [bs])
+        return DraftDecodeInputs(p.to(dev), ids.to(dev), hid.to(dev), seq, inp.req_pool_indices, seq.repeat_interleave(k), [bs], seq_cpu)
 
     def verify_lanes(self, batch: MaterializedBatch, seed: int) -> list[Lane]:
         T = self.worker.spec.num_tokens_per_bs
@@ -112,9 +113,13 @@ def _ms(timer, fn, args) -> float:
     return statistics.median(timer.measure(fn, args.replays, args.warmup))
 
 
-def _runner_calls(rig: RunnerRig, ext, dec: DraftDecodeInputs, lanes: list[Lane]) -> tuple[dict, dict]:
-    """Eager and graph calls per runner, and the iteration (the three back to back)."""
+def _runner_calls(rig: RunnerRig, ext, dec: DraftDecodeInputs, lanes: list[Lane], host_copies: bool = True) -> tuple[dict, dict]:
+    """Eager and graph calls per runner, and the iteration (the three back to back). host_copies=False drops the
+    inputs' host lengths (and verify mask), so every graph runner's fill reads them back from the device (a sync each)."""
     ver = rig.verify_inputs(lanes)
+    if not host_copies:
+        ext, dec = replace(ext, seq_lens_cpu=None), replace(dec, seq_lens_cpu=None)
+        ver = replace(ver, seq_lens_cpu=None, custom_mask_cpu=None)
     eager = {"extend": lambda: run_eager(rig.worker, ext), "decode": lambda: rig.eager_decode(dec), "verify": lambda: rig.eager_verify(lanes)}
     graph = {"extend": lambda: rig.extend.run(ext), "decode": lambda: rig.decode.replay(dec), "verify": lambda: rig.verify.replay(ver)}
     for calls in (eager, graph):

@@ -53,6 +53,7 @@ class DraftDecodeInputs:
     req_pool_indices: torch.Tensor  # [bs]
     positions: torch.Tensor  # [bs * topk] every lane starts at its request's seq_len
     dp_batch_sizes: list[int]  # every DP group's bs (from the MLP sync); [bs] without DP attention
+    seq_lens_cpu: Optional[torch.Tensor] = None  # [bs] host copy of seq_lens (None: not kept)
 
     @property
     def bs(self) -> int:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from runners.batch import ForwardBatch, ForwardMode
+from runners.batch import ForwardBatch, ForwardMode, host_copy
 from runners.dp_metadata import gathered_metadata
 from runners.draft_extend import SEQ_LEN_FILL_VALUE, DraftWorker
 from runners.eagle_draft import (
@@ -50,6 +50,7 @@ class EAGLEDraftCudaGraphRunner(BucketedGraphRunner):
         self.positions = torch.zeros(n, **i64)
         self.out_cache_loc = torch.full((n * self.steps,), PADDING_SLOT, **i64)
         self.seq_lens = torch.full((self.max_bs,), SEQ_LEN_FILL_VALUE, **i64)
+        self.seq_lens_cpu = torch.full((self.max_bs,), SEQ_LEN_FILL_VALUE, dtype=torch.int64)  # host mirror: a host plan reads it
         self.req_pool_indices = torch.full((self.max_bs,), PADDING_ROW, **i64)
         self.topk_p = torch.zeros(self.max_bs, self.topk, dtype=torch.float32, device=dev)
         self.topk_index = torch.zeros(self.max_bs, self.topk, **i64)
@@ -87,6 +88,7 @@ class EAGLEDraftCudaGraphRunner(BucketedGraphRunner):
             input_ids=self.input_ids[:n],
             positions=self.positions[:n],
             seq_lens=self.seq_lens[:bs],
+            seq_lens_cpu=self.seq_lens_cpu[:bs],
             req_pool_indices=self.req_pool_indices[:bs],
             out_cache_loc=self.out_cache_loc[: n * self.steps],
             extend_seq_lens=self.seq_lens[:0],  # DECODE extends nothing
@@ -125,6 +127,7 @@ class EAGLEDraftCudaGraphRunner(BucketedGraphRunner):
         if bs == raw_bs:
             return
         self.seq_lens.fill_(SEQ_LEN_FILL_VALUE)
+        self.seq_lens_cpu.fill_(SEQ_LEN_FILL_VALUE)
         self.req_pool_indices.fill_(PADDING_ROW)
         self.positions.zero_()
         self.topk_p.zero_()
@@ -137,6 +140,7 @@ class EAGLEDraftCudaGraphRunner(BucketedGraphRunner):
         self.topk_index[:raw_bs].copy_(inp.topk_index)
         self.hidden_states[:raw_bs].copy_(inp.hidden_states)
         self.seq_lens[:raw_bs].copy_(inp.seq_lens)
+        self.seq_lens_cpu[:raw_bs].copy_(host_copy(inp.seq_lens_cpu, inp.seq_lens))
         self.req_pool_indices[:raw_bs].copy_(inp.req_pool_indices)
         self.positions[: raw_bs * self.T].copy_(inp.positions)
 
