@@ -25,13 +25,14 @@ from harness.props.p1_records import check_replay_record, check_replay_rows
 from harness.props.p5_p6 import compare_acceptance
 from harness.ranks.simulated import SimulatedWorld
 from harness.spec_decode import case_session
-from harness.tolerances import Tol, eager_vs_graph
+from harness.tolerances import Tol, cross_layout, eager_vs_graph
 from harness.verdict import Verdict, merge_verdicts
 from runners.config import DEFAULT_MODEL, ModelConfig, SpecConfig
-from runners.draft_extend import DraftWorker
+from runners.draft_extend import SEQ_LEN_FILL_VALUE, DraftWorker
 from runners.eagle_draft import DraftDecodeInputs, run_eager_decode
 from runners.eagle_draft_graph import EAGLEDraftCudaGraphRunner
 from runners.graph_backend import GraphBackend
+from runners.memory import PADDING_ROW
 from runners.parallel.dp_attention import RankContext
 from runners.parallel.layout import ParallelLayout
 
@@ -76,17 +77,18 @@ def check_decode_case(case: Case, props: Sequence[str] = ("P1", "P3", "P6")) -> 
     return out
 
 
-def _compare_tree(v: Verdict, where: dict, ref: dict[str, torch.Tensor], got: dict[str, torch.Tensor], tol: Optional[Tol]) -> None:
+def _compare_tree(v: Verdict, where: dict, ref: dict[str, torch.Tensor], got: dict[str, torch.Tensor], tol: Optional[Tol],
+                  prop: str = "P3") -> None:
     """Tree structure exactly (a flipped node is a different proposal); probabilities and logits within tol (None: bitwise)."""
     for name in EXACT + CLOSE:
         v.checked += 1
         a, b = ref[name], got[name]
         if a.shape != b.shape:
-            v.fail("P3", name, where, tuple(a.shape), tuple(b.shape), "shape")
+            v.fail(prop, name, where, tuple(a.shape), tuple(b.shape), "shape")
         elif name in EXACT and not torch.equal(a, b):
-            v.fail("P3", name, where, a.tolist(), b.tolist(), "eager vs graph draft decode")
+            v.fail(prop, name, where, a.tolist(), b.tolist(), "eager vs graph draft decode" if prop == "P3" else "vs the reference")
         elif name in CLOSE and not (torch.equal(a, b) if tol is None else torch.allclose(a, b, rtol=tol.rtol, atol=tol.atol)):
-            v.fail("P3", name, where, "match", f"max |diff| {(a - b).abs().max().item():.3g}",
+            v.fail(prop, name, where, "match", f"max |diff| {(a - b).abs().max().item():.3g}",
                    "bitwise" if tol is None else f"rtol={tol.rtol} atol={tol.atol}: {tol.reason}")
 
 
@@ -145,6 +147,55 @@ def check_decode_padded_lanes(topk: int, model: ModelConfig = DEFAULT_MODEL, bac
     return v
 
 
+# ---- P4 over backends: the draft decode on a kernel backend vs the torch reference's, same inputs ----
+KERNEL_BACKENDS = ("triton",)  # the backends with a draft-decode kernel that run on CPU (flashinfer: tests/test_gpu_runners.py)
+
+
+def check_decode_backend(backend: str, topk: int, model: ModelConfig = DEFAULT_MODEL) -> Verdict:
+    """TP1 eager draft decode on `backend` against the torch reference backend (the oracle, as TP1 eager is P4's):
+    three requests with live KV past their seq_len and a fourth lane as the replay fills one (the padding row, seq_len
+    = fill, position 0). The tree exactly; probabilities and logits within P4's bound (the kernel's reassociated
+    attention sums, attn_vs_reference, carried through one layer and the lm_head; a key read wrongly is O(1))."""
+    v = Verdict("P4")
+    where = {"layout": "tp1", "runner": "draft_decode", "backend": backend, "oracle": "torch", "topk": topk}
+    spec = SpecConfig(num_steps=3, topk=topk, capture_bs=(4,), max_running_requests=4, draft="single_layer")
+
+    def run(comm) -> dict[str, dict[str, torch.Tensor]]:
+        ctx = RankContext(ParallelLayout(), 0, comm)
+        g = torch.Generator().manual_seed(11)
+        kv = torch.randn(2, 320, model.num_kv_heads, model.head_dim, generator=g)  # TP1: every KV head
+        seq = torch.cat([torch.randint(5, 40, (3,), generator=g), torch.tensor([SEQ_LEN_FILL_VALUE])])
+        inp = DraftDecodeInputs(torch.rand(4, topk, generator=g).sort(dim=1, descending=True).values,
+                                torch.randint(0, model.vocab_size, (4, topk), generator=g), torch.randn(4, model.hidden_size, generator=g),
+                                seq, torch.tensor([1, 2, 3, PADDING_ROW]), torch.cat([seq[:3], torch.zeros(1, dtype=seq.dtype)]).repeat_interleave(topk),
+                                [4])
+        trees = {}
+        for name in ("torch", backend):
+            w = DraftWorker(ctx, model, spec, num_layers=1, attention_backend=name, max_reqs=8, num_slots=320)
+            for r in range(1, 5):  # request r owns slots 64r .. 64r + 63, all holding KV
+                w.req_pool.req_to_token[r] = torch.arange(r * 64, r * 64 + 64)
+            w.kv_pool.k[0].copy_(kv[0])
+            w.kv_pool.v[0].copy_(kv[1])
+            trees[name] = run_eager_decode(w, inp).tensors()
+        return trees
+
+    trees = SimulatedWorld(ParallelLayout()).run(run)[0]
+    _compare_tree(v, where, trees["torch"], trees[backend], cross_layout(model.dtype, backend), prop="P4")
+    return v
+
+
+def probe_draft_decode_backends() -> dict[str, Verdict]:
+    """P4 backend vs reference for every kernel backend, topk 1 and 2; a probe never raises (a failure is "run")."""
+    try:
+        v = Verdict("P4")
+        for backend in KERNEL_BACKENDS:
+            for topk in (1, 2):
+                v.merge(check_decode_backend(backend, topk))
+        return {"P4": v}
+    except Exception as err:  # noqa: BLE001 - reported, never swallowed
+        return {"run": _run_failure("draft-decode-backends", err)}
+
+
 METADATA_SPECS = (SpecConfig(num_steps=3, topk=1, capture_bs=(1, 2, 4, 8), max_running_requests=8, draft="single_layer"),
                   SpecConfig(num_steps=3, topk=2, capture_bs=(1, 2, 4, 8), max_running_requests=8, draft="single_layer"))
 METADATA_SCHEDULE = ((6, 3, 5, 1, 2, 4, 7, 8), (2, 1, 1, 0, 1, 2, 1, 3), (1, 2, 1, 1, 1, 1, 1, 1))  # shrinks across buckets, uneven DP groups
@@ -155,9 +206,13 @@ def probe_draft_decode() -> dict[str, Verdict]:
     try:
         return _probe()
     except Exception as err:  # noqa: BLE001 - reported, never swallowed
-        v = Verdict("run")
-        v.fail("run", "probe", {"probe": "draft-decode"}, "the probe completes", type(err).__name__, str(err).splitlines()[0][:300] if str(err) else "")
-        return {"run": v}
+        return {"run": _run_failure("draft-decode", err)}
+
+
+def _run_failure(probe: str, err: Exception) -> Verdict:
+    v = Verdict("run")
+    v.fail("run", "probe", {"probe": probe}, "the probe completes", type(err).__name__, str(err).splitlines()[0][:300] if str(err) else "")
+    return v
 
 
 def _probe() -> dict[str, Verdict]:

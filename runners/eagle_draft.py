@@ -12,8 +12,9 @@ KV: the write location of lane (b, t) at step s is req_to_token[req_pool_indices
 seq_lens[b] + t * (num_steps - 1) + s], looked up for every step at the start of the body
 (`assign_draft_cache_locs`, gathers only) and read per step. A lane attends to its request's
 prefix (positions < seq_len, through the request's req_to_token row) and to its own lane's
-draft tokens of the steps so far, as the engine's draft-decode attention does (a lane's
-earlier tokens are those its slot column holds, not necessarily its tree ancestors). Since
+draft tokens of the steps so far, as the engine's multi-step draft backends do (a lane's
+earlier tokens are those its slot column holds, not necessarily its tree ancestors), through
+the worker's attention backend (the case's): `init_draft_decode_metadata(fb, locs, step)`. Since
 the lookup runs in the graph, a padded lane's request row decides where it writes: the
 replay fill (row 0, the padding row) sends it to the padding slot, and a stale row would
 write into a live request's prefix.

@@ -142,7 +142,7 @@ def test_draft_decode_runner_under_real_cuda_graphs(layout, backend, dtype, topk
     _need(backend)
     lay = LAYOUTS[layout]
     steps = _run(lay, backend, dtype, "cuda", "cuda", topk, ("decode",))["decode"]
-    tol = eager_vs_graph("cuda", dtype, backend)
+    tol = eager_vs_graph("cuda", dtype, backend)  # the draft decode attends with the case's backend
     _report(f"eager_vs_graph topk{topk}", layout, backend, dtype, "decode", [(r, g) for _, _, r, g, _ in steps], tol)
     _assert_ok(_check_p1_p3(lay, steps, "decode", topk, tol))
 
@@ -206,7 +206,7 @@ def test_cpu_recorded_graph_agrees_with_the_real_cuda_graph(layout, backend, dty
     model = _model(backend, dtype)  # the same model on both sides (flashinfer's head_dim-64 one on CPU too)
     real, sim = _run(lay, backend, dtype, "cuda", "cuda", 1, both, model), _run(lay, "torch", dtype, "cpu", "sim", 1, both, model)
     for runner in both:
-        tol = cross_device(dtype, backend)  # every runner attends with `backend` on the GPU
+        tol = cross_device(dtype, backend)  # both runners attend with `backend` on the GPU, the torch reference on CPU
         if runner == "verify" and dtype == "bfloat16":
             tol = VERIFY_BF16_CROSS_DEVICE
         _report("cpu_sim_vs_real", layout, backend, dtype, runner, [(a[3], b[3]) for a, b in zip(sim[runner], real[runner], strict=True)], tol)

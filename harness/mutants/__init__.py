@@ -13,6 +13,7 @@ from __future__ import annotations
 from harness.mutants import (
     decode,
     dp,
+    draft_attention,
     draft_extend,
     host_mirror,
     memory,
@@ -27,7 +28,7 @@ from harness.mutants.base import Mutant
 # one module per family, in the order `harness mutants` lists them
 CATALOG: tuple[Mutant, ...] = (
     *draft_extend.MUTANTS, *spec_loop.MUTANTS, *memory.MUTANTS, *verify_fill.MUTANTS, *recorded_graph.MUTANTS,
-    *decode.MUTANTS, *shape.MUTANTS, *verify.MUTANTS, *dp.MUTANTS, *host_mirror.MUTANTS,
+    *decode.MUTANTS, *draft_attention.MUTANTS, *shape.MUTANTS, *verify.MUTANTS, *dp.MUTANTS, *host_mirror.MUTANTS,
 )
 BY_ID: dict[str, Mutant] = {m.id: m for m in CATALOG}
 if len(BY_ID) != len(CATALOG):
