@@ -21,6 +21,7 @@ TESTS=${GPU_TESTS:-tests}            # what pytest -m gpu collects
 PYTEST_ARGS=${GPU_PYTEST_ARGS:-}     # e.g. -k "not case_files"
 T_TESTS=${GPU_TEST_TIMEOUT:-360}
 T_BENCH=${GPU_BENCH_TIMEOUT:-120}  # each bench run: draft-extend table + every runner (harness.bench_runners)
+BENCH_ARGS=${GPU_BENCH_ARGS:-}     # e.g. --bs 1,2,4,8 (the goal's batch sizes: a shorter run)
 status=0
 
 if ! $PY -c "import flashinfer" >/dev/null 2>&1; then
@@ -54,10 +55,10 @@ if [ -n "${GPU_SKIP_BENCH:-}" ]; then
   exit $status
 fi
 start=$(date +%s)
-timeout "$T_BENCH" $PY -m harness.bench --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.txt" || status=1
-timeout "$T_BENCH" $PY -m harness.bench --dtype bfloat16 --json "$OUT/bench_bf16.json" 2>&1 | tee -a "$OUT/bench.txt" || status=1
+timeout "$T_BENCH" $PY -m harness.bench $BENCH_ARGS --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.txt" || status=1
+timeout "$T_BENCH" $PY -m harness.bench $BENCH_ARGS --dtype bfloat16 --json "$OUT/bench_bf16.json" 2>&1 | tee -a "$OUT/bench.txt" || status=1
 # the same model (head_dim 64) for every backend, so flashinfer's row compares with the others'
-timeout "$T_BENCH" $PY -m harness.bench --model hd64 --json "$OUT/bench_hd64.json" 2>&1 | tee -a "$OUT/bench.txt" || status=1
+timeout "$T_BENCH" $PY -m harness.bench $BENCH_ARGS --model hd64 --json "$OUT/bench_hd64.json" 2>&1 | tee -a "$OUT/bench.txt" || status=1
 echo "bench: $(( $(date +%s) - start )) s" | tee -a "$OUT/bench.txt"
 if [ -n "${GPU_PROFILE:-}" ]; then
   timeout "$T_BENCH" $PY benchmarks/profile_iter.py --backends "${GPU_PROFILE_BACKENDS:-torch,triton,flashinfer}" > "$OUT/profile.txt" 2>&1 || status=1

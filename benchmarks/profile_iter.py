@@ -43,13 +43,16 @@ def _profile_backend(comm, backend: str, model_choice: str, dtype: str, bs_list:
             host.append((time.perf_counter() - t0) * 1e3)
         torch.cuda.synchronize()
         dev = statistics.median(_Timer(torch.device("cuda")).measure(it, reps, 5))
+        _, synced = _runner_calls(rig, batch.inputs, rig.decode_inputs(batch, seed=i), rig.verify_lanes(batch, seed=i), host_copies=False)
+        dev_synced = statistics.median(_Timer(torch.device("cuda")).measure(synced["iteration"], reps, 5))
         parts = {name: statistics.median(_Timer(torch.device("cuda")).measure(graph[name], reps, 5)) for name in ("extend", "decode", "verify")}
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             for _ in range(reps):
                 it()
             torch.cuda.synchronize()
         out.append(f"=== {backend} {model_choice} {dtype} bs {bs}: host {statistics.median(host):.3f} ms/iter (no sync), "
-                   f"events {dev:.3f} ms/iter; " + ", ".join(f"{k} {v:.3f}" for k, v in parts.items()) + f"; profiled {reps} iterations")
+                   f"events {dev:.3f} ms/iter; " + ", ".join(f"{k} {v:.3f}" for k, v in parts.items()) + f"; profiled {reps} iterations; "
+                   f"inputs without host copies (each fill reads the lengths back: a sync per runner) {dev_synced:.3f} ms/iter")
         out.append(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=60))
         out.append(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=15, max_name_column_width=60))
         release(rig.worker, batch)

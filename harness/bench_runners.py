@@ -15,13 +15,12 @@ tests/test_gpu_runners.py drives the same rig for P1 / P3 and the CPU-vs-GPU com
 from __future__ import annotations
 
 import statistics
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Optional
 
 import torch
 
 from harness.scenario import Iteration, MaterializedBatch, RequestSpec, Scenario, materialize, release
-from runners.attention.torch_ref import TorchAttnBackend
 from runners.config import ModelConfig, SpecConfig
 from runners.cuda_graph import DraftExtendGraphDriver
 from runners.draft_extend import DraftWorker, run_eager
@@ -60,10 +59,11 @@ class RunnerRig:
         k, bs, dev = w.spec.topk, inp.bs, w.device
         g = torch.Generator().manual_seed(seed)
         seq = inp.seq_lens - w.spec.num_tokens_per_bs  # the KV-ready prefix
+        seq_cpu = inp.seq_lens_cpu - w.spec.num_tokens_per_bs  # its host copy, as the scheduler keeps it
         p = torch.rand(bs, k, generator=g).sort(dim=1, descending=True).values
         ids = torch.randint(0, w.cfg.vocab_size, (bs, k), generator=g)
         hid = torch.randn(bs, w.cfg.hidden_size, generator=g).to(w.cfg.torch_dtype)
-        return DraftDecodeInputs(p.to(dev), ids.to(dev), hid.to(dev), seq, inp.req_pool_indices, seq.repeat_interleave(k), [bs])
+        return DraftDecodeInputs(p.to(dev), ids.to(dev), hid.to(dev), seq, inp.req_pool_indices, seq.repeat_interleave(k), [bs], seq_cpu)
 
     def verify_lanes(self, batch: MaterializedBatch, seed: int) -> list[Lane]:
         T = self.worker.spec.num_tokens_per_bs
@@ -75,7 +75,7 @@ class RunnerRig:
         return verify_inputs(lanes, [len(lanes)], self.worker.device)
 
     def eager_decode(self, inp: DraftDecodeInputs):
-        return run_eager_decode(self.worker, inp, TorchAttnBackend(self.worker.req_pool, self.worker.kv_pool))
+        return run_eager_decode(self.worker, inp)  # the worker's backend: the one its graph runner captured
 
     def eager_verify(self, lanes: list[Lane]):
         return self.target.forward_synced(lanes, [len(lanes) * self.worker.spec.num_tokens_per_bs])
@@ -113,9 +113,13 @@ def _ms(timer, fn, args) -> float:
     return statistics.median(timer.measure(fn, args.replays, args.warmup))
 
 
-def _runner_calls(rig: RunnerRig, ext, dec: DraftDecodeInputs, lanes: list[Lane]) -> tuple[dict, dict]:
-    """Eager and graph calls per runner, and the iteration (the three back to back)."""
+def _runner_calls(rig: RunnerRig, ext, dec: DraftDecodeInputs, lanes: list[Lane], host_copies: bool = True) -> tuple[dict, dict]:
+    """Eager and graph calls per runner, and the iteration (the three back to back). host_copies=False drops the
+    inputs' host lengths (and verify mask), so every graph runner's fill reads them back from the device (a sync each)."""
     ver = rig.verify_inputs(lanes)
+    if not host_copies:
+        ext, dec = replace(ext, seq_lens_cpu=None), replace(dec, seq_lens_cpu=None)
+        ver = replace(ver, seq_lens_cpu=None, custom_mask_cpu=None)
     eager = {"extend": lambda: run_eager(rig.worker, ext), "decode": lambda: rig.eager_decode(dec), "verify": lambda: rig.eager_verify(lanes)}
     graph = {"extend": lambda: rig.extend.run(ext), "decode": lambda: rig.decode.replay(dec), "verify": lambda: rig.verify.replay(ver)}
     for calls in (eager, graph):
@@ -142,13 +146,13 @@ def bench_runners_backend(comm, backend: str, args, device: torch.device, bs_lis
         release(rig.worker, batch)
         rows.append(row)
     return {"backend": backend, "model": model_name, "dtype": args.dtype, "graph_kind": gkind, "tokens_per_bs": spec.num_tokens_per_bs,
-            "draft_decode_attention": "torch reference (the draft decode's attention whatever the backend)", "rows": rows}
+            "rows": rows}
 
 
 def format_runner_table(results: list[dict], meta: dict) -> str:
     lines = [f"harness bench: every runner, single-layer EAGLE, TP1, {meta['dtype']}, {meta['num_steps']} steps, {meta['date']}, {meta['device']}",
              "eager vs graph, median ms; iteration = draft-extend + draft decode + verify back to back (no scheduler host work); "
-             "the draft decode attends with the torch reference on every backend"]
+             "every runner attends with the row's backend"]
     hdr = f"{'backend':<10} {'bs':>3}" + "".join(f" {n:>22}" for n in ("extend e/g (x)", "decode e/g (x)", "verify e/g (x)", "iteration e/g (x)"))
     for b in results:
         lines += ["", f"[{b['backend']}] model {b['model']}, T={b['tokens_per_bs']}, graphs: {b['graph_kind']}", hdr]

@@ -25,14 +25,14 @@ from harness.props.p1_records import check_replay_record, check_replay_rows
 from harness.props.p5_p6 import compare_acceptance
 from harness.ranks.simulated import SimulatedWorld
 from harness.spec_decode import case_session
-from harness.tolerances import Tol, eager_vs_graph
+from harness.tolerances import Tol, cross_layout, eager_vs_graph
 from harness.verdict import Verdict, merge_verdicts
-from runners.attention.torch_ref import TorchAttnBackend
 from runners.config import DEFAULT_MODEL, ModelConfig, SpecConfig
-from runners.draft_extend import DraftWorker
+from runners.draft_extend import SEQ_LEN_FILL_VALUE, DraftWorker
 from runners.eagle_draft import DraftDecodeInputs, run_eager_decode
 from runners.eagle_draft_graph import EAGLEDraftCudaGraphRunner
 from runners.graph_backend import GraphBackend
+from runners.memory import PADDING_ROW
 from runners.parallel.dp_attention import RankContext
 from runners.parallel.layout import ParallelLayout
 
@@ -77,17 +77,18 @@ def check_decode_case(case: Case, props: Sequence[str] = ("P1", "P3", "P6")) -> 
     return out
 
 
-def _compare_tree(v: Verdict, where: dict, ref: dict[str, torch.Tensor], got: dict[str, torch.Tensor], tol: Optional[Tol]) -> None:
+def _compare_tree(v: Verdict, where: dict, ref: dict[str, torch.Tensor], got: dict[str, torch.Tensor], tol: Optional[Tol],
+                  prop: str = "P3") -> None:
     """Tree structure exactly (a flipped node is a different proposal); probabilities and logits within tol (None: bitwise)."""
     for name in EXACT + CLOSE:
         v.checked += 1
         a, b = ref[name], got[name]
         if a.shape != b.shape:
-            v.fail("P3", name, where, tuple(a.shape), tuple(b.shape), "shape")
+            v.fail(prop, name, where, tuple(a.shape), tuple(b.shape), "shape")
         elif name in EXACT and not torch.equal(a, b):
-            v.fail("P3", name, where, a.tolist(), b.tolist(), "eager vs graph draft decode")
+            v.fail(prop, name, where, a.tolist(), b.tolist(), "eager vs graph draft decode" if prop == "P3" else "vs the reference")
         elif name in CLOSE and not (torch.equal(a, b) if tol is None else torch.allclose(a, b, rtol=tol.rtol, atol=tol.atol)):
-            v.fail("P3", name, where, "match", f"max |diff| {(a - b).abs().max().item():.3g}",
+            v.fail(prop, name, where, "match", f"max |diff| {(a - b).abs().max().item():.3g}",
                    "bitwise" if tol is None else f"rtol={tol.rtol} atol={tol.atol}: {tol.reason}")
 
 
@@ -104,16 +105,16 @@ def _poison(runner: EAGLEDraftCudaGraphRunner, raw_bs: int, live_row: int) -> No
     runner.hidden_states[raw_bs:].fill_(float("nan"))
 
 
-def check_decode_padded_lanes(topk: int, model: ModelConfig = DEFAULT_MODEL) -> Verdict:
+def check_decode_padded_lanes(topk: int, model: ModelConfig = DEFAULT_MODEL, backend: str = "torch") -> Verdict:
     """TP1: requests 1-3 in bucket 4 with every padded buffer poisoned and request 4 live but not in the batch: the
     real trees match the eager reference and no KV slot outside the batch's draft slots (and the padding slot) moves."""
     v = Verdict("P2")
-    where = {"layout": "tp1", "runner": "draft_decode", "topk": topk, "raw_bs": 3, "bs": 4}
+    where = {"layout": "tp1", "runner": "draft_decode", "backend": backend, "topk": topk, "raw_bs": 3, "bs": 4}
     spec = SpecConfig(num_steps=3, topk=topk, capture_bs=(1, 2, 4), max_running_requests=4, draft="single_layer")
 
     def run(comm) -> None:
         ctx = RankContext(ParallelLayout(), 0, comm)
-        eager, graph = (DraftWorker(ctx, model, spec, num_layers=1, max_reqs=8, num_slots=512) for _ in range(2))
+        eager, graph = (DraftWorker(ctx, model, spec, num_layers=1, attention_backend=backend, max_reqs=8, num_slots=512) for _ in range(2))
         kv = torch.randn(graph.kv_pool.k[0].shape, generator=torch.Generator().manual_seed(1))
         for w in (eager, graph):
             for r in range(1, 8):  # request r owns slots 64r .. 64r + 63; row 0 stays the padding row
@@ -127,7 +128,7 @@ def check_decode_padded_lanes(topk: int, model: ModelConfig = DEFAULT_MODEL) -> 
         inp = DraftDecodeInputs(torch.rand(3, topk, generator=g).sort(dim=1, descending=True).values,
                                 torch.randint(0, model.vocab_size, (3, topk), generator=g), torch.randn(3, model.hidden_size, generator=g),
                                 seq, torch.tensor([1, 2, 3]), seq.repeat_interleave(topk), [3])
-        ref = run_eager_decode(eager, inp, TorchAttnBackend(eager.req_pool, eager.kv_pool))
+        ref = run_eager_decode(eager, inp)
         before = graph.kv_pool.k[0].clone()
         _poison(runner, 3, live_row=4)
         try:
@@ -135,7 +136,7 @@ def check_decode_padded_lanes(topk: int, model: ModelConfig = DEFAULT_MODEL) -> 
         except (IndexError, RuntimeError) as err:
             v.fail("P2", "replay", where, "a replay", f"{type(err).__name__}: {str(err).splitlines()[0][:160]}", "a poisoned padded lane was read")
             return
-        _compare_tree(v, where, ref.tensors(), got.tensors(), eager_vs_graph("cpu", model.dtype))
+        _compare_tree(v, where, ref.tensors(), got.tensors(), eager_vs_graph("cpu", model.dtype, backend))
         moved = (before != graph.kv_pool.k[0]).flatten(1).any(dim=1)
         moved[0] = False  # the padding slot
         for r, s0 in zip((1, 2, 3), seq.tolist(), strict=True):
@@ -144,6 +145,55 @@ def check_decode_padded_lanes(topk: int, model: ModelConfig = DEFAULT_MODEL) -> 
 
     SimulatedWorld(ParallelLayout()).run(run)
     return v
+
+
+# ---- P4 over backends: the draft decode on a kernel backend vs the torch reference's, same inputs ----
+KERNEL_BACKENDS = ("triton",)  # the backends with a draft-decode kernel that run on CPU (flashinfer: tests/test_gpu_runners.py)
+
+
+def check_decode_backend(backend: str, topk: int, model: ModelConfig = DEFAULT_MODEL) -> Verdict:
+    """TP1 eager draft decode on `backend` against the torch reference backend (the oracle, as TP1 eager is P4's):
+    three requests with live KV past their seq_len and a fourth lane as the replay fills one (the padding row, seq_len
+    = fill, position 0). The tree exactly; probabilities and logits within P4's bound (the kernel's reassociated
+    attention sums, attn_vs_reference, carried through one layer and the lm_head; a key read wrongly is O(1))."""
+    v = Verdict("P4")
+    where = {"layout": "tp1", "runner": "draft_decode", "backend": backend, "oracle": "torch", "topk": topk}
+    spec = SpecConfig(num_steps=3, topk=topk, capture_bs=(4,), max_running_requests=4, draft="single_layer")
+
+    def run(comm) -> dict[str, dict[str, torch.Tensor]]:
+        ctx = RankContext(ParallelLayout(), 0, comm)
+        g = torch.Generator().manual_seed(11)
+        kv = torch.randn(2, 320, model.num_kv_heads, model.head_dim, generator=g)  # TP1: every KV head
+        seq = torch.cat([torch.randint(5, 40, (3,), generator=g), torch.tensor([SEQ_LEN_FILL_VALUE])])
+        inp = DraftDecodeInputs(torch.rand(4, topk, generator=g).sort(dim=1, descending=True).values,
+                                torch.randint(0, model.vocab_size, (4, topk), generator=g), torch.randn(4, model.hidden_size, generator=g),
+                                seq, torch.tensor([1, 2, 3, PADDING_ROW]), torch.cat([seq[:3], torch.zeros(1, dtype=seq.dtype)]).repeat_interleave(topk),
+                                [4])
+        trees = {}
+        for name in ("torch", backend):
+            w = DraftWorker(ctx, model, spec, num_layers=1, attention_backend=name, max_reqs=8, num_slots=320)
+            for r in range(1, 5):  # request r owns slots 64r .. 64r + 63, all holding KV
+                w.req_pool.req_to_token[r] = torch.arange(r * 64, r * 64 + 64)
+            w.kv_pool.k[0].copy_(kv[0])
+            w.kv_pool.v[0].copy_(kv[1])
+            trees[name] = run_eager_decode(w, inp).tensors()
+        return trees
+
+    trees = SimulatedWorld(ParallelLayout()).run(run)[0]
+    _compare_tree(v, where, trees["torch"], trees[backend], cross_layout(model.dtype, backend), prop="P4")
+    return v
+
+
+def probe_draft_decode_backends() -> dict[str, Verdict]:
+    """P4 backend vs reference for every kernel backend, topk 1 and 2; a probe never raises (a failure is "run")."""
+    try:
+        v = Verdict("P4")
+        for backend in KERNEL_BACKENDS:
+            for topk in (1, 2):
+                v.merge(check_decode_backend(backend, topk))
+        return {"P4": v}
+    except Exception as err:  # noqa: BLE001 - reported, never swallowed
+        return {"run": _run_failure("draft-decode-backends", err)}
 
 
 METADATA_SPECS = (SpecConfig(num_steps=3, topk=1, capture_bs=(1, 2, 4, 8), max_running_requests=8, draft="single_layer"),
@@ -156,9 +206,13 @@ def probe_draft_decode() -> dict[str, Verdict]:
     try:
         return _probe()
     except Exception as err:  # noqa: BLE001 - reported, never swallowed
-        v = Verdict("run")
-        v.fail("run", "probe", {"probe": "draft-decode"}, "the probe completes", type(err).__name__, str(err).splitlines()[0][:300] if str(err) else "")
-        return {"run": v}
+        return {"run": _run_failure("draft-decode", err)}
+
+
+def _run_failure(probe: str, err: Exception) -> Verdict:
+    v = Verdict("run")
+    v.fail("run", "probe", {"probe": probe}, "the probe completes", type(err).__name__, str(err).splitlines()[0][:300] if str(err) else "")
+    return v
 
 
 def _probe() -> dict[str, Verdict]:

@@ -162,6 +162,7 @@ class RunnerObserver:
             seq_lens_sum=int(inp.seq_lens.sum()) + (bs - raw_bs) * SEQ_LEN_FILL_VALUE,
             seq_lens_sum_actual=int(r.seq_lens[:bs].sum()),
             captured_bs=list(r.capture_bs),
+            host_mirror_stale_lanes=stale_host_mirror(r, bs),
         )
 
     def prepare(self, inp: LiveBatch) -> ReplayRecord:
@@ -173,6 +174,20 @@ class RunnerObserver:
         out = list(self.replays)
         self.replays.clear()
         return out
+
+
+def stale_host_mirror(r: Any, bs: int) -> Optional[list[int]]:
+    """The bucket's lanes whose host mirror (seq_lens_cpu; a verify runner's custom_mask_cpu) differs from the
+    device buffer the graph reads: a host-planned backend (flashinfer) plans the replay from the mirror, so a
+    stale lane there gets another lane length's plan than the graph's kernels see. None: the runner keeps none."""
+    host = getattr(r, "seq_lens_cpu", None)
+    if host is None:
+        return None
+    stale = host[:bs] != r.seq_lens[:bs].cpu()
+    mask = getattr(r, "custom_mask_cpu", None)
+    if mask is not None:
+        stale |= (mask[:bs] != r.custom_mask[:bs].cpu()).flatten(1).any(1)
+    return stale.nonzero().flatten().tolist()
 
 
 def _with_output(rec: ReplayRecord, out: Any) -> ReplayRecord:

@@ -46,6 +46,7 @@ class ReplayRecord:
     rows_fed: Optional[int] = None
     logits_rows: Optional[int] = None
     captured_bs: list[int] = field(default_factory=list)
+    host_mirror_stale_lanes: Optional[list[int]] = None  # lanes whose host seq_lens / tree mask differ from the device's (None: no mirror)
 
 
 def tensor_values(t: Optional[torch.Tensor]) -> Optional[list[int]]:

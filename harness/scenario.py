@@ -122,6 +122,7 @@ def materialize(worker: DraftWorker, sc: Scenario, it: Iteration) -> Materialize
         hidden_states=cat(hidden, (0, cfg.hidden_size), cfg.torch_dtype),
         accept_lens=torch.tensor(accept, dtype=i64, device=dev),
         dp_batch_sizes=[len(reqs)],  # replaced by the MLP sync (a collective) when the rank runs
+        seq_lens_cpu=torch.tensor(seq_lens, dtype=i64),
     )
     return MaterializedBatch(inputs, [r.rid for r in reqs], all_slots)
 

@@ -10,7 +10,7 @@ from typing import Callable
 
 from harness.case import load_case
 from harness.checks import check_case
-from harness.decode_props import probe_draft_decode
+from harness.decode_props import probe_draft_decode, probe_draft_decode_backends
 from harness.layout import all_layouts
 from harness.p7 import probe_idle_ranks
 from harness.props.p1_metadata import check_metadata
@@ -60,13 +60,14 @@ def probe_cases() -> dict[str, Verdict]:
 
 
 # Every probe, in the order a mutant without a probe list runs them (the costly ones moved last):
-# P1 metadata grid, P1/P3/P4 cases, P7 idle ranks, P2/P5/P6/P8 over the loop, the draft decode.
+# P1 metadata grid, P1/P3/P4 cases, P7 idle ranks, P2/P5/P6/P8 over the loop, the draft decode, its kernels vs the reference.
 PROBES: list[tuple[str, Probe]] = [
     ("metadata-grid", probe_metadata_grid),
     ("cases", probe_cases),
     ("p7-idle-ranks", probe_idle_ranks),
     *SPEC_PROBES,
     ("draft-decode", probe_draft_decode),
+    ("draft-decode-backends", probe_draft_decode_backends),
 ]
 if len({n for n, _ in PROBES}) != len(PROBES):
     raise ImportError("two probes share an id: " + ", ".join(n for n, _ in PROBES))

@@ -15,6 +15,12 @@ import torch
 from runners.parallel.layout import DpPaddingMode
 
 
+def host_copy(host: Optional[torch.Tensor], device_tensor: torch.Tensor) -> torch.Tensor:
+    """The host copy a caller kept (the scheduler knows every length on the host), else one read back
+    from the device: a sync, which a caller that keeps its host values never pays."""
+    return host if host is not None else device_tensor.cpu()
+
+
 class ForwardMode(Enum):
     EXTEND = auto()  # prefill of a prefix
     DECODE = auto()
@@ -52,6 +58,7 @@ class EagleVerifyInput:
 
     draft_token_num: int  # T, host: baked
     custom_mask: torch.Tensor  # [bs, T, T] bool, mask[b, i, j]: node i of lane b sees node j
+    custom_mask_cpu: Optional[torch.Tensor] = None  # host copy of custom_mask, for a host-side plan (None: none kept)
 
 
 @dataclass
@@ -67,6 +74,7 @@ class ForwardBatch:
     extend_start_loc: torch.Tensor  # [bs]
     spec_info: Optional[EagleDraftInput | EagleVerifyInput]
     extend_seq_lens_cpu: list[int] = field(default_factory=list)
+    seq_lens_cpu: Optional[torch.Tensor] = None  # host copy of seq_lens: a host-planned backend reads it, not the device
     extend_num_tokens: int = 0
     num_token_non_padded: int = 0
     seq_lens_sum: int = 0

@@ -14,7 +14,7 @@ from typing import Optional
 
 import torch
 
-from runners.batch import EagleDraftInput, ForwardBatch, ForwardMode
+from runners.batch import EagleDraftInput, ForwardBatch, ForwardMode, host_copy
 from runners.dp_metadata import GatheredMetadata
 from runners.draft_extend import (
     SEQ_LEN_FILL_VALUE,
@@ -65,6 +65,7 @@ class EagleDraftExtendCudaGraphRunnerBase(DraftExtendGraphRunner):
             input_ids=buffers.input_ids[:num_tokens],
             positions=buffers.positions[:num_tokens],
             seq_lens=buffers.seq_lens[:bs],
+            seq_lens_cpu=buffers.seq_lens_cpu[:bs],
             req_pool_indices=buffers.req_pool_indices[:bs],
             out_cache_loc=buffers.out_cache_loc[:num_tokens],
             extend_seq_lens=buffers.extend_seq_lens[:bs],
@@ -97,6 +98,7 @@ class EagleDraftExtendCudaGraphRunnerBase(DraftExtendGraphRunner):
         self.positions.zero_()
         self.out_cache_loc.fill_(PADDING_SLOT)
         self.seq_lens.fill_(SEQ_LEN_FILL_VALUE)
+        self.seq_lens_cpu.fill_(SEQ_LEN_FILL_VALUE)
         self.req_pool_indices.fill_(PADDING_ROW)
         self.num_correct_drafts[:raw_bs].copy_(accept_lens - 1)
         self.num_accept_tokens[:raw_bs].copy_(accept_lens)
@@ -108,10 +110,11 @@ class EagleDraftExtendCudaGraphRunnerBase(DraftExtendGraphRunner):
         self.positions[:raw_n].copy_(inp.positions)
         self.hidden_states[:raw_n].copy_(inp.hidden_states)
         self.seq_lens[: inp.bs].copy_(inp.seq_lens)
+        self.seq_lens_cpu[: inp.bs].copy_(host_copy(inp.seq_lens_cpu, inp.seq_lens))
         self.req_pool_indices[: inp.bs].copy_(inp.req_pool_indices)
 
     def _fill_for_replay(self, inp: DraftExtendInputs) -> int:
-        """Copy-in and replay fill; returns the bucket. Device work only: no host sync."""
+        """Copy-in and replay fill; returns the bucket. Device work and host copies only: no device sync when inp carries its host lengths."""
         bs = self._choose_bucket(self._needed_bs(inp))
         self._copy_live_inputs(inp)
         if self.global_num_tokens_gpu is not None:

@@ -35,7 +35,6 @@ from typing import Optional, Sequence
 import torch
 
 from runners.attention import make_backend
-from runners.attention.torch_ref import TorchAttnBackend
 from runners.config import ModelConfig, SpecConfig
 from runners.cuda_graph import DraftExtendGraphDriver
 from runners.draft_extend import (
@@ -50,6 +49,7 @@ from runners.eagle_draft import (
     DraftDecodeInputs,
     DraftDecodeOutputs,
     check_draft_window,
+    require_draft_decode,
     run_eager_decode,
     tree_proposals,
 )
@@ -95,10 +95,11 @@ class EagleProposer:
         # one request map per rank, written by the scheduler, read by target and draft (as in the engine)
         w.req_pool = req_pool
         w.attn = make_backend(attention_backend, req_pool=req_pool, kv_pool=w.kv_pool)
+        if self.single_layer and spec.num_steps > 1:
+            require_draft_decode(w.attn)  # the draft decode attends with the case's backend, eager and graph alike
         self.worker = w
         self.driver: Optional[DraftExtendGraphDriver] = None
         self.decode_graph: Optional[EAGLEDraftCudaGraphRunner] = None
-        self.decode_attn = TorchAttnBackend(req_pool, w.kv_pool)  # draft decode reads a lane's slot column: the reference math
         self.last_outs: list[StepOutputs] = []
         self.last_decode: Optional[DraftDecodeOutputs] = None
 
@@ -189,7 +190,7 @@ class EagleProposer:
         else:
             if g is not None:
                 g.backend.stats.eager_fallbacks += 1
-            dout = run_eager_decode(self.worker, inp, self.decode_attn)
+            dout = run_eager_decode(self.worker, inp)
         self.last_decode = dout
         return tree_proposals(inp.topk_index, dout, S)
 

@@ -36,6 +36,7 @@ class DraftExtendInputs:
     hidden_states: torch.Tensor  # [bs*T, H]
     accept_lens: torch.Tensor  # [bs] num_accept_tokens, in 1..T
     dp_batch_sizes: list[int]  # every DP group's bs (from the MLP sync); [bs] without DP attention
+    seq_lens_cpu: Optional[torch.Tensor] = None  # [bs] host copy of seq_lens, as the scheduler knows them
 
     @property
     def bs(self) -> int:

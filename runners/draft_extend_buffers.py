@@ -30,6 +30,7 @@ class DraftExtendInputBuffers:
     positions: torch.Tensor
     out_cache_loc: torch.Tensor
     seq_lens: torch.Tensor
+    seq_lens_cpu: torch.Tensor  # host mirror of seq_lens, what a host-planned backend plans the replay with
     req_pool_indices: torch.Tensor
     num_correct_drafts: torch.Tensor
     num_accept_tokens: torch.Tensor
@@ -55,6 +56,7 @@ class DraftExtendInputBuffers:
             positions=torch.zeros(n, **i64),
             out_cache_loc=torch.full((n,), PADDING_SLOT, **i64),
             seq_lens=torch.full((max_bs,), SEQ_LEN_FILL_VALUE, **i64),
+            seq_lens_cpu=torch.full((max_bs,), SEQ_LEN_FILL_VALUE, dtype=torch.int64),
             req_pool_indices=torch.zeros(max_bs, **i64),
             num_correct_drafts=torch.ones(max_bs, **i64),
             num_accept_tokens=torch.ones(max_bs, **i64),

@@ -12,8 +12,9 @@ KV: the write location of lane (b, t) at step s is req_to_token[req_pool_indices
 seq_lens[b] + t * (num_steps - 1) + s], looked up for every step at the start of the body
 (`assign_draft_cache_locs`, gathers only) and read per step. A lane attends to its request's
 prefix (positions < seq_len, through the request's req_to_token row) and to its own lane's
-draft tokens of the steps so far, as the engine's draft-decode attention does (a lane's
-earlier tokens are those its slot column holds, not necessarily its tree ancestors). Since
+draft tokens of the steps so far, as the engine's multi-step draft backends do (a lane's
+earlier tokens are those its slot column holds, not necessarily its tree ancestors), through
+the worker's attention backend (the case's): `init_draft_decode_metadata(fb, locs, step)`. Since
 the lookup runs in the graph, a padded lane's request row decides where it writes: the
 replay fill (row 0, the padding row) sends it to the padding slot, and a stale row would
 write into a live request's prefix.
@@ -25,7 +26,6 @@ from typing import Optional
 
 import torch
 
-from runners.attention.torch_ref import AttnMetadata, TorchAttnBackend
 from runners.batch import ForwardBatch, ForwardMode
 from runners.dp_metadata import gathered_metadata
 from runners.draft_extend import DraftWorker
@@ -54,6 +54,7 @@ class DraftDecodeInputs:
     req_pool_indices: torch.Tensor  # [bs]
     positions: torch.Tensor  # [bs * topk] every lane starts at its request's seq_len
     dp_batch_sizes: list[int]  # every DP group's bs (from the MLP sync); [bs] without DP attention
+    seq_lens_cpu: Optional[torch.Tensor] = None  # [bs] host copy of seq_lens (None: not kept)
 
     @property
     def bs(self) -> int:
@@ -119,16 +120,12 @@ def select_top_k_tokens(i: int, topk_p: torch.Tensor, topk_index: torch.Tensor, 
     return input_ids, hidden[lane], best_p, parents
 
 
-def draft_decode_attn_metadata(req_to_token: torch.Tensor, fb: ForwardBatch, locs: torch.Tensor, step: int, topk: int) -> AttnMetadata:
-    """Keys of lane (b, t) at `step`: the prefix of request b, then its own slot column up to this step."""
-    n = fb.positions.shape[0]
-    num_steps = locs.shape[-1]
-    lane_req = torch.arange(n, device=fb.positions.device) // topk
-    prefix = req_to_token[fb.req_pool_indices][lane_req]  # [N, C]
-    key_pos = torch.arange(prefix.shape[1], device=prefix.device)
-    prefix_mask = key_pos[None, :] < fb.seq_lens[lane_req][:, None]
-    draft_mask = (torch.arange(num_steps, device=prefix.device) <= step)[None, :].expand(n, num_steps)
-    return AttnMetadata(lane_req, torch.cat([prefix, locs.reshape(n, num_steps)], dim=1), torch.cat([prefix_mask, draft_mask], dim=1))
+def require_draft_decode(attn) -> None:
+    """A single-layer draft decode attends through `attn.init_draft_decode_metadata`: refuse a backend without it
+    when the draft is built, never substitute another backend's attention for it."""
+    if not callable(getattr(attn, "init_draft_decode_metadata", None)):
+        raise ValueError(f"attention backend {getattr(attn, 'name', type(attn).__name__)!r} has no init_draft_decode_metadata(fb, locs, step): "
+                         "it cannot run the single-layer EAGLE draft decode (draft = \"single_layer\" with num_steps > 1)")
 
 
 def advance_positions(positions: torch.Tensor) -> None:
@@ -136,8 +133,9 @@ def advance_positions(positions: torch.Tensor) -> None:
     positions.add_(1)
 
 
-def draft_decode_forward(worker: DraftWorker, fb: ForwardBatch, attn: TorchAttnBackend) -> DraftDecodeOutputs:
-    """The body shared by the eager reference, graph warm-up, capture and (simulated) replay.
+def draft_decode_forward(worker: DraftWorker, fb: ForwardBatch) -> DraftDecodeOutputs:
+    """The body shared by the eager reference, graph warm-up, capture and (simulated) replay; it attends with the
+    worker's backend (the case's), each step's metadata from `init_draft_decode_metadata`.
 
     fb.out_cache_loc holds bs * topk * (S - 1) slots (written here), fb.positions the lanes'
     positions (advanced here, in place, once per forward).
@@ -145,9 +143,8 @@ def draft_decode_forward(worker: DraftWorker, fb: ForwardBatch, attn: TorchAttnB
     info: DraftDecodeSpecInfo = fb.spec_info
     k, S, bs = info.topk, worker.spec.num_steps, fb.batch_size
     n, steps = bs * k, S - 1
-    layer, head, ctx = worker.model.layers[0], worker.model.head, worker.ctx
-    req_to_token = worker.req_pool.req_to_token
-    locs = assign_draft_cache_locs(req_to_token, fb.req_pool_indices, fb.seq_lens, k, steps, fb.out_cache_loc).view(bs, k, steps)
+    layer, head, ctx, attn = worker.model.layers[0], worker.model.head, worker.ctx, worker.attn
+    locs = assign_draft_cache_locs(worker.req_pool.req_to_token, fb.req_pool_indices, fb.seq_lens, k, steps, fb.out_cache_loc).view(bs, k, steps)
     per_step = locs.permute(2, 0, 1).reshape(steps, n)
     topk_p, topk_index, hidden, scores = info.topk_p, info.topk_index, info.hidden_states, None
     tokens, parents, score_list, child_index, child_p, step_logits, rows_fed = [], [], [], [], [], [], None
@@ -159,7 +156,7 @@ def draft_decode_forward(worker: DraftWorker, fb: ForwardBatch, attn: TorchAttnB
         if i == S - 1:
             break
         step_fb = replace(fb, input_ids=input_ids, out_cache_loc=per_step[i])
-        meta = draft_decode_attn_metadata(req_to_token, step_fb, locs, i, k)
+        meta = attn.init_draft_decode_metadata(step_fb, locs, i)
         hidden, normed = layer.forward(head.embed[input_ids], hidden, step_fb, attn, meta)
         lo = logits_processor(ctx, head, normed, step_fb)
         probs = torch.softmax(lo.next_token_logits.float(), dim=-1)
@@ -197,7 +194,7 @@ def decode_forward_batch(worker: DraftWorker, bs: int, positions: torch.Tensor, 
     )
 
 
-def run_eager_decode(worker: DraftWorker, inp: DraftDecodeInputs, attn: TorchAttnBackend) -> DraftDecodeOutputs:
+def run_eager_decode(worker: DraftWorker, inp: DraftDecodeInputs) -> DraftDecodeOutputs:
     """The reference: the same body over the live batch, metadata from the live DP sizes."""
     k, S, bs, dev = worker.spec.topk, worker.spec.num_steps, inp.bs, worker.device
     i64 = dict(dtype=torch.int64, device=dev)
@@ -206,7 +203,7 @@ def run_eager_decode(worker: DraftWorker, inp: DraftDecodeInputs, attn: TorchAtt
         torch.zeros(bs * k, **i64), DraftDecodeSpecInfo(inp.topk_p, inp.topk_index, inp.hidden_states, k),
         int(inp.seq_lens.sum()), [b * k for b in inp.dp_batch_sizes],
     )
-    return draft_decode_forward(worker, fb, attn)
+    return draft_decode_forward(worker, fb)
 
 
 def tree_proposals(first_topk: torch.Tensor, out: Optional[DraftDecodeOutputs], num_steps: int) -> list[Proposal]:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from runners.batch import EagleDraftInput, ForwardBatch, ForwardMode
+from runners.batch import EagleDraftInput, ForwardBatch, ForwardMode, host_copy
 from runners.draft_extend import SEQ_LEN_FILL_VALUE, DraftExtendInputs, DraftWorker, StepOutputs
 from runners.draft_extend_buffers import DraftExtendGraphRunner
 from runners.graph_backend import GraphBackend
@@ -56,6 +56,7 @@ class EagleDraftExtendCudaGraphRunner(DraftExtendGraphRunner):
             input_ids=buffers.input_ids[:num_tokens],
             positions=buffers.positions[:num_tokens],
             seq_lens=buffers.seq_lens[:bs],
+            seq_lens_cpu=buffers.seq_lens_cpu[:bs],
             req_pool_indices=buffers.req_pool_indices[:bs],
             out_cache_loc=buffers.out_cache_loc[:num_tokens],
             extend_seq_lens=buffers.extend_seq_lens[:bs],
@@ -87,12 +88,13 @@ class EagleDraftExtendCudaGraphRunner(DraftExtendGraphRunner):
         buffers.positions.zero_()
         buffers.out_cache_loc.fill_(PADDING_SLOT)
         buffers.seq_lens.fill_(SEQ_LEN_FILL_VALUE)
+        buffers.seq_lens_cpu.fill_(SEQ_LEN_FILL_VALUE)
         buffers.req_pool_indices.fill_(PADDING_ROW)
         buffers.num_correct_drafts.fill_(self.T - 1)
         buffers.num_accept_tokens.fill_(self.T)
 
     def _fill_for_replay(self, inp: DraftExtendInputs) -> int:
-        """Live lanes in, gathered counts written; returns the bucket. Device work only."""
+        """Live lanes in, gathered counts written; returns the bucket. No device sync when inp carries its host lengths."""
         raw_bs, buffers = inp.bs, self.buffers
         bs = self._choose_bucket(self._needed_bs(inp))
         num_tokens = raw_bs * self.T
@@ -100,6 +102,7 @@ class EagleDraftExtendCudaGraphRunner(DraftExtendGraphRunner):
             (buffers.input_ids[:num_tokens], inp.input_ids),
             (buffers.positions[:num_tokens], inp.positions),
             (buffers.seq_lens[:raw_bs], inp.seq_lens),
+            (buffers.seq_lens_cpu[:raw_bs], host_copy(inp.seq_lens_cpu, inp.seq_lens)),
             (buffers.req_pool_indices[:raw_bs], inp.req_pool_indices),
             (buffers.num_correct_drafts[:raw_bs], inp.accept_lens - 1),
             (buffers.num_accept_tokens[:raw_bs], inp.accept_lens),

@@ -6,17 +6,23 @@ request) and out_cache_loc (bs * topk * (num_steps - 1)) sized for the largest b
 capture_bs and `get_forward_batch(bs)`, whose gathered metadata counts bs * topk tokens (DECODE:
 every lane gets logits); a replay that copies the live requests in, fills the padded lanes,
 writes the gathered counts and replays. The step body is runners.eagle_draft's, shared with
-the eager reference.
+the eager reference, and attends with the worker's backend; a backend that plans on the host
+re-plans its per-step metadata before every replay (BucketedGraphRunner._replay_graph).
 """
 from __future__ import annotations
 
 import torch
 
-from runners.attention.torch_ref import TorchAttnBackend
-from runners.batch import ForwardBatch, ForwardMode
+from runners.batch import ForwardBatch, ForwardMode, host_copy
 from runners.dp_metadata import gathered_metadata
 from runners.draft_extend import SEQ_LEN_FILL_VALUE, DraftWorker
-from runners.eagle_draft import DraftDecodeInputs, DraftDecodeOutputs, DraftDecodeSpecInfo, draft_decode_forward
+from runners.eagle_draft import (
+    DraftDecodeInputs,
+    DraftDecodeOutputs,
+    DraftDecodeSpecInfo,
+    draft_decode_forward,
+    require_draft_decode,
+)
 from runners.graph_backend import GraphBackend
 from runners.graph_runner import BucketedGraphRunner, RunnerKind, compute_capture_bs
 from runners.memory import PADDING_ROW, PADDING_SLOT
@@ -44,11 +50,14 @@ class EAGLEDraftCudaGraphRunner(BucketedGraphRunner):
         self.positions = torch.zeros(n, **i64)
         self.out_cache_loc = torch.full((n * self.steps,), PADDING_SLOT, **i64)
         self.seq_lens = torch.full((self.max_bs,), SEQ_LEN_FILL_VALUE, **i64)
+        self.seq_lens_cpu = torch.full((self.max_bs,), SEQ_LEN_FILL_VALUE, dtype=torch.int64)  # host mirror: a host plan reads it
         self.req_pool_indices = torch.full((self.max_bs,), PADDING_ROW, **i64)
         self.topk_p = torch.zeros(self.max_bs, self.topk, dtype=torch.float32, device=dev)
         self.topk_index = torch.zeros(self.max_bs, self.topk, **i64)
         self.hidden_states = torch.zeros(self.max_bs, cfg.hidden_size, dtype=cfg.torch_dtype, device=dev)
-        self.attn = None if worker.req_pool is None else TorchAttnBackend(worker.req_pool, worker.kv_pool)
+        self.attn = worker.attn  # the case's backend (None: a metadata-only worker); replay re-plans it (graph_runner)
+        if self.attn is not None:
+            require_draft_decode(self.attn)
         self._init_gathered(dev)
         self.graphs: dict[int, object] = {}
         self.capture_batches: dict[int, ForwardBatch] = {}
@@ -79,6 +88,7 @@ class EAGLEDraftCudaGraphRunner(BucketedGraphRunner):
             input_ids=self.input_ids[:n],
             positions=self.positions[:n],
             seq_lens=self.seq_lens[:bs],
+            seq_lens_cpu=self.seq_lens_cpu[:bs],
             req_pool_indices=self.req_pool_indices[:bs],
             out_cache_loc=self.out_cache_loc[: n * self.steps],
             extend_seq_lens=self.seq_lens[:0],  # DECODE extends nothing
@@ -94,7 +104,7 @@ class EAGLEDraftCudaGraphRunner(BucketedGraphRunner):
 
     # ---- capture (§6.2) ----
     def _body(self, fb: ForwardBatch) -> DraftDecodeOutputs:
-        return draft_decode_forward(self.worker, fb, self.attn)
+        return draft_decode_forward(self.worker, fb)
 
     @property
     def comm(self):
@@ -117,6 +127,7 @@ class EAGLEDraftCudaGraphRunner(BucketedGraphRunner):
         if bs == raw_bs:
             return
         self.seq_lens.fill_(SEQ_LEN_FILL_VALUE)
+        self.seq_lens_cpu.fill_(SEQ_LEN_FILL_VALUE)
         self.req_pool_indices.fill_(PADDING_ROW)
         self.positions.zero_()
         self.topk_p.zero_()
@@ -129,6 +140,7 @@ class EAGLEDraftCudaGraphRunner(BucketedGraphRunner):
         self.topk_index[:raw_bs].copy_(inp.topk_index)
         self.hidden_states[:raw_bs].copy_(inp.hidden_states)
         self.seq_lens[:raw_bs].copy_(inp.seq_lens)
+        self.seq_lens_cpu[:raw_bs].copy_(host_copy(inp.seq_lens_cpu, inp.seq_lens))
         self.req_pool_indices[:raw_bs].copy_(inp.req_pool_indices)
         self.positions[: raw_bs * self.T].copy_(inp.positions)
 

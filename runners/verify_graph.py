@@ -19,7 +19,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from runners.batch import EagleVerifyInput, ForwardBatch, ForwardMode
+from runners.batch import EagleVerifyInput, ForwardBatch, ForwardMode, host_copy
 from runners.config import ModelConfig, SpecConfig
 from runners.dp_metadata import gathered_metadata
 from runners.draft_extend import SEQ_LEN_FILL_VALUE
@@ -42,6 +42,8 @@ class VerifyInputs:
     dp_batch_sizes: list[int]  # every DP group's bs (from the MLP sync); [bs] without DP attention
     custom_mask: Optional[torch.Tensor] = None  # [bs, T, T] bool: the tree mask of every lane (None: chains)
     parents: list[list[int]] = field(default_factory=list)  # host: every lane's tree (what built the mask); [] for chains
+    seq_lens_cpu: Optional[torch.Tensor] = None  # [bs] host copies, as the scheduler knows them (None: not kept)
+    custom_mask_cpu: Optional[torch.Tensor] = None  # [bs, T, T]
 
     @property
     def bs(self) -> int:
@@ -55,15 +57,18 @@ def verify_inputs(lanes: Sequence[Lane], dp_batch_sizes: list[int], device: torc
     flat = lambda xs: torch.tensor([x for lane_xs in xs for x in lane_xs], **i64)  # noqa: E731
     parents = [list(lane.parents) if lane.parents is not None else list(range(-1, len(lane.tokens) - 1)) for lane in lanes]
     T = len(lanes[0].tokens) if lanes else T or 0
-    masks = [tree_mask(p) for p in parents]
+    masks = torch.stack([tree_mask(p) for p in parents]) if parents else torch.zeros(0, T, T, dtype=torch.bool)
+    seq_lens = torch.tensor([lane.seq_len for lane in lanes], dtype=torch.int64)
     return VerifyInputs(
         input_ids=flat([lane.tokens for lane in lanes]),
         positions=flat([Lane(lane.req_pool_idx, lane.start, lane.tokens, p).positions for lane, p in zip(lanes, parents, strict=True)]),
-        seq_lens=torch.tensor([lane.seq_len for lane in lanes], **i64),
+        seq_lens=seq_lens.to(device),
         req_pool_indices=torch.tensor([lane.req_pool_idx for lane in lanes], **i64),
         dp_batch_sizes=list(dp_batch_sizes),
-        custom_mask=torch.stack(masks).to(device) if masks else torch.zeros(0, T, T, dtype=torch.bool, device=device),
+        custom_mask=masks.to(device),
         parents=parents,
+        seq_lens_cpu=seq_lens,
+        custom_mask_cpu=masks,
     )
 
 
@@ -86,11 +91,14 @@ class TargetVerifyCudaGraphRunner(BucketedGraphRunner):
         self.positions = torch.zeros(n, **i64)
         self.out_cache_loc = torch.full((n,), PADDING_SLOT, **i64)
         self.seq_lens = torch.full((self.max_bs,), SEQ_LEN_FILL_VALUE, **i64)
+        self.seq_lens_cpu = torch.full((self.max_bs,), SEQ_LEN_FILL_VALUE, dtype=torch.int64)  # host mirrors: a host plan reads these
         self.req_pool_indices = torch.zeros(self.max_bs, **i64)
         self.extend_seq_lens = torch.full((self.max_bs,), self.T, **i64)
         self.extend_start_loc = torch.arange(self.max_bs, **i64) * self.T
-        self.chain_mask = chain_mask(self.T).to(dev)  # the canonical mask of a padded lane
+        self.chain_mask_cpu = chain_mask(self.T)  # the canonical mask of a padded lane
+        self.chain_mask = self.chain_mask_cpu.to(dev)
         self.custom_mask = self.chain_mask.repeat(self.max_bs, 1, 1)
+        self.custom_mask_cpu = self.chain_mask_cpu.repeat(self.max_bs, 1, 1)
         rows = n if target is not None else 0  # outputs only; a metadata-only runner never runs the body
         self.hidden_buffer = torch.zeros(rows, cfg.hidden_size, dtype=cfg.torch_dtype, device=dev)
         self.logits_buffer = torch.zeros(rows, cfg.vocab_size, dtype=torch.float32, device=dev)
@@ -109,11 +117,12 @@ class TargetVerifyCudaGraphRunner(BucketedGraphRunner):
             input_ids=self.input_ids[:n],
             positions=self.positions[:n],
             seq_lens=self.seq_lens[:bs],
+            seq_lens_cpu=self.seq_lens_cpu[:bs],
             req_pool_indices=self.req_pool_indices[:bs],
             out_cache_loc=self.out_cache_loc[:n],
             extend_seq_lens=self.extend_seq_lens[:bs],
             extend_start_loc=self.extend_start_loc[:bs],
-            spec_info=EagleVerifyInput(self.T, self.custom_mask[:bs]),
+            spec_info=EagleVerifyInput(self.T, self.custom_mask[:bs], self.custom_mask_cpu[:bs]),
             extend_seq_lens_cpu=[self.T] * bs,
             extend_num_tokens=n,
             num_token_non_padded=n,
@@ -145,7 +154,13 @@ class TargetVerifyCudaGraphRunner(BucketedGraphRunner):
         self.positions[:raw_n].copy_(inp.positions)
         self.seq_lens[: inp.bs].copy_(inp.seq_lens)
         self.req_pool_indices[: inp.bs].copy_(inp.req_pool_indices)
-        self.custom_mask[: inp.bs].copy_(inp.custom_mask if inp.custom_mask is not None else self.chain_mask.expand(inp.bs, -1, -1))
+        if inp.custom_mask is None:  # chains
+            mask, host_mask = self.chain_mask.expand(inp.bs, -1, -1), self.chain_mask_cpu.expand(inp.bs, -1, -1)
+        else:
+            mask, host_mask = inp.custom_mask, host_copy(inp.custom_mask_cpu, inp.custom_mask)
+        self.custom_mask[: inp.bs].copy_(mask)
+        self.custom_mask_cpu[: inp.bs].copy_(host_mask)
+        self.seq_lens_cpu[: inp.bs].copy_(host_copy(inp.seq_lens_cpu, inp.seq_lens))
 
     def _fill_padded_lanes(self, raw_bs: int) -> None:
         """The replay fill of the lanes past the live batch (they hold the last, larger batch's values).
@@ -169,6 +184,8 @@ class TargetVerifyCudaGraphRunner(BucketedGraphRunner):
         self.positions[raw_n:].zero_()
         self.req_pool_indices[raw_bs:].zero_()
         self.custom_mask[raw_bs:].copy_(self.chain_mask)
+        self.seq_lens_cpu[raw_bs:].fill_(SEQ_LEN_FILL_VALUE)
+        self.custom_mask_cpu[raw_bs:].copy_(self.chain_mask_cpu)
 
     def _fill_gathered(self, bs: int) -> None:
         """The logits gather reads its row counts from these: bs * T per DP group, as baked at capture."""
@@ -177,7 +194,7 @@ class TargetVerifyCudaGraphRunner(BucketedGraphRunner):
             self.global_num_tokens_for_logprob_gpu.fill_(bs * self.T)
 
     def _fill_for_replay(self, inp: VerifyInputs) -> int:
-        """Copy-in and replay fill; returns the bucket. Device work only: no host sync."""
+        """Copy-in and replay fill; returns the bucket. Device work and host copies only: no device sync when inp carries its host lengths."""
         bs = self._choose_bucket(self._needed_bs(inp))
         self._copy_live_inputs(inp)
         self._fill_padded_lanes(inp.bs)

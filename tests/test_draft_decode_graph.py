@@ -9,7 +9,6 @@ from harness.decode_props import check_decode_case, check_decode_padded_lanes
 from harness.observe import RunnerObserver
 from harness.props.p1_metadata import check_decode_metadata
 from harness.ranks.simulated import SimulatedWorld
-from runners.attention.torch_ref import TorchAttnBackend
 from runners.config import ModelConfig, SpecConfig
 from runners.draft_extend import DraftWorker
 from runners.eagle_draft import (
@@ -131,7 +130,7 @@ def test_eager_vs_graph_bitwise_at_a_full_bucket(topk):
         observer = RunnerObserver(runner).attach()
         runner.capture()
         inp = _inputs(4, topk, seed=3)  # bucket 4 = raw bs: the same ops on the same shapes
-        e = run_eager_decode(eager, inp, TorchAttnBackend(eager.req_pool, eager.kv_pool))
+        e = run_eager_decode(eager, inp)
         g = runner.replay(inp)
         assert runner.backend.stats.replays == 1 and [r.bs for r in observer.replays] == [4]
         for name, t in e.tensors().items():
@@ -149,13 +148,12 @@ def _stale_row_run(comm, topk):
     runner = EAGLEDraftCudaGraphRunner(graph, GraphBackend("sim"))
     observer = RunnerObserver(runner).attach()
     runner.capture()
-    attn = TorchAttnBackend(eager.req_pool, eager.kv_pool)
     big = _inputs(4, topk, seed=5)
-    run_eager_decode(eager, big, attn)
+    run_eager_decode(eager, big)
     runner.replay(big)
     before = graph.kv_pool.k[0].clone()
     small = _inputs(3, topk, seed=6, rows=[1, 2, 3])
-    e = run_eager_decode(eager, small, attn)
+    e = run_eager_decode(eager, small)
     g = runner.replay(small)
     rec = observer.replays[-1]
     assert (rec.raw_bs, rec.bs) == (3, 4)

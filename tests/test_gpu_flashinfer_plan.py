@@ -1,10 +1,12 @@
 """flashinfer's replay plan: once per iteration for the multi-layer draft-extend steps of a bucket,
-and again whenever what it reads was written.
+and again whenever what it reads was written; from host lengths (no device read-back) when the
+batch carries them; the draft decode's per-step plans.
 
-CPU: the two pieces the plan is made of (the KV slot list, the key of what a plan read) against
-values written out by hand. GPU (marker `gpu`): the plan count over real iterations, and that a
-plan kept past a change of the lengths is caught by P3 (flashinfer runs on a GPU only, so the
-stale-plan break cannot be a CPU mutant).
+CPU: the pieces the plan is made of (the KV slot list, the draft decode's too; the key of what a plan
+read; where it reads the lengths from) against values written out by hand. GPU (marker `gpu`): the
+plan count over real iterations, that a plan kept past a change of the lengths is caught by P3
+(flashinfer runs on a GPU only, so the stale-plan break cannot be a CPU mutant), the draft-decode
+attention against the torch reference, and the runners' replay plans reading no length back.
 """
 from __future__ import annotations
 
@@ -18,8 +20,8 @@ from harness.props.p3 import check_eager_vs_graph
 from harness.ranks.simulated import SimulatedWorld
 from harness.scenario import Iteration, RequestSpec, Scenario, materialize, release
 from runners.attention import BACKENDS, unavailable_reason
-from runners.attention.flashinfer_backend import paged_kv_indices, plan_inputs_key
-from runners.batch import ForwardMode
+from runners.attention.flashinfer_plan import paged_kv_indices, plan_inputs_key, plan_sources
+from runners.batch import EagleVerifyInput, ForwardMode
 
 
 def _need_flashinfer() -> None:
@@ -37,6 +39,26 @@ def test_paged_kv_indices_concatenates_each_requests_first_slots():
 
 def test_paged_kv_indices_of_no_request_is_empty():
     assert paged_kv_indices(torch.zeros(2, 4, dtype=torch.int64), torch.zeros(0, dtype=torch.int64), []).numel() == 0
+
+
+def test_paged_kv_indices_of_the_draft_decode_append_each_lanes_own_slots():
+    req_to_token = torch.arange(60).view(6, 10) + 100
+    tail = torch.tensor([[7, 8, 9], [4, 5, 6]])  # each lane's draft slots of steps 0..2
+    got = paged_kv_indices(req_to_token, torch.tensor([3, 0]), [2, 1], tail, tail_len=2)  # step 1: two own slots
+    assert got.tolist() == [130, 131, 7, 8, 100, 4, 5]
+
+
+def test_plan_reads_host_copies_only_when_the_batch_has_all_it_needs():
+    seq, host = torch.tensor([5, 6]), torch.tensor([5, 6])
+    fb = SimpleNamespace(seq_lens=seq, seq_lens_cpu=host, spec_info=None)
+    assert plan_sources(fb)[0] is host and plan_sources(fb)[1] is None
+    mask, host_mask = torch.ones(2, 3, 3, dtype=torch.bool).tril(), torch.ones(2, 3, 3, dtype=torch.bool).tril()
+    fb.spec_info = EagleVerifyInput(3, mask)  # a verify batch without a host mask: both from the device, in one read
+    assert plan_sources(fb)[0] is seq and plan_sources(fb)[1] is mask
+    fb.spec_info = EagleVerifyInput(3, mask, host_mask)
+    assert plan_sources(fb)[0] is host and plan_sources(fb)[1] is host_mask
+    fb.seq_lens_cpu = None
+    assert plan_sources(fb)[0] is seq and plan_sources(fb)[1] is mask
 
 
 def _batch(seq_buf: torch.Tensor, rpi_buf: torch.Tensor, bs: int, mode=ForwardMode.DRAFT_EXTEND_V2):
@@ -162,8 +184,6 @@ def test_flashinfer_verify_graph_runs_chains_and_refuses_a_tree_at_its_replay_pl
 
 
 def test_plan_key_of_a_verify_batch_reads_its_mask_buffer():
-    from runners.batch import EagleVerifyInput
-
     seq, rpi, r2t = torch.full((4,), 1), torch.zeros(4, dtype=torch.int64), torch.zeros(5, 16, dtype=torch.int64)
     mask = torch.ones(4, 4, 4, dtype=torch.bool).tril()
     fb = _batch(seq, rpi, 4, ForwardMode.TARGET_VERIFY)
@@ -171,3 +191,75 @@ def test_plan_key_of_a_verify_batch_reads_its_mask_buffer():
     before = plan_inputs_key(fb, r2t, 8)
     mask[1, 2, 1].fill_(False)  # a tree written into the graph's mask buffer: the plan must see it
     assert plan_inputs_key(fb, r2t, 8) != before
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("topk", [1, 2])
+def test_flashinfer_draft_decode_attention_matches_the_reference(dtype, topk):
+    """Every step of a draft decode (3 requests and a padded lane: row 0, seq_len 1) eagerly, flashinfer against the
+    torch reference on the same cache; with the host lengths no plan reads them back, without them each step's does."""
+    _need_flashinfer()
+    from test_gpu import _paged
+
+    from harness.tolerances import attn_vs_reference
+    from runners.attention import make_backend
+    from runners.attention.torch_ref import TorchAttnBackend
+    from runners.batch import ForwardBatch
+    from runners.eagle_draft import DraftDecodeSpecInfo, assign_draft_cache_locs
+
+    tdt = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
+    prefixes, steps, live = [5, 40, 17], 3, 3 * topk
+    rp, kp, fb0, *_ = _paged(prefixes, topk * steps, 8, 2, 64, tdt, pad_lanes=1, mode=ForwardMode.DECODE)
+    dev, bs, n = fb0.seq_lens.device, 4, 4 * topk
+    seq = torch.tensor(prefixes + [1], device=dev)
+    rpi = fb0.req_pool_indices
+    locs = assign_draft_cache_locs(rp.req_to_token, rpi, seq, topk, steps, torch.empty(n * steps, dtype=torch.int64, device=dev))
+    locs = locs.view(bs, topk, steps)
+    g = torch.Generator().manual_seed(3)
+    ref = TorchAttnBackend(rp, kp)
+    tol = attn_vs_reference(dtype, "flashinfer")
+    for host in (True, False):
+        fi = make_backend("flashinfer", req_pool=rp, kv_pool=kp)
+        for step in range(steps):
+            fb = ForwardBatch(ForwardMode.DECODE, bs, torch.zeros(n, dtype=torch.int64, device=dev), (seq + step).repeat_interleave(topk),
+                              seq, rpi, locs[:, :, step].reshape(n), seq[:0], seq[:0],
+                              DraftDecodeSpecInfo(torch.ones(bs, topk, device=dev), torch.zeros(bs, topk, dtype=torch.int64, device=dev),
+                                                  torch.zeros(bs, 8, device=dev), topk),
+                              seq_lens_cpu=seq.cpu() if host else None)
+            q, k, v = (torch.randn(n, h, 64, generator=g).to(tdt).to(dev) for h in (8, 2, 2))
+            o_ref = ref.forward(0, q, k, v, fb, ref.init_draft_decode_metadata(fb, locs, step))
+            o = fi.forward(0, q, k, v, fb, fi.init_draft_decode_metadata(fb, locs, step))
+            torch.testing.assert_close(o[:live].float(), o_ref[:live].float(), rtol=tol.rtol, atol=tol.atol,
+                                       msg=lambda m, step=step: f"step {step}: {m}\n({tol.reason})")
+            assert torch.isfinite(o).all()
+        assert fi.readbacks == (0 if host else steps)
+
+
+@pytest.mark.gpu
+def test_flashinfer_replay_plans_read_no_length_back_from_the_device():
+    """The rig's three runners (single-layer draft-extend, draft decode, verify) replayed with the host copies the
+    scheduler keeps: every replay plan reads the runners' host mirrors, never the device."""
+    _need_flashinfer()
+    from harness.bench_runners import build_rig, rig_spec
+    from runners.config import ModelConfig
+    from runners.parallel.layout import ParallelLayout
+
+    layout = ParallelLayout()
+    model = ModelConfig(hidden_size=512, num_heads=8, num_kv_heads=2, intermediate_size=1024, dtype="bfloat16")
+
+    def fn(comm):
+        rig = build_rig(comm, model, rig_spec((1, 2, 4), topk=2), "flashinfer", torch.device("cuda"), "cuda", layout)
+        draft, target = rig.worker.attn, rig.target.attn
+        before = (draft.readbacks, target.readbacks, sum(e.plans for e in draft._wrappers.values()))
+        batch = rig.batch(3, 1000)
+        rig.extend.run(batch.inputs)
+        rig.decode.replay(rig.decode_inputs(batch, seed=0))
+        rig.verify.replay(rig.verify_inputs(rig.verify_lanes(batch, seed=0)))
+        torch.cuda.synchronize()
+        release(rig.worker, batch)
+        return before, (draft.readbacks, target.readbacks, sum(e.plans for e in draft._wrappers.values()))
+
+    (rb_draft, rb_target, plans), after = SimulatedWorld(layout, timeout_s=600).run(fn)[0]
+    assert after[:2] == (rb_draft, rb_target)
+    assert after[2] == plans + 1 + 2  # the draft-extend's plan and the draft decode's two steps: the replays did plan

@@ -10,13 +10,25 @@ kill any mutant is not shown to work; a mutant no property kills is a hole.
 """
 from __future__ import annotations
 
-from harness.mutants import decode, dp, draft_extend, memory, recorded_graph, shape, spec_loop, verify, verify_fill
+from harness.mutants import (
+    decode,
+    dp,
+    draft_attention,
+    draft_extend,
+    host_mirror,
+    memory,
+    recorded_graph,
+    shape,
+    spec_loop,
+    verify,
+    verify_fill,
+)
 from harness.mutants.base import Mutant
 
 # one module per family, in the order `harness mutants` lists them
 CATALOG: tuple[Mutant, ...] = (
     *draft_extend.MUTANTS, *spec_loop.MUTANTS, *memory.MUTANTS, *verify_fill.MUTANTS, *recorded_graph.MUTANTS,
-    *decode.MUTANTS, *shape.MUTANTS, *verify.MUTANTS, *dp.MUTANTS,
+    *decode.MUTANTS, *draft_attention.MUTANTS, *shape.MUTANTS, *verify.MUTANTS, *dp.MUTANTS, *host_mirror.MUTANTS,
 )
 BY_ID: dict[str, Mutant] = {m.id: m for m in CATALOG}
 if len(BY_ID) != len(CATALOG):

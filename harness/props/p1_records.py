@@ -65,6 +65,9 @@ def check_replay_record(
         v.expect_equal("padding", "bs % attn_tp_size", w, 0, bs % layout.attn_tp_size)
     v.expect_equal("padding", "padded seq_lens", w, [SEQ_LEN_FILL_VALUE] * (bs - rec.raw_bs), rec.padded_seq_lens)
     v.expect_equal("padding", "seq_lens_sum", w, rec.seq_lens_sum_actual, rec.seq_lens_sum, "metadata sum vs the buffer's lanes")
+    if rec.host_mirror_stale_lanes is not None:
+        v.expect_equal("padding", "host mirror", w, [], rec.host_mirror_stale_lanes,
+                       "lanes whose host seq_lens / tree mask (what a host-planned backend plans with) differ from the device buffers")
     host = rec.capture.host
     v.expect_equal("padding", "capture num_tokens", w, n, host["num_tokens"])
     if not layout.require_gathered_buffer:

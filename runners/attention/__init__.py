@@ -1,7 +1,10 @@
 """Attention backends behind one interface (torch reference; triton; flashinfer on GPU).
 
 Every backend is built as `make_backend(name, req_pool=..., kv_pool=...)` and has
-`init_forward_metadata(fb) -> meta` and `forward(layer, q, k, v, fb, meta) -> o`. A backend
+`init_forward_metadata(fb) -> meta` and `forward(layer, q, k, v, fb, meta) -> o`; the single-layer
+draft decode's step s builds its metadata with `init_draft_decode_metadata(fb, locs, s)` (locs:
+every lane's draft KV slots, [bs, topk, steps]) and attends through the same `forward`: a backend
+without it is refused when such a draft is built (runners.eagle_draft.require_draft_decode). A backend
 that plans on the host (flashinfer) also has `init_forward_metadata_replay_cuda_graph(fb)`,
 which the graph runner calls before each replay with the bucket's batch (its tensors hold
 the live values by then), as the engine's runners do.

@@ -49,7 +49,9 @@ from typing import Any, Optional
 import torch
 
 from runners import graph_record
-from runners.batch import EagleVerifyInput, ForwardBatch, ForwardMode
+from runners.attention.flashinfer_plan import cumsum, paged_kv_indices, plan_inputs_key, plan_sources
+from runners.batch import ForwardBatch, ForwardMode
+from runners.eagle_draft import DraftDecodeSpecInfo, assign_draft_cache_locs
 from runners.memory import ReqToTokenPool, TokenToKVPool
 from runners.verify import chain_mask
 
@@ -63,7 +65,7 @@ WORKSPACE_BYTES = 128 * 1024 * 1024
 @dataclass
 class _Wrapper:
     kind: str  # "prefill" | "decode"
-    bs: int
+    lanes: int  # the wrapper's fixed batch (requests; draft-decode lanes)
     wrapper: Any
     qo_indptr: Optional[torch.Tensor]
     kv_indptr: torch.Tensor
@@ -77,10 +79,10 @@ class _Wrapper:
 
 @dataclass
 class _PlanArgs:
-    qo_indptr: torch.Tensor  # host int32 [bs + 1]
-    kv_indptr: torch.Tensor  # host int32 [bs + 1]
+    qo_indptr: torch.Tensor  # host int32 [lanes + 1]
+    kv_indptr: torch.Tensor  # host int32 [lanes + 1]
     kv_indices: torch.Tensor  # device int32 [kv_indptr[-1]]
-    last_page_len: torch.Tensor  # host int32 [bs]
+    last_page_len: torch.Tensor  # host int32 [lanes]
 
 
 @dataclass
@@ -113,23 +115,27 @@ class FlashInferAttnBackend:
         self.max_ctx = int(req_pool.req_to_token.shape[1])
         self.workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
         self.num_qo_heads: Optional[int] = None
-        self._wrappers: dict[tuple[str, int], _Wrapper] = {}
-        self._chains: dict[int, torch.Tensor] = {}  # the chain mask of T nodes, on the device
+        self.readbacks = 0  # plans that read lengths back from the device (a sync); host copies avoid them
+        self._wrappers: dict[tuple, _Wrapper] = {}
+        self._chains: dict[tuple[int, str], torch.Tensor] = {}  # the chain mask of T nodes, per device
 
     # ---- wrappers and plans ----
     @staticmethod
     def _kind(fb: ForwardBatch) -> str:
         return "decode" if fb.forward_mode is ForwardMode.DECODE else "prefill"
 
-    def _entry(self, kind: str, bs: int) -> _Wrapper:
-        key = (kind, bs)
+    def _entry(self, kind: str, bs: int, lanes: Optional[int] = None, step: Optional[int] = None, extra_keys: int = 0) -> _Wrapper:
+        """The wrapper of (kind, bucket) or, for the draft decode, of (bucket, step) over `lanes` lanes,
+        each reading at most max_ctx + extra_keys keys."""
+        key = (kind, bs) if step is None else ("draft_decode", bs, step)
         if key not in self._wrappers:
+            lanes = bs if lanes is None else lanes
             i32 = dict(dtype=torch.int32, device=self.device)
-            kv_indptr = torch.zeros(bs + 1, **i32)
-            kv_indices = torch.zeros(max(bs, 1) * self.max_ctx, **i32)
-            last_page_len = torch.ones(bs, **i32)
+            kv_indptr = torch.zeros(lanes + 1, **i32)
+            kv_indices = torch.zeros(max(lanes, 1) * (self.max_ctx + extra_keys), **i32)
+            last_page_len = torch.ones(lanes, **i32)
             if kind == "prefill":
-                qo_indptr = torch.zeros(bs + 1, **i32)
+                qo_indptr = torch.zeros(lanes + 1, **i32)
                 w = self.fi.BatchPrefillWithPagedKVCacheWrapper(
                     self.workspace, "NHD", use_cuda_graph=True, qo_indptr_buf=qo_indptr, paged_kv_indptr_buf=kv_indptr,
                     paged_kv_indices_buf=kv_indices, paged_kv_last_page_len_buf=last_page_len, backend="fa2",
@@ -140,34 +146,50 @@ class FlashInferAttnBackend:
                     self.workspace, "NHD", use_cuda_graph=True, use_tensor_cores=True, paged_kv_indptr_buffer=kv_indptr,
                     paged_kv_indices_buffer=kv_indices, paged_kv_last_page_len_buffer=last_page_len,
                 )
-            self._wrappers[key] = _Wrapper(kind, bs, w, qo_indptr, kv_indptr, kv_indices, last_page_len)
+            self._wrappers[key] = _Wrapper(kind, lanes, w, qo_indptr, kv_indptr, kv_indices, last_page_len)
         return self._wrappers[key]
 
+    def _host_seq_lens(self, fb: ForwardBatch) -> list[int]:
+        """Every request's seq_len on the host, from the batch's host copy, else read back (a sync);
+        a verify batch's tree must be a chain (checked in the same read)."""
+        bs = fb.batch_size
+        seq_src, mask_src = plan_sources(fb)
+        if seq_src.device.type != "cpu":
+            self.readbacks += 1
+        if mask_src is None:
+            return seq_src[:bs].tolist()
+        chain = self._chain(fb.spec_info.draft_token_num, mask_src.device)
+        not_chain = (mask_src[:bs] != chain).any().view(1).to(seq_src.dtype)
+        *seq, refused = torch.cat((seq_src[:bs], not_chain)).tolist()  # one read (a sync only from the device)
+        if refused:
+            raise NotImplementedError(TREE_MASK_UNSUPPORTED)
+        return seq
+
     def _plan_args(self, fb: ForwardBatch, kind: str) -> _PlanArgs:
-        """Host-side lengths from the batch's tensors (a device sync: never under capture)."""
+        """Host-side lengths from the batch (never under capture)."""
         bs = fb.batch_size
         qo = list(fb.extend_seq_lens_cpu) if kind == "prefill" and fb.extend_seq_lens_cpu else [1] * bs
         if len(qo) != bs or sum(qo) != fb.input_ids.shape[0]:
             raise ValueError(f"flashinfer plan: extend lengths {qo} do not cover the batch's {fb.input_ids.shape[0]} tokens")
-        seq_dev = fb.seq_lens[:bs]
-        tree = fb.spec_info if isinstance(fb.spec_info, EagleVerifyInput) else None
-        if tree is not None:  # one read-back for both: the lengths and whether some lane's tree is no chain
-            not_chain = (tree.custom_mask[:bs] != self._chain(tree.draft_token_num)).any().view(1).to(seq_dev.dtype)
-            *seq, refused = torch.cat((seq_dev, not_chain)).tolist()  # the plan's one device sync
-            if refused:
-                raise NotImplementedError(TREE_MASK_UNSUPPORTED)
-        else:
-            seq = seq_dev.tolist()  # the plan's one device sync
+        seq = self._host_seq_lens(fb)
         kv = [max(1, min(max(s, q), self.max_ctx)) for s, q in zip(seq, qo, strict=True)]
-        qo_indptr = torch.tensor([0] + _cumsum(qo), dtype=torch.int32)
-        kv_indptr = torch.tensor([0] + _cumsum(kv), dtype=torch.int32)
         kv_indices = paged_kv_indices(self.req_pool.req_to_token, fb.req_pool_indices[:bs], kv)
-        return _PlanArgs(qo_indptr, kv_indptr, kv_indices, torch.ones(bs, dtype=torch.int32))
+        return _args(qo, kv, kv_indices)
 
-    def _chain(self, T: int) -> torch.Tensor:
-        if T not in self._chains:
-            self._chains[T] = chain_mask(T).to(self.device)
-        return self._chains[T]
+    def _draft_plan_args(self, fb: ForwardBatch, seq: list[int], locs: torch.Tensor, step: int) -> _PlanArgs:
+        """Lane (b, t) at draft step `step`: its request's prefix (seq_len keys), then its own slots of steps 0..step."""
+        topk = fb.spec_info.topk
+        n = fb.batch_size * topk
+        prefix = [min(s, self.max_ctx) for s in seq for _ in range(topk)]
+        rows = fb.req_pool_indices[: fb.batch_size].repeat_interleave(topk)
+        kv_indices = paged_kv_indices(self.req_pool.req_to_token, rows, prefix, locs.reshape(n, -1), step + 1)
+        return _args([1] * n, [p + step + 1 for p in prefix], kv_indices)
+
+    def _chain(self, T: int, device: torch.device) -> torch.Tensor:
+        key = (T, str(device))
+        if key not in self._chains:
+            self._chains[key] = chain_mask(T).to(device)
+        return self._chains[key]
 
     def _plan(self, entry: _Wrapper, args: _PlanArgs, num_qo_heads: int, key: Optional[tuple] = None, refs: tuple = ()) -> None:
         common = dict(q_data_type=self.compute_dtype, kv_data_type=self.compute_dtype)
@@ -185,26 +207,44 @@ class FlashInferAttnBackend:
         self.num_qo_heads = num_qo_heads
 
     # ---- the backend interface ----
-    def init_forward_metadata(self, fb: ForwardBatch) -> FlashInferMetadata:
+    def _capturing(self, entry: _Wrapper, what: str) -> Optional[FlashInferMetadata]:
+        """Under capture: the warm-up's plan, no new one (a plan is host work)."""
         if graph_record.recording():
             # flashinfer launches its kernels through its own FFI, not the torch dispatcher: a
             # recording graph would replay everything but the attention. Refuse, don't mislead.
             raise graph_record.GraphCaptureError("flashinfer kernels bypass the torch dispatcher; the recording CPU graph "
                                                  "cannot capture them: use the cuda graph backend with flashinfer")
+        if not torch.cuda.is_current_stream_capturing():
+            return None
+        if entry.plans == 0:
+            raise RuntimeError(f"flashinfer: capturing {what} before any warm-up planned its wrapper")
+        return FlashInferMetadata(entry, None, planned=True)
+
+    def init_forward_metadata(self, fb: ForwardBatch) -> FlashInferMetadata:
         kind = self._kind(fb)
         entry = self._entry(kind, fb.batch_size)
-        if torch.cuda.is_current_stream_capturing():
-            if entry.plans == 0:
-                raise RuntimeError(f"flashinfer: capturing bs={fb.batch_size} before any warm-up planned its wrapper")
-            return FlashInferMetadata(entry, None, planned=True)
-        return FlashInferMetadata(entry, self._plan_args(fb, kind))
+        return self._capturing(entry, f"bs={fb.batch_size}") or FlashInferMetadata(entry, self._plan_args(fb, kind))
+
+    def init_draft_decode_metadata(self, fb: ForwardBatch, locs: torch.Tensor, step: int) -> FlashInferMetadata:
+        """One draft-decode step (a decode wrapper per (bucket, step), as the engine's multi-step draft
+        backend keeps one per step); locs [bs, topk, steps] are the lanes' draft slots."""
+        entry = self._draft_entry(fb, locs.shape[-1], step)
+        captured = self._capturing(entry, f"the draft decode bs={fb.batch_size} step {step}")
+        return captured or FlashInferMetadata(entry, self._draft_plan_args(fb, self._host_seq_lens(fb), locs, step))
+
+    def _draft_entry(self, fb: ForwardBatch, steps: int, step: int) -> _Wrapper:
+        return self._entry("decode", fb.batch_size, fb.batch_size * fb.spec_info.topk, step, extra_keys=steps)
 
     def init_forward_metadata_replay_cuda_graph(self, fb: ForwardBatch) -> None:
         """Before a replay: re-plan the bucket's wrapper with the live lengths in fb's buffers,
-        unless its last plan was a replay plan of the same, unwritten, inputs."""
-        entry = self._entry(self._kind(fb), fb.batch_size)
+        unless its last plan was a replay plan of the same, unwritten, inputs. A draft-decode
+        bucket plans every step's wrapper (its graph holds all the steps)."""
         if self.num_qo_heads is None:
             raise RuntimeError("flashinfer: replay before any plan (the graph was never warmed up)")
+        if isinstance(fb.spec_info, DraftDecodeSpecInfo):
+            self.plan_draft_decode_replay(fb)
+            return
+        entry = self._entry(self._kind(fb), fb.batch_size)
         key = plan_inputs_key(fb, self.req_pool.req_to_token, self.num_qo_heads)
         if key is not None and key == entry.plan_key:
             entry.replans_skipped += 1
@@ -216,8 +256,19 @@ class FlashInferAttnBackend:
         kind = self._kind(fb)
         if self.num_qo_heads is None:
             raise RuntimeError("flashinfer: replay before any plan (the graph was never warmed up)")
-        refs = (fb.seq_lens, fb.req_pool_indices, self.req_pool.req_to_token, fb.spec_info)
+        refs = (fb.seq_lens, fb.seq_lens_cpu, fb.req_pool_indices, self.req_pool.req_to_token, fb.spec_info)
         self._plan(self._entry(kind, fb.batch_size), self._plan_args(fb, kind), self.num_qo_heads, key, refs)
+
+    def plan_draft_decode_replay(self, fb: ForwardBatch) -> None:
+        """Every step's wrapper of the bucket, from one set of host lengths. The slots are looked up
+        here as the graph's body will (its out_cache_loc still holds the last replay's)."""
+        info: DraftDecodeSpecInfo = fb.spec_info
+        bs, steps = fb.batch_size, fb.out_cache_loc.shape[0] // (fb.batch_size * info.topk)
+        seq = self._host_seq_lens(fb)
+        locs = assign_draft_cache_locs(self.req_pool.req_to_token, fb.req_pool_indices, fb.seq_lens, info.topk, steps,
+                                       torch.empty_like(fb.out_cache_loc)).view(bs, info.topk, steps)
+        for step in range(steps):
+            self._plan(self._draft_entry(fb, steps, step), self._draft_plan_args(fb, seq, locs, step), self.num_qo_heads)
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fb: ForwardBatch, meta: FlashInferMetadata) -> torch.Tensor:
         """q [N, hq, d], k/v [N, hkv, d] (this pass's tokens) -> [N, hq, d]."""
@@ -232,50 +283,7 @@ class FlashInferAttnBackend:
         return o.to(q.dtype)
 
 
-def _written(t: torch.Tensor) -> Optional[tuple[int, int]]:
-    """Where a tensor's storage is and how often it was written in place (views share the count)."""
-    try:
-        return t.untyped_storage().data_ptr(), t._version
-    except RuntimeError:  # an inference tensor keeps no version counter: never treat it as unchanged
-        return None
-
-
-def plan_inputs_key(fb: ForwardBatch, req_to_token: torch.Tensor, num_qo_heads: int) -> Optional[tuple]:
-    """What a replay plan reads, by storage and write count: equal keys mean no in-place write
-    (a buffer fill, a copy-in, the scheduler's req_to_token rows) reached those tensors in between.
-
-    The count only sees writes made through torch; a replayed CUDA graph's writes it does not
-    see, so this holds because no captured body writes seq_lens, req_pool_indices or
-    req_to_token (the graphs read them). None: unknown, plan anyway.
-    """
-    read = [fb.seq_lens, fb.req_pool_indices, req_to_token]
-    if isinstance(fb.spec_info, EagleVerifyInput):
-        read.append(fb.spec_info.custom_mask)
-    parts = tuple(_written(t) for t in read)
-    if any(p is None for p in parts):
-        return None
-    return (fb.forward_mode, fb.batch_size, tuple(fb.extend_seq_lens_cpu), num_qo_heads, *parts)
-
-
-def paged_kv_indices(req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, kv_lens: list[int]) -> torch.Tensor:
-    """The page-size-1 KV slots of every request, concatenated: req_to_token[row_b, :kv_lens[b]] for each b.
-
-    Built on the device with the output size given from the host lengths, so no op has to read
-    a size back (a boolean-mask gather would: a device sync); the host does no per-slot work.
-    """
-    dev = req_to_token.device
-    total = sum(kv_lens)
-    lens = torch.tensor(kv_lens, dtype=torch.int64).to(dev, non_blocking=True)
-    lane = torch.repeat_interleave(torch.arange(len(kv_lens), device=dev), lens, output_size=total)
-    starts = torch.cumsum(lens, 0) - lens
-    offset = torch.arange(total, device=dev) - starts[lane]
-    rows = req_pool_indices.to(torch.int64)[lane]
-    return req_to_token.reshape(-1)[rows * req_to_token.shape[1] + offset].to(torch.int32)
-
-
-def _cumsum(xs: list[int]) -> list[int]:
-    out, acc = [], 0
-    for x in xs:
-        acc += x
-        out.append(acc)
-    return out
+def _args(qo: list[int], kv: list[int], kv_indices: torch.Tensor) -> _PlanArgs:
+    i32 = dict(dtype=torch.int32)
+    return _PlanArgs(torch.tensor([0] + cumsum(qo), **i32), torch.tensor([0] + cumsum(kv), **i32), kv_indices,
+                     torch.ones(len(kv), **i32))

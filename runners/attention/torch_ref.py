@@ -4,7 +4,8 @@ Every token reads its request's keys through a page table built from its req_to_
 row (the slot of each page's first position, divided by page_size), as paged kernels do,
 and masks keys by `key_pos < seq_len` and `key_pos <= position`; a TARGET_VERIFY batch with a
 tree (`EagleVerifyInput`) masks the keys of its own nodes by the tree mask instead
-(`tree_key_mask`). No host syncs, no data-dependent shapes:
+(`tree_key_mask`); a single-layer draft decode step reads the prefix and the lane's own draft
+slots (`init_draft_decode_metadata`). No host syncs, no data-dependent shapes:
 the same code runs eagerly and under a CUDA graph, and the padded lanes (seq_len = fill,
 position 0, padding slot) are computed like any other lane.
 """
@@ -74,6 +75,19 @@ class TorchAttnBackend:
             visible = key_pos[None, :] <= fb.positions[:, None]
         key_mask = (key_pos[None, :] < seq_len[:, None]) & visible
         return AttnMetadata(token_to_req, kv_slots, key_mask)
+
+    def init_draft_decode_metadata(self, fb: ForwardBatch, locs: torch.Tensor, step: int) -> AttnMetadata:
+        """Draft step `step` of a single-layer draft decode (locs [bs, topk, steps]: every lane's draft slots): lane (b, t)
+        reads request b's prefix (its req_to_token row below seq_len) then its own slot column of steps 0..step, as the
+        engine's multi-step draft backends build one kv_indices per step; its tree ancestors are not what it reads."""
+        bs, topk, steps = locs.shape
+        n = bs * topk
+        lane_req = torch.arange(n, device=locs.device) // topk
+        prefix = self.req_pool.req_to_token[fb.req_pool_indices][lane_req]  # [N, C]
+        key_pos = torch.arange(prefix.shape[1], device=prefix.device)
+        prefix_mask = key_pos[None, :] < fb.seq_lens[lane_req][:, None]
+        draft_mask = (torch.arange(steps, device=prefix.device) <= step)[None, :].expand(n, steps)
+        return AttnMetadata(lane_req, torch.cat([prefix, locs.reshape(n, steps)], dim=1), torch.cat([prefix_mask, draft_mask], dim=1))
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fb: ForwardBatch, meta: AttnMetadata) -> torch.Tensor:
         """q [N, hq, d], k/v [N, hkv, d] (this pass's tokens) -> [N, hq, d]."""

@@ -13,7 +13,12 @@ graph-capturable and a replay reads the static buffers' live contents.
   (`input_precision="ieee"` so fp32 is exact fp32 on the GPU, never TF32).
 - `_decode_kernel`: one program per (token, query head); the query is a vector, scores
   are an elementwise product and a sum (no tl.dot), so it also serves one-token-per-request
-  DECODE batches of any head_dim.
+  DECODE batches of any head_dim. With BLOCK_S > 0 it is the single-layer draft decode's
+  kernel (`init_draft_decode_metadata`): lane (b, t) at draft step s reads request b's prefix
+  (keys below seq_len) and then its own draft slots of steps 0..s, read in-kernel from the
+  [lanes, steps] slot buffer the step body fills inside the graph (the engine's multi-step
+  draft backends build one kv_indices per step for the same keys); s is a host value, the
+  same at capture and replay.
 
 Without CUDA the kernels run in Triton's interpreter (TRITON_INTERPRET=1). The variable
 must be set before triton is first imported (triton.language's own helpers are
@@ -129,14 +134,17 @@ def _extend_kernel(
 @triton.jit
 def _decode_kernel(
     Q, K, V, Out,
-    req_to_token, req_pool_indices, seq_lens, positions, token_to_req,
-    stride_qn, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_on, stride_oh, stride_rt,
-    sm_scale,
+    req_to_token, req_pool_indices, seq_lens, positions, token_to_req, draft_locs,
+    stride_qn, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_on, stride_oh, stride_rt, stride_locs,
+    num_draft, sm_scale,
     MAX_CTX: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
 ):
     """One program per (token, KV head): the GROUP query heads of that KV head; scores
-    by an elementwise product and a sum (no tl.dot, so any head_dim and group size)."""
+    by an elementwise product and a sum (no tl.dot, so any head_dim and group size).
+    BLOCK_S > 0: a single-layer draft decode step, token t is lane t of the draft tree; it reads its
+    request's prefix (keys below seq_len, whatever its position) and then the first num_draft slots of
+    its own row of draft_locs [lanes, stride_locs] (its draft tokens of the steps so far)."""
     t = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
     b = tl.load(token_to_req + t).to(tl.int64)
@@ -159,8 +167,20 @@ def _decode_kernel(
         offs_n, n_mask, k, v = _kv_block(K, V, req_to_token, req, kv_len, kvh, n0, offs_d, d_mask,
                                          stride_kn, stride_kh, stride_vn, stride_vh, stride_rt, BLOCK_N)
         s = tl.sum(q[:, None, :] * k.to(tl.float32)[None, :, :], 2) * sm_scale  # [BLOCK_G, BLOCK_N]
-        visible = (n_mask & (offs_n <= pos))[None, :] & g_mask[:, None]
+        if BLOCK_S == 0:
+            n_mask = n_mask & (offs_n <= pos)
+        visible = n_mask[None, :] & g_mask[:, None]
         p, alpha, m_i, l_i = _online_softmax(s, visible, m_i, l_i)
+        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], 1)
+    if BLOCK_S > 0:
+        offs_s = tl.arange(0, BLOCK_S)
+        s_mask = offs_s < num_draft
+        slot = tl.load(draft_locs + t * stride_locs + offs_s, mask=s_mask, other=0).to(tl.int64)
+        kv_mask = s_mask[:, None] & d_mask[None, :]
+        k = tl.load(K + slot[:, None] * stride_kn + kvh * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(V + slot[:, None] * stride_vn + kvh * stride_vh + offs_d[None, :], mask=kv_mask, other=0.0)
+        s = tl.sum(q[:, None, :] * k.to(tl.float32)[None, :, :], 2) * sm_scale  # [BLOCK_G, BLOCK_S]
+        p, alpha, m_i, l_i = _online_softmax(s, s_mask[None, :] & g_mask[:, None], m_i, l_i)
         acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], 1)
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     tl.store(Out + t * stride_on + head[:, None] * stride_oh + offs_d[None, :], out.to(Out.dtype.element_ty), mask=qo_mask)
@@ -226,6 +246,15 @@ class TritonAttnMetadata:
     tree_t: int = 0  # host: T of a tree verify, 0 otherwise
 
 
+@dataclass
+class TritonDraftDecodeMetadata:
+    """One step of a single-layer draft decode: the decode kernel with every lane's draft slots."""
+
+    token_to_req: torch.Tensor  # [bs * topk] request lane of each draft-tree lane (device)
+    locs: torch.Tensor  # [bs * topk, steps] every lane's draft slots, all steps (device; the kernel reads its row)
+    num_draft: int  # host: the draft slots a lane reads at this step (steps 0..step)
+
+
 class TritonAttnBackend:
     name = "triton"
     BLOCK_N = 64
@@ -245,7 +274,14 @@ class TritonAttnBackend:
             return TritonAttnMetadata(token_to_req, int(max_ext), decode, tree.custom_mask.to(torch.int8), tree.draft_token_num)
         return TritonAttnMetadata(token_to_req, int(max_ext), decode)
 
-    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fb: ForwardBatch, meta: TritonAttnMetadata) -> torch.Tensor:
+    def init_draft_decode_metadata(self, fb: ForwardBatch, locs: torch.Tensor, step: int) -> TritonDraftDecodeMetadata:
+        """Lane (b, t) at draft step `step` (locs [bs, topk, steps]): request b's prefix, then its own slots of steps 0..step."""
+        bs, topk, steps = locs.shape
+        lane_req = torch.arange(bs * topk, device=locs.device) // topk
+        return TritonDraftDecodeMetadata(lane_req, locs.reshape(bs * topk, steps), step + 1)
+
+    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fb: ForwardBatch,
+                meta: TritonAttnMetadata | TritonDraftDecodeMetadata) -> torch.Tensor:
         """q [N, hq, d], k/v [N, hkv, d] (this pass's tokens) -> [N, hq, d]."""
         self.kv_pool.write(layer, fb.out_cache_loc, k, v)
         kc, vc = self.kv_pool.k[layer], self.kv_pool.v[layer]
@@ -258,21 +294,23 @@ class TritonAttnBackend:
         q = q.contiguous()
         group = hq // kc.shape[1]
         rt = self.req_pool.req_to_token
-        common = (
-            q.stride(0), q.stride(1), kc.stride(0), kc.stride(1), vc.stride(0), vc.stride(1), o.stride(0), o.stride(1), rt.stride(0),
-            float(d ** -0.5),
-        )
+        strides = (q.stride(0), q.stride(1), kc.stride(0), kc.stride(1), vc.stride(0), vc.stride(1), o.stride(0), o.stride(1), rt.stride(0))
         hkv = kc.shape[1]
-        if meta.decode:
-            _launch(_decode_kernel, q.device, (n, hkv), q, kc, vc, o, rt, fb.req_pool_indices, fb.seq_lens, fb.positions, meta.token_to_req,
-                    *common, MAX_CTX=int(rt.shape[1]), GROUP=group, HEAD_DIM=d, BLOCK_G=triton.next_power_of_2(group),
-                    BLOCK_N=self.BLOCK_N, BLOCK_D=triton.next_power_of_2(d))
+        sizes = dict(MAX_CTX=int(rt.shape[1]), GROUP=group, HEAD_DIM=d, BLOCK_G=triton.next_power_of_2(group), BLOCK_N=self.BLOCK_N,
+                     BLOCK_D=triton.next_power_of_2(d))
+        decode_args = (q, kc, vc, o, rt, fb.req_pool_indices, fb.seq_lens, fb.positions, meta.token_to_req)
+        if isinstance(meta, TritonDraftDecodeMetadata):
+            locs = meta.locs
+            _launch(_decode_kernel, q.device, (n, hkv), *decode_args, locs, *strides, locs.stride(0), meta.num_draft, float(d ** -0.5),
+                    **sizes, BLOCK_S=triton.next_power_of_2(locs.shape[1]))
+        elif meta.decode:  # no draft slots: the locs argument is a placeholder the kernel never reads
+            _launch(_decode_kernel, q.device, (n, hkv), *decode_args, fb.positions, *strides, 0, 0, float(d ** -0.5), **sizes, BLOCK_S=0)
         else:
             rows = max(meta.max_extend_len, 1) * group
             block_m = max(16, min(64, triton.next_power_of_2(rows)))
             grid = (fb.batch_size, hkv, triton.cdiv(rows, block_m))
             tree = meta.tree_mask if meta.tree_mask is not None else fb.positions  # no tree: a placeholder the kernel never reads
             _launch(_extend_kernel, q.device, grid, q, kc, vc, o, rt, fb.req_pool_indices, fb.seq_lens, fb.positions, fb.extend_start_loc,
-                    fb.extend_seq_lens, tree, *common, MAX_CTX=int(rt.shape[1]), GROUP=group, HEAD_DIM=d, BLOCK_M=block_m,
+                    fb.extend_seq_lens, tree, *strides, float(d ** -0.5), MAX_CTX=int(rt.shape[1]), GROUP=group, HEAD_DIM=d, BLOCK_M=block_m,
                     BLOCK_N=self.BLOCK_N, BLOCK_D=max(16, triton.next_power_of_2(d)), TREE_T=meta.tree_t)
         return o

@@ -1,0 +1,35 @@
+"""Mutants of the graph runners' host mirrors (seq_lens_cpu, the verify's custom_mask_cpu): what a host-planned
+backend (flashinfer) plans a replay with instead of reading the device buffers back. flashinfer runs on a GPU only,
+so the CPU sees a stale mirror through P1 (the replay record's host mirror against the device buffers); on the GPU a
+stale mirror is a plan for other lengths than the graph reads (P3)."""
+from __future__ import annotations
+
+from harness.mutants.base import Mutant
+from harness.mutants.draft_extend import REAL_COPY
+from harness.mutants.verify_fill import _verify_fill_keeps
+from runners.cuda_graph import EagleDraftExtendCudaGraphRunnerBase
+from runners.verify_graph import TargetVerifyCudaGraphRunner
+
+
+def _copy_skips_host_seq_lens(self: EagleDraftExtendCudaGraphRunnerBase, inp) -> None:
+    saved = self.seq_lens_cpu.clone()
+    REAL_COPY(self, inp)
+    self.seq_lens_cpu.copy_(saved)  # the live lanes' host lengths stay at the reset's fill value
+
+
+MUTANTS: tuple[Mutant, ...] = (
+    Mutant(
+        "draft-extend-host-seq-lens-not-copied",
+        "draft-extend replay copy-in writes the live seq_lens to the device buffer but not to its host mirror: a host-planned backend plans every live lane with the fill length",
+        "host metadata out of step with the device",
+        ((EagleDraftExtendCudaGraphRunnerBase, "_copy_live_inputs", _copy_skips_host_seq_lens),),
+        ("metadata-grid",),  # P1 (host mirror)
+    ),
+    Mutant(
+        "verify-host-seq-lens-stale-padded",
+        "TARGET_VERIFY replay fill resets the padded lanes' seq_lens on the device but not in the host mirror: after the batch shrinks, a host-planned backend plans them with the larger batch's lengths",
+        "stale padded lane after shrink",
+        ((TargetVerifyCudaGraphRunner, "_fill_padded_lanes", _verify_fill_keeps("seq_lens_cpu")),),
+        ("metadata-grid",),  # P1 (host mirror)
+    ),
+)
