@@ -59,6 +59,19 @@ class GatherInput:
     hidden: torch.Tensor  # the rows the engine's row selection feeds lm_head (the stand-in model's hidden states)
 
 
+@dataclass
+class Launches:
+    """One iteration's launches of a runner, one per DP group."""
+
+    iteration: int
+    dp_sizes: tuple[int, ...]  # each group's raw batch size
+    groups: dict[int, GatherInput]
+
+
+def _mixed(dp_sizes: tuple[int, ...]) -> bool:
+    return len(set(dp_sizes)) > 1
+
+
 class _Current(threading.local):
     rank: int = 0
     comm: Any = None
@@ -147,18 +160,23 @@ class GatherCheck:
         self.weight = lm_head_weight(vocab, hidden)
         self.groups = {"tp_group": SimTPGroup("tp", Group.WORLD, layout.tp_size, lambda r: r),
                        "attn_tp_group": SimTPGroup("attn_tp", Group.ATTN_TP, layout.attn_tp_size, layout.attn_tp_rank)}
-        self.inputs: dict[tuple[int, str, int], dict[int, GatherInput]] = {}
+        self.inputs: dict[tuple[str, int, int], Launches] = {}  # (runner, step, bucket) -> the launches kept
         self.where: tuple[int, int, tuple[int, ...]] = (0, 0, ())  # (iteration, DP group, each group's raw_bs) of the replays now running
-        self._first: dict[tuple, int] = {}  # (runner, step, each group's raw_bs) -> the first iteration that ran it
         self.states = RankStates(engine, layout, server_args, self.groups, hidden)
         self._processors: dict[int, Any] = {}
 
     # ---- recording, at each launch (RunnerHandle.on_launch) ----
     def take(self, h: RunnerHandle, bs: int) -> None:
+        """Keep one iteration per (runner, step, bucket): the first whose DP groups hold different batch sizes (else the
+        first). The gather reads only the launch's counts and rows; the counts are the bucket's whatever the batch, so
+        other batches of the bucket gather the same, except where a fill wrongly follows a group's own batch size,
+        which the mixed one shows. Every group runs the same schedule, so all of them keep the same iteration."""
         it, d, dp_sizes = self.where
-        # the gather reads the launch's counts and rows, which the replay fill writes whole: a batch mix seen before
-        # (the schedule's shrinking half) gathers the same again
-        if self._first.setdefault((h.kind, h.step, dp_sizes), it) != it:
+        key = (h.kind, h.step, bs)
+        kept = self.inputs.get(key)
+        if kept is None or (kept.iteration != it and _mixed(dp_sizes) and not _mixed(kept.dp_sizes)):
+            kept = self.inputs[key] = Launches(it, dp_sizes, {})
+        if kept.iteration != it:
             return
         lp = self.engine.modules["logits"]
         fb = h.launched_batch(bs)
@@ -168,30 +186,26 @@ class GatherCheck:
             if isinstance(v, torch.Tensor):
                 setattr(meta, f.name, torch.zeros_like(v) if f.name == "next_token_logits_buffer" else v.clone())
         hidden = h.pruned_states(fb, hidden_rows(fb.input_ids, self.weight.shape[1]))
-        self.inputs.setdefault((it, h.kind, h.step), {})[d] = GatherInput(dp_sizes[d], bs, meta, hidden.clone())
+        kept.groups[d] = GatherInput(dp_sizes[d], bs, meta, hidden.clone())
 
     # ---- the joint run ----
     def processor_gathers(self) -> bool:
         """The engine's own decision (LogitsProcessor.__init__) for this layout, as seen from rank 0."""
-        with self.states.serving(0):
-            return bool(self.processors[0].do_tensor_parallel_all_gather_dp_attn)
+        return bool(self.processor(0).do_tensor_parallel_all_gather_dp_attn)
 
-    @property
-    def processors(self) -> dict[int, Any]:
-        """One LogitsProcessor per TP rank, each built under its rank's process state (its __init__ reads it)."""
-        if not self._processors:
-            lp = self.engine.modules["logits"]
-            for r in range(self.layout.tp_size):
-                with self.states.serving(r):
-                    self._processors[r] = lp.LogitsProcessor(_Config(self.weight.shape[0]))
-        return self._processors
+    def processor(self, rank: int) -> Any:
+        """The rank's LogitsProcessor, built under its rank's process state (its __init__ reads it)."""
+        if rank not in self._processors:
+            with self.states.serving(rank):
+                self._processors[rank] = self.engine.modules["logits"].LogitsProcessor(_Config(self.weight.shape[0]))
+        return self._processors[rank]
 
     def run(self, inputs: dict[int, GatherInput]) -> list[torch.Tensor]:
         """Every TP rank's _get_logits on its DP group's launch, collectives met across the threads."""
         lay, tp = self.layout, self.layout.tp_size
         shard = self.weight.shape[0] // tp
         baton = _Baton(self.states.switch)
-        processors = self.processors
+        processors = {r: self.processor(r) for r in range(tp)}
 
         def rank_main(comm: Any) -> torch.Tensor:
             r = comm.rank
@@ -215,10 +229,10 @@ class GatherCheck:
     def check(self, line: Callable[[str, int, int], Any], w: dict) -> Optional[str]:
         """The dp-gather check on every recorded launch: rank r's logits = lm_head(its own pruned rows)."""
         lay = self.layout
-        for (it, kind, step), per_group in sorted(self.inputs.items(), key=lambda kv: (kv[0][0], kv[0][1] != "multi_layer", kv[0][2])):
+        for (kind, step, bs), kept in sorted(self.inputs.items(), key=lambda kv: (kv[0][0] != "multi_layer", kv[0][1:])):
+            it, per_group = kept.iteration, kept.groups
             if sorted(per_group) != list(range(lay.attn_dp_size)):
-                raise EngineAdapterError(f"iteration {it}: the {kind} runner launched on DP groups {sorted(per_group)} only")
-            bs = per_group[0].bs
+                raise EngineAdapterError(f"iteration {it}: the {kind} runner launched bucket {bs} on DP groups {sorted(per_group)} only")
             v: Verdict = line(kind, step, bs).verdict
             where = {**w, "runner": kind, "step": step, "iteration": it, "bs": bs}
             try:
