@@ -64,18 +64,17 @@ SKIPPED = (
 # ----------------------------------------------------------------------------------------
 
 
-def _schedule(layout: ParallelLayout, capture_bs: list[int], d: int) -> list[list[int]]:
+def _schedule(layout: ParallelLayout, capture_bs: list[int]) -> list[list[int]]:
     """Per iteration, each DP group's raw batch size: both ends of every bucket (the smallest batch it
     takes and a full one), growing then shrinking (so a smaller batch follows a larger one and finds
     its stale lanes). In the MLP-TP branch the bucket follows the largest group: each size also runs
-    with each group in turn the small one (every group runs the same schedule: the logits gather
-    meets all groups' launches of one iteration)."""
+    with each group in turn the small one. Every group runs the same schedule: the logits gather
+    meets all groups' launches of one iteration."""
     edges = sorted(set(capture_bs))
     sizes = sorted({b for b in edges} | {a + 1 for a in [0, *edges[:-1]]})
-    sizes = sizes + sizes[::-1][1:]
     dp = layout.attn_dp_size
     out = []
-    for r in sizes:
+    for r in sizes + sizes[::-1][1:]:
         out.append([r] * dp)
         if layout.require_mlp_tp_gather and dp > 1 and r > 1:
             out += [[1 if g == small else r for g in range(dp)] for small in range(dp)]
@@ -132,7 +131,7 @@ def check_engine(engine: Engine, layouts: tuple[ParallelLayout, ...] = REPRESENT
             seen_lanes: dict = {}
             driven: set[int] = set()
             # replay first: a line's first failure is then the one our own P1 reports for the same bug (I1)
-            sched = _schedule(layout, runners.multi[0].capture_bs, d)
+            sched = _schedule(layout, runners.multi[0].capture_bs)
             for it, dp_sizes in enumerate(sched):
                 raw = dp_sizes[d]
                 needed = max(dp_sizes) if layout.require_mlp_tp_gather else raw
@@ -208,7 +207,7 @@ def _check_draft_decode(dd: draft_decode.DraftDecodeHandle, layout: ParallelLayo
     """P1 and the padded lanes of the engine's graphed draft decode: DECODE counts bs * topk tokens, a logits row each
     (as runners.eagle_draft_graph, harness.props.p1_metadata's draft-decode check), so for_logprob == num_tokens."""
     k, cfg, seen = dd.tokens_per_bs, dd.cfg, {}
-    for it, dp_sizes in enumerate(_schedule(layout, dd.capture_bs, d)):
+    for it, dp_sizes in enumerate(_schedule(layout, dd.capture_bs)):
         raw = dp_sizes[d]
         needed = max(dp_sizes) if layout.require_mlp_tp_gather else raw
         live = live_batch(raw, dp_sizes, it, cfg.num_draft_tokens, cfg.max_running_requests)
