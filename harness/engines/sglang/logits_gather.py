@@ -229,6 +229,8 @@ class GatherCheck:
     def check(self, line: Callable[[str, int, int], Any], w: dict) -> Optional[str]:
         """The dp-gather check on every recorded launch: rank r's logits = lm_head(its own pruned rows)."""
         lay = self.layout
+        if not self.inputs:
+            raise EngineAdapterError(f"sglang {self.engine.version}: no runner launched on {lay.describe()}, whose logits processor gathers")
         for (kind, step, bs), kept in sorted(self.inputs.items(), key=lambda kv: (kv[0][0] != "multi_layer", kv[0][1:])):
             it, per_group = kept.iteration, kept.groups
             if sorted(per_group) != list(range(lay.attn_dp_size)):
@@ -333,16 +335,19 @@ class RankStates:
             self.release()
 
     def _install(self) -> None:
-        """Where this release's get_tp_group() reads the group: the parallel context (the attention-TP group too,
-        which LogitsProcessor.__init__ reads there), else parallel_state._TP (its attention-TP group stays the
-        adapter's sized stand-in)."""
+        """Where this release's get_tp_group() reads the group: its parallel context where it has one (the
+        attention-TP group too, which LogitsProcessor.__init__ reads there), and parallel_state._TP where that
+        global exists (the attention-TP group stays the adapter's sized stand-in there)."""
         eng = self.engine
-        par = self._rc.get_parallel() if self._rc is not None else None
+        rc = eng.modules.get("runtime_context")
+        par = rc.get_parallel() if rc is not None and hasattr(rc, "get_parallel") else None
         if par is not None and hasattr(par, "override_permanently"):
             par.override_permanently(**self.groups)
-        else:
-            require(eng.modules["parallel_state"], "_TP", eng.version, "the TP group global")
-            eng.modules["parallel_state"]._TP = self.groups["tp_group"]
+        ps = eng.modules["parallel_state"]
+        if hasattr(ps, "_TP"):
+            ps._TP = self.groups["tp_group"]
+        elif par is None:
+            raise EngineAdapterError(f"sglang {eng.version}: neither a parallel context nor parallel_state._TP holds the TP group")
         wrapper = require(eng.modules["dp_attention"], "_DpGatheredBufferWrapper", eng.version, "the DP gathered buffer's metadata")
         wrapper.set_metadata(hidden_size=self.hidden, dtype=torch.float32, device=torch.device("cpu"))
 
