@@ -116,7 +116,10 @@ class SimTPGroup:
     def rank_in_group(self) -> int:
         return self._rank_of(_CURRENT.rank)
 
-    rank = rank_in_group
+    @property
+    def rank(self) -> int:
+        """The global rank, as a GroupCoordinator's `rank` is (rank_in_group is the place in this group)."""
+        return _CURRENT.rank
 
     def _meet(self, op: Callable[[Any], torch.Tensor]) -> torch.Tensor:
         if _CURRENT.comm is None or _CURRENT.baton is None:
