@@ -22,7 +22,7 @@ from harness.engines.after_model import check_body, next_token, selected_row, se
 from harness.engines.install import version_key
 from harness.engines.lanes import FILLED_SINCE, LiveBatch, check_lanes, live_batch
 from harness.engines.report import EngineReport, Line
-from harness.engines.sglang import draft_decode
+from harness.engines.sglang import draft_decode, logits_gather
 from harness.engines.sglang.build import EngineRunners
 from harness.engines.sglang.config import EngineConfig
 from harness.engines.sglang.loader import Engine
@@ -50,13 +50,12 @@ KERNEL_LAYOUTS: tuple[ParallelLayout, ...] = (ParallelLayout(4, 1, False, 1), Pa
 
 # What engine-check cannot reach on an engine, said in every report (never counted as a pass).
 SKIPPED = (
-    "I7 (eager vs graph): the engine's eager draft-extend path is its worker's (multi_layer_eagle_worker_v2 builds the "
-    "batch from a ScheduleBatch, ForwardBatch.init_new), which the adapter does not build; it drives the graph runners only",
-    "logits processor DP gather: the stand-in model stands for the whole model, the logits processor's gather and "
-    "lm_head included; only its row selection (_get_pruned_states) runs. The gather (LogitsMetadata."
-    "compute_dp_attention_metadata, dp_gather_replicate, dp_scatter) sizes its buffer from global_num_tokens_for_logprob "
-    "and needs every DP rank's rows in one collective, while the adapter replays one rank's runner at a time; a wrong "
-    "count is seen by I1-I6 (counts vs rows), not by a corrupted gather",
+    "I7 (eager vs graph): the engine's eager draft-extend batch is built by the worker from a ScheduleBatch "
+    "(multi_layer_eagle_worker_v2._draft_extend_for_decode -> eagle_worker_common.prepare_for_draft_extend -> "
+    "ForwardBatch.init_new(batch.get_model_worker_batch())), whose global_num_tokens(_for_logprob) are the scheduler's "
+    "MLP-sync all-gather over DP ranks (managers/scheduler_components/dp_attn.py) and whose DP padding is "
+    "ModelRunner.forward's; reaching it needs a ScheduleBatch (requests, pools, tree cache, sampling info) and that "
+    "scheduler sync, which the adapter does not build: it drives the graph runners only",
 )
 
 
@@ -65,20 +64,20 @@ SKIPPED = (
 # ----------------------------------------------------------------------------------------
 
 
-def _schedule(layout: ParallelLayout, capture_bs: list[int], d: int) -> list[list[int]]:
+def _schedule(layout: ParallelLayout, capture_bs: list[int]) -> list[list[int]]:
     """Per iteration, each DP group's raw batch size: both ends of every bucket (the smallest batch it
     takes and a full one), growing then shrinking (so a smaller batch follows a larger one and finds
     its stale lanes). In the MLP-TP branch the bucket follows the largest group: each size also runs
-    with this group the small one."""
+    with each group in turn the small one. Every group runs the same schedule: the logits gather
+    meets all groups' launches of one iteration."""
     edges = sorted(set(capture_bs))
     sizes = sorted({b for b in edges} | {a + 1 for a in [0, *edges[:-1]]})
-    sizes = sizes + sizes[::-1][1:]
     dp = layout.attn_dp_size
     out = []
-    for r in sizes:
+    for r in sizes + sizes[::-1][1:]:
         out.append([r] * dp)
         if layout.require_mlp_tp_gather and dp > 1 and r > 1:
-            out.append([1 if g == d else r for g in range(dp)])
+            out += [[1 if g == small else r for g in range(dp)] for small in range(dp)]
     return out
 
 
@@ -107,21 +106,32 @@ def check_engine(engine: Engine, layouts: tuple[ParallelLayout, ...] = REPRESENT
 
     dd_mod, dd_why = draft_decode.load(engine)
     skipped = list(SKIPPED) + ([] if dd_mod is not None else [f"draft_decode (EAGLEDraftCudaGraphRunner): n/a: {dd_why}"])
+    gather_na: list[str] = []
+    no_gather: list[str] = []  # layouts whose logits processor does not gather across DP groups
 
     for layout in layouts:
         if progress:
             progress(f"{layout.describe()}")
         expected_capture_bs = compute_capture_bs(layout, cfg.capture_bs, cfg.max_running_requests)
+        gather = None
         for d in range(layout.attn_dp_size):
             tp_rank = d * layout.attn_tp_size
             own = d if layout.require_mlp_tp_gather else 0
             if engine.fill is not None:
                 engine.fill.kernel = d == 0 and layout in kernel_layouts
             runners = EngineRunners(engine, layout, tp_rank, cfg)
+            if d == 0:
+                gather, why = logits_gather.setup(engine, layout, runners.server_args, cfg.vocab_size, cfg.hidden_size,
+                                                  line(layout, "multi_layer", 0, runners.multi[0].capture_bs[0]).verdict,
+                                                  {"layout": layout.describe(), "branch": layout.branch.value})
+                gather_na += [why] if why else []
+                no_gather += [layout.describe()] if gather is None and not why else []
+            for h in runners.handles:
+                h.on_launch = None if gather is None else gather.take
             seen_lanes: dict = {}
             driven: set[int] = set()
             # replay first: a line's first failure is then the one our own P1 reports for the same bug (I1)
-            sched = _schedule(layout, runners.multi[0].capture_bs, d)
+            sched = _schedule(layout, runners.multi[0].capture_bs)
             for it, dp_sizes in enumerate(sched):
                 raw = dp_sizes[d]
                 needed = max(dp_sizes) if layout.require_mlp_tp_gather else raw
@@ -133,6 +143,8 @@ def check_engine(engine: Engine, layouts: tuple[ParallelLayout, ...] = REPRESENT
                 driven |= {raw} if drive else set()
                 for h in runners.handles:
                     h.drive_body = drive
+                if gather is not None:
+                    gather.where = (it, d, tuple(dp_sizes))
                 results = runners.replay_multi_layer(live) + [runners.replay_single_layer(live)]
                 bodies = {}
                 for rec, returned, lane_recs, body in results:
@@ -177,6 +189,14 @@ def check_engine(engine: Engine, layouts: tuple[ParallelLayout, ...] = REPRESENT
                     lp = cap.global_num_tokens_for_logprob_gpu
                     per_request.setdefault((layout, tp_rank, h.kind, h.step), {})[bs] = (
                         None if lp is None else Fraction(lp[own], n), Fraction(rows_fed, n), n)
+        if gather is not None:
+            why = gather.check(functools.partial(line, layout), {"layout": layout.describe(), "branch": layout.branch.value})
+            gather_na += [why] if why else []
+    skipped += sorted(set(gather_na))
+    if no_gather:
+        skipped.append(f"{logits_gather.CHECK} on {', '.join(no_gather)}: nothing to run: the engine's LogitsProcessor does not gather "
+                       "logits rows across DP groups there (do_tensor_parallel_all_gather_dp_attn false: no DP attention, or dp lm_head), "
+                       "so for_logprob reaches no DP gather (the attn-TP gather layouts, the seed bug's, are among them)")
     _check_parity(lines, per_request, layouts, line)
     ordered = sorted(lines.values(), key=lambda ln: (layouts.index(ln.layout), ln.runner != "multi_layer", ln.step, ln.bucket))
     return EngineReport("sglang", engine.version, engine.generation, engine.location, ordered, engine.stubbed, time.perf_counter() - t0,
@@ -187,7 +207,7 @@ def _check_draft_decode(dd: draft_decode.DraftDecodeHandle, layout: ParallelLayo
     """P1 and the padded lanes of the engine's graphed draft decode: DECODE counts bs * topk tokens, a logits row each
     (as runners.eagle_draft_graph, harness.props.p1_metadata's draft-decode check), so for_logprob == num_tokens."""
     k, cfg, seen = dd.tokens_per_bs, dd.cfg, {}
-    for it, dp_sizes in enumerate(_schedule(layout, dd.capture_bs, d)):
+    for it, dp_sizes in enumerate(_schedule(layout, dd.capture_bs)):
         raw = dp_sizes[d]
         needed = max(dp_sizes) if layout.require_mlp_tp_gather else raw
         live = live_batch(raw, dp_sizes, it, cfg.num_draft_tokens, cfg.max_running_requests)

@@ -53,6 +53,7 @@ class RunnerHandle:
         self._replaying = False
         self.base_width = 0  # step 0's window (set by the builder)
         self.last_body: Optional[tuple[Any, list[int]]] = None  # (the body's output, input_ids at launch)
+        self.on_launch: Optional[Callable[["RunnerHandle", int], None]] = None  # called at each graph launch (logits_gather.py)
 
     # ---- what the engine derived ----
     @property
@@ -139,9 +140,9 @@ class RunnerHandle:
 
     def _rows_fed_to_lm_head(self, fb: Any) -> int:
         """Rows the engine's logits processor would give lm_head for this batch: its own row selection."""
-        return int(self._pruned_states(fb, torch.zeros(int(fb.input_ids.shape[0]), 1)).shape[0])
+        return int(self.pruned_states(fb, torch.zeros(int(fb.input_ids.shape[0]), 1)).shape[0])
 
-    def _pruned_states(self, fb: Any, hidden: torch.Tensor) -> torch.Tensor:
+    def pruned_states(self, fb: Any, hidden: torch.Tensor) -> torch.Tensor:
         """The hidden rows the engine's logits processor hands lm_head (LogitsProcessor._get_pruned_states)."""
         lp = self.engine.modules["logits"]
         meta = lp.LogitsMetadata.from_forward_batch(fb)
@@ -152,10 +153,15 @@ class RunnerHandle:
             return hidden
         return lp.LogitsProcessor._get_pruned_states(Strict("LogitsProcessor"), hidden, None, None, meta)[0]
 
+    def launched_batch(self, bs: int) -> Any:
+        """The forward batch a replay of bucket bs launches with: the capture-time one (its host values as baked),
+        whose tensors are the runner's static buffers as the replay fill left them."""
+        return self._batches[bs]
+
     def _stand_in_output(self, fb: Any) -> Any:
         """The stand-in model's output (after_model.py) for the batch the graph reads, through the engine's own row selection."""
         hidden = hidden_rows(fb.input_ids, self.cfg.hidden_size)
-        logits = lm_head(self._pruned_states(fb, hidden))
+        logits = lm_head(self.pruned_states(fb, hidden))
         buf = getattr(fb, "next_token_logits_buffer", None)
         if buf is not None and tuple(buf.shape) == tuple(logits.shape):
             buf.copy_(logits)  # the logits processor writes into the graph's logits buffer
@@ -230,6 +236,8 @@ class RunnerHandle:
         self.snapshots.append(Snapshot(bs, tolist(g), tolist(buf.global_num_tokens_for_logprob_gpu),
                                        None if g is None else tuple(g.shape), [int(x) for x in buf.seq_lens[:bs].tolist()],
                                        lanes, path, native))
+        if self.on_launch is not None:
+            self.on_launch(self, bs)
         self.last_body = None
         if self.drive_body:
             ret = self.run_body(bs)
