@@ -105,16 +105,16 @@ def _poison(runner: EAGLEDraftCudaGraphRunner, raw_bs: int, live_row: int) -> No
     runner.hidden_states[raw_bs:].fill_(float("nan"))
 
 
-def check_decode_padded_lanes(topk: int, model: ModelConfig = DEFAULT_MODEL, backend: str = "torch") -> Verdict:
+def check_decode_padded_lanes(topk: int, model: ModelConfig = DEFAULT_MODEL) -> Verdict:
     """TP1: requests 1-3 in bucket 4 with every padded buffer poisoned and request 4 live but not in the batch: the
     real trees match the eager reference and no KV slot outside the batch's draft slots (and the padding slot) moves."""
     v = Verdict("P2")
-    where = {"layout": "tp1", "runner": "draft_decode", "backend": backend, "topk": topk, "raw_bs": 3, "bs": 4}
+    where = {"layout": "tp1", "runner": "draft_decode", "topk": topk, "raw_bs": 3, "bs": 4}
     spec = SpecConfig(num_steps=3, topk=topk, capture_bs=(1, 2, 4), max_running_requests=4, draft="single_layer")
 
     def run(comm) -> None:
         ctx = RankContext(ParallelLayout(), 0, comm)
-        eager, graph = (DraftWorker(ctx, model, spec, num_layers=1, attention_backend=backend, max_reqs=8, num_slots=512) for _ in range(2))
+        eager, graph = (DraftWorker(ctx, model, spec, num_layers=1, max_reqs=8, num_slots=512) for _ in range(2))
         kv = torch.randn(graph.kv_pool.k[0].shape, generator=torch.Generator().manual_seed(1))
         for w in (eager, graph):
             for r in range(1, 8):  # request r owns slots 64r .. 64r + 63; row 0 stays the padding row
@@ -136,7 +136,7 @@ def check_decode_padded_lanes(topk: int, model: ModelConfig = DEFAULT_MODEL, bac
         except (IndexError, RuntimeError) as err:
             v.fail("P2", "replay", where, "a replay", f"{type(err).__name__}: {str(err).splitlines()[0][:160]}", "a poisoned padded lane was read")
             return
-        _compare_tree(v, where, ref.tensors(), got.tensors(), eager_vs_graph("cpu", model.dtype, backend))
+        _compare_tree(v, where, ref.tensors(), got.tensors(), eager_vs_graph("cpu", model.dtype))
         moved = (before != graph.kv_pool.k[0]).flatten(1).any(dim=1)
         moved[0] = False  # the padding slot
         for r, s0 in zip((1, 2, 3), seq.tolist(), strict=True):

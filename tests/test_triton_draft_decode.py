@@ -95,7 +95,7 @@ def step_batch(b: DraftBatch, step: int) -> ForwardBatch:
                         spec_info=DraftDecodeSpecInfo(torch.ones(bs, topk), torch.zeros(bs, topk, dtype=torch.int64), torch.zeros(bs, 8), topk))
 
 
-@pytest.mark.parametrize("topk,prefixes,heads", [(1, [5, 40, 17], (8, 2)), (2, [64 - 2 * STEPS, 9], (4, 1))],
+@pytest.mark.parametrize("topk,prefixes,heads", [(1, [5, 40], (8, 2)), (2, [64 - 2 * STEPS, 9], (4, 1))],
                          ids=["topk1-gqa4", "topk2-mqa-full-ctx"])
 def test_draft_decode_attention_matches_reference(topk, prefixes, heads):
     """Every step, real lanes and a padded lane (padding row): the triton kernel equals the torch reference in fp32."""
@@ -171,6 +171,35 @@ def test_triton_tree_matches_the_torch_reference():
     lane) passes on the real kernel."""
     out = probe_draft_decode_backends()
     assert set(out) == {"P4"} and out["P4"].ok and out["P4"].checked == 12, out
+
+
+class _ReplanSpy(TorchAttnBackend):
+    """A backend that plans on the host (as flashinfer): the graph runner re-plans it before every replay."""
+
+    def __init__(self, req_pool: ReqToTokenPool, kv_pool: TokenToKVPool):
+        super().__init__(req_pool, kv_pool)
+        self.replans: list[ForwardBatch] = []
+
+    def init_forward_metadata_replay_cuda_graph(self, fb: ForwardBatch) -> None:
+        self.replans.append(fb)
+
+
+def test_decode_runner_replans_its_backend_before_each_replay():
+    """The decode runner replays through BucketedGraphRunner._replay_graph with the worker's backend: a host-planned
+    backend gets init_forward_metadata_replay_cuda_graph with the bucket's capture batch (its buffers hold the live lanes)."""
+    def fn(comm):
+        _, w = _workers(comm, "torch", 2, capture_bs=(2, 4))
+        w.attn = _ReplanSpy(w.req_pool, w.kv_pool)
+        runner = EAGLEDraftCudaGraphRunner(w, GraphBackend("sim"))
+        runner.capture()
+        assert w.attn.replans == []  # capture plans nothing on the host
+        runner.replay(_inputs(3, 2, 7))
+        runner.replay(_inputs(2, 2, 8))
+        assert [fb.batch_size for fb in w.attn.replans] == [4, 2]
+        assert all(fb is runner.capture_batches[fb.batch_size] for fb in w.attn.replans)
+        return True
+
+    assert SimulatedWorld(ParallelLayout()).run(fn) == [True]
 
 
 class _NoDraftDecode:
