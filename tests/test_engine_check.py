@@ -92,7 +92,7 @@ def test_fixed_release_passes_with_json():
     # one line per (runner, branch, bucket): every branch, every runner (the graphed draft decode too), every step, checked on real records
     assert {ln["branch"] for ln in lines} == {"mlp_tp_gather", "attn_tp_gather", "neither"}
     assert {(ln["runner"], ln["step"]) for ln in lines} == {("multi_layer", 0), ("multi_layer", 1), ("multi_layer", 2), ("single_layer", 0),
-                                                            ("draft_decode", 0)}
+                                                            ("draft_decode", 0), ("target_verify", 0)}
     assert all(ln["checked"] > 0 and ln["raw_bs"] and max(ln["raw_bs"]) == ln["bucket"] for ln in lines)
     attn = [ln for ln in lines if ln["branch"] == "attn_tp_gather"]
     assert {ln["bucket"] for ln in attn if ln["layout"].startswith("tp4-dense_tp1")} == {4, 8, 16}  # multiples of attn_tp_size
@@ -184,6 +184,19 @@ def test_newest_release_draft_decode_runner_is_driven_on_every_layout_and_passes
     assert {ln["tokens_per_bs"] for ln in dd} == {TOPK}
     assert {ln["bucket"] for ln in dd if ln["branch"] == "neither"} == {1, 2, 4, 8, 16}
     assert not any("draft_decode" in why for why in rep["skipped"]), rep["skipped"]
+
+
+def test_newest_release_target_verify_graphs_are_driven_on_every_layout_and_pass(newest_run):
+    """The target's TARGET_VERIFY graphs get their own lines: every representative layout, every bucket, the verify's
+    width (num_draft_tokens per request), buckets aligned by tokens (bs * T a multiple of attn_tp_size, so the
+    attn-TP gather layouts keep 1 and 2, which the draft-extend runners drop), and nothing said skipped for them."""
+    rep = newest_run["unmodified"]
+    tv = [ln for ln in rep["lines"] if ln["runner"] == "target_verify"]
+    assert len({ln["layout"] for ln in tv}) == 5
+    assert all(ln["ok"] and ln["checked"] > 0 and ln["raw_bs"] for ln in tv), [ln for ln in tv if not ln["ok"]][:1]
+    assert {ln["tokens_per_bs"] for ln in tv} == {4}
+    assert {ln["bucket"] for ln in tv if ln["layout"].startswith("tp4-dense_tp1")} == {1, 2, 4, 8, 16}
+    assert not any("target_verify" in why for why in rep["skipped"]), rep["skipped"]
 
 
 # ----------------------------------------------------------------------------------------
