@@ -52,15 +52,6 @@ def test_capture_that_counts_requests_for_the_gathered_tokens_is_caught_on_targe
     assert runners == {"target_verify"}, runners
 
 
-def test_capture_that_bakes_gathered_counts_without_a_gathered_buffer_is_caught_on_target_verify_lines(newest, tmp_path):
-    # plain TP needs no gathered buffer: the capture batch must carry no DP token counts (the gpu tensors are then unread)
-    target = _plant(newest, tmp_path / "sglang", VERIFY, "            return [num_tokens]\n        return None\n",
-                    "            return [num_tokens]\n        return [num_tokens]\n")
-    mine, runners = _verify_kinds(_failures(target, PLAIN, ""))
-    assert {("padding", "global_num_tokens_cpu"), ("padding", "global_dp_buffer_len")} <= mine, mine
-    assert runners == {"target_verify"}, runners
-
-
 @pytest.mark.parametrize(("layout", "pool", "expected"), [
     (ParallelLayout(4), 16, [1, 2, 4, 8, 16]),  # no gathered buffer: base 1
     (ParallelLayout(4, 1, False, 1), 16, [1, 2, 4, 8, 16]),  # attn_tp 4, T 4: every bs * 4 is a multiple of 4

@@ -37,8 +37,8 @@ from harness.records import ReplayRecord
 MODULE = "sglang.srt.model_executor.runner.decode_cuda_graph_runner"
 MODEL_RUNNER = "sglang.srt.model_executor.model_runner"
 KIND = "target_verify"
-# ModelRunner methods the runner calls (0.5.2x); bound to the stand-in, so what they derive is the release's own
-BOUND_METHODS = ("decode_num_tokens_per_req", "attn_tp_sequence_sharded")
+# ModelRunner methods the runner calls (0.5.15 on; renamed in 0.5.16); bound to the stand-in, so what they derive is the release's own
+BOUND_METHODS = ("decode_num_tokens_per_bs", "decode_num_tokens_per_req", "attn_tp_sequence_sharded")
 
 
 def load(engine: Any) -> tuple[Optional[types.ModuleType], Optional[type], str]:
