@@ -92,10 +92,12 @@ def test_fixed_release_passes_with_json():
     # one line per (runner, branch, bucket): every branch, every runner (the graphed draft decode too), every step, checked on real records
     assert {ln["branch"] for ln in lines} == {"mlp_tp_gather", "attn_tp_gather", "neither"}
     assert {(ln["runner"], ln["step"]) for ln in lines} == {("multi_layer", 0), ("multi_layer", 1), ("multi_layer", 2), ("single_layer", 0),
-                                                            ("draft_decode", 0)}
+                                                            ("draft_decode", 0), ("target_verify", 0)}
     assert all(ln["checked"] > 0 and ln["raw_bs"] and max(ln["raw_bs"]) == ln["bucket"] for ln in lines)
     attn = [ln for ln in lines if ln["branch"] == "attn_tp_gather"]
-    assert {ln["bucket"] for ln in attn if ln["layout"].startswith("tp4-dense_tp1")} == {4, 8, 16}  # multiples of attn_tp_size
+    # multiples of attn_tp_size; the verify's buckets are aligned by tokens (bs * T), so it keeps 1 and 2 too
+    assert {ln["bucket"] for ln in attn if ln["layout"].startswith("tp4-dense_tp1") and ln["runner"] != "target_verify"} == {4, 8, 16}
+    assert {ln["bucket"] for ln in attn if ln["layout"].startswith("tp4-dense_tp1") and ln["runner"] == "target_verify"} == {1, 2, 4, 8, 16}
 
 
 @pytest.fixture(scope="module")
@@ -141,7 +143,15 @@ def newest_run() -> dict:
         out["stale"] = sorted({{(f.check, f.field) for f in rep.failures()}})
         ml.fill_draft_extend_prepare_buffers = real_fill
 
-        # 3. a release whose runner reads something new off the worker
+        # 3. the target verify bakes DP token counts where the branch has no gathered buffer (plain TP)
+        DCG = sys.modules["sglang.srt.model_executor.runner.decode_cuda_graph_runner"].DecodeCudaGraphRunner
+        real_counts = DCG._global_num_tokens_for_graph
+        DCG._global_num_tokens_for_graph = lambda self, n: real_counts(self, n) or [n]
+        rep = check_engine(eng, layouts[1:], kernel_layouts=())
+        out["verify_counts"] = sorted({{(f.check, f.field, f.where["runner"], f.where.get("path", "")) for f in rep.failures()}})
+        DCG._global_num_tokens_for_graph = real_counts
+
+        # 4. a release whose runner reads something new off the worker
         SL = eng.modules["sl"].EAGLEDraftExtendCudaGraphRunner
         real_init = SL.__init__
         def moved(self, eagle_worker, *a, **k):
@@ -186,18 +196,36 @@ def test_newest_release_draft_decode_runner_is_driven_on_every_layout_and_passes
     assert not any("draft_decode" in why for why in rep["skipped"]), rep["skipped"]
 
 
+def test_newest_release_target_verify_graphs_are_driven_on_every_layout_and_pass(newest_run):
+    """The target's TARGET_VERIFY graphs get their own lines: every representative layout, every bucket, the verify's
+    width (num_draft_tokens per request), buckets aligned by tokens (bs * T a multiple of attn_tp_size, so the
+    attn-TP gather layouts keep 1 and 2, which the draft-extend runners drop), and nothing said skipped for them."""
+    rep = newest_run["unmodified"]
+    tv = [ln for ln in rep["lines"] if ln["runner"] == "target_verify"]
+    assert len({ln["layout"] for ln in tv}) == 5
+    assert all(ln["ok"] and ln["checked"] > 0 and ln["raw_bs"] for ln in tv), [ln for ln in tv if not ln["ok"]][:1]
+    assert {ln["tokens_per_bs"] for ln in tv} == {4}
+    assert {ln["bucket"] for ln in tv if ln["layout"].startswith("tp4-dense_tp1")} == {1, 2, 4, 8, 16}
+    assert not any("target_verify" in why for why in rep["skipped"]), rep["skipped"]
+
+
 # ----------------------------------------------------------------------------------------
 # the check is not vacuous on the newest release, and a moved attribute is named
 # ----------------------------------------------------------------------------------------
 
 
 def test_newest_release_planted_engine_bugs_are_caught_and_moves_are_named(newest_run):
-    """Plant the seed bug and a stale padded lane in the newest release's own code; then make its
-    runner read an attribute our stand-ins lack, as a new release would."""
+    """Plant the seed bug, a stale padded lane and DP counts in the verify graph of a branch without a gathered buffer
+    in the newest release's own code; then make its runner read an attribute our stand-ins lack, as a new release would."""
     out = newest_run
     assert out["seed"] and re.match(r"P1/I1 global_num_tokens_for_logprob_gpu: expected \[(\d+)\], got \[(\d+)\] .*branch=attn_tp_gather", out["seed"][0])
     assert ["padding", "padded seq_lens"] in out["stale"] and ["padding", "seq_lens_sum"] in out["stale"], out["stale"]
     assert out["moved"] and "eagle_worker.draft_extend_attn_backend_v3" in out["moved"], out["moved"]
+    # the target verify's capture with DP token counts and a DP buffer in a branch without a gathered buffer
+    assert {("padding", "global_num_tokens_cpu", "target_verify"), ("padding", "global_dp_buffer_len", "target_verify")} <= {
+        tuple(f[:3]) for f in out["verify_counts"]}, out["verify_counts"]
+    # beside the release's own native-twin failures (path npu), on target_verify lines only
+    assert {f[2] for f in out["verify_counts"] if f[3] != "npu"} == {"target_verify"}, out["verify_counts"]
 
 
 # ----------------------------------------------------------------------------------------

@@ -22,9 +22,10 @@ from harness.engines.after_model import check_body, next_token, selected_row, se
 from harness.engines.install import version_key
 from harness.engines.lanes import FILLED_SINCE, LiveBatch, check_lanes, live_batch
 from harness.engines.report import EngineReport, Line
-from harness.engines.sglang import draft_decode, logits_gather
+from harness.engines.sglang import draft_decode, logits_gather, target_verify
 from harness.engines.sglang.build import EngineRunners
 from harness.engines.sglang.config import EngineConfig
+from harness.engines.sglang.handle import RunnerHandle
 from harness.engines.sglang.loader import Engine
 from harness.layout import branch_sibling
 from harness.props.p1_records import check_replay_record, check_replay_rows
@@ -96,7 +97,7 @@ def check_engine(engine: Engine, layouts: tuple[ParallelLayout, ...] = REPRESENT
 
     # the buffers whose padded lanes this release's fill writes, per runner (lanes.FILLED_SINCE)
     filled = {kind: frozenset(b for (k, b), since in FILLED_SINCE.items() if k == kind and version_key(since) <= version_key(engine.version))
-              for kind in ("multi_layer", "single_layer", draft_decode.KIND)}
+              for kind in ("multi_layer", "single_layer", draft_decode.KIND, target_verify.KIND)}
 
     def line(layout: ParallelLayout, runner: str, step: int, bucket: int) -> Line:
         key = (layout, runner, step, bucket)
@@ -108,6 +109,8 @@ def check_engine(engine: Engine, layouts: tuple[ParallelLayout, ...] = REPRESENT
     skipped = list(SKIPPED) + ([] if dd_mod is not None else [f"draft_decode (EAGLEDraftCudaGraphRunner): n/a: {dd_why}"])
     gather_na: list[str] = []
     no_gather: list[str] = []  # layouts whose logits processor does not gather across DP groups
+    tv_mod, tv_model_runner, tv_why = target_verify.load(engine)
+    skipped += [] if tv_mod is not None else [f"target_verify (the target's TARGET_VERIFY graphs): n/a: {tv_why}"]
 
     for layout in layouts:
         if progress:
@@ -164,31 +167,10 @@ def check_engine(engine: Engine, layouts: tuple[ParallelLayout, ...] = REPRESENT
                 _check_draft_decode(draft_decode.DraftDecodeHandle(dd_mod, runners), layout, d, tp_rank, functools.partial(line, layout),
                                     filled["draft_decode"])
             for h in runners.handles:
-                for bs in h.capture_bs:
-                    ln = line(layout, h.kind, h.step, bs)
-                    ln.tokens_per_bs, ln.ranks = h.tokens_per_bs, ln.ranks | {tp_rank}
-                    w = {"layout": layout.describe(), "branch": layout.branch.value, "runner": h.kind, "step": h.step, "rank": tp_rank, "bs": bs}
-                    v = ln.verdict
-                    v.expect_equal("branch", "require_*_gather", w, layout.branch.value, h.engine_branch, "the engine's derived branch for this layout")
-                    v.expect_equal("padding", "capture_bs", w, expected_capture_bs, h.capture_bs, "DESIGN.md §6.2: multiples of the base that fit the pool")
-                    cap = h.captures[bs]
-                    host = cap.host
-                    rows_fed, logits_rows = h.capture_rows[bs]
-                    n = bs * h.tokens_per_bs
-                    ln.pruned = rows_fed == bs and n != bs
-                    v.expect_equal("padding", "dp_padding_mode", w, "max_len", host["dp_padding_mode"], "draft-extend graphs pad every DP rank to the bucket")
-                    v.expect_equal("padding", "local_dp_buffer_len", w, n, host["local_dp_buffer_len"], "the step body's DP buffer holds bs * T tokens")
-                    if host["extend_num_tokens"] is not None:  # the single-layer runner leaves it unset
-                        v.expect_equal("padding", "extend_num_tokens", w, n, host["extend_num_tokens"])
-                    for name in ("global_num_tokens_cpu", "global_dp_buffer_len"):
-                        if host[f"fb_{name}"] is not None:
-                            v.expect_equal("capture", name, w, host[name], host[f"fb_{name}"], "forward batch vs the step body's set_dp_buffer_len")
-                    if cap.global_num_tokens_for_logprob_gpu is not None:
-                        v.expect_equal("I2", "global_num_tokens_for_logprob_gpu (capture)", w, rows_fed, cap.global_num_tokens_for_logprob_gpu[own],
-                                       "rows fed to lm_head in the warm-up and capture runs")
-                    lp = cap.global_num_tokens_for_logprob_gpu
-                    per_request.setdefault((layout, tp_rank, h.kind, h.step), {})[bs] = (
-                        None if lp is None else Fraction(lp[own], n), Fraction(rows_fed, n), n)
+                _check_captures(h, layout, tp_rank, functools.partial(line, layout), expected_capture_bs, per_request, own)
+            if tv_mod is not None:
+                _check_target_verify(target_verify.TargetVerify(tv_mod, tv_model_runner, runners), layout, d, tp_rank,
+                                     functools.partial(line, layout), filled[target_verify.KIND], per_request)
         if gather is not None:
             why = gather.check(functools.partial(line, layout), {"layout": layout.describe(), "branch": layout.branch.value})
             gather_na += [why] if why else []
@@ -201,6 +183,80 @@ def check_engine(engine: Engine, layouts: tuple[ParallelLayout, ...] = REPRESENT
     ordered = sorted(lines.values(), key=lambda ln: (layouts.index(ln.layout), ln.runner != "multi_layer", ln.step, ln.bucket))
     return EngineReport("sglang", engine.version, engine.generation, engine.location, ordered, engine.stubbed, time.perf_counter() - t0,
                         skipped)
+
+
+def _check_captures(h: RunnerHandle, layout: ParallelLayout, tp_rank: int, line, expected_capture_bs: list[int], per_request: dict,
+                    own: int, padding_mode: Optional[str] = "max_len") -> None:
+    """Per bucket, what the capture baked: the engine's branch and buckets, the DP buffer the body set, I2 at capture;
+    and each bucket's for_logprob per token for I3 / I6 (padding_mode None: the release picks the graph's DP padding)."""
+    for bs in h.capture_bs:
+        ln = line(h.kind, h.step, bs)
+        ln.tokens_per_bs, ln.ranks = h.tokens_per_bs, ln.ranks | {tp_rank}
+        w = {"layout": layout.describe(), "branch": layout.branch.value, "runner": h.kind, "step": h.step, "rank": tp_rank, "bs": bs}
+        v = ln.verdict
+        v.expect_equal("branch", "require_*_gather", w, layout.branch.value, h.engine_branch, "the engine's derived branch for this layout")
+        v.expect_equal("padding", "capture_bs", w, expected_capture_bs, h.capture_bs, "DESIGN.md §6.2: multiples of the base that fit the pool")
+        cap = h.captures[bs]
+        host = cap.host
+        rows_fed, logits_rows = h.capture_rows[bs]
+        n = bs * h.tokens_per_bs
+        ln.pruned = rows_fed == bs and n != bs
+        if padding_mode is not None:
+            v.expect_equal("padding", "dp_padding_mode", w, padding_mode, host["dp_padding_mode"], "draft-extend graphs pad every DP rank to the bucket")
+        v.expect_equal("padding", "local_dp_buffer_len", w, n, host["local_dp_buffer_len"], "the step body's DP buffer holds bs * T tokens")
+        if host["extend_num_tokens"] is not None:  # the single-layer runner leaves it unset
+            v.expect_equal("padding", "extend_num_tokens", w, n, host["extend_num_tokens"])
+        for name in ("global_num_tokens_cpu", "global_dp_buffer_len"):
+            if host[f"fb_{name}"] is not None:
+                v.expect_equal("capture", name, w, host[name], host[f"fb_{name}"], "forward batch vs the step body's set_dp_buffer_len")
+            if not layout.require_gathered_buffer:
+                v.expect_equal("padding", name, w, None, host[name], "no gathered buffer in this branch")
+        if cap.global_num_tokens_for_logprob_gpu is not None:
+            v.expect_equal("I2", "global_num_tokens_for_logprob_gpu (capture)", w, rows_fed, cap.global_num_tokens_for_logprob_gpu[own],
+                           "rows fed to lm_head in the warm-up and capture runs")
+        lp = cap.global_num_tokens_for_logprob_gpu
+        per_request.setdefault((layout, tp_rank, h.kind, h.step), {})[bs] = (None if lp is None else Fraction(lp[own], n), Fraction(rows_fed, n), n)
+
+
+def verify_capture_bs(layout: ParallelLayout, configured: tuple[int, ...], max_running_requests: int, T: int) -> list[int]:
+    """DESIGN.md §6.2's buckets with the base applied to the verify's tokens: the attn-TP ranks split its bs * T
+    tokens, so a bucket is kept when bs * T is a multiple of the base (with two-batch overlap, which splits
+    requests, when bs is); the pool size rounded up to the base is added where the pool cuts the list."""
+    base = layout.capture_bs_base
+    width = 1 if layout.enable_two_batch_overlap else T
+    pool = -(-max_running_requests // base) * base
+    kept = set(configured) | ({pool} if max(configured) > pool else set())
+    return sorted(b for b in kept if b * width % base == 0 and b <= pool)
+
+
+def _check_target_verify(tv: target_verify.TargetVerify, layout: ParallelLayout, d: int, tp_rank: int, line, filled: frozenset[str],
+                         per_request: dict) -> None:
+    """The target verify graphs: P1 on every capture and replay as for the draft-extend runners (TARGET_VERIFY computes
+    logits for every token, so for_logprob = num_tokens = rows fed to lm_head = bs * T), its spec_info as baked, and
+    the padded lanes of the buffers its replay fill resets."""
+    T, cfg, seen, own = tv.tokens_per_bs, tv.cfg, {}, d if layout.require_mlp_tp_gather else 0
+    # replay first, as for the draft-extend runners: a line's first failure is then the one our own P1 reports first
+    for it, dp_sizes in enumerate(_schedule(layout, tv.capture_bs, d)):
+        raw = dp_sizes[d]
+        live = live_batch(raw, dp_sizes, it, T, cfg.max_running_requests)
+        rec, returned, lanes = tv.replay(live)
+        ln = line(target_verify.KIND, 0, rec.bs)
+        _check_record(ln, layout, rec, returned, tp_rank, it, max(dp_sizes) if layout.require_mlp_tp_gather else raw, tokens_aligned=True)
+        w = {"layout": layout.describe(), "branch": layout.branch.value, "runner": target_verify.KIND, "step": 0, "rank": tp_rank,
+             "iteration": it, "raw_bs": raw, "bs": rec.bs}
+        for lr in lanes:
+            check_lanes(ln.verdict, lr, live, seen, w, filled)
+    _check_captures(tv.handle, layout, tp_rank, line, verify_capture_bs(layout, cfg.capture_bs, cfg.max_running_requests, T), per_request,
+                    own, padding_mode=None)
+    for bs, spec in tv.spec.items():
+        v = line(target_verify.KIND, 0, bs).verdict
+        w = {"layout": layout.describe(), "branch": layout.branch.value, "runner": target_verify.KIND, "step": 0, "rank": tp_rank, "bs": bs}
+        v.expect_equal("capture", "spec_info.draft_token_num", w, T, spec.draft_token_num, "the verify tree's tokens per request")
+        if spec.hidden_rows is not None:
+            v.expect_equal("capture", "spec_info.hidden_states rows", w, bs * T, spec.hidden_rows, "one per token (MTP models read them)")
+        if spec.custom_mask_len is not None:
+            v.expect_equal("capture", "custom_mask covers the batch", w, True, spec.custom_mask_len >= T * (spec.seq_lens_sum + bs * T),
+                           f"T rows of seq_len + T per request: {T * (spec.seq_lens_sum + bs * T)} needed, {spec.custom_mask_len} held")
 
 
 def _check_draft_decode(dd: draft_decode.DraftDecodeHandle, layout: ParallelLayout, d: int, tp_rank: int, line, filled: frozenset[str]) -> None:
@@ -246,13 +302,15 @@ def _check_selected_parity(bodies: dict, live: LiveBatch, line, w: dict) -> None
                f"the token request {i}'s handed-back logits peak at: {other} (expected) vs this runner, both from its last accepted row")
 
 
-def _check_record(ln: Line, layout: ParallelLayout, rec: ReplayRecord, returned: Optional[int], tp_rank: int, it: int, needed: int) -> None:
+def _check_record(ln: Line, layout: ParallelLayout, rec: ReplayRecord, returned: Optional[int], tp_rank: int, it: int, needed: int,
+                  tokens_aligned: bool = False) -> None:
     v = ln.verdict
     ln.raw_bs.add(rec.raw_bs)
     ln.ranks.add(tp_rank)
     n = rec.bs * rec.tokens_per_bs
     pruned = rec.rows_fed == rec.bs and n != rec.bs  # measured: the engine's logits processor feeds lm_head one row per request
-    check_replay_record(v, layout, rec, tp_rank, it, needed, logprob_rows=rec.bs if pruned else None, require_host_lists=False)
+    check_replay_record(v, layout, rec, tp_rank, it, needed, logprob_rows=rec.bs if pruned else None, require_host_lists=False,
+                        tokens_aligned=tokens_aligned)
     check_replay_rows(v, layout, rec, tp_rank, it, expected_rows=rec.bs if pruned else n)
     w = {"layout": layout.describe(), "branch": rec.branch, "runner": rec.runner, "step": rec.step, "rank": tp_rank, "iteration": it,
          "raw_bs": rec.raw_bs, "bs": rec.bs}

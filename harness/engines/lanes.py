@@ -85,6 +85,10 @@ FILLED_SINCE: dict[tuple[str, str], str] = {
     ("multi_layer", "input_ids"): "0", ("multi_layer", "num_accept_tokens"): "0.5.16",
     # the graphed draft decode's execute() resets seq_lens, positions and req_pool_indices whenever it pads
     ("draft_decode", "seq_lens"): "0", ("draft_decode", "positions"): "0", ("draft_decode", "req_pool_indices"): "0",
+    # the target verify's replay fill (its buffer registry's padding policies): seq_lens to the fill value, req_pool_indices,
+    # positions and out_cache_loc zeroed; input_ids only copied (its padded tail is not read)
+    ("target_verify", "seq_lens"): "0", ("target_verify", "req_pool_indices"): "0", ("target_verify", "positions"): "0",
+    ("target_verify", "out_cache_loc"): "0",
 }
 
 

@@ -32,6 +32,7 @@ def check_replay_record(
     *,
     logprob_rows: Optional[int] = None,
     require_host_lists: bool = True,
+    tokens_aligned: bool = False,
 ) -> None:
     """I1, I4, I5 and the padding rules on one replay's record.
 
@@ -51,6 +52,8 @@ def check_replay_record(
         global_dp_buffer_len and reads counts from the gpu tensor, §6.5) passes False: an
         absent host list is not compared in I1, and I4 / I5 use the capture-time gpu value
         in its place, which is what the graph holds. A host list that is given is checked.
+    tokens_aligned: the target verify's buckets are aligned by their tokens (bs * T a multiple
+        of attn_tp_size: the verify's tokens are what the attn-TP ranks split), not by bs.
     """
     w = record_where(layout, rec, tp_rank, iteration)
     T, bs = rec.tokens_per_bs, rec.bs
@@ -62,7 +65,10 @@ def check_replay_record(
     smaller = [b for b in rec.captured_bs if needed_bs <= b < bs]
     v.expect_equal("padding", "smallest bucket", w, [], smaller, "a smaller captured bucket fits")
     if layout.require_gathered_buffer:
-        v.expect_equal("padding", "bs % attn_tp_size", w, 0, bs % layout.attn_tp_size)
+        if tokens_aligned:
+            v.expect_equal("padding", "bs * T % attn_tp_size", w, 0, n % layout.attn_tp_size)
+        else:
+            v.expect_equal("padding", "bs % attn_tp_size", w, 0, bs % layout.attn_tp_size)
     v.expect_equal("padding", "padded seq_lens", w, [SEQ_LEN_FILL_VALUE] * (bs - rec.raw_bs), rec.padded_seq_lens)
     v.expect_equal("padding", "seq_lens_sum", w, rec.seq_lens_sum_actual, rec.seq_lens_sum, "metadata sum vs the buffer's lanes")
     if rec.host_mirror_stale_lanes is not None:

@@ -30,6 +30,7 @@ What is not, each with its reason, in the module that stands in for it:
   handle.py     one runner: capture, replay snapshot, conversion into our records
   build.py      all runners of one rank: construction and the replay drive
   draft_decode.py  the graphed draft decode (EAGLEDraftCudaGraphRunner), with build.py's stand-ins
+  target_verify.py the target's verify graphs (DecodeCudaGraphRunner in TARGET_VERIFY mode), likewise
 Errors (errors.py): EngineAdapterError / MissingEngineAttribute mean "cannot drive this
 release" (engine-check exit 2), never a verdict.
 """

@@ -105,8 +105,12 @@ class DraftDecodeHandle:
         step_attn = runners._attn()
         self.attn = DraftAttn(step_attn)
         # the draft decode's own top-k: in the server args (read by releases up to 0.5.18) and the runtime context's spec bag
-        sa = copy.copy(runners.server_args)
-        sa.speculative_eagle_topk = self.cfg.draft_decode_topk
+        replace = getattr(runners.server_args, "replace_resolved", None)  # 0.5.19: a resolved ServerArgs is read-only
+        if replace is not None:
+            sa = replace("engine-check: the draft decode's top-k", speculative_eagle_topk=self.cfg.draft_decode_topk)
+        else:
+            sa = copy.copy(runners.server_args)
+            sa.speculative_eagle_topk = self.cfg.draft_decode_topk
         mr = runners._model_runner(sa, step_attn)
         worker = runners._worker(sa, [step_attn], [mr])
         vars(worker).update(draft_forward=self._draft_forward, dsa_seed_topk_width=0)

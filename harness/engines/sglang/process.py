@@ -86,6 +86,8 @@ def configure_process(engine: Engine, sa: Any, layout: ParallelLayout, tp_rank: 
             for name, value in (("_ATTN_TP_GROUP", attn_group), ("_ATTN_TP_RANK", attn_tp_rank), ("_ATTN_TP_SIZE", attn_tp)):
                 require(dpa, name, engine.version, "the attention TP group, where parallel_state has none")
                 setattr(dpa, name, value)
+        if hasattr(ps, "_MOE_EP"):  # the expert-parallel group (the target verify runner asks its size: num_token_non_padded)
+            ps._MOE_EP = FakeGroup("moe_ep", sa.ep_size, tp_rank % sa.ep_size)
         for name, value in (("_ATTN_DP_RANK", attn_dp_rank), ("_ATTN_DP_SIZE", attn_dp)):
             require(dpa, name, engine.version, "a dp_attention global")
             setattr(dpa, name, value)
