@@ -236,7 +236,7 @@ def _check_target_verify(tv: target_verify.TargetVerify, layout: ParallelLayout,
     the padded lanes of the buffers its replay fill resets."""
     T, cfg, seen, own = tv.tokens_per_bs, tv.cfg, {}, d if layout.require_mlp_tp_gather else 0
     # replay first, as for the draft-extend runners: a line's first failure is then the one our own P1 reports first
-    for it, dp_sizes in enumerate(_schedule(layout, tv.capture_bs, d)):
+    for it, dp_sizes in enumerate(_schedule(layout, tv.capture_bs)):
         raw = dp_sizes[d]
         live = live_batch(raw, dp_sizes, it, T, cfg.max_running_requests)
         rec, returned, lanes = tv.replay(live)
