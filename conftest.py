@@ -55,11 +55,15 @@ def pytest_configure(config: pytest.Config) -> None:
         settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE") or ("ci" if os.environ.get("CI") else "dev"))
 
 
+# Modules whose module-scoped fixture is costly (a wheel built and installed; four vLLM checks; one SGLang check of
+# every layout): under `--dist loadgroup` (tox.ini) each is one unit of work, its tests run back to back on one worker
+# and the fixture is set up once; every other test is a unit of its own, handed to whichever worker is free.
+SHARED_SETUP = ("test_packaging.py", "test_engine_vllm.py", "test_engine_check.py")
 # Modules of long tests (subprocesses, engine imports, real ranks), handed out first: xdist gives tests to whichever
 # worker is free in collection order, so the ones that start last should be short. Only wall time depends on it.
 LONG_FIRST = ("test_engine_vllm.py", "test_packaging.py", "test_plugin.py", "test_engine_planted.py", "test_engine_verify.py",
-              "test_engine_check.py",
-              "test_properties.py", "test_real_ranks.py", "test_torchrun.py", "test_distributed_ranks.py")
+              "test_engine_gather.py", "test_engine_check.py", "test_properties.py", "test_real_ranks.py", "test_torchrun.py",
+              "test_distributed_ranks.py", "test_spec_decode.py")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -89,3 +93,20 @@ def _multigpu_skip_reason(nodeid: str, marker: pytest.Mark) -> str | None:
     if len(marker.args) != 1 or not isinstance(marker.args[0], int) or marker.args[0] < 1:
         raise pytest.UsageError(f"{nodeid}: @pytest.mark.multigpu takes one positive int, the GPUs it needs; got {marker.args!r}")
     return require_gpus(marker.args[0])
+
+
+@pytest.hookimpl(tryfirst=True, optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log):
+    """`-n N` (xdist's default `load`) or `--dist loadgroup`, with the groups SHARED_SETUP names. xdist's own loadgroup reads xdist_group marks through a
+    suffix it writes into item._nodeid, which pytest 9's nodeid no longer reads, so its groups split; this scheduler
+    groups on the node ids themselves, in _split_scope, where xdist's own loadfile and loadgroup schedulers do."""
+    if config.getvalue("dist") not in ("load", "loadgroup"):
+        return None  # an explicit loadfile / loadscope / worksteal: xdist's own
+    from xdist.scheduler import LoadScopeScheduling  # the plugin this hook belongs to: present whenever it is called
+
+    class SharedSetupScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return path if path.rsplit("/", 1)[-1] in SHARED_SETUP else nodeid
+
+    return SharedSetupScheduling(config, log)

@@ -1,4 +1,4 @@
-"""`python -c CODE` in a fresh process whose torch, Triton and harness imports are already done.
+"""`python -c CODE` (or `python -m MODULE ARGS`) in a fresh process whose torch, Triton and harness imports are already done.
 
 An engine check must run in a process of its own (loading an engine swaps module globals
 process-wide), and each test used to start `python -c`, paying the interpreter's imports of
@@ -6,6 +6,10 @@ torch and the harness before the engine's own. Here a forkserver imports those o
 worker and forks each check from it: the child starts with them in sys.modules and nothing
 else (no engine, no test state; the forkserver never runs torch ops, so no thread pool is
 forked), runs CODE as __main__ in the repo root, and hands back its exit code and output.
+
+The same server runs the tests that start the `harness` command or an inner pytest as a user would
+(tests/test_cli.py, test_hostile_inputs.py, test_plugin.py): a process of its own, its own cwd and
+environment, its exit code and output read back, without paying torch's import each time.
 """
 from __future__ import annotations
 
@@ -17,6 +21,7 @@ import sys
 import tempfile
 import traceback
 from pathlib import Path
+from typing import Optional, Sequence
 
 REPO = Path(__file__).resolve().parent.parent
 # torch's own heavy subpackages that the engines' modules import (dynamo, inductor, distributed, ...), and ours. None
@@ -45,8 +50,11 @@ def _ensure_forkserver() -> None:
             os.environ["TRITON_INTERPRET"] = old
 
 
-def _child(code: str, out: str, err: str) -> None:
-    os.chdir(REPO)
+def _child(code: str, out: str, err: str, cwd: Path, env: Optional[dict[str, str]]) -> None:
+    os.chdir(cwd)
+    if env is not None:  # the caller's environment, as subprocess.run(env=...) gives it; Triton was imported interpreted
+        os.environ.clear()
+        os.environ.update(env, TRITON_INTERPRET="1")
     sys.argv = ["-c"]
     with open(out, "w") as o, open(err, "w") as e:
         os.dup2(o.fileno(), 1)
@@ -72,11 +80,11 @@ def _child(code: str, out: str, err: str) -> None:
 class Started:
     """One child running; result() waits for it as subprocess.run would."""
 
-    def __init__(self, code: str) -> None:
+    def __init__(self, code: str, cwd: Path = REPO, env: Optional[dict[str, str]] = None) -> None:
         self._dir = tempfile.TemporaryDirectory(prefix="prewarmed-")
         self._out, self._err = os.path.join(self._dir.name, "out"), os.path.join(self._dir.name, "err")
         _ensure_forkserver()
-        self._proc = _ctx.Process(target=_child, args=(code, self._out, self._err))
+        self._proc = _ctx.Process(target=_child, args=(code, self._out, self._err, cwd, env))
         self._proc.start()
 
     def result(self, timeout: float = 600) -> subprocess.CompletedProcess:
@@ -91,4 +99,16 @@ class Started:
 
 
 def run_python(code: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    """CODE in the forkserver's own environment (the engine checks set what they need themselves)."""
     return Started(code).result(timeout)
+
+
+def run_module(module: str, *args: str, cwd: Path = REPO, env: Optional[dict[str, str]] = None, fresh: Sequence[str] = (),
+               timeout: float = 600) -> subprocess.CompletedProcess:
+    """`python -m MODULE ARGS` run in cwd with env (default: this process's environment, as subprocess.run inherits it):
+    sys.argv and sys.path[0] as -m sets them, the module's own `if __name__ == "__main__"` block, its exit code.
+    The packages named in `fresh` are dropped from the preloaded modules and imported by the run itself, as a fresh
+    process would: pytest rewrites the asserts of a plugin's package (an editable install's `harness`) as it imports it."""
+    code = (f"import runpy, sys\nfor m in [m for m in sys.modules if m.partition('.')[0] in {tuple(fresh)!r}]:\n    del sys.modules[m]\n"
+            f"sys.argv = ['-m', *{list(args)!r}]\nsys.path.insert(0, {str(cwd)!r})\nrunpy.run_module({module!r}, run_name='__main__', alter_sys=True)\n")
+    return Started(code, cwd, dict(os.environ) if env is None else env).result(timeout)

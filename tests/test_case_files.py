@@ -12,8 +12,6 @@ import contextlib
 import copy
 import io
 import itertools
-import subprocess
-import sys
 import tempfile
 import tomllib
 from pathlib import Path
@@ -21,6 +19,7 @@ from pathlib import Path
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from prewarmed import run_module
 
 from harness.case import CASES_DIR, CaseError, default_cases, load_case, parse_case
 from harness.case_template import case_toml, default_batches, new_case, toml_value, write_failure_case
@@ -332,7 +331,7 @@ def test_fuzz_malformed_case_files_get_one_line_naming_file_and_field():
 def test_cli_prints_one_line_and_exits_2_in_a_fresh_process(content, field, tmp_path):
     path = tmp_path / "x.toml"
     path.write_text(content if isinstance(content, str) else dumps(content))
-    p = subprocess.run([sys.executable, "-m", "harness.cli", "check", str(path)], capture_output=True, text=True, timeout=120)
+    p = run_module("harness.cli", "check", str(path), timeout=120)  # a process of its own, forked from tests/prewarmed.py's server
     assert p.returncode == 2, p.stderr
     assert p.stderr.count("\n") == 1 and p.stderr.startswith(f"error: {path}: {field}: expected ") and "Traceback" not in p.stderr, p.stderr
 

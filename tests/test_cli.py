@@ -1,16 +1,21 @@
-"""The `harness` command as a user runs it: exit codes, the first divergence, JSON shapes."""
+"""The `harness` command as a user runs it: exit codes, the first divergence, JSON shapes.
+
+`run` is `python -m harness.cli` in a process of its own, forked from tests/prewarmed.py's server
+(torch imported once per worker); the installed `harness` script's own cold start is
+tests/test_packaging.py's.
+"""
 import json
-import subprocess
 import sys
 
 import pytest
+from prewarmed import run_module
 
 from harness.case import CASES_DIR
 from harness.cli import main
 
 
 def run(*args):
-    p = subprocess.run([sys.executable, "-m", "harness.cli", *args], capture_output=True, text=True, timeout=240)
+    p = run_module("harness.cli", *args, timeout=240)
     return p.returncode, p.stdout, p.stderr
 
 

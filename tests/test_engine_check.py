@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 from engine_releases import installed_release
-from prewarmed import run_python
+from prewarmed import run_module, run_python
 
 from harness.engines.install import EngineSpec
 
@@ -39,7 +39,8 @@ pytestmark = pytest.mark.timeout(900)
 
 
 def _run(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "harness.engine_check", *args], cwd=REPO, capture_output=True, text=True, timeout=timeout)
+    """`python -m harness.engine_check ARGS` in the repo root, in a process of its own forked from the prewarmed server."""
+    return run_module("harness.engine_check", *args, cwd=REPO, timeout=timeout)
 
 
 def _python(code: str, timeout: float = 600) -> subprocess.CompletedProcess:

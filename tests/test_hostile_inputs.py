@@ -2,7 +2,8 @@
 no traceback, no hang; the resource budget names its estimate.
 
 Hundreds of files are generated from a valid case and a valid golden, one mistake each, and run
-in-process through harness.cli.main (fast); a few go through a real `harness` process.
+in-process through harness.cli.main (fast); a few go through `python -m harness.cli` in a process of
+its own (tests/prewarmed.py).
 """
 from __future__ import annotations
 
@@ -12,14 +13,13 @@ import json
 import os
 import re
 import shutil
-import subprocess
-import sys
 import tomllib
 import zipfile
 from pathlib import Path
 
 import numpy as np
 import pytest
+from prewarmed import run_module
 
 from harness.budget import MAX_ITERATIONS, estimate_bytes, memory_budget_bytes
 from harness.case import CASES_DIR, load_case
@@ -268,7 +268,8 @@ def test_at_least_200_malformed_inputs(tmp_path):
 
 
 def harness_proc(*args: str, cwd: Path | None = None):
-    p = subprocess.run([sys.executable, "-m", "harness.cli", *args], capture_output=True, text=True, timeout=120, cwd=cwd)
+    """`python -m harness.cli` in a process of its own (tests/prewarmed.py); a read that blocks is a timeout, not a hang."""
+    p = run_module("harness.cli", *args, cwd=cwd or Path.cwd(), timeout=120)
     return p.returncode, p.stdout, p.stderr
 
 

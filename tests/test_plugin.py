@@ -1,17 +1,17 @@
 """The pytest plugin and the public API, as an engine team uses them.
 
 tests/external_project is such a team's project: its own pytest.ini, and a conftest.py whose one
-line enables harness.plugin. It is copied to tmp_path and run with pytest in a subprocess, so its
+line enables harness.plugin. It is copied to tmp_path and run with `python -m pytest` in a process of
+its own (forked from tests/prewarmed.py's server, so torch is imported once per worker), so its
 .pytest_cache (what --lf reads) and any goldens it writes stay out of the repo.
 """
 import os
 import re
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from prewarmed import run_module
 
 import harness
 from harness.case import CASES_DIR
@@ -32,8 +32,7 @@ def pytest_in(project: Path, *args: str):
     env = dict(os.environ, PYTHONPATH=str(REPO))
     env.pop("PYTEST_XDIST_WORKER", None)
     env.pop("PYTEST_ADDOPTS", None)
-    p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:randomly", *args], cwd=project, env=env,
-                       capture_output=True, text=True, timeout=280)
+    p = run_module("pytest", "-q", "-p", "no:randomly", *args, cwd=project, env=env, fresh=("harness",), timeout=280)
     return p.returncode, p.stdout + p.stderr
 
 
