@@ -15,14 +15,15 @@ def verify_capture_bs(layout: ParallelLayout, configured: Sequence[int], max_run
     T tokens per request): the alignment is 2 with two-batch overlap, times attn_tp_size where the
     gathered buffers are used; a bucket is kept when its model input (bs * T tokens; bs under
     two-batch overlap, whose micro-batches split requests) is a multiple of it and it fits the
-    request pool rounded up to it, which is added when the list reaches past it. Empty where the
-    engine refuses to start (no bucket kept)."""
+    request pool rounded up to it, which is added when the list reaches past it. Where none is
+    kept the engine refuses to start (an assert); our runners capture the rounded pool there
+    instead, so that is the expectation (an engine never gets that far)."""
     tbo = layout.enable_two_batch_overlap
     alignment = (2 if tbo else 1) * (layout.attn_tp_size if layout.require_gathered_buffer else 1)
     per_request = 1 if tbo else T
     pool = alignment * -(-max_running_requests // alignment)
     candidates = list(configured) + ([pool] if max(configured) > pool else [])
-    return sorted({b for b in candidates if b * per_request % alignment == 0 and b <= pool})
+    return sorted({b for b in candidates if b * per_request % alignment == 0 and b <= pool}) or [pool]
 
 
 def record_where(layout: ParallelLayout, rec: ReplayRecord, tp_rank: int, iteration: int) -> dict:
