@@ -23,14 +23,22 @@ from runners.parallel.comm import Group
 from runners.parallel.layout import Branch, ParallelLayout
 
 
-def compute_capture_bs(layout: ParallelLayout, configured: tuple[int, ...] | list[int], max_running_requests: int) -> list[int]:
-    """Buckets: multiples of the base that fit the request pool, plus the rounded pool size if it was cut."""
+def compute_capture_bs(layout: ParallelLayout, configured: tuple[int, ...] | list[int], max_running_requests: int,
+                       tokens_per_bs: int = 1) -> list[int]:
+    """Buckets whose model input splits over the base, that fit the request pool (rounded up to the
+    base), plus that rounded pool where it cut the list or nothing else was kept.
+
+    The input is bs * tokens_per_bs tokens: the target verify passes its num_tokens_per_bs, since
+    the attn-TP ranks split its tokens, not its requests; the draft runners keep the default 1.
+    Two-batch overlap splits requests between its micro-batches, so with it bs itself must split.
+    """
     base = layout.capture_bs_base
-    kept = sorted({b for b in configured if b % base == 0 and b <= max_running_requests})
-    if max(configured) > max_running_requests or not kept:
-        top = -(-max_running_requests // base) * base
-        kept = sorted(set(kept) | {top})
-    return kept
+    width = 1 if layout.enable_two_batch_overlap else tokens_per_bs
+    pool = -(-max_running_requests // base) * base
+    kept = {b for b in configured if b * width % base == 0 and b <= pool}
+    if max(configured) > pool or not kept:
+        kept.add(pool)
+    return sorted(kept)
 
 
 def gathered_buffers(layout: ParallelLayout, device: torch.device) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:

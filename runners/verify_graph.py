@@ -83,7 +83,7 @@ class TargetVerifyCudaGraphRunner(BucketedGraphRunner):
         self.ctx, self.cfg, self.target, self.backend = ctx, cfg, target, backend
         self.layout = ctx.layout
         self.T = spec.num_tokens_per_bs
-        self.capture_bs = compute_capture_bs(self.layout, spec.capture_bs, spec.max_running_requests)
+        self.capture_bs = compute_capture_bs(self.layout, spec.capture_bs, spec.max_running_requests, tokens_per_bs=self.T)
         self.max_bs = max(self.capture_bs)
         n, dev = self.max_bs * self.T, torch.device(device)
         i64 = dict(dtype=torch.int64, device=dev)

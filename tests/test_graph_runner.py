@@ -67,6 +67,16 @@ def test_capture_bs_base_and_pool():
     assert compute_capture_bs(PL(8, moe_dense_tp_size=1), (1, 2, 4), 8) == [8]
 
 
+def test_capture_bs_aligned_by_tokens():
+    """The target verify's rule (tokens_per_bs = T): bs * T, not bs, a multiple of the base; bs again under two-batch overlap."""
+    attn8 = PL(8, moe_dense_tp_size=1)  # attn-TP gather, base 8
+    assert compute_capture_bs(attn8, (1, 2, 4, 8), 8, tokens_per_bs=4) == [2, 4, 8]  # 2 * 4 = 8 tokens split over 8 ranks
+    assert compute_capture_bs(attn8, (1, 2, 4, 8), 8) == [8]  # the draft runners' rule on the same list
+    assert compute_capture_bs(attn8, (1, 2, 4, 8, 16), 6, tokens_per_bs=4) == [2, 4, 8]  # pool 6 rounded up to 8
+    assert compute_capture_bs(attn8, (1, 2, 4), 3, tokens_per_bs=4) == [2, 4]  # 4 fits the rounded pool (8): no pool bucket
+    assert compute_capture_bs(PL(4, moe_dense_tp_size=1, enable_two_batch_overlap=True), (1, 2, 4, 8, 16), 16, tokens_per_bs=4) == [8, 16]
+
+
 def test_replay_picks_smallest_bucket_and_fills():
     r = runner(PL(4, 2, True))
     observer = RunnerObserver(r)

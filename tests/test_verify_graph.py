@@ -74,6 +74,16 @@ def test_replay_fill_after_a_shrink():
     assert rec.padded_seq_lens == [1, 1, 1] and rec.seq_lens_sum == rec.seq_lens_sum_actual == 13
 
 
+def test_buckets_are_aligned_by_tokens_on_attn_tp():
+    """tp8 attn-TP gather, T = 4: the engine keeps bs 2 and 4 (8 and 16 tokens split over 8 ranks), so a batch of 1 replays at 2."""
+    layout = PL(8, moe_dense_tp_size=1)
+    r = metadata_runner(layout)
+    assert r.capture_bs == [2, 4, 8]
+    rec = RunnerObserver(r).prepare(inputs(1))
+    assert (rec.raw_bs, rec.bs) == (1, 2) and r.global_num_tokens_gpu.tolist() == [8]
+    assert check_metadata(layout, SPEC, [(1,), (3,), (8,)]).ok
+
+
 def test_can_run_falls_back_past_the_largest_bucket():
     r = metadata_runner(PL())
     assert r.can_run(inputs(8)) and not r.can_run(inputs(9))
@@ -192,6 +202,20 @@ def test_p1_kills_stale_padded_seq_lens_of_the_verify_runner():
     assert bad and bad[0].field == "padded seq_lens" and bad[0].expected == [1], v.report()
     assert bad[0].got[0] >= SPEC.num_tokens_per_bs  # iteration 0's length of lane 3
     assert all(f.where.get("runner") == "target_verify" for f in v.failures)  # the draft-extend runners are untouched
+
+
+@pytest.mark.parametrize(("mutant", "field", "expected", "got"), [
+    ("verify-buckets-request-aligned", "capture_bs", [2, 4, 8], [8]),
+    ("verify-bucket-tokens-unsplit", "capture_bs", [2, 4, 8], [1, 2, 4, 8]),
+])
+def test_p1_kills_verify_buckets_off_the_token_rule(mutant, field, expected, got):
+    with mutants.get(mutant).planted():
+        v = check_metadata(PL(8, moe_dense_tp_size=1), SPEC, [(1,)])
+    bad = [f for f in v.failures if f.where.get("runner") == "target_verify"]
+    assert bad and (bad[0].field, bad[0].expected, bad[0].got) == (field, expected, got), v.report()
+    assert all(f.where.get("runner") == "target_verify" for f in v.failures)  # the draft runners keep their buckets
+    fields = {f.field for f in bad}
+    assert ("bs * T % attn_tp_size" in fields) == (mutant == "verify-bucket-tokens-unsplit"), fields  # bucket 1: 4 tokens over 8 ranks
 
 
 def test_p3_and_p5_kill_a_padded_kv_write_into_a_stale_slot():

@@ -28,7 +28,7 @@ from harness.engines.sglang.config import EngineConfig
 from harness.engines.sglang.handle import RunnerHandle
 from harness.engines.sglang.loader import Engine
 from harness.layout import branch_sibling
-from harness.props.p1_records import check_replay_record, check_replay_rows
+from harness.props.p1_records import check_replay_record, check_replay_rows, verify_capture_bs
 from harness.records import ReplayRecord
 from harness.verdict import Verdict
 from runners.cuda_graph import compute_capture_bs
@@ -216,17 +216,6 @@ def _check_captures(h: RunnerHandle, layout: ParallelLayout, tp_rank: int, line,
                            "rows fed to lm_head in the warm-up and capture runs")
         lp = cap.global_num_tokens_for_logprob_gpu
         per_request.setdefault((layout, tp_rank, h.kind, h.step), {})[bs] = (None if lp is None else Fraction(lp[own], n), Fraction(rows_fed, n), n)
-
-
-def verify_capture_bs(layout: ParallelLayout, configured: tuple[int, ...], max_running_requests: int, T: int) -> list[int]:
-    """DESIGN.md §6.2's buckets with the base applied to the verify's tokens: the attn-TP ranks split its bs * T
-    tokens, so a bucket is kept when bs * T is a multiple of the base (with two-batch overlap, which splits
-    requests, when bs is); the pool size rounded up to the base is added where the pool cuts the list."""
-    base = layout.capture_bs_base
-    width = 1 if layout.enable_two_batch_overlap else T
-    pool = -(-max_running_requests // base) * base
-    kept = set(configured) | ({pool} if max(configured) > pool else set())
-    return sorted(b for b in kept if b * width % base == 0 and b <= pool)
 
 
 def _check_target_verify(tv: target_verify.TargetVerify, layout: ParallelLayout, d: int, tp_rank: int, line, filled: frozenset[str],

@@ -2,9 +2,11 @@
 TARGET_VERIFY runner's mask fill and the loop's KV move in runners.spec_decode).
 
 Each is killed on CPU by the property named in its entry: P5 (spec-cases: committed tokens
-against target-only greedy, on the tree case tp2_page4_tree, whose rounds accept siblings)
-or P2 (padded-lanes: the verify runner's canonical fill, on the same case, whose batch
-shrinks over buckets). Functions the runners import by name are patched where they are used.
+against target-only greedy, on the tree case tp2_page4_tree, whose rounds accept siblings),
+P2 (padded-lanes: the verify runner's canonical fill, on the same case, whose batch
+shrinks over buckets) or P1 (metadata-grid: the verify runner's buckets against the engine's
+token-aligned rule, on the attn-TP layouts). Functions the runners import by name are patched
+where they are used.
 """
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ from runners.batch import ForwardBatch
 from runners.verify_graph import TargetVerifyCudaGraphRunner
 
 _REAL_FILL = TargetVerifyCudaGraphRunner._fill_padded_lanes
+_REAL_CAPTURE_BS = verify_graph.compute_capture_bs
 
 
 def _mask_sees_siblings(parents: Sequence[int]) -> torch.Tensor:
@@ -43,6 +46,14 @@ def _fill_keeps_padded_masks(self: TargetVerifyCudaGraphRunner, raw_bs: int) -> 
     saved = self.custom_mask.clone()
     _REAL_FILL(self, raw_bs)
     self.custom_mask.copy_(saved)  # padded lanes keep the last, larger batch's tree masks
+
+
+def _request_aligned_buckets(layout, configured, max_running_requests, tokens_per_bs=1) -> list[int]:
+    return _REAL_CAPTURE_BS(layout, configured, max_running_requests)  # the draft runners' rule: bs itself a multiple of the base
+
+
+def _unaligned_buckets(layout, configured, max_running_requests, tokens_per_bs=1) -> list[int]:
+    return _REAL_CAPTURE_BS(layout, configured, max_running_requests, layout.capture_bs_base)  # every bs * base splits: no bucket dropped
 
 
 MUTANTS: list[Mutant] = [
@@ -85,5 +96,22 @@ MUTANTS: list[Mutant] = [
         "stale padded lane after shrink",
         ((TargetVerifyCudaGraphRunner, "_fill_padded_lanes", _fill_keeps_padded_masks),),
         ("padded-lanes",),  # P2 (canonical fill): harmless to real rows, every tree mask lets a node see its root
+    ),
+    Mutant(
+        "verify-buckets-request-aligned",
+        "the TARGET_VERIFY runner keeps the draft runners' buckets (bs a multiple of attn_tp_size) instead of the "
+        "engine's (bs * T a multiple): on tp8 attn-TP gather with T = 4 it drops buckets 2 and 4 and a batch of 1 "
+        "replays at 8",
+        "verify buckets",
+        ((verify_graph, "compute_capture_bs", _request_aligned_buckets),),
+        ("metadata-grid",),  # P1 (capture_bs, smallest bucket): only the buckets change, the metadata of each stays right
+    ),
+    Mutant(
+        "verify-bucket-tokens-unsplit",
+        "the TARGET_VERIFY runner keeps every configured bucket that fits the pool, also those whose bs * T tokens do "
+        "not split over the attn-TP ranks (tp8 attn-TP gather, T = 4: bucket 1, 4 tokens over 8 ranks)",
+        "verify buckets",
+        ((verify_graph, "compute_capture_bs", _unaligned_buckets),),
+        ("metadata-grid",),  # P1 (capture_bs, bs * T % attn_tp_size)
     ),
 ]

@@ -7,7 +7,7 @@ import torch
 
 from harness.layout import branch_sibling
 from harness.observe import RunnerObserver
-from harness.props.p1_records import check_replay_record
+from harness.props.p1_records import check_replay_record, verify_capture_bs
 from harness.verdict import Verdict
 from runners.config import DEFAULT_MODEL, ModelConfig, SpecConfig
 from runners.cuda_graph import (
@@ -112,7 +112,8 @@ def _check_verify_metadata(v: Verdict, layout: ParallelLayout, spec: SpecConfig,
         inp = VerifyInputs(zeros, zeros, torch.randint(T, 4 * T, (raw_bs,), generator=g), torch.arange(1, raw_bs + 1), dp_sizes)
         if runner.can_run(inp):
             needed = max(dp_sizes) if layout.require_mlp_tp_gather else raw_bs
-            check_replay_record(v, layout, observer.prepare(inp), tp_rank, it, needed)
+            check_replay_record(v, layout, observer.prepare(inp), tp_rank, it, needed,
+                                expected_capture_bs=verify_capture_bs(layout, spec.capture_bs, spec.max_running_requests, T))
 
 
 def _check_decode_metadata(v: Verdict, layout: ParallelLayout, spec: SpecConfig, schedule, model: ModelConfig, tp_rank: int, seed: int) -> None:

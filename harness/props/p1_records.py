@@ -1,12 +1,29 @@
 """P1 on one replay record: the invariants and padding rules every runner's record must hold (ours and an engine's)."""
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Sequence
 
 from harness.records import ReplayRecord
 from harness.verdict import Verdict
 from runners.draft_extend import SEQ_LEN_FILL_VALUE
+from runners.graph_runner import RunnerKind
 from runners.parallel.layout import ParallelLayout
+
+
+def verify_capture_bs(layout: ParallelLayout, configured: Sequence[int], max_running_requests: int, T: int) -> list[int]:
+    """The TARGET_VERIFY buckets SGLang captures (get_batch_sizes_to_capture with the verify's
+    T tokens per request): the alignment is 2 with two-batch overlap, times attn_tp_size where the
+    gathered buffers are used; a bucket is kept when its model input (bs * T tokens; bs under
+    two-batch overlap, whose micro-batches split requests) is a multiple of it and it fits the
+    request pool rounded up to it, which is added when the list reaches past it. Where none is
+    kept the engine refuses to start (an assert); our runners capture the rounded pool there
+    instead, so that is the expectation (an engine never gets that far)."""
+    tbo = layout.enable_two_batch_overlap
+    alignment = (2 if tbo else 1) * (layout.attn_tp_size if layout.require_gathered_buffer else 1)
+    per_request = 1 if tbo else T
+    pool = alignment * -(-max_running_requests // alignment)
+    candidates = list(configured) + ([pool] if max(configured) > pool else [])
+    return sorted({b for b in candidates if b * per_request % alignment == 0 and b <= pool}) or [pool]
 
 
 def record_where(layout: ParallelLayout, rec: ReplayRecord, tp_rank: int, iteration: int) -> dict:
@@ -32,11 +49,12 @@ def check_replay_record(
     *,
     logprob_rows: Optional[int] = None,
     require_host_lists: bool = True,
-    tokens_aligned: bool = False,
+    tokens_aligned: Optional[bool] = None,
+    expected_capture_bs: Optional[Sequence[int]] = None,
 ) -> None:
     """I1, I4, I5 and the padding rules on one replay's record.
 
-    The two keyword parameters describe legal engine variants (DESIGN.md §6.3, §6.5); their
+    The keyword parameters describe legal engine variants (DESIGN.md §6.3, §6.5); their
     defaults are our runners' behaviour, and `harness engine-check` passes them for SGLang:
 
     logprob_rows: the logit rows per rank lm_head sees in this bucket. None (ours): every
@@ -53,7 +71,10 @@ def check_replay_record(
         absent host list is not compared in I1, and I4 / I5 use the capture-time gpu value
         in its place, which is what the graph holds. A host list that is given is checked.
     tokens_aligned: the target verify's buckets are aligned by their tokens (bs * T a multiple
-        of attn_tp_size: the verify's tokens are what the attn-TP ranks split), not by bs.
+        of attn_tp_size: the verify's tokens are what the attn-TP ranks split), not by bs; with
+        two-batch overlap by bs again. None: by the record's runner (ours: TARGET_VERIFY).
+    expected_capture_bs: the buckets the engine captures for this runner (verify_capture_bs for
+        the target verify); a runner that keeps fewer pads a batch past the engine's bucket.
     """
     w = record_where(layout, rec, tp_rank, iteration)
     T, bs = rec.tokens_per_bs, rec.bs
@@ -64,8 +85,12 @@ def check_replay_record(
     v.expect_equal("padding", "bs >= raw_bs", w, True, bs >= needed_bs, f"needed {needed_bs}")
     smaller = [b for b in rec.captured_bs if needed_bs <= b < bs]
     v.expect_equal("padding", "smallest bucket", w, [], smaller, "a smaller captured bucket fits")
+    if expected_capture_bs is not None:
+        v.expect_equal("padding", "capture_bs", w, sorted(expected_capture_bs), sorted(rec.captured_bs), "the engine's buckets")
+    if tokens_aligned is None:
+        tokens_aligned = rec.runner == RunnerKind.TARGET_VERIFY
     if layout.require_gathered_buffer:
-        if tokens_aligned:
+        if tokens_aligned and not layout.enable_two_batch_overlap:
             v.expect_equal("padding", "bs * T % attn_tp_size", w, 0, n % layout.attn_tp_size)
         else:
             v.expect_equal("padding", "bs % attn_tp_size", w, 0, bs % layout.attn_tp_size)
