@@ -8,6 +8,8 @@ from harness.mutants.base import Mutant
 from harness.mutants.draft_extend import REAL_COPY
 from harness.mutants.verify_fill import _verify_fill_keeps
 from runners.cuda_graph import EagleDraftExtendCudaGraphRunnerBase
+from runners.eagle_draft_extend_graph import EagleDraftExtendCudaGraphRunner
+from runners.eagle_draft_graph import EAGLEDraftCudaGraphRunner
 from runners.verify_graph import TargetVerifyCudaGraphRunner
 
 
@@ -15,6 +17,18 @@ def _copy_skips_host_seq_lens(self: EagleDraftExtendCudaGraphRunnerBase, inp) ->
     saved = self.seq_lens_cpu.clone()
     REAL_COPY(self, inp)
     self.seq_lens_cpu.copy_(saved)  # the live lanes' host lengths stay at the reset's fill value
+
+
+def _keeps_host_seq_lens(real):
+    """`real` (a runner's replay-fill method) with its writes to the host mirror undone: the mirror keeps the
+    previous replay's lengths while the device buffer gets the new ones."""
+    def fill(self, *args):
+        saved = self.seq_lens_cpu.clone()
+        out = real(self, *args)
+        self.seq_lens_cpu.copy_(saved)
+        return out
+
+    return fill
 
 
 MUTANTS: tuple[Mutant, ...] = (
@@ -30,6 +44,34 @@ MUTANTS: tuple[Mutant, ...] = (
         "TARGET_VERIFY replay fill resets the padded lanes' seq_lens on the device but not in the host mirror: after the batch shrinks, a host-planned backend plans them with the larger batch's lengths",
         "stale padded lane after shrink",
         ((TargetVerifyCudaGraphRunner, "_fill_padded_lanes", _verify_fill_keeps("seq_lens_cpu")),),
+        ("metadata-grid",),  # P1 (host mirror)
+    ),
+    Mutant(
+        "single-layer-host-seq-lens-not-copied",
+        "the single-layer draft-extend runner's replay fill writes seq_lens to the device buffer but not to its host mirror",
+        "host metadata out of step with the device",
+        ((EagleDraftExtendCudaGraphRunner, "_fill_for_replay", _keeps_host_seq_lens(EagleDraftExtendCudaGraphRunner._fill_for_replay)),),
+        ("metadata-grid",),  # P1 (host mirror)
+    ),
+    Mutant(
+        "decode-host-seq-lens-not-copied",
+        "the draft-decode replay copy-in writes seq_lens to the device buffer but not to its host mirror: a host-planned backend plans every step with the last replay's lengths",
+        "host metadata out of step with the device",
+        ((EAGLEDraftCudaGraphRunner, "_copy_live_inputs", _keeps_host_seq_lens(EAGLEDraftCudaGraphRunner._copy_live_inputs)),),
+        ("metadata-grid",),  # P1 (host mirror)
+    ),
+    Mutant(
+        "decode-host-seq-lens-stale-padded",
+        "the draft-decode replay fill resets the padded lanes' seq_lens on the device but not in the host mirror",
+        "stale padded lane after shrink",
+        ((EAGLEDraftCudaGraphRunner, "_fill_padded_lanes", _keeps_host_seq_lens(EAGLEDraftCudaGraphRunner._fill_padded_lanes)),),
+        ("metadata-grid",),  # P1 (host mirror)
+    ),
+    Mutant(
+        "verify-host-seq-lens-not-copied",
+        "the TARGET_VERIFY replay copy-in writes seq_lens to the device buffer but not to its host mirror",
+        "host metadata out of step with the device",
+        ((TargetVerifyCudaGraphRunner, "_copy_live_inputs", _keeps_host_seq_lens(TargetVerifyCudaGraphRunner._copy_live_inputs)),),
         ("metadata-grid",),  # P1 (host mirror)
     ),
 )
