@@ -44,12 +44,13 @@ looser tolerances that follow.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import accumulate
 from typing import Any, Optional
 
 import torch
 
 from runners import graph_record
-from runners.attention.flashinfer_plan import cumsum, paged_kv_indices, plan_inputs_key, plan_sources
+from runners.attention.flashinfer_plan import paged_kv_indices, plan_inputs_key, plan_sources
 from runners.batch import ForwardBatch, ForwardMode
 from runners.eagle_draft import DraftDecodeSpecInfo, assign_draft_cache_locs
 from runners.memory import ReqToTokenPool, TokenToKVPool
@@ -285,5 +286,5 @@ class FlashInferAttnBackend:
 
 def _args(qo: list[int], kv: list[int], kv_indices: torch.Tensor) -> _PlanArgs:
     i32 = dict(dtype=torch.int32)
-    return _PlanArgs(torch.tensor([0] + cumsum(qo), **i32), torch.tensor([0] + cumsum(kv), **i32), kv_indices,
+    return _PlanArgs(torch.tensor(list(accumulate(qo, initial=0)), **i32), torch.tensor(list(accumulate(kv, initial=0)), **i32), kv_indices,
                      torch.ones(len(kv), **i32))

@@ -70,10 +70,3 @@ def paged_kv_indices(req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
         slots = torch.where(offset < own, slots, tail_slots)
     return slots.to(torch.int32)
 
-
-def cumsum(xs: list[int]) -> list[int]:
-    out, acc = [], 0
-    for x in xs:
-        acc += x
-        out.append(acc)
-    return out
