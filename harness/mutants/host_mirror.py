@@ -74,4 +74,12 @@ MUTANTS: tuple[Mutant, ...] = (
         ((TargetVerifyCudaGraphRunner, "_copy_live_inputs", _keeps_host_seq_lens(TargetVerifyCudaGraphRunner._copy_live_inputs)),),
         ("metadata-grid",),  # P1 (host mirror)
     ),
+    Mutant(
+        "draft-extend-host-seq-lens-stale-padded",
+        "the multi-layer draft-extend reset fills seq_lens of the padded lanes on the device but not in the host mirror",
+        "stale padded lane after shrink",
+        ((EagleDraftExtendCudaGraphRunnerBase, "reset_for_iteration",
+          _keeps_host_seq_lens(EagleDraftExtendCudaGraphRunnerBase.reset_for_iteration)),),
+        ("metadata-grid",),  # P1 (host mirror)
+    ),
 )
