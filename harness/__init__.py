@@ -2,21 +2,43 @@
 
 The public API is what this module exports (`__all__`); everything else is internal and may
 move. An engine's own test suite uses it directly, or through the pytest plugin
-(harness.plugin, registered as the `specharness` pytest11 entry point).
+(harness.plugin, enabled by a conftest line; the wheel's pytest11 entry point loads only its
+options, harness.plugin_options).
+
+The names are resolved on first use (PEP 562): importing any harness module imports this
+package first, and the entry point above is imported by every pytest session of an environment
+where the wheel is installed, so the package itself must not pull in torch and the model.
 """
+from __future__ import annotations
+
+import importlib
+from typing import Any
 
 __version__ = "0.1.0"
 
-from harness.case import Case, CaseError, default_cases, load_case  # noqa: E402
-from harness.checks import CASE_PROPS, FAST_PROPS, CaseReport, check_case  # noqa: E402
-from harness.engines.check import check_engine  # noqa: E402
-from harness.engines.report import EngineReport  # noqa: E402
-from harness.errors import ExitCode, OutOfMemory  # noqa: E402
-from harness.golden import GoldenError, check_golden, record_golden  # noqa: E402
-from harness.mutants import CATALOG as MUTANTS  # noqa: E402
-from harness.mutants import Mutant  # noqa: E402
-from harness.mutants import get as get_mutant  # noqa: E402
-from harness.verdict import Failure, Verdict  # noqa: E402
+# public name -> (module, attribute there)
+_EXPORTS: dict[str, tuple[str, str]] = {
+    "Case": ("harness.case", "Case"),
+    "CaseError": ("harness.case", "CaseError"),
+    "load_case": ("harness.case", "load_case"),
+    "default_cases": ("harness.case", "default_cases"),
+    "check_case": ("harness.checks", "check_case"),
+    "CaseReport": ("harness.checks", "CaseReport"),
+    "Verdict": ("harness.verdict", "Verdict"),
+    "Failure": ("harness.verdict", "Failure"),
+    "FAST_PROPS": ("harness.props.names", "FAST_PROPS"),
+    "CASE_PROPS": ("harness.props.names", "CASE_PROPS"),
+    "check_golden": ("harness.golden", "check_golden"),
+    "record_golden": ("harness.golden", "record_golden"),
+    "GoldenError": ("harness.golden", "GoldenError"),
+    "MUTANTS": ("harness.mutants", "CATALOG"),
+    "Mutant": ("harness.mutants", "Mutant"),
+    "get_mutant": ("harness.mutants", "get"),
+    "check_engine": ("harness.engines.check", "check_engine"),
+    "EngineReport": ("harness.engines.report", "EngineReport"),
+    "ExitCode": ("harness.errors", "ExitCode"),
+    "OutOfMemory": ("harness.errors", "OutOfMemory"),
+}
 
 __all__ = [
     "__version__",
@@ -33,3 +55,16 @@ __all__ = [
     # outcomes
     "ExitCode", "OutOfMemory",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'harness' has no attribute {name!r}")
+    module, attr = _EXPORTS[name]
+    value = getattr(importlib.import_module(module), attr)
+    globals()[name] = value  # resolved once: later lookups never reach __getattr__
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

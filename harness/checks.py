@@ -9,6 +9,7 @@ from harness.case import Case
 from harness.crash import crash_detail, crash_name, crash_verdict
 from harness.errors import OutOfMemory, is_oom
 from harness.execute import RankRun, run_rank
+from harness.props.names import CASE_PROPS, FAST_PROPS, SPEC_PROPS
 from harness.props.p1_metadata import check_metadata
 from harness.props.p1_run import check_run_metadata
 from harness.props.p2 import check_padded_lanes
@@ -67,9 +68,6 @@ def run_spmd(sc: Scenario, runner: str = "both", single_layer: bool = False, tim
     return ranks_run(sc.layout, run_rank, sc, runner, single_layer, "auto", kind.device, ranks=kind, timeout_s=timeout_s)[0]
 
 
-FAST_PROPS = ("P1", "P3", "P4")  # one run of the case: the draft-extend runners
-SPEC_PROPS = ("P2", "P5", "P6")  # the case's workload through the speculative decoding loop
-CASE_PROPS = FAST_PROPS + SPEC_PROPS  # P7 and P8 need planned schedules: pytest and `harness mutants` run them
 
 
 def parse_props(text: str) -> tuple[str, ...]:

@@ -4,8 +4,8 @@ Enable it with one line in the project's top-level conftest.py:
 
     pytest_plugins = ["harness.plugin"]
 
-(the wheel also registers it as the `harness.plugin` pytest11 entry point, so the line is a
-no-op where it is already loaded; it is what turns the case items on). Items live under the
+(the wheel registers only harness.plugin_options, the options, as its pytest11 entry point: an
+entry point loads into every pytest session of the environment, and this module imports torch). Items live under the
 conftest's directory as `<dir>::specharness::<case>::<property>`, so `pytest -k tp4_attn_tp_gather`
 selects one case, `-k P3` one property, and `--lf` reruns what failed. Each case also gets a
 `golden` item: its graph run against golden/<case>.npz. `--specharness-force-regen` rewrites the
@@ -30,19 +30,8 @@ from harness.golden import GOLDEN_DIR, GoldenError, check_golden, record_golden
 from harness.mutants import get as get_mutant
 
 PLUGIN = "harness.plugin"
+pytest_plugins = ["harness.plugin_options"]  # the options: also the entry point, light so every session can load it
 GOLDEN_ITEM = "golden"
-
-
-def pytest_addoption(parser: pytest.Parser) -> None:
-    g = parser.getgroup("specharness", "specharness: speculative decoding correctness properties")
-    g.addoption("--specharness-cases-dir", metavar="DIR", help=f"the cases to run (default: ini specharness_cases_dir, else the shipped ones: {CASES_DIR})")
-    g.addoption("--specharness-golden-dir", metavar="DIR", help="where the goldens are (default: ini specharness_golden_dir, else the shipped ones)")
-    g.addoption("--specharness-props", metavar="LIST", help=f"properties per case: a comma list of {', '.join(CASE_PROPS)} or 'all' (default: {','.join(FAST_PROPS)})")
-    g.addoption("--specharness-force-regen", action="store_true", help="rewrite the goldens and fail their items (never under pytest-xdist)")
-    g.addoption("--specharness-mutant", metavar="ID", help="plant a mutant of the catalog for the whole session (see `harness mutants`)")
-    parser.addini("specharness_cases_dir", "directory of case files (relative to the ini file)", type="paths", default=[])
-    parser.addini("specharness_golden_dir", "directory of goldens (relative to the ini file)", type="paths", default=[])
-    parser.addini("specharness_props", "properties per case, as --specharness-props", default=",".join(FAST_PROPS))
 
 
 def _dir(config: pytest.Config, name: str, default: Path) -> Path:

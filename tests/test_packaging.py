@@ -94,14 +94,17 @@ def test_installed_wheel_without_cases_exits_2_saying_where_it_looked(installed,
 
 
 def test_installed_plugin_is_inert_until_a_conftest_enables_it(installed, tmp_path):
-    """The wheel's pytest11 entry point loads harness.plugin everywhere; it adds items only where a
-    conftest asks for it, and that conftest line does not register it twice."""
+    """The wheel's pytest11 entry point loads into every pytest session of the environment: there it
+    only declares options (torch is never imported), items come only where a conftest enables
+    harness.plugin, and that conftest line does not register anything twice."""
     venv, purelib, env, work, _ = installed
     other = tmp_path / "other"
     other.mkdir()
-    (other / "test_x.py").write_text("def test_x():\n    pass\n")
-    rc, out, err = _sh(venv / "bin" / "python", "-m", "pytest", "-q", "-p", "no:randomly", "--collect-only", cwd=other, env=env)
-    assert rc == 0 and "1 test collected" in out and "specharness" not in out, out + err
+    (other / "test_x.py").write_text("import sys\n\n\ndef test_x():\n    assert 'torch' not in sys.modules\n")
+    rc, out, err = _sh(venv / "bin" / "python", "-m", "pytest", "-q", "-p", "no:randomly", cwd=other, env=env)
+    assert rc == 0 and "1 passed" in out and "specharness" not in out, out + err
+    rc, out, err = _sh(venv / "bin" / "python", "-m", "pytest", "--help", cwd=other, env=env)
+    assert rc == 0 and "--specharness-props" in out, out + err
     project = tmp_path / "project"
     shutil.copytree(REPO / "tests" / "external_project", project, ignore=shutil.ignore_patterns("__pycache__", ".pytest_cache"))
     rc, out, err = _sh(venv / "bin" / "python", "-m", "pytest", "-q", "-p", "no:randomly", "--collect-only", "-k", "tp1_neither", cwd=project, env=env)

@@ -1,0 +1,27 @@
+"""The pytest plugin's options: what the wheel's pytest11 entry point loads into every pytest session.
+
+An entry point is loaded by every pytest run in the environment, also in projects that never use
+specharness, so it stays light (no torch, no model): it only declares the options and ini keys.
+harness.plugin, which a project's conftest enables, brings the items and fixtures and pulls this
+module in through its own `pytest_plugins`, so the options exist however the plugin was loaded.
+"""
+from __future__ import annotations
+
+import pytest
+
+from harness.data import shipped_dir
+from harness.props.names import CASE_PROPS, FAST_PROPS
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    g = parser.getgroup("specharness", "specharness: speculative decoding correctness properties")
+    g.addoption("--specharness-cases-dir", metavar="DIR",
+                help=f"the cases to run (default: ini specharness_cases_dir, else the shipped ones: {shipped_dir('cases')})")
+    g.addoption("--specharness-golden-dir", metavar="DIR", help="where the goldens are (default: ini specharness_golden_dir, else the shipped ones)")
+    g.addoption("--specharness-props", metavar="LIST",
+                help=f"properties per case: a comma list of {', '.join(CASE_PROPS)} or 'all' (default: {','.join(FAST_PROPS)})")
+    g.addoption("--specharness-force-regen", action="store_true", help="rewrite the goldens and fail their items (never under pytest-xdist)")
+    g.addoption("--specharness-mutant", metavar="ID", help="plant a mutant of the catalog for the whole session (see `harness mutants`)")
+    parser.addini("specharness_cases_dir", "directory of case files (relative to the ini file)", type="paths", default=[])
+    parser.addini("specharness_golden_dir", "directory of goldens (relative to the ini file)", type="paths", default=[])
+    parser.addini("specharness_props", "properties per case, as --specharness-props", default=",".join(FAST_PROPS))
