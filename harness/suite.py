@@ -25,9 +25,11 @@ GRID_SCHEDULE = ((6, 3, 5, 1, 2, 4, 7, 8), (2, 1, 1, 0, 1, 2, 1, 3), (1, 2, 1, 1
 
 
 def probe_metadata_grid() -> dict[str, Verdict]:
-    """P1 on every reachable layout (TP 1/2/4/8, every branch) with two spec shapes."""
+    """P1 on every reachable layout (TP 1/2/4/8, every branch) with two spec shapes: chains, and trees of 3 verify
+    tokens (the fewest that make a tree other than the chain: a stale padded tree mask then shows)."""
     v = Verdict("P1")
-    for spec in (SpecConfig(num_steps=3, capture_bs=(1, 2, 4, 8), max_running_requests=8), SpecConfig(num_steps=1, topk=2, capture_bs=(1, 2, 4, 8, 16))):
+    trees = SpecConfig(num_steps=1, topk=2, num_draft_tokens=3, capture_bs=(1, 2, 4, 8, 16))
+    for spec in (SpecConfig(num_steps=3, capture_bs=(1, 2, 4, 8), max_running_requests=8), trees):
         for layout in all_layouts():
             dp = layout.attn_dp_size
             schedule = [row[:dp] if dp > 1 else row[:1] for row in GRID_SCHEDULE]

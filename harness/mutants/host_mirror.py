@@ -75,6 +75,13 @@ MUTANTS: tuple[Mutant, ...] = (
         ("metadata-grid",),  # P1 (host mirror)
     ),
     Mutant(
+        "verify-host-mask-stale-padded",
+        "TARGET_VERIFY replay fill resets the padded lanes' tree masks to the chain mask on the device but not in the host mirror: after a tree batch shrinks within its bucket, a host-planned backend plans them with the larger batch's trees",
+        "stale padded lane after shrink",
+        ((TargetVerifyCudaGraphRunner, "_fill_padded_lanes", _verify_fill_keeps("custom_mask_cpu")),),
+        ("metadata-grid",),  # P1 (host mirror): the grid's tree spec shrinks 6 -> 3 within bucket 4
+    ),
+    Mutant(
         "draft-extend-host-seq-lens-stale-padded",
         "the multi-layer draft-extend reset fills seq_lens of the padded lanes on the device but not in the host mirror",
         "stale padded lane after shrink",
