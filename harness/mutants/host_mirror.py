@@ -37,49 +37,49 @@ MUTANTS: tuple[Mutant, ...] = (
         "draft-extend replay copy-in writes the live seq_lens to the device buffer but not to its host mirror: a host-planned backend plans every live lane with the fill length",
         "host metadata out of step with the device",
         ((EagleDraftExtendCudaGraphRunnerBase, "_copy_live_inputs", _copy_skips_host_seq_lens),),
-        ("metadata-grid",),  # P1 (host mirror)
+        ("metadata-dp", "metadata-grid"),  # P1 (host mirror)
     ),
     Mutant(
         "verify-host-seq-lens-stale-padded",
         "TARGET_VERIFY replay fill resets the padded lanes' seq_lens on the device but not in the host mirror: after the batch shrinks, a host-planned backend plans them with the larger batch's lengths",
         "stale padded lane after shrink",
         ((TargetVerifyCudaGraphRunner, "_fill_padded_lanes", _verify_fill_keeps("seq_lens_cpu")),),
-        ("metadata-grid",),  # P1 (host mirror)
+        ("metadata-dp", "metadata-grid"),  # P1 (host mirror)
     ),
     Mutant(
         "single-layer-host-seq-lens-not-copied",
         "the single-layer draft-extend runner's replay fill writes seq_lens to the device buffer but not to its host mirror",
         "host metadata out of step with the device",
         ((EagleDraftExtendCudaGraphRunner, "_fill_for_replay", _keeps_host_seq_lens(EagleDraftExtendCudaGraphRunner._fill_for_replay)),),
-        ("metadata-grid",),  # P1 (host mirror)
+        ("metadata-dp", "metadata-grid"),  # P1 (host mirror)
     ),
     Mutant(
         "decode-host-seq-lens-not-copied",
         "the draft-decode replay copy-in writes seq_lens to the device buffer but not to its host mirror: a host-planned backend plans every step with the last replay's lengths",
         "host metadata out of step with the device",
         ((EAGLEDraftCudaGraphRunner, "_copy_live_inputs", _keeps_host_seq_lens(EAGLEDraftCudaGraphRunner._copy_live_inputs)),),
-        ("metadata-grid",),  # P1 (host mirror)
+        ("metadata-dp", "metadata-grid"),  # P1 (host mirror)
     ),
     Mutant(
         "decode-host-seq-lens-stale-padded",
         "the draft-decode replay fill resets the padded lanes' seq_lens on the device but not in the host mirror",
         "stale padded lane after shrink",
         ((EAGLEDraftCudaGraphRunner, "_fill_padded_lanes", _keeps_host_seq_lens(EAGLEDraftCudaGraphRunner._fill_padded_lanes)),),
-        ("metadata-grid",),  # P1 (host mirror)
+        ("metadata-dp", "metadata-grid"),  # P1 (host mirror)
     ),
     Mutant(
         "verify-host-seq-lens-not-copied",
         "the TARGET_VERIFY replay copy-in writes seq_lens to the device buffer but not to its host mirror",
         "host metadata out of step with the device",
         ((TargetVerifyCudaGraphRunner, "_copy_live_inputs", _keeps_host_seq_lens(TargetVerifyCudaGraphRunner._copy_live_inputs)),),
-        ("metadata-grid",),  # P1 (host mirror)
+        ("metadata-dp", "metadata-grid"),  # P1 (host mirror)
     ),
     Mutant(
         "verify-host-mask-stale-padded",
         "TARGET_VERIFY replay fill resets the padded lanes' tree masks to the chain mask on the device but not in the host mirror: after a tree batch shrinks within its bucket, a host-planned backend plans them with the larger batch's trees",
         "stale padded lane after shrink",
         ((TargetVerifyCudaGraphRunner, "_fill_padded_lanes", _verify_fill_keeps("custom_mask_cpu")),),
-        ("metadata-grid",),  # P1 (host mirror): the grid's tree spec shrinks 6 -> 3 within bucket 4
+        ("metadata-dp", "metadata-grid"),  # P1 (host mirror): both probes shrink a tree batch within its bucket
     ),
     Mutant(
         "draft-extend-host-seq-lens-stale-padded",
@@ -87,6 +87,6 @@ MUTANTS: tuple[Mutant, ...] = (
         "stale padded lane after shrink",
         ((EagleDraftExtendCudaGraphRunnerBase, "reset_for_iteration",
           _keeps_host_seq_lens(EagleDraftExtendCudaGraphRunnerBase.reset_for_iteration)),),
-        ("metadata-grid",),  # P1 (host mirror)
+        ("metadata-dp", "metadata-grid"),  # P1 (host mirror)
     ),
 )

@@ -71,7 +71,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "replay copy-in advances the seq_lens of the padded lanes by num_tokens_per_bs, as if padded rows had extended too (they should stay at the fill value)",
         "seq_len advanced for padded rows",
         ((EagleDraftExtendCudaGraphRunnerBase, "_copy_live_inputs", _copy_advances_padded_seq_lens),),
-        ("metadata-grid", "padded-lanes", "cases"),  # P1 (grid, cases), P2
+        ("metadata-dp", "metadata-grid", "padded-lanes", "cases"),  # P1 (grid, cases), P2
     ),
     Mutant(
         "draft-hidden-next-step",
