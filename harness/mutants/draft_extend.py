@@ -6,7 +6,7 @@ from unittest import mock
 import torch
 
 from harness import execute
-from harness.mutants.base import Mutant
+from harness.mutants.base import Mutant, keeps
 from runners import model
 from runners.cuda_graph import EagleDraftExtendCudaGraphRunnerBase, MultiLayerEagleDraftExtendCudaGraphRunner
 from runners.parallel.comm import Group
@@ -37,12 +37,6 @@ def _capture_num_tokens_gpu_requests(self: EagleDraftExtendCudaGraphRunnerBase, 
 
 REAL_GET_FORWARD_BATCH = EagleDraftExtendCudaGraphRunnerBase.get_forward_batch
 REAL_RESET = EagleDraftExtendCudaGraphRunnerBase.reset_for_iteration
-
-
-def _reset_without_seq_len_fill(self: EagleDraftExtendCudaGraphRunnerBase, raw_bs: int, accept_lens: torch.Tensor) -> None:
-    saved = self.seq_lens.clone()
-    REAL_RESET(self, raw_bs, accept_lens)
-    self.seq_lens.copy_(saved)  # padded lanes keep the seq_lens of the last, larger batch
 
 
 def _copy_positions_off_by_one(self: EagleDraftExtendCudaGraphRunnerBase, inp) -> None:
@@ -116,7 +110,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "stale-padded-seq-lens",
         "replay reset skips seq_lens = fill: after the batch shrinks, padded lanes keep the seq_lens of the earlier, larger batch",
         "stale padded lane after shrink",
-        ((EagleDraftExtendCudaGraphRunnerBase, "reset_for_iteration", _reset_without_seq_len_fill),),
+        ((EagleDraftExtendCudaGraphRunnerBase, "reset_for_iteration", keeps(REAL_RESET, "seq_lens")),),
         ("metadata-dp", "metadata-grid", "padded-lanes", "cases"),  # P1 (grid, cases), P2
     ),
     Mutant(

@@ -37,75 +37,68 @@ def _step_keeps_hidden(self: MultiLayerEagleMultiStepDraftExtendCudaGraphRunner,
     return _MULTI_STEP_REPLAY(self, step, inp)
 
 
-def _skips(mutant_id: str, description: str, kind: str, runner: type, method: str, buffer: str, probe: str) -> Mutant:
+_ML, _SL, _DD, _TV = EagleDraftExtendCudaGraphRunnerBase, EagleDraftExtendCudaGraphRunner, EAGLEDraftCudaGraphRunner, TargetVerifyCudaGraphRunner
+
+# (id, what the skipped write breaks, kind, runner, method, buffer whose write is undone, the probe that kills it: property)
+_SKIPPED_WRITES = (
+    # ---- the multi-layer draft-extend runner (runners.cuda_graph) ----
+    ("draft-extend-input-ids-not-copied", "the graph embeds the reset's token 0", LIVE, _ML, "_copy_live_inputs", "input_ids", "case-tp1"),  # P3
+    ("draft-extend-hidden-not-copied", "the draft reads the last batch's target hidden states", LIVE, _ML, "_copy_live_inputs", "hidden_states", "case-tp1"),  # P3
+    ("draft-extend-seq-lens-not-copied", "the live lanes keep the reset's fill length", LIVE, _ML, "_copy_live_inputs", "seq_lens", "metadata-dp"),  # P1 (seq_lens_sum)
+    ("draft-extend-req-rows-not-copied", "every live lane reads and writes KV through the padding row", LIVE, _ML, "_copy_live_inputs", "req_pool_indices", "case-tp1"),  # P3
+    ("draft-extend-correct-drafts-not-copied", "each lane selects the row of the last iteration's accept length", LIVE, _ML, "reset_for_iteration", "num_correct_drafts", "case-tp1"),  # P3
+    ("draft-extend-gathered-fill-skipped", "the DP gather reads the last bucket's token counts", GATHERED, _ML, "_fill_for_replay", "global_num_tokens_gpu", "metadata-dp"),  # P1 (fill)
+    ("draft-extend-logprob-fill-skipped", "the logits gather reads the last bucket's row counts", GATHERED, _ML, "_fill_for_replay", "global_num_tokens_for_logprob_gpu", "metadata-dp"),  # P1 (fill)
+    ("draft-extend-padded-input-ids-stale", "padded lanes keep a larger batch's tokens", STALE, _ML, "reset_for_iteration", "input_ids", "padded-lanes-multi-layer"),  # P2 (canonical)
+    ("draft-extend-padded-out-cache-loc-stale", "rows past the live batch keep a larger batch's KV slots", STALE, _ML, "reset_for_iteration", "out_cache_loc", "padded-lanes-multi-layer"),  # P2 (canonical)
+    # ---- the single-layer draft-extend runner (runners.eagle_draft_extend_graph) ----
+    ("single-layer-input-ids-not-copied", "the graph embeds the reset's token 0", LIVE, _SL, "_fill_for_replay", "input_ids", "churn-single-layer"),  # P8
+    ("single-layer-positions-not-copied", "every token reads the rotary row of position 0", LIVE, _SL, "_fill_for_replay", "positions", "churn-single-layer"),  # P8
+    ("single-layer-req-rows-not-copied", "every live lane reads and writes KV through the padding row", LIVE, _SL, "_fill_for_replay", "req_pool_indices", "churn-single-layer"),  # P8
+    ("single-layer-correct-drafts-not-copied", "each lane selects its last token, whatever it accepted", LIVE, _SL, "_fill_for_replay", "num_correct_drafts", "churn-single-layer"),  # P8
+    ("single-layer-hidden-not-copied", "the draft reads the last batch's target hidden states", LIVE, _SL, "_fill_for_replay", "hidden_states", "churn-single-layer"),  # P8
+    ("single-layer-seq-lens-not-copied", "the live lanes keep the reset's fill length", LIVE, _SL, "_fill_for_replay", "seq_lens", "metadata-dp"),  # P1 (seq_lens_sum)
+    ("single-layer-gathered-fill-skipped", "the DP gather reads the last bucket's token counts", GATHERED, _SL, "_fill_gathered", "global_num_tokens_gpu", "metadata-dp"),  # P1 (fill)
+    ("single-layer-padded-seq-lens-stale", "padded lanes keep a larger batch's lengths", STALE, _SL, "reset_for_iteration", "seq_lens", "metadata-dp"),  # P1 (padded seq_lens)
+    ("single-layer-host-seq-lens-stale-padded", "the host mirror keeps a larger batch's lengths in the padded lanes", STALE, _SL, "reset_for_iteration", "seq_lens_cpu", "metadata-dp"),  # P1 (host mirror)
+    ("single-layer-padded-req-rows-stale", "padded lanes write KV through a larger batch's request rows", STALE, _SL, "reset_for_iteration", "req_pool_indices", "churn-single-layer"),  # P8
+    ("single-layer-padded-input-ids-stale", "padded lanes keep a larger batch's tokens", STALE, _SL, "reset_for_iteration", "input_ids", "padded-lanes-single-layer"),  # P2 (canonical)
+    ("single-layer-padded-positions-stale", "padded lanes keep a larger batch's positions", STALE, _SL, "reset_for_iteration", "positions", "padded-lanes-single-layer"),  # P2 (canonical)
+    ("single-layer-padded-out-cache-loc-stale", "rows past the live batch keep a larger batch's KV slots", STALE, _SL, "reset_for_iteration", "out_cache_loc", "padded-lanes-single-layer"),  # P2 (canonical)
+    # ---- the draft-decode runner (runners.eagle_draft_graph) ----
+    ("decode-topk-p-not-copied", "the tree is scored with a stale batch's probabilities (zeros when the padded fill ran)", LIVE, _DD, "_copy_live_inputs", "topk_p", "churn-single-layer"),  # P8
+    ("decode-topk-index-not-copied", "the tree grows from a stale batch's tokens", LIVE, _DD, "_copy_live_inputs", "topk_index", "churn-single-layer"),  # run: the loop meets a token no lane proposed
+    ("decode-hidden-not-copied", "the draft steps read a stale batch's hidden states", LIVE, _DD, "_copy_live_inputs", "hidden_states", "churn-single-layer"),  # P8
+    ("decode-req-rows-not-copied", "every lane reads and writes KV through stale request rows (or the padding row)", LIVE, _DD, "_copy_live_inputs", "req_pool_indices", "churn-single-layer"),  # P8
+    ("decode-positions-not-copied", "every lane reads the rotary rows of stale positions", LIVE, _DD, "_copy_live_inputs", "positions", "churn-single-layer"),  # P8
+    ("decode-seq-lens-not-copied", "the live lanes keep stale lengths (or the fill value)", LIVE, _DD, "_copy_live_inputs", "seq_lens", "metadata-dp"),  # P1 (seq_lens_sum)
+    ("decode-gathered-fill-skipped", "the DP gather reads the last bucket's token counts", GATHERED, _DD, "_fill_for_replay", "global_num_tokens_gpu", "metadata-dp"),  # P1 (fill)
+    ("decode-logprob-fill-skipped", "the logits gather reads the last bucket's row counts", GATHERED, _DD, "_fill_for_replay", "global_num_tokens_for_logprob_gpu", "metadata-dp"),  # P1 (fill)
+    # ---- the TARGET_VERIFY runner (runners.verify_graph) ----
+    ("verify-input-ids-not-copied", "the target verifies the last batch's tokens", LIVE, _TV, "_copy_live_inputs", "input_ids", "churn-single-layer"),  # P8
+    ("verify-positions-not-copied", "every node reads the rotary row of the last batch's positions", LIVE, _TV, "_copy_live_inputs", "positions", "churn-single-layer"),  # P8
+    ("verify-req-rows-not-copied", "every lane reads and writes KV through the last batch's request rows", LIVE, _TV, "_copy_live_inputs", "req_pool_indices", "churn-single-layer"),  # P8
+    ("verify-seq-lens-not-copied", "the live lanes keep the last batch's lengths", LIVE, _TV, "_copy_live_inputs", "seq_lens", "metadata-dp"),  # P1 (seq_lens_sum)
+    ("verify-mask-not-copied", "the graph attends with the last batch's tree masks", LIVE, _TV, "_copy_live_inputs", "custom_mask", "metadata-dp"),  # P1 (host mirror vs device)
+    ("verify-host-mask-not-copied", "a host-planned backend plans with the last batch's tree masks", LIVE, _TV, "_copy_live_inputs", "custom_mask_cpu", "metadata-dp"),  # P1 (host mirror)
+    ("verify-padded-input-ids-stale", "padded lanes keep a larger batch's tokens", STALE, _TV, "_fill_padded_lanes", "input_ids", "padded-lanes-single-layer"),  # P2 (canonical)
+    ("verify-padded-positions-stale", "padded lanes keep a larger batch's positions", STALE, _TV, "_fill_padded_lanes", "positions", "padded-lanes-single-layer"),  # P2 (canonical)
+    ("verify-padded-out-cache-loc-stale", "rows past the live batch keep a larger batch's KV slots", STALE, _TV, "_fill_padded_lanes", "out_cache_loc", "padded-lanes-single-layer"),  # P2 (canonical)
+    ("verify-gathered-fill-skipped", "the DP gather reads the last bucket's token counts", GATHERED, _TV, "_fill_gathered", "global_num_tokens_gpu", "metadata-dp"),  # P1 (fill)
+    ("verify-logprob-fill-skipped", "the logits gather reads the last bucket's row counts", GATHERED, _TV, "_fill_gathered", "global_num_tokens_for_logprob_gpu", "metadata-dp"),  # P1 (fill)
+)
+
+
+def _skips(mutant_id: str, harm: str, kind: str, runner: type, method: str, buffer: str, probe: str) -> Mutant:
     """`runner.method` with its write to `buffer` undone (harness.mutants.base.keeps)."""
+    description = f"{runner.__name__}.{method} skips its write to {buffer}: {harm}"
     return Mutant(mutant_id, description, kind, ((runner, method, keeps(getattr(runner, method), buffer)),), (probe,))
 
 
-_ML, _SL, _DD, _TV = EagleDraftExtendCudaGraphRunnerBase, EagleDraftExtendCudaGraphRunner, EAGLEDraftCudaGraphRunner, TargetVerifyCudaGraphRunner
-
 MUTANTS: tuple[Mutant, ...] = (
-    # ---- the multi-layer draft-extend runner (runners.cuda_graph) ----
-    _skips("draft-extend-input-ids-not-copied", "the multi-layer replay copy-in skips input_ids: the graph embeds the last batch's tokens",
-           LIVE, _ML, "_copy_live_inputs", "input_ids", "case-tp1"),  # P3
-    _skips("draft-extend-hidden-not-copied", "the multi-layer replay copy-in skips hidden_states: the draft reads the last batch's target hidden states",
-           LIVE, _ML, "_copy_live_inputs", "hidden_states", "case-tp1"),  # P3
-    _skips("draft-extend-seq-lens-not-copied", "the multi-layer replay copy-in skips seq_lens: the live lanes keep the reset's fill length",
-           LIVE, _ML, "_copy_live_inputs", "seq_lens", "metadata-dp"),  # P1 (seq_lens_sum); P3
-    _skips("draft-extend-req-rows-not-copied", "the multi-layer replay copy-in skips req_pool_indices: every live lane reads and writes KV through the padding row",
-           LIVE, _ML, "_copy_live_inputs", "req_pool_indices", "case-tp1"),  # P3
-    _skips("draft-extend-correct-drafts-not-copied", "the multi-layer reset skips the live num_correct_drafts: each lane selects the last batch's accepted token",
-           LIVE, _ML, "reset_for_iteration", "num_correct_drafts", "case-tp1"),  # P3
-    _skips("draft-extend-gathered-fill-skipped", "the multi-layer replay fill leaves global_num_tokens_gpu as the last bucket (or the capture) wrote it",
-           GATHERED, _ML, "_fill_for_replay", "global_num_tokens_gpu", "metadata-dp"),  # P1 (fill)
-    _skips("draft-extend-logprob-fill-skipped", "the multi-layer replay fill leaves global_num_tokens_for_logprob_gpu as the last bucket (or the capture) wrote it",
-           GATHERED, _ML, "_fill_for_replay", "global_num_tokens_for_logprob_gpu", "metadata-dp"),  # P1 (fill)
-    _skips("draft-extend-padded-input-ids-stale", "the multi-layer reset leaves input_ids alone: padded lanes keep a larger batch's tokens",
-           STALE, _ML, "reset_for_iteration", "input_ids", "padded-lanes-multi-layer"),  # P2 (canonical fill)
-    _skips("draft-extend-padded-out-cache-loc-stale", "the multi-layer reset leaves out_cache_loc alone: rows past the live batch keep a larger batch's KV slots",
-           STALE, _ML, "reset_for_iteration", "out_cache_loc", "padded-lanes-multi-layer"),  # P2 (canonical fill)
+    *(_skips(*row) for row in _SKIPPED_WRITES),
     Mutant("draft-extend-step-ids-not-copied", "steps after the first replay over step 0's token ids: the previous step's tokens are not copied in",
            LIVE, ((MultiLayerEagleMultiStepDraftExtendCudaGraphRunner, "replay", _step_keeps_input_ids),), ("case-tp1",)),  # P3, P4
     Mutant("draft-extend-step-hidden-not-copied", "steps after the first replay over the target's hidden states: the previous step's are not copied in",
            LIVE, ((MultiLayerEagleMultiStepDraftExtendCudaGraphRunner, "replay", _step_keeps_hidden),), ("case-tp1",)),  # P3, P4
-    # ---- the single-layer draft-extend runner (runners.eagle_draft_extend_graph) ----
-    *(_skips(f"single-layer-{name.replace('_', '-')}-not-copied", f"the single-layer replay fill skips the live {name}", LIVE, _SL, "_fill_for_replay", name,
-             "churn-single-layer")  # P8
-      for name in ("input_ids", "positions", "req_pool_indices", "num_correct_drafts", "hidden_states")),
-    _skips("single-layer-seq-lens-not-copied", "the single-layer replay fill skips the live seq_lens", LIVE, _SL, "_fill_for_replay", "seq_lens",
-           "metadata-dp"),  # P1 (seq_lens_sum)
-    _skips("single-layer-gathered-fill-skipped", "the single-layer replay fill leaves global_num_tokens_gpu as the last bucket (or the capture) wrote it",
-           GATHERED, _SL, "_fill_gathered", "global_num_tokens_gpu", "metadata-dp"),  # P1 (fill)
-    _skips("single-layer-padded-seq-lens-stale", "the single-layer reset leaves seq_lens alone: padded lanes keep a larger batch's lengths",
-           STALE, _SL, "reset_for_iteration", "seq_lens", "metadata-dp"),  # P1 (padded seq_lens)
-    _skips("single-layer-host-seq-lens-stale-padded", "the single-layer reset fills seq_lens of the padded lanes on the device but not in the host mirror",
-           STALE, _SL, "reset_for_iteration", "seq_lens_cpu", "metadata-dp"),  # P1 (host mirror)
-    _skips("single-layer-padded-req-rows-stale", "the single-layer reset leaves req_pool_indices alone: padded lanes write KV through a larger batch's request rows",
-           STALE, _SL, "reset_for_iteration", "req_pool_indices", "churn-single-layer"),  # P8: a live request's KV overwritten
-    *(_skips(f"single-layer-padded-{name.replace('_', '-')}-stale", f"the single-layer reset leaves {name} alone: padded lanes keep a larger batch's",
-             STALE, _SL, "reset_for_iteration", name, "padded-lanes-single-layer")  # P2 (canonical fill)
-      for name in ("input_ids", "positions", "out_cache_loc")),
-    # ---- the draft-decode runner (runners.eagle_draft_graph) ----
-    *(_skips(f"decode-{name.replace('_', '-')}-not-copied", f"the draft-decode replay copy-in skips the live {name}", LIVE, _DD, "_copy_live_inputs", name,
-             "churn-single-layer")  # P8 (topk_index: the loop fails on a token no lane proposed)
-      for name in ("topk_p", "topk_index", "hidden_states", "req_pool_indices", "positions")),
-    _skips("decode-seq-lens-not-copied", "the draft-decode replay copy-in skips the live seq_lens", LIVE, _DD, "_copy_live_inputs", "seq_lens",
-           "metadata-dp"),  # P1 (seq_lens_sum)
-    _skips("decode-gathered-fill-skipped", "the draft-decode replay fill leaves global_num_tokens_gpu as the last bucket (or the capture) wrote it",
-           GATHERED, _DD, "_fill_for_replay", "global_num_tokens_gpu", "metadata-dp"),  # P1 (fill)
-    _skips("decode-logprob-fill-skipped", "the draft-decode replay fill leaves global_num_tokens_for_logprob_gpu as the last bucket (or the capture) wrote it",
-           GATHERED, _DD, "_fill_for_replay", "global_num_tokens_for_logprob_gpu", "metadata-dp"),  # P1 (fill)
-    # ---- the TARGET_VERIFY runner (runners.verify_graph) ----
-    *(_skips(f"verify-{name.replace('_', '-')}-not-copied", f"the TARGET_VERIFY replay copy-in skips the live {name}", LIVE, _TV, "_copy_live_inputs", name,
-             "churn-single-layer")  # P8
-      for name in ("input_ids", "positions", "req_pool_indices")),
-    *(_skips(f"verify-{name.replace('_', '-')}-not-copied", f"the TARGET_VERIFY replay copy-in skips the live {name}", LIVE, _TV, "_copy_live_inputs", name,
-             "metadata-dp")  # P1 (seq_lens_sum; a mask copied to one of device and host mirror only)
-      for name in ("seq_lens", "custom_mask", "custom_mask_cpu")),
-    *(_skips(f"verify-padded-{name.replace('_', '-')}-stale", f"the TARGET_VERIFY replay fill leaves {name} of the padded lanes as a larger batch wrote it",
-             STALE, _TV, "_fill_padded_lanes", name, "padded-lanes-single-layer")  # P2 (canonical fill)
-      for name in ("input_ids", "positions", "out_cache_loc")),
-    *(_skips(f"verify-{name.replace('_', '-')}-fill-skipped", f"the TARGET_VERIFY replay fill leaves {name} as the last bucket (or the capture) wrote it",
-             GATHERED, _TV, "_fill_gathered", name, "metadata-dp")  # P1 (fill)
-      for name in ("global_num_tokens_gpu", "global_num_tokens_for_logprob_gpu")),
 )
