@@ -39,8 +39,9 @@ def probe_metadata_grid() -> dict[str, Verdict]:
     return {"P1": v}
 
 
-# The replay-fill mutants' P1: every graph runner (trees of 3 tokens, a 2-step draft) on one gathered layout with DP groups
-# over the grid's schedule; the whole grid costs a hundred times more.
+# P1 in one run, for the mutants that any layout shows: every graph runner (trees of 3 tokens, a 2-step draft) on one
+# gathered layout with DP groups, over the grid's schedule (a batch shrinks within a bucket). The grid is for the
+# mutants that only other layouts show (buckets on attn-TP, the attn-TP-gather branch).
 FILL_METADATA_SPEC = SpecConfig(num_steps=2, topk=2, num_draft_tokens=3, capture_bs=(1, 2, 4, 8), max_running_requests=8)
 FILL_METADATA_LAYOUT = ParallelLayout(tp_size=2, dp_size=2, enable_dp_attention=True)
 

@@ -5,9 +5,10 @@ Issue 20 item 8: every replay-fill line of every runner shown necessary. The lin
 decode, memory, spec_loop, host_mirror) are not repeated here. Each mutant runs the one small probe that sees it:
 P1 on one DP layout (lengths, host mirrors, tree masks, gathered counts), P3 on the TP1 case (the multi-layer
 draft-extend's live inputs), P8 on the single-layer churn (the live inputs of the other three runners) or P2's
-canonical fill on one shrinking case (padded lanes whose stale values no output shows: see the fills' comments).
-Lines no property can see are commented at the fill instead (num_accept_tokens, the draft decode's padded top-k
-probabilities and hidden states, the single-layer reset's padded num_correct_drafts).
+canonical fill on one shrinking case (padded lanes hold the engine's fill values, whether or not an output would
+show a stale one). Lines no property can see are commented at the fill instead (num_accept_tokens, the draft
+decode's padded top-k probabilities and hidden states, the single-layer reset's padded num_correct_drafts); the
+table line -> mutant -> killer is docs/replay-fill.md.
 """
 from __future__ import annotations
 
