@@ -14,9 +14,10 @@ from harness.decode_props import probe_draft_decode, probe_draft_decode_backends
 from harness.layout import all_layouts
 from harness.p7 import probe_idle_ranks
 from harness.props.p1_metadata import check_metadata
-from harness.props.spec_probes import SPEC_PROBES
+from harness.props.spec_probes import FILL_PROBES, SPEC_PROBES
 from harness.verdict import Verdict, merge_verdicts
 from runners.config import SpecConfig
+from runners.parallel.layout import ParallelLayout
 
 Probe = Callable[[], dict[str, Verdict]]
 
@@ -25,15 +26,33 @@ GRID_SCHEDULE = ((6, 3, 5, 1, 2, 4, 7, 8), (2, 1, 1, 0, 1, 2, 1, 3), (1, 2, 1, 1
 
 
 def probe_metadata_grid() -> dict[str, Verdict]:
-    """P1 on every reachable layout (TP 1/2/4/8, every branch) with two spec shapes."""
+    """P1 on every reachable layout (TP 1/2/4/8, every branch) with two spec shapes: chains, and trees of 3 verify
+    tokens (the fewest that make a tree other than the chain: a stale padded tree mask then shows)."""
     v = Verdict("P1")
-    for spec in (SpecConfig(num_steps=3, capture_bs=(1, 2, 4, 8), max_running_requests=8), SpecConfig(num_steps=1, topk=2, capture_bs=(1, 2, 4, 8, 16))):
+    trees = SpecConfig(num_steps=1, topk=2, num_draft_tokens=3, capture_bs=(1, 2, 4, 8, 16))
+    for spec in (SpecConfig(num_steps=3, capture_bs=(1, 2, 4, 8), max_running_requests=8), trees):
         for layout in all_layouts():
             dp = layout.attn_dp_size
             schedule = [row[:dp] if dp > 1 else row[:1] for row in GRID_SCHEDULE]
             schedule = [s if sum(s) else (1,) + tuple(s[1:]) for s in schedule]
             v.merge(check_metadata(layout, spec, schedule))
     return {"P1": v}
+
+
+# P1 in one run, for the mutants that any layout shows: every graph runner (trees of 3 tokens, a 2-step draft) on one
+# gathered layout with DP groups, over the grid's schedule (a batch shrinks within a bucket). The grid is for the
+# mutants that only other layouts show (buckets on attn-TP, the attn-TP-gather branch).
+FILL_METADATA_SPEC = SpecConfig(num_steps=2, topk=2, num_draft_tokens=3, capture_bs=(1, 2, 4, 8), max_running_requests=8)
+FILL_METADATA_LAYOUT = ParallelLayout(tp_size=2, dp_size=2, enable_dp_attention=True)
+
+
+def probe_metadata_dp() -> dict[str, Verdict]:
+    return {"P1": check_metadata(FILL_METADATA_LAYOUT, FILL_METADATA_SPEC, [row[:2] for row in GRID_SCHEDULE])}
+
+
+def probe_case_tp1() -> dict[str, Verdict]:
+    """P1, P3 and P4 over the smallest case: the multi-layer draft-extend runner, eager and graph."""
+    return check_case(load_case("tp1_neither")).verdicts
 
 
 # The cases probe's cases: one per branch family plus the shrink and idle-rank
@@ -60,7 +79,8 @@ def probe_cases() -> dict[str, Verdict]:
 
 
 # Every probe, in the order a mutant without a probe list runs them (the costly ones moved last):
-# P1 metadata grid, P1/P3/P4 cases, P7 idle ranks, P2/P5/P6/P8 over the loop, the draft decode, its kernels vs the reference.
+# P1 metadata grid, P1/P3/P4 cases, P7 idle ranks, P2/P5/P6/P8 over the loop, the draft decode, its kernels vs the reference;
+# then the one-run probes the replay-fill mutants name (after the rest, so that a mutant without a list is killed where it was).
 PROBES: list[tuple[str, Probe]] = [
     ("metadata-grid", probe_metadata_grid),
     ("cases", probe_cases),
@@ -68,6 +88,9 @@ PROBES: list[tuple[str, Probe]] = [
     *SPEC_PROBES,
     ("draft-decode", probe_draft_decode),
     ("draft-decode-backends", probe_draft_decode_backends),
+    ("metadata-dp", probe_metadata_dp),
+    ("case-tp1", probe_case_tp1),
+    *FILL_PROBES,
 ]
 if len({n for n, _ in PROBES}) != len(PROBES):
     raise ImportError("two probes share an id: " + ", ".join(n for n, _ in PROBES))

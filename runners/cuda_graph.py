@@ -101,7 +101,7 @@ class EagleDraftExtendCudaGraphRunnerBase(DraftExtendGraphRunner):
         self.seq_lens_cpu.fill_(SEQ_LEN_FILL_VALUE)
         self.req_pool_indices.fill_(PADDING_ROW)
         self.num_correct_drafts[:raw_bs].copy_(accept_lens - 1)
-        self.num_accept_tokens[:raw_bs].copy_(accept_lens)
+        self.num_accept_tokens[:raw_bs].copy_(accept_lens)  # unread here (the body selects by num_correct_drafts); the engine's backends read it
 
     def _copy_live_inputs(self, inp: DraftExtendInputs) -> None:
         """Real lanes only; padded lanes keep reset or stale values (§6.4)."""

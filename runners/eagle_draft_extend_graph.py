@@ -90,8 +90,8 @@ class EagleDraftExtendCudaGraphRunner(DraftExtendGraphRunner):
         buffers.seq_lens.fill_(SEQ_LEN_FILL_VALUE)
         buffers.seq_lens_cpu.fill_(SEQ_LEN_FILL_VALUE)
         buffers.req_pool_indices.fill_(PADDING_ROW)
-        buffers.num_correct_drafts.fill_(self.T - 1)
-        buffers.num_accept_tokens.fill_(self.T)
+        buffers.num_correct_drafts.fill_(self.T - 1)  # as the engine; a stale value (0..T-1) selects in its own lane too: no output differs
+        buffers.num_accept_tokens.fill_(self.T)  # unread here, as the live copy below
 
     def _fill_for_replay(self, inp: DraftExtendInputs) -> int:
         """Live lanes in, gathered counts written; returns the bucket. No device sync when inp carries its host lengths."""
@@ -105,7 +105,7 @@ class EagleDraftExtendCudaGraphRunner(DraftExtendGraphRunner):
             (buffers.seq_lens_cpu[:raw_bs], host_copy(inp.seq_lens_cpu, inp.seq_lens)),
             (buffers.req_pool_indices[:raw_bs], inp.req_pool_indices),
             (buffers.num_correct_drafts[:raw_bs], inp.accept_lens - 1),
-            (buffers.num_accept_tokens[:raw_bs], inp.accept_lens),
+            (buffers.num_accept_tokens[:raw_bs], inp.accept_lens),  # unread here (the body selects by num_correct_drafts); the engine's backends read it
             (buffers.hidden_states[:num_tokens], inp.hidden_states),
         )
         for dst, src in copies:

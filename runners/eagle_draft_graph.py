@@ -130,9 +130,9 @@ class EAGLEDraftCudaGraphRunner(BucketedGraphRunner):
         self.seq_lens_cpu.fill_(SEQ_LEN_FILL_VALUE)
         self.req_pool_indices.fill_(PADDING_ROW)
         self.positions.zero_()
-        self.topk_p.zero_()
+        self.topk_p.zero_()  # feeds only the padded lanes' own rows: keeps NaN out of the buffer, no output differs
         self.topk_index.zero_()
-        self.hidden_states.zero_()
+        self.hidden_states.zero_()  # likewise
 
     def _copy_live_inputs(self, inp: DraftDecodeInputs) -> None:
         raw_bs = inp.bs

@@ -204,6 +204,22 @@ def test_p1_kills_stale_padded_seq_lens_of_the_verify_runner():
     assert all(f.where.get("runner") == "target_verify" for f in v.failures)  # the draft-extend runners are untouched
 
 
+TREE_SPEC = SpecConfig(num_steps=1, topk=2, num_draft_tokens=3, capture_bs=(1, 2, 4, 8))  # T = 3: trees other than the chain
+
+
+@pytest.mark.parametrize("mutant", [None, "verify-host-mask-stale-padded", "verify-stale-padded-mask"])
+def test_p1_sees_a_padded_tree_mask_left_stale_on_the_host_or_the_device(mutant):
+    """A tree batch of 6 (bucket 8), then 3 (bucket 4): lane 3 held a tree, and the fill writes the chain mask
+    to one of the host mirror and the device buffer only, so the two differ there."""
+    if mutant is None:
+        v = check_metadata(PL(), TREE_SPEC, [(6,), (3,)])
+        assert v.ok and v.checked, v.report()
+        return
+    with mutants.get(mutant).planted():
+        v = check_metadata(PL(), TREE_SPEC, [(6,), (3,)])
+    assert [(f.where.get("runner"), f.field, f.got) for f in v.failures] == [("target_verify", "host mirror", [3])], v.report()
+
+
 @pytest.mark.parametrize(("mutant", "field", "expected", "got"), [
     ("verify-buckets-request-aligned", "capture_bs", [2, 4, 8], [8]),
     ("verify-bucket-tokens-unsplit", "capture_bs", [2, 4, 8], [1, 2, 4, 8]),

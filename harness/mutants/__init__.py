@@ -18,6 +18,7 @@ from harness.mutants import (
     host_mirror,
     memory,
     recorded_graph,
+    replay_fill,
     shape,
     spec_loop,
     verify,
@@ -29,6 +30,7 @@ from harness.mutants.base import Mutant
 CATALOG: tuple[Mutant, ...] = (
     *draft_extend.MUTANTS, *spec_loop.MUTANTS, *memory.MUTANTS, *verify_fill.MUTANTS, *recorded_graph.MUTANTS,
     *decode.MUTANTS, *draft_attention.MUTANTS, *shape.MUTANTS, *verify.MUTANTS, *dp.MUTANTS, *host_mirror.MUTANTS,
+    *replay_fill.MUTANTS,
 )
 BY_ID: dict[str, Mutant] = {m.id: m for m in CATALOG}
 if len(BY_ID) != len(CATALOG):

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
-from typing import Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 from unittest import mock
 
 
@@ -23,3 +23,17 @@ class Mutant:
                     raise AttributeError(f"mutant {self.id}: {target!r} has no attribute {attr!r} to patch (the code moved?)")
                 stack.enter_context(mock.patch.object(target, attr, new))
             yield self
+
+
+def keeps(real: Callable[..., Any], *buffers: str) -> Callable[..., Any]:
+    """`real` (a graph runner's replay-fill or copy-in method) with its writes to the named static buffers undone:
+    they keep what they held before the call (a larger batch's padded lanes, the last replay's live lanes)."""
+    def method(self: Any, *args: Any) -> Any:
+        holder = getattr(self, "buffers", self)  # the draft-extend runners keep theirs in an InputBuffers set
+        saved = [(buf, buf.clone()) for buf in (getattr(holder, b) for b in buffers) if buf is not None]  # None: a branch without it
+        out = real(self, *args)
+        for buf, old in saved:
+            buf.copy_(old)
+        return out
+
+    return method

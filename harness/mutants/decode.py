@@ -10,24 +10,11 @@ from __future__ import annotations
 
 import torch
 
-from harness.mutants.base import Mutant
+from harness.mutants.base import Mutant, keeps
 from runners import eagle_draft
 from runners.eagle_draft_graph import EAGLEDraftCudaGraphRunner
 
-_REAL_FILL = EAGLEDraftCudaGraphRunner._fill_padded_lanes
 _REAL_SELECT = eagle_draft.select_top_k_tokens
-
-
-def _fill_keeping(name: str):
-    """The replay fill with one buffer's padded lanes left as the previous, larger batch wrote them."""
-
-    def fill(self: EAGLEDraftCudaGraphRunner, raw_bs: int, bs: int) -> None:
-        buf = getattr(self, name)
-        saved = buf.clone()
-        _REAL_FILL(self, raw_bs, bs)
-        buf.copy_(saved)
-
-    return fill
 
 
 def _positions_not_advanced(positions: torch.Tensor) -> None:
@@ -52,28 +39,28 @@ MUTANTS: list[Mutant] = [
         "decode-fill-req-pool-indices",
         "draft decode replay fill keeps the padded lanes' stale request rows: the in-graph slot lookup writes their KV into a live request's prefix",
         "replay fill",
-        ((EAGLEDraftCudaGraphRunner, "_fill_padded_lanes", _fill_keeping("req_pool_indices")),),
+        ((EAGLEDraftCudaGraphRunner, "_fill_padded_lanes", keeps(EAGLEDraftCudaGraphRunner._fill_padded_lanes, "req_pool_indices")),),
         probes=("draft-decode",),  # P2 (live KV moved), P3 (eager vs graph after a shrink), P6
     ),
     Mutant(
         "decode-fill-seq-lens",
         "draft decode replay fill keeps the padded lanes' stale seq_lens",
         "replay fill",
-        ((EAGLEDraftCudaGraphRunner, "_fill_padded_lanes", _fill_keeping("seq_lens")),),
+        ((EAGLEDraftCudaGraphRunner, "_fill_padded_lanes", keeps(EAGLEDraftCudaGraphRunner._fill_padded_lanes, "seq_lens")),),
         probes=("draft-decode",),  # P1 padded seq_lens = fill, seq_lens_sum
     ),
     Mutant(
         "decode-fill-positions",
         "draft decode replay fill keeps the padded lanes' stale positions: the in-graph rotary gather reads past its table",
         "replay fill",
-        ((EAGLEDraftCudaGraphRunner, "_fill_padded_lanes", _fill_keeping("positions")),),
+        ((EAGLEDraftCudaGraphRunner, "_fill_padded_lanes", keeps(EAGLEDraftCudaGraphRunner._fill_padded_lanes, "positions")),),
         probes=("draft-decode",),  # P2 (poisoned positions)
     ),
     Mutant(
         "decode-fill-topk-index",
         "draft decode replay fill keeps the padded lanes' stale top-k token ids: the embedding gather reads past the vocab",
         "replay fill",
-        ((EAGLEDraftCudaGraphRunner, "_fill_padded_lanes", _fill_keeping("topk_index")),),
+        ((EAGLEDraftCudaGraphRunner, "_fill_padded_lanes", keeps(EAGLEDraftCudaGraphRunner._fill_padded_lanes, "topk_index")),),
         probes=("draft-decode",),  # P2 (poisoned token ids)
     ),
     Mutant(

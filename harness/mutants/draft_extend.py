@@ -6,7 +6,7 @@ from unittest import mock
 import torch
 
 from harness import execute
-from harness.mutants.base import Mutant
+from harness.mutants.base import Mutant, keeps
 from runners import model
 from runners.cuda_graph import EagleDraftExtendCudaGraphRunnerBase, MultiLayerEagleDraftExtendCudaGraphRunner
 from runners.parallel.comm import Group
@@ -37,12 +37,6 @@ def _capture_num_tokens_gpu_requests(self: EagleDraftExtendCudaGraphRunnerBase, 
 
 REAL_GET_FORWARD_BATCH = EagleDraftExtendCudaGraphRunnerBase.get_forward_batch
 REAL_RESET = EagleDraftExtendCudaGraphRunnerBase.reset_for_iteration
-
-
-def _reset_without_seq_len_fill(self: EagleDraftExtendCudaGraphRunnerBase, raw_bs: int, accept_lens: torch.Tensor) -> None:
-    saved = self.seq_lens.clone()
-    REAL_RESET(self, raw_bs, accept_lens)
-    self.seq_lens.copy_(saved)  # padded lanes keep the seq_lens of the last, larger batch
 
 
 def _copy_positions_off_by_one(self: EagleDraftExtendCudaGraphRunnerBase, inp) -> None:
@@ -110,14 +104,14 @@ MUTANTS: tuple[Mutant, ...] = (
         "MLP-TP-gather branch: global_num_tokens_gpu baked as [bs] per DP rank at capture; only the replay fill writes bs * num_tokens_per_bs",
         "fixed in replay, not in capture",
         ((EagleDraftExtendCudaGraphRunnerBase, "get_forward_batch", _capture_num_tokens_gpu_requests),),
-        ("metadata-grid", "cases"),  # P1 only: the replay fill rewrites the value before any forward
+        ("metadata-dp", "metadata-grid", "cases"),  # P1 only: the replay fill rewrites the value before any forward
     ),
     Mutant(
         "stale-padded-seq-lens",
         "replay reset skips seq_lens = fill: after the batch shrinks, padded lanes keep the seq_lens of the earlier, larger batch",
         "stale padded lane after shrink",
-        ((EagleDraftExtendCudaGraphRunnerBase, "reset_for_iteration", _reset_without_seq_len_fill),),
-        ("metadata-grid", "padded-lanes", "cases"),  # P1 (grid, cases), P2
+        ((EagleDraftExtendCudaGraphRunnerBase, "reset_for_iteration", keeps(REAL_RESET, "seq_lens")),),
+        ("metadata-dp", "metadata-grid", "padded-lanes", "cases"),  # P1 (grid, cases), P2
     ),
     Mutant(
         "replay-positions-off-by-one",
@@ -131,7 +125,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "replay picks the largest captured bs <= raw_bs instead of the smallest >= raw_bs",
         "padding rule",
         ((EagleDraftExtendCudaGraphRunnerBase, "_choose_bucket", _bucket_floor),),
-        ("metadata-grid", "p7-idle-ranks", "padded-lanes", "batch-churn", "spec-cases", "cases"),  # every probe replays buckets: P1, P7, and a crash (run) in the others
+        ("metadata-dp", "metadata-grid", "p7-idle-ranks", "padded-lanes", "batch-churn", "spec-cases", "cases"),  # every probe replays buckets: P1, P7, and a crash (run) in the others
     ),
     Mutant(
         "attn-allreduce-world-group",

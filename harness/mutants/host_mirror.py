@@ -4,31 +4,17 @@ so the CPU sees a stale mirror through P1 (the replay record's host mirror again
 stale mirror is a plan for other lengths than the graph reads (P3)."""
 from __future__ import annotations
 
-from harness.mutants.base import Mutant
-from harness.mutants.draft_extend import REAL_COPY
-from harness.mutants.verify_fill import _verify_fill_keeps
+from harness.mutants.base import Mutant, keeps
 from runners.cuda_graph import EagleDraftExtendCudaGraphRunnerBase
 from runners.eagle_draft_extend_graph import EagleDraftExtendCudaGraphRunner
 from runners.eagle_draft_graph import EAGLEDraftCudaGraphRunner
 from runners.verify_graph import TargetVerifyCudaGraphRunner
 
 
-def _copy_skips_host_seq_lens(self: EagleDraftExtendCudaGraphRunnerBase, inp) -> None:
-    saved = self.seq_lens_cpu.clone()
-    REAL_COPY(self, inp)
-    self.seq_lens_cpu.copy_(saved)  # the live lanes' host lengths stay at the reset's fill value
-
-
-def _keeps_host_seq_lens(real):
-    """`real` (a runner's replay-fill method) with its writes to the host mirror undone: the mirror keeps the
-    previous replay's lengths while the device buffer gets the new ones."""
-    def fill(self, *args):
-        saved = self.seq_lens_cpu.clone()
-        out = real(self, *args)
-        self.seq_lens_cpu.copy_(saved)
-        return out
-
-    return fill
+def _keeps_host(runner: type, method: str, mirror: str = "seq_lens_cpu"):
+    """runner.method with its writes to the host mirror undone: the mirror keeps the previous replay's values while
+    the device buffer gets the new ones."""
+    return runner, method, keeps(getattr(runner, method), mirror)
 
 
 MUTANTS: tuple[Mutant, ...] = (
@@ -36,50 +22,56 @@ MUTANTS: tuple[Mutant, ...] = (
         "draft-extend-host-seq-lens-not-copied",
         "draft-extend replay copy-in writes the live seq_lens to the device buffer but not to its host mirror: a host-planned backend plans every live lane with the fill length",
         "host metadata out of step with the device",
-        ((EagleDraftExtendCudaGraphRunnerBase, "_copy_live_inputs", _copy_skips_host_seq_lens),),
-        ("metadata-grid",),  # P1 (host mirror)
+        (_keeps_host(EagleDraftExtendCudaGraphRunnerBase, "_copy_live_inputs"),),
+        ("metadata-dp", "metadata-grid"),  # P1 (host mirror)
     ),
     Mutant(
         "verify-host-seq-lens-stale-padded",
         "TARGET_VERIFY replay fill resets the padded lanes' seq_lens on the device but not in the host mirror: after the batch shrinks, a host-planned backend plans them with the larger batch's lengths",
         "stale padded lane after shrink",
-        ((TargetVerifyCudaGraphRunner, "_fill_padded_lanes", _verify_fill_keeps("seq_lens_cpu")),),
-        ("metadata-grid",),  # P1 (host mirror)
+        (_keeps_host(TargetVerifyCudaGraphRunner, "_fill_padded_lanes"),),
+        ("metadata-dp", "metadata-grid"),  # P1 (host mirror)
     ),
     Mutant(
         "single-layer-host-seq-lens-not-copied",
         "the single-layer draft-extend runner's replay fill writes seq_lens to the device buffer but not to its host mirror",
         "host metadata out of step with the device",
-        ((EagleDraftExtendCudaGraphRunner, "_fill_for_replay", _keeps_host_seq_lens(EagleDraftExtendCudaGraphRunner._fill_for_replay)),),
-        ("metadata-grid",),  # P1 (host mirror)
+        (_keeps_host(EagleDraftExtendCudaGraphRunner, "_fill_for_replay"),),
+        ("metadata-dp", "metadata-grid"),  # P1 (host mirror)
     ),
     Mutant(
         "decode-host-seq-lens-not-copied",
         "the draft-decode replay copy-in writes seq_lens to the device buffer but not to its host mirror: a host-planned backend plans every step with the last replay's lengths",
         "host metadata out of step with the device",
-        ((EAGLEDraftCudaGraphRunner, "_copy_live_inputs", _keeps_host_seq_lens(EAGLEDraftCudaGraphRunner._copy_live_inputs)),),
-        ("metadata-grid",),  # P1 (host mirror)
+        (_keeps_host(EAGLEDraftCudaGraphRunner, "_copy_live_inputs"),),
+        ("metadata-dp", "metadata-grid"),  # P1 (host mirror)
     ),
     Mutant(
         "decode-host-seq-lens-stale-padded",
         "the draft-decode replay fill resets the padded lanes' seq_lens on the device but not in the host mirror",
         "stale padded lane after shrink",
-        ((EAGLEDraftCudaGraphRunner, "_fill_padded_lanes", _keeps_host_seq_lens(EAGLEDraftCudaGraphRunner._fill_padded_lanes)),),
-        ("metadata-grid",),  # P1 (host mirror)
+        (_keeps_host(EAGLEDraftCudaGraphRunner, "_fill_padded_lanes"),),
+        ("metadata-dp", "metadata-grid"),  # P1 (host mirror)
     ),
     Mutant(
         "verify-host-seq-lens-not-copied",
         "the TARGET_VERIFY replay copy-in writes seq_lens to the device buffer but not to its host mirror",
         "host metadata out of step with the device",
-        ((TargetVerifyCudaGraphRunner, "_copy_live_inputs", _keeps_host_seq_lens(TargetVerifyCudaGraphRunner._copy_live_inputs)),),
-        ("metadata-grid",),  # P1 (host mirror)
+        (_keeps_host(TargetVerifyCudaGraphRunner, "_copy_live_inputs"),),
+        ("metadata-dp", "metadata-grid"),  # P1 (host mirror)
+    ),
+    Mutant(
+        "verify-host-mask-stale-padded",
+        "TARGET_VERIFY replay fill resets the padded lanes' tree masks to the chain mask on the device but not in the host mirror: after a tree batch shrinks within its bucket, a host-planned backend plans them with the larger batch's trees",
+        "stale padded lane after shrink",
+        (_keeps_host(TargetVerifyCudaGraphRunner, "_fill_padded_lanes", "custom_mask_cpu"),),
+        ("metadata-dp", "metadata-grid"),  # P1 (host mirror): both probes shrink a tree batch within its bucket
     ),
     Mutant(
         "draft-extend-host-seq-lens-stale-padded",
         "the multi-layer draft-extend reset fills seq_lens of the padded lanes on the device but not in the host mirror",
         "stale padded lane after shrink",
-        ((EagleDraftExtendCudaGraphRunnerBase, "reset_for_iteration",
-          _keeps_host_seq_lens(EagleDraftExtendCudaGraphRunnerBase.reset_for_iteration)),),
-        ("metadata-grid",),  # P1 (host mirror)
+        (_keeps_host(EagleDraftExtendCudaGraphRunnerBase, "reset_for_iteration"),),
+        ("metadata-dp", "metadata-grid"),  # P1 (host mirror)
     ),
 )

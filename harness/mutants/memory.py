@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from harness.mutants.base import Mutant
+from harness.mutants.base import Mutant, keeps
 from harness.mutants.draft_extend import REAL_RESET
 
 # ---- issue 20: memory addressed as engines address it; non-unit norms (P2 / P5 / P6 kill these) ----
@@ -12,18 +12,6 @@ from runners import scheduler as _scheduler
 from runners.attention.torch_ref import AttnMetadata, TorchAttnBackend, token_to_request
 from runners.cuda_graph import EagleDraftExtendCudaGraphRunnerBase
 from runners.model import TargetModel
-
-
-def _reset_keeps_request_rows(self: EagleDraftExtendCudaGraphRunnerBase, raw_bs: int, accept_lens: torch.Tensor) -> None:
-    saved = self.req_pool_indices.clone()
-    REAL_RESET(self, raw_bs, accept_lens)
-    self.req_pool_indices.copy_(saved)  # padded lanes keep the rows of the last, larger batch (SGLang before 0.5.23)
-
-
-def _reset_keeps_positions(self: EagleDraftExtendCudaGraphRunnerBase, raw_bs: int, accept_lens: torch.Tensor) -> None:
-    saved = self.positions.clone()
-    REAL_RESET(self, raw_bs, accept_lens)
-    self.positions.copy_(saved)  # padded lanes gather rotary rows and look slots up at the larger batch's positions
 
 
 def _target_hands_on_normed_hidden(self: TargetModel, fb, attn, meta):
@@ -59,13 +47,15 @@ MUTANTS: tuple[Mutant, ...] = (
         "stale-padded-req-pool-indices",
         "replay reset leaves req_pool_indices alone (the fill SGLang 0.5.23 added): after the batch shrinks, padded lanes keep the larger batch's request rows and the in-graph slot lookup writes their KV into slots those rows point at",
         "in-graph slot lookup through a stale row",
-        ((EagleDraftExtendCudaGraphRunnerBase, "reset_for_iteration", _reset_keeps_request_rows),),
+        ((EagleDraftExtendCudaGraphRunnerBase, "reset_for_iteration", keeps(REAL_RESET, "req_pool_indices")),),
+        ("padded-lanes-multi-layer", "padded-lanes"),  # P2: the stale rows route the padded lanes' KV writes (out_cache_loc) off the padding slot
     ),
     Mutant(
         "stale-padded-positions",
         "replay reset leaves positions alone: after the batch shrinks, padded lanes gather rotary rows and look write slots up at the larger batch's positions (harmless while their row is the padding row: only the fill check sees it)",
         "stale padded position",
-        ((EagleDraftExtendCudaGraphRunnerBase, "reset_for_iteration", _reset_keeps_positions),),
+        ((EagleDraftExtendCudaGraphRunnerBase, "reset_for_iteration", keeps(REAL_RESET, "positions")),),
+        ("padded-lanes-multi-layer", "padded-lanes"),  # P2 (canonical fill)
     ),
     Mutant(
         "target-hidden-after-final-norm",

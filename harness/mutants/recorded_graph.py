@@ -68,6 +68,7 @@ MUTANTS: tuple[Mutant, ...] = (
             (EagleDraftExtendCudaGraphRunnerBase, "_copy_live_inputs", _copy_sets_host_max_seq_len),
             (EagleDraftExtendCudaGraphRunnerBase, "_body", _body_keys_below_host_max_seq_len),
         ),
+        ("case-tp1", "spec-cases"),  # P3, P4; P6
     ),
     Mutant(
         "req-to-token-rebound",
@@ -76,6 +77,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "graph keeps the table it captured and replays with stale KV slot rows",
         "static buffer rebound after capture",
         ((ReqToTokenPool, "alloc", _alloc_rebinds_req_to_token),),
+        ("case-tp1", "spec-cases"),  # P3, P4; P2, P5, P6, P8
     ),
     Mutant(
         "attn-metadata-host-sync",
@@ -84,5 +86,6 @@ MUTANTS: tuple[Mutant, ...] = (
         "graph's (GraphCaptureError: the run property, as on a GPU)",
         "host sync inside capture",
         ((TorchAttnBackend, "init_forward_metadata", _metadata_reads_max_seq_len),),
+        ("case-tp1", "p7-idle-ranks"),  # run: the capture fails at the host read
     ),
 )

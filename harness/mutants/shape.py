@@ -48,7 +48,7 @@ MUTANTS: list[Mutant] = [
         "instead of bs * num_tokens_per_bs; the multi-layer runner's fill is right",
         "unit: requests vs tokens",
         ((EagleDraftExtendCudaGraphRunner, "_fill_gathered", _single_fill_logprob_requests),),
-        ("metadata-grid",),  # P1 (fill, I1): only the metadata grid drives the single-layer runner
+        ("metadata-dp", "metadata-grid"),  # P1 (fill, I1): only the metadata probes drive the single-layer runner
     ),
     Mutant(
         "single-layer-capture-logprob-requests",
@@ -56,7 +56,7 @@ MUTANTS: list[Mutant] = [
         "engine's pruned single-layer count) instead of bs * num_tokens_per_bs, in every gathered branch; the multi-layer one is right",
         "one runner of two diverged",
         ((EagleDraftExtendCudaGraphRunner, "get_forward_batch", _single_forward_batch_logprob_requests),),
-        ("metadata-grid",),  # P1: I6 (single vs multi-layer), I1, I5
+        ("metadata-dp", "metadata-grid"),  # P1: I6 (single vs multi-layer), I1, I5
     ),
     Mutant(
         "dp-unpad-last-rows",

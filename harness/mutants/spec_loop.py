@@ -3,22 +3,13 @@ from __future__ import annotations
 
 import torch
 
-from harness.mutants.base import Mutant
+from harness.mutants.base import Mutant, keeps
 from harness.mutants.draft_extend import REAL_COPY, REAL_RESET
 
 # ---- issue 8: the speculative decoding loop (runners.spec_decode); P2 / P5 / P6 / P8 kill these ----
 from runners import draft_decode, verify
 from runners.attention.torch_ref import TorchAttnBackend
 from runners.cuda_graph import EagleDraftExtendCudaGraphRunnerBase
-
-_TOKEN_BUFFERS = ("input_ids", "positions", "out_cache_loc")
-
-
-def _reset_keeps_token_buffers(self: EagleDraftExtendCudaGraphRunnerBase, raw_bs: int, accept_lens: torch.Tensor) -> None:
-    saved = [getattr(self, b).clone() for b in _TOKEN_BUFFERS]
-    REAL_RESET(self, raw_bs, accept_lens)
-    for b, old in zip(_TOKEN_BUFFERS, saved, strict=True):
-        getattr(self, b).copy_(old)  # padded lanes keep the larger batch's tokens, positions and KV slots
 
 
 def _accept_per_request(parents, tokens, argmax) -> list[int]:
@@ -56,7 +47,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "stale-padded-tokens-after-shrink",
         "replay reset leaves input_ids, positions and out_cache_loc alone: after the batch shrinks, padded lanes replay the larger batch's tokens and write their KV into its slots",
         "stale padded lane after shrink",
-        ((EagleDraftExtendCudaGraphRunnerBase, "reset_for_iteration", _reset_keeps_token_buffers),),
+        ((EagleDraftExtendCudaGraphRunnerBase, "reset_for_iteration", keeps(REAL_RESET, "input_ids", "positions", "out_cache_loc")),),
         ("padded-lanes", "batch-churn"),  # P2, P8; harmless to outputs here unless poisoned or churned
     ),
     Mutant(
@@ -71,7 +62,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "replay copy-in advances the seq_lens of the padded lanes by num_tokens_per_bs, as if padded rows had extended too (they should stay at the fill value)",
         "seq_len advanced for padded rows",
         ((EagleDraftExtendCudaGraphRunnerBase, "_copy_live_inputs", _copy_advances_padded_seq_lens),),
-        ("metadata-grid", "padded-lanes", "cases"),  # P1 (grid, cases), P2
+        ("metadata-dp", "metadata-grid", "padded-lanes", "cases"),  # P1 (grid, cases), P2
     ),
     Mutant(
         "draft-hidden-next-step",

@@ -14,7 +14,7 @@ from typing import Sequence
 
 import torch
 
-from harness.mutants.base import Mutant
+from harness.mutants.base import Mutant, keeps
 from runners import spec_decode, target, verify_graph
 from runners.batch import ForwardBatch
 from runners.verify_graph import TargetVerifyCudaGraphRunner
@@ -40,12 +40,6 @@ def _no_kv_moves(path: Sequence[int]) -> list[tuple[int, int]]:
 
 def _node_slot_by_position(fb: ForwardBatch, token_to_req: torch.Tensor) -> torch.Tensor:
     return fb.positions  # a node's KV at its depth's column: siblings overwrite each other and the chain node there
-
-
-def _fill_keeps_padded_masks(self: TargetVerifyCudaGraphRunner, raw_bs: int) -> None:
-    saved = self.custom_mask.clone()
-    _REAL_FILL(self, raw_bs)
-    self.custom_mask.copy_(saved)  # padded lanes keep the last, larger batch's tree masks
 
 
 def _request_aligned_buckets(layout, configured, max_running_requests, tokens_per_bs=1) -> list[int]:
@@ -94,7 +88,7 @@ MUTANTS: list[Mutant] = [
         "TARGET_VERIFY replay fill leaves the padded lanes' tree masks alone: after the batch shrinks they keep the "
         "larger batch's trees instead of the canonical chain mask",
         "stale padded lane after shrink",
-        ((TargetVerifyCudaGraphRunner, "_fill_padded_lanes", _fill_keeps_padded_masks),),
+        ((TargetVerifyCudaGraphRunner, "_fill_padded_lanes", keeps(_REAL_FILL, "custom_mask")),),
         ("padded-lanes",),  # P2 (canonical fill): harmless to real rows, every tree mask lets a node see its root
     ),
     Mutant(

@@ -22,7 +22,8 @@ from runners.graph_backend import GraphBackend
 from runners.graph_runner import RunnerKind
 from runners.parallel.dp_attention import RankContext
 from runners.parallel.layout import ParallelLayout
-from runners.verify_graph import TargetVerifyCudaGraphRunner, VerifyInputs
+from runners.target import Lane
+from runners.verify_graph import TargetVerifyCudaGraphRunner, VerifyInputs, verify_inputs
 
 
 def _metadata_runners(layout: ParallelLayout, spec: SpecConfig, model: ModelConfig, tp_rank: int) -> list[EagleDraftExtendCudaGraphRunnerBase]:
@@ -104,16 +105,31 @@ def _check_verify_metadata(v: Verdict, layout: ParallelLayout, spec: SpecConfig,
     runner = TargetVerifyCudaGraphRunner(RankContext(layout, tp_rank, comm=None), model, spec, None, GraphBackend("sim"))
     observer = RunnerObserver(runner)
     T = spec.num_tokens_per_bs
+    trees = spec.topk > 1 and T >= 3  # fewer nodes make only chains
     for it, sizes in enumerate(schedule):
         dp_sizes = list(sizes) if layout.attn_dp_size > 1 else [sizes[0]]
         g = torch.Generator().manual_seed(seed + 1000 * it + d)
-        raw_bs, n = dp_sizes[d], dp_sizes[d] * T
-        zeros = torch.zeros(n, dtype=torch.int64)
-        inp = VerifyInputs(zeros, zeros, torch.randint(T, 4 * T, (raw_bs,), generator=g), torch.arange(1, raw_bs + 1), dp_sizes)
+        raw_bs = dp_sizes[d]
+        inp = _verify_batch(raw_bs, T, dp_sizes, trees, g)
         if runner.can_run(inp):
             needed = max(dp_sizes) if layout.require_mlp_tp_gather else raw_bs
             check_replay_record(v, layout, observer.prepare(inp), tp_rank, it, needed,
                                 expected_capture_bs=verify_capture_bs(layout, spec.capture_bs, spec.max_running_requests, T))
+
+
+def _verify_batch(raw_bs: int, T: int, dp_sizes: list[int], trees: bool, g: torch.Generator) -> VerifyInputs:
+    """A verify batch of random lengths, as the loop builds it; with `trees` every lane a tree that is not a chain,
+    so that a padded lane left on a larger batch's tree differs from the chain mask of the fill, host and device."""
+    starts = torch.randint(0, 3 * T, (raw_bs,), generator=g).tolist()
+    lanes = [Lane(i + 1, start, [0] * T, _non_chain_tree(T, g) if trees else None) for i, start in enumerate(starts)]
+    return verify_inputs(lanes, dp_sizes, torch.device("cpu"), T)
+
+
+def _non_chain_tree(T: int, g: torch.Generator) -> list[int]:
+    """Parents of T >= 3 nodes (node 0 the root): each node under a random earlier one, the last never under its
+    predecessor, so the tree is not the chain."""
+    parents = [-1] + [int(torch.randint(0, i, (1,), generator=g)) for i in range(1, T - 1)]
+    return parents + [int(torch.randint(0, T - 2, (1,), generator=g))]
 
 
 def _check_decode_metadata(v: Verdict, layout: ParallelLayout, spec: SpecConfig, schedule, model: ModelConfig, tp_rank: int, seed: int) -> None:

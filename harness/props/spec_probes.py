@@ -108,4 +108,14 @@ probe_spec_cases = _guarded("spec-cases", _spec_cases)
 probe_padded_lanes = _guarded("padded-lanes", _padded_lanes)
 probe_churn = _guarded("batch-churn", _churn)
 
+# One run each, for the replay-fill mutants (harness.mutants.replay_fill): what a single fill line breaks shows in one
+# small run, so a mutant per line stays cheap. P8 on the single-layer draft at TP1 replays every runner but the
+# multi-layer one (draft-extend, draft decode, verify) eager and graph side by side; P2 on a shrinking case checks
+# the canonical fill of the padded lanes of its draft-extend and verify runners.
+probe_churn_single_layer = _guarded("churn-single-layer", lambda: run_churn_script(*CHURN_RUNS[2]))
+probe_padded_lanes_multi_layer = _guarded("padded-lanes-multi-layer", lambda: check_padded_lanes(load_case("tp2_shrink")))
+probe_padded_lanes_single_layer = _guarded("padded-lanes-single-layer", lambda: check_padded_lanes(load_case("tp2_single_layer_shrink")))
+
 SPEC_PROBES = (("spec-cases", probe_spec_cases), ("padded-lanes", probe_padded_lanes), ("batch-churn", probe_churn))
+FILL_PROBES = (("churn-single-layer", probe_churn_single_layer), ("padded-lanes-multi-layer", probe_padded_lanes_multi_layer),
+               ("padded-lanes-single-layer", probe_padded_lanes_single_layer))
