@@ -169,7 +169,8 @@ def check_engine(engine: Engine, layouts: tuple[ParallelLayout, ...] = REPRESENT
                 _check_target_verify(target_verify.TargetVerify(tv_mod, tv_model_runner, runners), layout, d, tp_rank,
                                      functools.partial(line, layout), filled[target_verify.KIND], per_request)
         if eager:  # I7: the engine's eager batch for the same loads, against what the graphs baked (eager_check.py)
-            why = eager_check.check_eager(first, layout, _schedule(layout, first.multi[0].capture_bs), per_request, functools.partial(line, layout))
+            why = eager_check.check_eager(first, layout, _schedule(layout, first.multi[0].capture_bs), per_request, functools.partial(line, layout),
+                                            gather)
             skipped += [why] if why and why not in skipped else []
         if gather is not None:
             why = gather.check(functools.partial(line, layout), {"layout": layout.describe(), "branch": layout.branch.value})

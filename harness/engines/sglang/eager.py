@@ -65,6 +65,7 @@ class EagerBatch:
     global_num_tokens_for_logprob: Optional[list[int]]
     rows_fed: int  # rows the eager logits processor hands lm_head
     pruned: bool  # the worker set a select_index: lm_head sees one row per request
+    forward_batch: Any = None  # what the worker handed its first eager draft forward
 
 
 class ScheduleBatchStandIn(Strict):
@@ -307,7 +308,7 @@ def eager_batch(engine: Any, runners: EngineRunners, batch: ScheduleBatchStandIn
     rows = 0 if raw == 0 else int(runners.multi[0].pruned_states(fb, torch.zeros(raw * T, cfg.hidden_size)).shape[0])
     lp = fb.global_num_tokens_for_logprob_cpu
     return EagerBatch(group, raw, T, None if fb.global_num_tokens_cpu is None else list(fb.global_num_tokens_cpu),
-                      None if lp is None else list(lp), rows, pruned)
+                      None if lp is None else list(lp), rows, pruned, fb)
 
 
 @contextlib.contextmanager
