@@ -26,9 +26,10 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import sys
 import threading
 import types
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Optional
 
 import torch
@@ -38,6 +39,7 @@ from harness.engines.sglang.build import EngineRunners
 from harness.engines.sglang.errors import EngineAdapterError, MissingEngineAttribute, require
 from harness.engines.sglang.logits_gather import _Baton
 from harness.engines.sglang.standins import Strict, noop, patched
+from harness.engines.sglang.stubs import LATE_STUBBED_MODULES, StubFinder
 from harness.ranks.simulated import SimulatedWorld
 from runners.parallel.comm import Group
 from runners.parallel.layout import ParallelLayout
@@ -65,7 +67,7 @@ class EagerBatch:
     global_num_tokens_for_logprob: Optional[list[int]]
     rows_fed: int  # rows the eager logits processor hands lm_head
     pruned: bool  # the worker set a select_index: lm_head sees one row per request
-    forward_batch: Any = None  # what the worker handed its first eager draft forward
+    forward_batch: Any = field(default=None, repr=False)  # what the worker handed its first eager draft forward
 
 
 class ScheduleBatchStandIn(Strict):
@@ -261,7 +263,7 @@ def _scaled_counts(engine: Any, fb: Any, batch: Any, spec: Any) -> None:
 
 def eager_batch(engine: Any, runners: EngineRunners, batch: ScheduleBatchStandIn, group: int, dp_sizes: list[int]) -> EagerBatch:
     """Drive the worker's _draft_extend_for_decode on the synced batch until its first eager draft forward."""
-    wmod = __import__("importlib").import_module(_WORKER)
+    wmod = _import_worker(engine)
     Worker = require(wmod, "MultiLayerEagleDraftWorker", engine.version, "the multi-layer EAGLE draft worker")
     cfg, comp, fbi = runners.cfg, runners.composite, engine.modules["fbi"]
     T = runners.multi[0].tokens_per_bs
@@ -309,6 +311,22 @@ def eager_batch(engine: Any, runners: EngineRunners, batch: ScheduleBatchStandIn
     lp = fb.global_num_tokens_for_logprob_cpu
     return EagerBatch(group, raw, T, None if fb.global_num_tokens_cpu is None else list(fb.global_num_tokens_cpu),
                       None if lp is None else list(lp), rows, pruned, fb)
+
+
+def _import_worker(engine: Any) -> Any:
+    """The worker module; an import it needs that LATE_STUBBED_MODULES lists (0.5.11 - 0.5.13.post1 import sgl_kernel
+    unconditionally on the way) is stubbed, as the loader does for the runner modules, and named in the report."""
+    import_module = __import__("importlib").import_module
+    finder = next(f for f in sys.meta_path if isinstance(f, StubFinder))
+    while True:
+        try:
+            return import_module(_WORKER)
+        except ModuleNotFoundError as e:
+            top = (e.name or "").split(".")[0]
+            if top not in LATE_STUBBED_MODULES or top in finder.names:
+                raise
+            finder.names = finder.names | {top}
+            engine.stubbed = sorted({*engine.stubbed, top})
 
 
 @contextlib.contextmanager
