@@ -25,10 +25,10 @@ pads tokens to the DP maximum and leaves for_logprob as it is.
 from __future__ import annotations
 
 import contextlib
+import importlib
 import inspect
 import sys
 import threading
-import types
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Optional
 
@@ -153,10 +153,9 @@ class _TorchProxy:
 
 
 def _sync_module(engine: Any) -> Any:
-    import_module = __import__("importlib").import_module
     for name in _SYNC_MODULES:
         try:
-            return import_module(name)
+            return importlib.import_module(name)
         except ModuleNotFoundError:
             continue
     raise EngineAdapterError(f"sglang {engine.version}: no scheduler DP-attention module ({' / '.join(_SYNC_MODULES)})")
@@ -316,11 +315,10 @@ def eager_batch(engine: Any, runners: EngineRunners, batch: ScheduleBatchStandIn
 def _import_worker(engine: Any) -> Any:
     """The worker module; an import it needs that LATE_STUBBED_MODULES lists (0.5.11 - 0.5.13.post1 import sgl_kernel
     unconditionally on the way) is stubbed, as the loader does for the runner modules, and named in the report."""
-    import_module = __import__("importlib").import_module
     finder = next(f for f in sys.meta_path if isinstance(f, StubFinder))
     while True:
         try:
-            return import_module(_WORKER)
+            return importlib.import_module(_WORKER)
         except ModuleNotFoundError as e:
             top = (e.name or "").split(".")[0]
             if top not in LATE_STUBBED_MODULES or top in finder.names:
@@ -348,7 +346,7 @@ def _builder_patched(engine: Any, wmod: Any, build: Callable[..., Any]) -> Itera
 
 def require_mlp_sync(engine: Any, server_args: Any) -> bool:
     """The engine's own rule for whether the scheduler syncs a batch over DP ranks (DP attention or a gathered buffer)."""
-    mod = __import__("importlib").import_module("sglang.srt.utils.common")
+    mod = importlib.import_module("sglang.srt.utils.common")
     fn = require(mod, "require_mlp_sync", engine.version, "whether the scheduler runs the MLP sync")
     return bool(fn(server_args) if inspect.signature(fn).parameters else fn())
 
