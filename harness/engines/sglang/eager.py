@@ -292,8 +292,10 @@ def eager_batch(engine: Any, runners: EngineRunners, batch: ScheduleBatchStandIn
     worker = Strict("eagle_worker", speculative_num_steps=cfg.num_steps, speculative_num_draft_tokens=cfg.num_draft_tokens, topk=cfg.topk,
                     draft_extend_num_front_tokens=0, cuda_graph_runner_for_draft_extend=cgr, prepare_for_draft_extend=build, plan_stream=None,
                     plan_stream_ctx=contextlib.nullcontext(), draft_runner_list=draft_runners, device="cpu", server_args=runners.server_args,
-                    use_rejection_sampling=False, _compute_boundary_kv_locs_positions=lambda b: (None, None),
+                    use_rejection_sampling=False,
                     _apply_deferred_mamba_init_to_draft_pools=noop, _fill_boundary_kv_front_and_update_stash=noop)
+    if hasattr(Worker, "_compute_boundary_kv_locs_positions"):  # the engine's own: no widened window (0 front tokens), its Nones
+        object.__setattr__(worker, "_compute_boundary_kv_locs_positions", lambda b: Worker._compute_boundary_kv_locs_positions(worker, b))
     accept = torch.tensor(live.accept_lens, dtype=torch.int32)
     result = Strict("batch_result", next_token_ids=torch.tensor(live.tokens(T)["input_ids"], dtype=torch.int64), accept_lens=accept,
                     logits_output=Strict("logits_output", hidden_states=torch.zeros(raw * T, cfg.hidden_size)))
