@@ -22,7 +22,7 @@ from harness.engines.after_model import check_body, next_token, selected_row, se
 from harness.engines.install import version_key
 from harness.engines.lanes import FILLED_SINCE, LiveBatch, check_lanes, live_batch
 from harness.engines.report import EngineReport, Line
-from harness.engines.sglang import draft_decode, logits_gather, target_verify
+from harness.engines.sglang import draft_decode, eager_check, logits_gather, target_verify
 from harness.engines.sglang.build import EngineRunners
 from harness.engines.sglang.config import EngineConfig
 from harness.engines.sglang.handle import RunnerHandle
@@ -50,14 +50,10 @@ KERNEL_LAYOUTS: tuple[ParallelLayout, ...] = (ParallelLayout(4, 1, False, 1), Pa
 
 
 # What engine-check cannot reach on an engine, said in every report (never counted as a pass).
-SKIPPED = (
-    "I7 (eager vs graph): the engine's eager draft-extend batch is built by the worker from a ScheduleBatch "
-    "(multi_layer_eagle_worker_v2._draft_extend_for_decode -> eagle_worker_common.prepare_for_draft_extend -> "
-    "ForwardBatch.init_new(batch.get_model_worker_batch())), whose global_num_tokens(_for_logprob) are the scheduler's "
-    "MLP-sync all-gather over DP ranks (managers/scheduler_components/dp_attn.py) and whose DP padding is "
-    "ModelRunner.forward's; reaching it needs a ScheduleBatch (requests, pools, tree cache, sampling info) and that "
-    "scheduler sync, which the adapter does not build: it drives the graph runners only",
-)
+SKIPPED: tuple[str, ...] = ()
+# I7 where check_engine is not asked for it (eager=False): said, never passed.
+I7_OFF = ("I7 (eager vs graph): not run (check_engine(eager=True) runs it: the scheduler's MLP sync and the worker's eager "
+          "draft-extend batch, harness/engines/sglang/eager.py; docs/engine-check.md, I7, says what it finds)")
 
 
 # ----------------------------------------------------------------------------------------
@@ -88,7 +84,7 @@ def _schedule(layout: ParallelLayout, capture_bs: list[int]) -> list[list[int]]:
 
 
 def check_engine(engine: Engine, layouts: tuple[ParallelLayout, ...] = REPRESENTATIVE_LAYOUTS, cfg: Optional[EngineConfig] = None, progress=None,
-                 kernel_layouts: tuple[ParallelLayout, ...] = KERNEL_LAYOUTS) -> EngineReport:
+                 kernel_layouts: tuple[ParallelLayout, ...] = KERNEL_LAYOUTS, eager: bool = False) -> EngineReport:
     cfg = cfg or EngineConfig()
     t0 = time.perf_counter()
     lines: dict[tuple, Line] = {}
@@ -106,7 +102,7 @@ def check_engine(engine: Engine, layouts: tuple[ParallelLayout, ...] = REPRESENT
         return lines[key]
 
     dd_mod, dd_why = draft_decode.load(engine)
-    skipped = list(SKIPPED) + ([] if dd_mod is not None else [f"draft_decode (EAGLEDraftCudaGraphRunner): n/a: {dd_why}"])
+    skipped = list(SKIPPED) + ([] if eager else [I7_OFF]) + ([] if dd_mod is not None else [f"draft_decode (EAGLEDraftCudaGraphRunner): n/a: {dd_why}"])
     gather_na: list[str] = []
     no_gather: list[str] = []  # layouts whose logits processor does not gather across DP groups
     tv_mod, tv_model_runner, tv_why = target_verify.load(engine)
@@ -116,13 +112,14 @@ def check_engine(engine: Engine, layouts: tuple[ParallelLayout, ...] = REPRESENT
         if progress:
             progress(f"{layout.describe()}")
         expected_capture_bs = compute_capture_bs(layout, cfg.capture_bs, cfg.max_running_requests)
-        gather = None
+        gather, first = None, None
         for d in range(layout.attn_dp_size):
             tp_rank = d * layout.attn_tp_size
             own = d if layout.require_mlp_tp_gather else 0
             if engine.fill is not None:
                 engine.fill.kernel = d == 0 and layout in kernel_layouts
             runners = EngineRunners(engine, layout, tp_rank, cfg)
+            first = first or runners
             if d == 0:
                 gather, why = logits_gather.setup(engine, layout, runners.server_args, cfg.vocab_size, cfg.hidden_size,
                                                   line(layout, "multi_layer", 0, runners.multi[0].capture_bs[0]).verdict,
@@ -171,6 +168,10 @@ def check_engine(engine: Engine, layouts: tuple[ParallelLayout, ...] = REPRESENT
             if tv_mod is not None:
                 _check_target_verify(target_verify.TargetVerify(tv_mod, tv_model_runner, runners), layout, d, tp_rank,
                                      functools.partial(line, layout), filled[target_verify.KIND], per_request)
+        if eager:  # I7: the engine's eager batch for the same loads, against what the graphs baked (eager_check.py)
+            why = eager_check.check_eager(first, layout, _schedule(layout, first.multi[0].capture_bs), per_request, functools.partial(line, layout),
+                                            gather)
+            skipped += [why] if why and why not in skipped else []
         if gather is not None:
             why = gather.check(functools.partial(line, layout), {"layout": layout.describe(), "branch": layout.branch.value})
             gather_na += [why] if why else []

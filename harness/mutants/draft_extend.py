@@ -7,12 +7,17 @@ import torch
 
 from harness import execute
 from harness.mutants.base import Mutant, keeps
-from runners import model
+from runners import draft_extend, model
 from runners.cuda_graph import EagleDraftExtendCudaGraphRunnerBase, MultiLayerEagleDraftExtendCudaGraphRunner
 from runners.parallel.comm import Group
 from runners.parallel.layout import Branch
 
 # ---- the replacements, each a one-line deviation from the real code ----
+
+
+def _eager_logprob_requests(dp_batch_sizes: list[int], T: int) -> tuple[list[int], list[int]]:
+    # what SGLang's eager draft-extend batch does (num_tokens_for_logprob_per_req = 1) while lm_head sees every token
+    return [b * T for b in dp_batch_sizes], list(dp_batch_sizes)
 
 
 def _seed_get_forward_batch(self: EagleDraftExtendCudaGraphRunnerBase, bs: int):
@@ -140,6 +145,14 @@ MUTANTS: tuple[Mutant, ...] = (
         "broken layout gather",
         ((model, "dp_scatter", _dp_scatter_wrong_chunk),),
         ("padded-lanes", "batch-churn", "spec-cases", "cases"),  # P2, P8, P5, P3/P4; the grid runs no model, P7 passes
+    ),
+    Mutant(
+        "eager-logprob-requests",
+        "the eager reference's batch counts one logprob row per request (bs_r) while its logits processor feeds lm_head all bs_r * T, "
+        "as SGLang's eager draft-extend path does in the gathered branches (docs/engine-check.md, I7)",
+        "unit: requests vs tokens (eager)",
+        ((draft_extend, "tokens_and_logprob_tokens", _eager_logprob_requests),),
+        ("cases",),
     ),
     Mutant(
         "idle-rank-skips-mlp-sync",

@@ -252,11 +252,11 @@ class GatherCheck:
             for r, got in enumerate(outs):
                 mine = per_group[lay.attn_dp_rank(r)]
                 want = mine.hidden @ self.weight.T
-                _compare(v, {**where, "rank": r, "raw_bs": mine.raw_bs}, want, got)
+                compare(v, {**where, "rank": r, "raw_bs": mine.raw_bs}, want, got)
         return None
 
 
-def _compare(v: Verdict, where: dict, want: torch.Tensor, got: torch.Tensor) -> None:
+def compare(v: Verdict, where: dict, want: torch.Tensor, got: torch.Tensor) -> None:
     v.checked += 1
     n = int(want.shape[0])
     if got.shape[0] < n or got.shape[1:] != want.shape[1:]:
