@@ -20,7 +20,7 @@ from harness.props.p3 import check_eager_vs_graph
 from harness.ranks.simulated import SimulatedWorld
 from harness.scenario import Iteration, RequestSpec, Scenario, materialize, release
 from runners.attention import BACKENDS, unavailable_reason
-from runners.attention.flashinfer_plan import paged_kv_indices, plan_inputs_key, plan_sources
+from runners.attention.flashinfer_plan import gather_kv_indices, kv_index_plan, plan_inputs_key, plan_sources
 from runners.batch import EagleVerifyInput, ForwardMode
 
 
@@ -30,22 +30,85 @@ def _need_flashinfer() -> None:
 
 
 # ---- CPU ----
-def test_paged_kv_indices_concatenates_each_requests_first_slots():
+def _gathered(plan, table: torch.Tensor, steps: int, cap: int) -> torch.Tensor:
+    """What the device does with a plan: the packed index copied into a buffer, then the gather into kv_indices."""
+    kv_indices = torch.full((steps, cap), -1, dtype=torch.int32)
+    gather_kv_indices(plan, plan.packed.clone(), table, kv_indices)
+    return kv_indices
+
+
+def test_kv_index_plan_concatenates_each_requests_first_slots():
     req_to_token = torch.arange(60).view(6, 10) + 100  # row r, position p -> slot 100 + 10 r + p
-    got = paged_kv_indices(req_to_token, torch.tensor([3, 0, 5]), [2, 1, 4])
-    assert got.dtype == torch.int32
-    assert got.tolist() == [130, 131, 100, 150, 151, 152, 153]
+    table = req_to_token[torch.tensor([3, 0, 5])].reshape(-1)
+    plan = kv_index_plan([4, 1, 2], [2, 1, 4], 10, cap=30)
+    assert plan.qo_indptr().tolist() == [0, 4, 5, 7]
+    assert plan.kv_indptr(0).tolist() == [0, 2, 3, 7]
+    assert plan.kv_lens.tolist() == [[2, 1, 4]] and plan.totals == [7] and plan.qo_rows == 7
+    got = _gathered(plan, table, 1, 30)
+    assert got[0, :7].tolist() == [130, 131, 100, 150, 151, 152, 153]
+    assert (got[0, 7:] == -1).all()  # nothing past the plan's slots is written
 
 
-def test_paged_kv_indices_of_no_request_is_empty():
-    assert paged_kv_indices(torch.zeros(2, 4, dtype=torch.int64), torch.zeros(0, dtype=torch.int64), []).numel() == 0
+def test_kv_index_plan_of_no_request_is_empty():
+    plan = kv_index_plan([], [], 4, cap=0)
+    assert plan.n == 0 and plan.kv_indptr(0).tolist() == [0] and plan.totals == [0]
+    assert _gathered(plan, torch.zeros(0, dtype=torch.int64), 1, 0).numel() == 0
 
 
-def test_paged_kv_indices_of_the_draft_decode_append_each_lanes_own_slots():
+def test_kv_index_plan_of_the_draft_decode_writes_every_planned_step_into_its_row():
     req_to_token = torch.arange(60).view(6, 10) + 100
-    tail = torch.tensor([[7, 8, 9], [4, 5, 6]])  # each lane's draft slots of steps 0..2
-    got = paged_kv_indices(req_to_token, torch.tensor([3, 0]), [2, 1], tail, tail_len=2)  # step 1: two own slots
-    assert got.tolist() == [130, 131, 7, 8, 100, 4, 5]
+    locs = torch.tensor([[7, 8, 9], [4, 5, 6]])  # each lane's draft slots of steps 0..2
+    table = torch.cat([req_to_token[torch.tensor([3, 0])].reshape(-1), locs.reshape(-1)])
+    plan = kv_index_plan([1, 1], [2, 1], 10, cap=9, planned=(0, 1, 2), steps=3, draft_slots=3)
+    got = _gathered(plan, table, 3, 9)
+    assert got[0, :5].tolist() == [130, 131, 7, 100, 4]
+    assert got[1, :7].tolist() == [130, 131, 7, 8, 100, 4, 5]
+    assert got[2].tolist() == [130, 131, 7, 8, 9, 100, 4, 5, 6]
+    assert [plan.kv_indptr(s).tolist() for s in range(3)] == [[0, 3, 5], [0, 4, 7], [0, 5, 9]]
+
+
+def test_kv_index_plan_of_one_step_writes_that_row_only_and_every_steps_indptr():
+    req_to_token = torch.arange(60).view(6, 10) + 100
+    locs = torch.tensor([[7, 8, 9], [4, 5, 6]])
+    table = torch.cat([req_to_token[torch.tensor([3, 0])].reshape(-1), locs.reshape(-1)])
+    plan = kv_index_plan([1, 1], [2, 1], 10, cap=12, planned=(1,), steps=3, draft_slots=3)
+    got = _gathered(plan, table, 3, 12)
+    assert got[1, :7].tolist() == [130, 131, 7, 8, 100, 4, 5]
+    assert (got[0] == -1).all() and (got[2] == -1).all()
+    assert [plan.kv_indptr(s).tolist() for s in range(3)] == [[0, 3, 5], [0, 4, 7], [0, 5, 9]]
+
+
+@pytest.mark.parametrize("topk", [1, 2])
+def test_kv_index_plan_matches_the_slots_read_one_by_one(topk):
+    """Random rows, lengths and draft slots: every step's kv_indices as a loop over req_to_token and the slot list
+    reads them, lane by lane (the keys the torch reference masks in, in order)."""
+    g = torch.Generator().manual_seed(5)
+    reqs, width, steps = 5, 24, 3
+    req_to_token = torch.randperm(1000, generator=g)[: 8 * width].view(8, width)
+    rpi = torch.randperm(8, generator=g)[:reqs]
+    seq = torch.randint(0, width + 1, (reqs,), generator=g).tolist()
+    locs = torch.randint(1000, 2000, (reqs, topk, steps), generator=g)
+    prefix = [s for s in seq for _ in range(topk)]
+    cap = reqs * topk * (width + steps)
+    plan = kv_index_plan([1] * len(prefix), prefix, width, cap, topk, (0, 1, 2), steps, steps)
+    got = _gathered(plan, torch.cat([req_to_token[rpi].reshape(-1), locs.reshape(-1)]), steps, cap)
+    for s in range(steps):
+        want = []
+        for b in range(reqs):
+            for t in range(topk):
+                want += req_to_token[rpi[b], : seq[b]].tolist() + locs[b, t, : s + 1].tolist()
+        assert got[s, : len(want)].tolist() == want and plan.totals[s] == len(want)
+
+
+def test_kv_index_plan_refuses_what_its_buffers_cannot_hold():
+    with pytest.raises(ValueError, match="buffer holds"):
+        kv_index_plan([1, 1], [5, 6], 10, cap=10)
+    with pytest.raises(ValueError, match="outside a request row"):
+        kv_index_plan([1], [11], 10, cap=100)
+    with pytest.raises(ValueError, match="steps"):
+        kv_index_plan([1], [2], 10, cap=100, planned=(3,), steps=3, draft_slots=3)
+    with pytest.raises(ValueError, match="query lengths"):
+        kv_index_plan([1, 1, 1], [2, 2], 10, cap=100)
 
 
 def test_plan_reads_host_copies_only_when_the_batch_has_all_it_needs():
@@ -263,3 +326,32 @@ def test_flashinfer_replay_plans_read_no_length_back_from_the_device():
     (rb_draft, rb_target, plans), after = SimulatedWorld(layout, timeout_s=600).run(fn)[0]
     assert after[:2] == (rb_draft, rb_target)
     assert after[2] == plans + 1 + 2  # the draft-extend's plan and the draft decode's two steps: the replays did plan
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["extend", "decode"])
+def test_flashinfer_replay_plan_attends_as_its_own_plan(mode):
+    """The replay plan (flashinfer's planner alone over the buffers the backend wrote) against flashinfer's own plan of
+    the same batch: the same output, bitwise; another plan in between (shorter lengths) changes it, so the replay plan
+    is what restores it."""
+    _need_flashinfer()
+    from dataclasses import replace
+
+    from test_gpu import _paged
+
+    from runners.attention import make_backend
+
+    fm = ForwardMode.DECODE if mode == "decode" else ForwardMode.DRAFT_EXTEND_V2
+    T = 1 if mode == "decode" else 4
+    rp, kp, fb, q, k, v = _paged([5, 40, 17, 59], T, 8, 2, 64, torch.bfloat16, mode=fm)
+    fb = replace(fb, seq_lens_cpu=fb.seq_lens.cpu())
+    fi = make_backend("flashinfer", req_pool=rp, kv_pool=kp)
+    own = fi.forward(0, q, k, v, fb, fi.init_forward_metadata(fb))  # eager: flashinfer's own plan
+    entry = fi._entry(fi._kind(fb), fb.batch_size)
+    kv = (kp.k[0].unsqueeze(1), kp.v[0].unsqueeze(1))
+    shorter = replace(fb, seq_lens_cpu=fb.seq_lens_cpu - 3)
+    fi.plan_replay(shorter)
+    assert not torch.equal(entry.wrapper.run(q, kv), own)
+    fi.plan_replay(fb)
+    assert torch.equal(entry.wrapper.run(q, kv), own)
+    assert entry.plans == 3 and fi.readbacks == 0

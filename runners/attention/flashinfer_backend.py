@@ -6,23 +6,30 @@ cores on, so both use the same fa2 module and the first run JIT-compiles one mod
 
 The plan is host work (it reads the lengths on the host and writes a work partition
 into the wrapper's int workspace), so it can never run inside a graph. As the engines do:
-- one wrapper per (kind, batch size), built with `use_cuda_graph=True` and fixed buffers
-  for qo_indptr / kv_indptr / kv_indices / last_page_len, so a graph captured with it
-  reads those buffers at fixed addresses;
+- one wrapper per (kind, batch size), and for the single-layer draft decode one per (batch size,
+  step) as the engine's multi-step draft backend keeps them, built with `use_cuda_graph=True` and
+  fixed buffers for qo_indptr / kv_indptr / kv_indices / last_page_len, so a graph captured with
+  it reads those buffers at fixed addresses. The wrappers of one batch size (a draft decode's
+  steps) share one buffer set: every step's indptrs and the index of the gather that writes the
+  kv_indices sit in one int32 buffer, so a plan writes them with one host-to-device copy built
+  from the host lengths (flashinfer_plan.kv_index_plan), then one gather from the requests'
+  req_to_token rows (and the draft slots) and one scatter write every planned step's kv_indices;
 - eager steps and graph warm-ups plan with the batch's live metadata before the kernel
-  runs; the capture run does not plan (it records the kernels of the plan its warm-up
-  left);
+  runs (flashinfer's own plan); the capture run does not plan (it records the kernels of the
+  plan its warm-up left);
 - before every replay the graph runner calls `init_forward_metadata_replay_cuda_graph(fb)`
-  with the bucket's batch, whose tensors hold the live lanes by then: the wrapper is
-  re-planned with the live seq_lens / req_pool_indices (flashinfer always splits the KV
-  in CUDA-graph mode, so the replayed grid does not depend on the lengths);
+  with the bucket's batch, whose tensors hold the live lanes by then: the buffers are written
+  with the live seq_lens / req_pool_indices and each wrapper's work partition is re-planned by
+  flashinfer's planner alone, as the engine's fast plans do (flashinfer always splits the KV in
+  CUDA-graph mode, so the replayed grid, baked into the graph, does not depend on the lengths);
+  a draft-decode bucket writes all its steps' buffers at once, then plans each step;
 - that re-plan is skipped when nothing it reads was written since the wrapper's last plan
   (`plan_inputs_key`): the multi-layer draft-extend steps of an iteration share one buffer
   set and one wrapper per bucket, and only the chain inputs change between steps, so the
   steps' graphs are planned once per iteration, at the first step (the engine stages the
-  metadata once in the multi-step runner's prepare for the same reason). A plan is a host
-  round trip (a device sync, the work partition, its upload), which a per-step plan would
-  pay once per draft layer.
+  metadata once in the multi-step runner's prepare for the same reason). A plan is host work
+  (the index, the work partition, their uploads), which a per-step plan would pay once per
+  draft layer.
 
 A TARGET_VERIFY batch (its tree mask in `EagleVerifyInput`) runs only while every lane's tree is
 a chain: this backend plans a causal mask, which is then exactly the tree mask (node i at
@@ -44,13 +51,18 @@ looser tolerances that follow.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from itertools import accumulate
 from typing import Any, Optional
 
 import torch
 
 from runners import graph_record
-from runners.attention.flashinfer_plan import paged_kv_indices, plan_inputs_key, plan_sources
+from runners.attention.flashinfer_plan import (
+    KvIndexPlan,
+    gather_kv_indices,
+    kv_index_plan,
+    plan_inputs_key,
+    plan_sources,
+)
 from runners.batch import ForwardBatch, ForwardMode
 from runners.eagle_draft import DraftDecodeSpecInfo, assign_draft_cache_locs
 from runners.memory import ReqToTokenPool, TokenToKVPool
@@ -61,29 +73,44 @@ TREE_MASK_UNSUPPORTED = ("the flashinfer backend does not apply the verify tree 
 
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
 WORKSPACE_BYTES = 128 * 1024 * 1024
+FAST_PLAN_VERSION = "0.6.8"  # the release whose planner arguments `_replan` passes (pyproject's gpu extra pins it)
+
+
+@dataclass
+class _Group:
+    """The wrappers of one (kind, batch): one wrapper, or the draft decode's one per step, over one set of device
+    buffers. `meta` holds qo_indptr and every step's kv_indptr (the wrappers' indptr buffers are views of it), then the
+    gather's index, so one host-to-device copy writes them all; step s's wrapper reads row s of `kv_indices`."""
+
+    kind: str  # "prefill" | "decode"
+    lanes: int  # the wrappers' fixed batch (requests; draft-decode lanes)
+    steps: int
+    cap: int  # KV slots a step can hold
+    meta: torch.Tensor  # int32 [(1 + steps) * (lanes + 1) + 2 * steps * cap]
+    kv_indices: torch.Tensor  # int32 [steps, cap]
 
 
 @dataclass
 class _Wrapper:
-    kind: str  # "prefill" | "decode"
-    lanes: int  # the wrapper's fixed batch (requests; draft-decode lanes)
+    group: _Group
+    step: int
     wrapper: Any
-    qo_indptr: Optional[torch.Tensor]
-    kv_indptr: torch.Tensor
-    kv_indices: torch.Tensor
-    last_page_len: torch.Tensor
+    copied: Any  # a CUDA event recorded after the plan's uploads: flashinfer reuses its pinned buffer at the next plan
     plans: int = 0
     replans_skipped: int = 0
     plan_key: Optional[tuple] = None  # what the last plan read (plan_inputs_key); None: an eager or warm-up plan
     plan_refs: tuple = ()  # keeps the keyed tensors alive, so no new tensor can take their storage address
 
+    @property
+    def kind(self) -> str:
+        return self.group.kind
+
 
 @dataclass
 class _PlanArgs:
-    qo_indptr: torch.Tensor  # host int32 [lanes + 1]
-    kv_indptr: torch.Tensor  # host int32 [lanes + 1]
-    kv_indices: torch.Tensor  # device int32 [kv_indptr[-1]]
-    last_page_len: torch.Tensor  # host int32 [lanes]
+    index: KvIndexPlan  # host: the indptrs and the gather's index
+    table: torch.Tensor  # device: what the gather reads (the requests' req_to_token rows, then the draft slots)
+    written: bool = False  # the group's buffers hold it (a draft decode's steps share one write)
 
 
 @dataclass
@@ -100,6 +127,9 @@ class FlashInferAttnBackend:
     def __init__(self, req_pool: ReqToTokenPool, kv_pool: TokenToKVPool):
         import flashinfer  # the optional extra; imported only when the backend is built
 
+        if flashinfer.__version__ != FAST_PLAN_VERSION:
+            raise ValueError(f"the flashinfer backend's replay plan calls flashinfer {FAST_PLAN_VERSION}'s planner directly; "
+                             f"flashinfer {flashinfer.__version__} is installed: pip install flashinfer-python=={FAST_PLAN_VERSION}")
         self.fi = flashinfer
         self.req_pool, self.kv_pool = req_pool, kv_pool
         k0 = kv_pool.k[0]
@@ -125,30 +155,35 @@ class FlashInferAttnBackend:
     def _kind(fb: ForwardBatch) -> str:
         return "decode" if fb.forward_mode is ForwardMode.DECODE else "prefill"
 
-    def _entry(self, kind: str, bs: int, lanes: Optional[int] = None, step: Optional[int] = None, extra_keys: int = 0) -> _Wrapper:
-        """The wrapper of (kind, bucket) or, for the draft decode, of (bucket, step) over `lanes` lanes,
-        each reading at most max_ctx + extra_keys keys."""
-        key = (kind, bs) if step is None else ("draft_decode", bs, step)
+    def _entry(self, kind: str, bs: int, lanes: Optional[int] = None, steps: int = 0, step: int = 0) -> _Wrapper:
+        """The wrapper of (kind, bucket) or, for the draft decode (steps > 0), of (bucket, step) over `lanes` lanes,
+        each reading at most max_ctx + steps keys; a draft decode's steps are built together, one group."""
+        key = (kind, bs) if not steps else ("draft_decode", bs, step)
         if key not in self._wrappers:
             lanes = bs if lanes is None else lanes
+            n_steps = max(steps, 1)
+            cap = max(lanes, 1) * (self.max_ctx + steps)
             i32 = dict(dtype=torch.int32, device=self.device)
-            kv_indptr = torch.zeros(lanes + 1, **i32)
-            kv_indices = torch.zeros(max(lanes, 1) * (self.max_ctx + extra_keys), **i32)
-            last_page_len = torch.ones(lanes, **i32)
-            if kind == "prefill":
-                qo_indptr = torch.zeros(lanes + 1, **i32)
-                w = self.fi.BatchPrefillWithPagedKVCacheWrapper(
-                    self.workspace, "NHD", use_cuda_graph=True, qo_indptr_buf=qo_indptr, paged_kv_indptr_buf=kv_indptr,
-                    paged_kv_indices_buf=kv_indices, paged_kv_last_page_len_buf=last_page_len, backend="fa2",
-                )
-            else:
-                qo_indptr = None
-                w = self.fi.BatchDecodeWithPagedKVCacheWrapper(
-                    self.workspace, "NHD", use_cuda_graph=True, use_tensor_cores=True, paged_kv_indptr_buffer=kv_indptr,
-                    paged_kv_indices_buffer=kv_indices, paged_kv_last_page_len_buffer=last_page_len,
-                )
-            self._wrappers[key] = _Wrapper(kind, lanes, w, qo_indptr, kv_indptr, kv_indices, last_page_len)
+            group = _Group(kind, lanes, n_steps, cap, torch.zeros((1 + n_steps) * (lanes + 1) + 2 * n_steps * cap, **i32),
+                           torch.zeros(n_steps, cap, **i32))
+            last_page_len = torch.ones(lanes, **i32)  # page size 1: never rewritten
+            for s in range(n_steps):
+                self._wrappers[(kind, bs) if not steps else ("draft_decode", bs, s)] = _Wrapper(
+                    group, s, self._flashinfer_wrapper(group, s, last_page_len), torch.cuda.Event())
         return self._wrappers[key]
+
+    def _flashinfer_wrapper(self, group: _Group, step: int, last_page_len: torch.Tensor) -> Any:
+        n = group.lanes + 1
+        qo_indptr, kv_indptr = group.meta[:n], group.meta[(1 + step) * n: (2 + step) * n]
+        if group.kind == "prefill":
+            return self.fi.BatchPrefillWithPagedKVCacheWrapper(
+                self.workspace, "NHD", use_cuda_graph=True, qo_indptr_buf=qo_indptr, paged_kv_indptr_buf=kv_indptr,
+                paged_kv_indices_buf=group.kv_indices[step], paged_kv_last_page_len_buf=last_page_len, backend="fa2",
+            )
+        return self.fi.BatchDecodeWithPagedKVCacheWrapper(
+            self.workspace, "NHD", use_cuda_graph=True, use_tensor_cores=True, paged_kv_indptr_buffer=kv_indptr,
+            paged_kv_indices_buffer=group.kv_indices[step], paged_kv_last_page_len_buffer=last_page_len,
+        )
 
     def _host_seq_lens(self, fb: ForwardBatch) -> list[int]:
         """Every request's seq_len on the host, from the batch's host copy, else read back (a sync);
@@ -174,17 +209,18 @@ class FlashInferAttnBackend:
             raise ValueError(f"flashinfer plan: extend lengths {qo} do not cover the batch's {fb.input_ids.shape[0]} tokens")
         seq = self._host_seq_lens(fb)
         kv = [max(1, min(max(s, q), self.max_ctx)) for s, q in zip(seq, qo, strict=True)]
-        kv_indices = paged_kv_indices(self.req_pool.req_to_token, fb.req_pool_indices[:bs], kv)
-        return _args(qo, kv, kv_indices)
+        index = kv_index_plan(qo, kv, self.max_ctx, self._entry(kind, bs).group.cap, pin=True)
+        return _PlanArgs(index, self.req_pool.req_to_token[fb.req_pool_indices[:bs]].view(-1))
 
-    def _draft_plan_args(self, fb: ForwardBatch, seq: list[int], locs: torch.Tensor, step: int) -> _PlanArgs:
-        """Lane (b, t) at draft step `step`: its request's prefix (seq_len keys), then its own slots of steps 0..step."""
-        topk = fb.spec_info.topk
-        n = fb.batch_size * topk
+    def _draft_plan_args(self, fb: ForwardBatch, seq: list[int], locs: torch.Tensor, planned: tuple[int, ...]) -> _PlanArgs:
+        """Lane (b, t) at draft step s: its request's prefix (seq_len keys), then its own slots of steps 0..s (its row of
+        locs [bs, topk, steps]); the planned steps' kv_indices in one gather."""
+        topk, steps = fb.spec_info.topk, locs.shape[-1]
         prefix = [min(s, self.max_ctx) for s in seq for _ in range(topk)]
-        rows = fb.req_pool_indices[: fb.batch_size].repeat_interleave(topk)
-        kv_indices = paged_kv_indices(self.req_pool.req_to_token, rows, prefix, locs.reshape(n, -1), step + 1)
-        return _args([1] * n, [p + step + 1 for p in prefix], kv_indices)
+        group = self._draft_entry(fb, steps, 0).group
+        index = kv_index_plan([1] * len(prefix), prefix, self.max_ctx, group.cap, topk, planned, steps, steps, pin=True)
+        rows = self.req_pool.req_to_token[fb.req_pool_indices[: fb.batch_size]].view(-1)
+        return _PlanArgs(index, torch.cat([rows, locs.reshape(-1)]))
 
     def _chain(self, T: int, device: torch.device) -> torch.Tensor:
         key = (T, str(device))
@@ -192,20 +228,52 @@ class FlashInferAttnBackend:
             self._chains[key] = chain_mask(T).to(device)
         return self._chains[key]
 
-    def _plan(self, entry: _Wrapper, args: _PlanArgs, num_qo_heads: int, key: Optional[tuple] = None, refs: tuple = ()) -> None:
-        common = dict(q_data_type=self.compute_dtype, kv_data_type=self.compute_dtype)
-        if entry.kind == "prefill":
-            entry.wrapper.plan(
-                args.qo_indptr, args.kv_indptr, args.kv_indices, args.last_page_len,
-                num_qo_heads, self.num_kv_heads, self.head_dim, 1, causal=True, **common,
-            )
+    def _plan(self, entry: _Wrapper, args: _PlanArgs, num_qo_heads: int, key: Optional[tuple] = None, refs: tuple = (),
+              replay: bool = False) -> None:
+        """Writes the group's buffers (once per args), then plans the step's wrapper: flashinfer's own plan, or before a
+        replay its planner alone (`_replan`). Waits first until the wrapper's last plan uploaded its work partition:
+        flashinfer writes each plan into the same pinned buffer, and a host running ahead would overwrite it."""
+        group, index = entry.group, args.index
+        entry.copied.synchronize()
+        if not args.written:
+            group.meta[: index.packed.numel()].copy_(index.packed, non_blocking=True)
+            gather_kv_indices(index, group.meta, args.table, group.kv_indices)
+            args.written = True
+        if replay:
+            self._replan(entry, index, num_qo_heads)
         else:
-            entry.wrapper.plan(
-                args.kv_indptr, args.kv_indices, args.last_page_len, num_qo_heads, self.num_kv_heads, self.head_dim, 1, **common,
-            )
+            common = dict(q_data_type=self.compute_dtype, kv_data_type=self.compute_dtype)
+            kv_indices = group.kv_indices[entry.step, : index.totals[entry.step]]  # the buffer itself: flashinfer's copy is a no-op
+            last_page_len = torch.ones(group.lanes, dtype=torch.int32)
+            if entry.kind == "prefill":
+                entry.wrapper.plan(index.qo_indptr(), index.kv_indptr(entry.step), kv_indices, last_page_len,
+                                   num_qo_heads, self.num_kv_heads, self.head_dim, 1, causal=True, **common)
+            else:
+                entry.wrapper.plan(index.kv_indptr(entry.step), kv_indices, last_page_len, num_qo_heads, self.num_kv_heads,
+                                   self.head_dim, 1, **common)
+        entry.copied.record()
         entry.plans += 1
         entry.plan_key, entry.plan_refs = key, refs
         self.num_qo_heads = num_qo_heads
+
+    def _replan(self, entry: _Wrapper, index: KvIndexPlan, num_qo_heads: int) -> None:
+        """flashinfer's planner on the host lengths, as the engine's fast plans call it before a replay: the wrapper's
+        buffers are written already and the captured kernels keep their arguments (CUDA-graph mode fixes the grid), so
+        only the work partition in the int workspace changes. Needs a full plan first (its module, its row bound)."""
+        w, step, prefill = entry.wrapper, entry.step, entry.kind == "prefill"
+        if entry.plans == 0:
+            raise RuntimeError("flashinfer: a replay plan of a wrapper never planned (the graph was never warmed up)")
+        rows = entry.group.lanes
+        if prefill:
+            rows = w._max_total_num_rows
+            if index.qo_rows > rows:
+                raise ValueError(f"flashinfer plan: {index.qo_rows} query rows, the captured wrapper holds {rows}")
+        w._plan_info = w._cached_module.plan(
+            w._float_workspace_buffer, w._int_workspace_buffer, w._pin_memory_int_workspace_buffer,
+            index.qo_indptr(), index.kv_indptr(step), index.kv_lens_host(step), rows, entry.group.lanes,
+            num_qo_heads, self.num_kv_heads, 1, True, self.head_dim, self.head_dim, prefill, -1,  # page size, graph mode, window
+            -1, False, 0,  # fa2: no fixed split size, split-kv allowed, no co-located CTAs (flashinfer's own plan passes these)
+        )
 
     # ---- the backend interface ----
     def _capturing(self, entry: _Wrapper, what: str) -> Optional[FlashInferMetadata]:
@@ -227,14 +295,14 @@ class FlashInferAttnBackend:
         return self._capturing(entry, f"bs={fb.batch_size}") or FlashInferMetadata(entry, self._plan_args(fb, kind))
 
     def init_draft_decode_metadata(self, fb: ForwardBatch, locs: torch.Tensor, step: int) -> FlashInferMetadata:
-        """One draft-decode step (a decode wrapper per (bucket, step), as the engine's multi-step draft
-        backend keeps one per step); locs [bs, topk, steps] are the lanes' draft slots."""
+        """One draft-decode step (a decode wrapper per (bucket, step), as the engine's multi-step draft backend keeps one
+        per step); locs [bs, topk, steps] are the lanes' draft slots."""
         entry = self._draft_entry(fb, locs.shape[-1], step)
         captured = self._capturing(entry, f"the draft decode bs={fb.batch_size} step {step}")
-        return captured or FlashInferMetadata(entry, self._draft_plan_args(fb, self._host_seq_lens(fb), locs, step))
+        return captured or FlashInferMetadata(entry, self._draft_plan_args(fb, self._host_seq_lens(fb), locs, (step,)))
 
     def _draft_entry(self, fb: ForwardBatch, steps: int, step: int) -> _Wrapper:
-        return self._entry("decode", fb.batch_size, fb.batch_size * fb.spec_info.topk, step, extra_keys=steps)
+        return self._entry("decode", fb.batch_size, fb.batch_size * fb.spec_info.topk, steps, step)
 
     def init_forward_metadata_replay_cuda_graph(self, fb: ForwardBatch) -> None:
         """Before a replay: re-plan the bucket's wrapper with the live lengths in fb's buffers,
@@ -258,18 +326,20 @@ class FlashInferAttnBackend:
         if self.num_qo_heads is None:
             raise RuntimeError("flashinfer: replay before any plan (the graph was never warmed up)")
         refs = (fb.seq_lens, fb.seq_lens_cpu, fb.req_pool_indices, self.req_pool.req_to_token, fb.spec_info)
-        self._plan(self._entry(kind, fb.batch_size), self._plan_args(fb, kind), self.num_qo_heads, key, refs)
+        self._plan(self._entry(kind, fb.batch_size), self._plan_args(fb, kind), self.num_qo_heads, key, refs, replay=True)
 
     def plan_draft_decode_replay(self, fb: ForwardBatch) -> None:
-        """Every step's wrapper of the bucket, from one set of host lengths. The slots are looked up
-        here as the graph's body will (its out_cache_loc still holds the last replay's)."""
+        """Every step's wrapper of the bucket, from one set of host lengths and one gather of all steps' kv_indices (as
+        the engine builds them in one kernel). The slots are looked up here as the graph's body will (its out_cache_loc
+        still holds the last replay's)."""
         info: DraftDecodeSpecInfo = fb.spec_info
         bs, steps = fb.batch_size, fb.out_cache_loc.shape[0] // (fb.batch_size * info.topk)
         seq = self._host_seq_lens(fb)
         locs = assign_draft_cache_locs(self.req_pool.req_to_token, fb.req_pool_indices, fb.seq_lens, info.topk, steps,
                                        torch.empty_like(fb.out_cache_loc)).view(bs, info.topk, steps)
+        args = self._draft_plan_args(fb, seq, locs, tuple(range(steps)))
         for step in range(steps):
-            self._plan(self._draft_entry(fb, steps, step), self._draft_plan_args(fb, seq, locs, step), self.num_qo_heads)
+            self._plan(self._draft_entry(fb, steps, step), args, self.num_qo_heads, replay=True)
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fb: ForwardBatch, meta: FlashInferMetadata) -> torch.Tensor:
         """q [N, hq, d], k/v [N, hkv, d] (this pass's tokens) -> [N, hq, d]."""
@@ -283,8 +353,3 @@ class FlashInferAttnBackend:
         o = meta.entry.wrapper.run(q.to(self.compute_dtype).contiguous(), (kc.unsqueeze(1), vc.unsqueeze(1)))
         return o.to(q.dtype)
 
-
-def _args(qo: list[int], kv: list[int], kv_indices: torch.Tensor) -> _PlanArgs:
-    i32 = dict(dtype=torch.int32)
-    return _PlanArgs(torch.tensor(list(accumulate(qo, initial=0)), **i32), torch.tensor(list(accumulate(kv, initial=0)), **i32), kv_indices,
-                     torch.ones(len(kv), **i32))

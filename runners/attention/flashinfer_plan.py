@@ -6,8 +6,10 @@ mirrors of their buffers) give them without a device sync; a batch without them 
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional
 
+import numpy as np
 import torch
 
 from runners.batch import EagleVerifyInput, ForwardBatch
@@ -48,25 +50,90 @@ def plan_inputs_key(fb: ForwardBatch, req_to_token: torch.Tensor, num_qo_heads: 
     return (fb.forward_mode, fb.batch_size, tuple(fb.extend_seq_lens_cpu), num_qo_heads, *parts)
 
 
-def paged_kv_indices(req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, kv_lens: list[int],
-                     tail: Optional[torch.Tensor] = None, tail_len: int = 0) -> torch.Tensor:
-    """The page-size-1 KV slots of every lane, concatenated: req_to_token[row_b, :kv_lens[b]], then
-    (the draft decode) the first tail_len slots of the lane's row of `tail` [lanes, >= tail_len].
+def segment_ranges(starts: np.ndarray, lens: np.ndarray) -> np.ndarray:
+    """The ranges [start, start + len) of every segment, concatenated (int64; zero-length segments add nothing)."""
+    ends = np.cumsum(lens)
+    return np.repeat(starts - ends + lens, lens) + np.arange(ends[-1] if len(ends) else 0)
 
-    Built on the device with the output size given from the host lengths, so no op has to read
-    a size back (a boolean-mask gather would: a device sync); the host does no per-slot work.
+
+@dataclass(frozen=True)
+class KvIndexPlan:
+    """The host half of a plan of one wrapper group (a wrapper, or the draft decode's one per step): every step's
+    indptrs and the gather that writes the planned steps' kv_indices, packed as the group's device buffer holds them,
+    so that one host-to-device copy writes them all.
+
+    packed (int32): qo_indptr [lanes + 1], then the kv_indptr [lanes + 1] of steps 0 .. steps - 1, then src [n] (an
+    entry of the gather's table: lane's request row * width + column, or a draft slot after the rows), then dst [n]
+    (where it lands in the group's kv_indices [steps, cap], flattened).
     """
-    dev, width = req_to_token.device, req_to_token.shape[1]
-    total = sum(kv_lens) + tail_len * len(kv_lens)
-    prefix = torch.tensor(kv_lens, dtype=torch.int64).to(dev, non_blocking=True)
-    lens = prefix + tail_len
-    lane = torch.repeat_interleave(torch.arange(len(kv_lens), device=dev), lens, output_size=total)
-    offset = torch.arange(total, device=dev) - (torch.cumsum(lens, 0) - lens)[lane]
-    rows = req_pool_indices.to(torch.int64)[lane]
-    slots = req_to_token.reshape(-1)[rows * width + offset.clamp(max=width - 1)]
-    if tail is not None and tail_len:
-        own = prefix[lane]
-        tail_slots = tail.reshape(-1)[lane * tail.shape[1] + (offset - own).clamp(min=0)]
-        slots = torch.where(offset < own, slots, tail_slots)
-    return slots.to(torch.int32)
 
+    packed: torch.Tensor
+    lanes: int
+    steps: int
+    n: int
+    kv_lens: np.ndarray  # int32 [steps, lanes]: every lane's KV length at each step
+    totals: list[int]  # every step's KV slots (kv_indptr[-1])
+    qo_rows: int  # query rows (qo_indptr[-1])
+
+    @property
+    def indptr_len(self) -> int:
+        return (1 + self.steps) * (self.lanes + 1)
+
+    def qo_indptr(self) -> torch.Tensor:
+        return self.packed[: self.lanes + 1]
+
+    def kv_indptr(self, step: int) -> torch.Tensor:
+        start = (1 + step) * (self.lanes + 1)
+        return self.packed[start: start + self.lanes + 1]
+
+    def kv_lens_host(self, step: int) -> torch.Tensor:
+        return torch.from_numpy(self.kv_lens[step])
+
+
+def kv_index_plan(qo_lens: list[int], prefix: list[int], width: int, cap: int, per_req: int = 1, planned: tuple[int, ...] = (0,),
+                  steps: int = 1, draft_slots: int = 0, pin: bool = False) -> KvIndexPlan:
+    """Lane n reads the first prefix[n] slots of its request's row, row n // per_req of a gather table whose rows are
+    `width` wide (the requests' req_to_token rows). In a draft decode (draft_slots > 0) each lane's draft slots follow
+    the rows in the table, draft_slots per lane, and at step s the lane reads its first s + 1 of them after its prefix.
+    Only the `planned` steps' kv_indices are gathered (into row s of the group's [steps, cap] buffer); every step's
+    indptr is written, since its lengths are known here. Host array work only, no Python loop over slots.
+    """
+    lanes, n_plan = len(prefix), len(planned)
+    if len(qo_lens) != lanes or lanes % per_req:
+        raise ValueError(f"flashinfer plan: {len(qo_lens)} query lengths and {lanes} lanes ({per_req} per request)")
+    if not all(0 <= s < steps for s in planned) or (draft_slots and steps > draft_slots):
+        raise ValueError(f"flashinfer plan: steps {planned} planned of {steps}, {draft_slots} draft slots per lane")
+    if lanes and not 0 <= min(prefix) <= max(prefix) <= width:
+        raise ValueError(f"flashinfer plan: prefix lengths {prefix} outside a request row of {width} slots")
+    if lanes // per_req * width + lanes * draft_slots >= 2 ** 31:
+        raise ValueError("flashinfer plan: the gather table is too large for int32 indices")
+    p = np.array(prefix, dtype=np.int32)
+    own = np.arange(1, steps + 1, dtype=np.int32) if draft_slots else np.zeros(steps, dtype=np.int32)
+    kv_lens = p + own[:, None]  # [steps, lanes]
+    totals = kv_lens.sum(1)
+    if lanes and totals.max() > cap:
+        raise ValueError(f"flashinfer plan: {int(totals.max())} KV slots in one step, the buffer holds {cap}")
+    seg = np.empty((2, n_plan, lanes, 2), dtype=np.int64)  # (start, len) of every lane's prefix, then of its own slots
+    lane = np.arange(lanes)
+    seg[0, :, :, 0] = lane // per_req * width
+    seg[0, :, :, 1] = lanes // per_req * width + lane * draft_slots
+    seg[1, :, :, 0] = p
+    seg[1, :, :, 1] = own[list(planned), None]
+    src = segment_ranges(seg[0].reshape(-1), seg[1].reshape(-1))
+    dst = segment_ranges(np.array(planned) * cap, totals[list(planned)])
+    n = len(src)
+    packed = torch.empty((1 + steps) * (lanes + 1) + 2 * n, dtype=torch.int32, pin_memory=pin)
+    indptrs = np.zeros((1 + steps, lanes + 1), dtype=np.int64)
+    np.cumsum(qo_lens, out=indptrs[0, 1:])
+    np.cumsum(kv_lens, 1, out=indptrs[1:, 1:])
+    np.concatenate([indptrs.reshape(-1), src, dst], out=packed.numpy(), casting="same_kind")
+    return KvIndexPlan(packed, lanes, steps, n, kv_lens, totals.tolist(), int(indptrs[0, -1]))
+
+
+def gather_kv_indices(plan: KvIndexPlan, index: torch.Tensor, table: torch.Tensor, kv_indices: torch.Tensor) -> None:
+    """kv_indices.view(-1)[dst] = table[src], with the plan's src and dst as the device buffer `index` holds them (at
+    plan.indptr_len, where the copy of plan.packed put them): the planned steps' KV slots, one gather, one scatter."""
+    if plan.n:
+        src = index[plan.indptr_len: plan.indptr_len + plan.n]
+        dst = index[plan.indptr_len + plan.n: plan.indptr_len + 2 * plan.n]
+        kv_indices.view(-1).index_put_((dst,), table[src].to(kv_indices.dtype))
