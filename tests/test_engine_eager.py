@@ -11,6 +11,7 @@ A bug planted into a copy of NEWEST (for_logprob scaled by tokens) is caught on 
 """
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import shutil
@@ -20,6 +21,8 @@ from pathlib import Path
 import pytest
 from engine_releases import installed_release
 from prewarmed import run_python
+
+from harness.engines import command
 
 NEWEST = os.environ.get("SPECHARNESS_SGLANG_NEWEST", "0.5.23")
 T = 4  # num_draft_tokens of harness.engines.sglang.config.EngineConfig
@@ -115,3 +118,17 @@ def test_a_bug_planted_in_the_eager_count_scaling_is_caught_on_eager_lines_only(
             assert f["check"] == "I7" and f["where"]["branch"] == "neither", f
             if f["field"] == "global_num_tokens_for_logprob (eager)":
                 assert f["got"] == T * f["expected"] == T * f["where"]["raw_bs"], f  # tokens counted, one row per request fed
+
+
+def test_eager_flag_reaches_check_engine_and_is_refused_for_vllm(monkeypatch):
+    """`--eager` is the CLI's way to I7 on SGLang; on vLLM, which has no eager check, it is an error, not ignored."""
+    parser = argparse.ArgumentParser()
+    command.add_arguments(parser)
+    assert command.main(parser.parse_args(["--engine", "vllm==0.34.0", "--eager"])) == 2
+    seen = {}
+    monkeypatch.setattr(command, "_resolve", lambda args: (None, None))
+    monkeypatch.setattr(command, "drive_engine", lambda spec, load, check, fmt, as_json: seen.setdefault("check", check) and 0)
+    monkeypatch.setattr(command, "check_engine", lambda engine, layouts, cfg, progress, eager: seen.setdefault("eager", eager))
+    assert command.main(parser.parse_args(["--engine", "sglang==0.5.23", "--eager"])) == 0
+    seen["check"](None, None)
+    assert seen["eager"] is True

@@ -52,7 +52,7 @@ KERNEL_LAYOUTS: tuple[ParallelLayout, ...] = (ParallelLayout(4, 1, False, 1), Pa
 # What engine-check cannot reach on an engine, said in every report (never counted as a pass).
 SKIPPED: tuple[str, ...] = ()
 # I7 where check_engine is not asked for it (eager=False): said, never passed.
-I7_OFF = ("I7 (eager vs graph): not run (check_engine(eager=True) runs it: the scheduler's MLP sync and the worker's eager "
+I7_OFF = ("I7 (eager vs graph): not run (`harness engine-check --eager`, or check_engine(eager=True), runs it: the scheduler's MLP sync and the worker's eager "
           "draft-extend batch, harness/engines/sglang/eager.py; docs/engine-check.md, I7, says what it finds)")
 
 

@@ -54,6 +54,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--deps", metavar="DIR", help="where msgspec/dill/regex/packaging live (default .engines/deps)")
     p.add_argument("--install", action="store_true", help="install sglang==VERSION into the default place first if it is missing")
     p.add_argument("--all-layouts", action="store_true", help="every valid layout up to tp8, not one or two per branch")
+    p.add_argument("--eager", action="store_true",
+                   help="sglang: also check I7 on the engine's eager draft-extend path (the scheduler's MLP sync and the worker's "
+                        "eager batch; docs/engine-check.md, I7: it fails every release checked so far)")
     p.add_argument("--releases", metavar="SPEC",
                    help="install and check each release ('all' from the oldest carrying the checked path: sglang's multi-layer "
                         "draft-extend runner, vllm's model-runner-v2 EAGLE speculator; 'A,B,C', or 'A..B'); one table (or --json)")
@@ -85,9 +88,12 @@ def main(args) -> int:
         if spec.version is not None or args.target:
             print(f"error: --releases picks the versions: give --engine {spec.name}, without ==VERSION or --target", file=sys.stderr)
             return 2
-        extra = ["--all-layouts"] if args.all_layouts and spec.name == "sglang" else []
+        extra = [flag for flag, on in (("--all-layouts", args.all_layouts), ("--eager", args.eager)) if on and spec.name == "sglang"]
         return run_releases(args.releases, args.json, extra, lambda m: print(m, file=sys.stderr, flush=True), PRODUCTS[spec.name])
     if args.engine.strip().lower().startswith("vllm"):
+        if args.eager:
+            print("error: --eager checks SGLang's eager draft-extend path; vLLM's adapter has no eager check", file=sys.stderr)
+            return 2
         return vllm_main(args)
     try:
         spec = EngineSpec.parse(args.engine)
@@ -97,6 +103,6 @@ def main(args) -> int:
         return 2
     layouts = tuple(all_layouts(8) if args.all_layouts else REPRESENTATIVE_LAYOUTS)
     cfg = EngineConfig()
-    return drive_engine(spec, lambda: load(target, deps), lambda engine, progress: check_engine(engine, layouts, cfg, progress),
+    return drive_engine(spec, lambda: load(target, deps), lambda engine, progress: check_engine(engine, layouts, cfg, progress, eager=args.eager),
                         lambda rep: format_report(rep, cfg), args.json)
 
