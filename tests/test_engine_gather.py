@@ -74,14 +74,14 @@ def test_simulated_groups_meet_every_rank_in_rank_order_and_republish_the_rank()
 def test_compare_names_zero_rows_and_rows_out_of_place():
     want = torch.arange(12, dtype=torch.float32).view(4, 3) + 1
     ok = Verdict("P1")
-    logits_gather._compare(ok, {}, want, want.clone())
+    logits_gather.compare(ok, {}, want, want.clone())
     assert ok.ok and ok.checked == 1
     zero = want.clone()
     zero[2:] = 0
     shifted = want[[0, 2, 1, 3]]
     for got, says, row in ((zero, "a zero row", 2), (shifted, "the logits of this rank's row 2", 1)):
         v = Verdict("P1")
-        logits_gather._compare(v, {}, want, got)
+        logits_gather.compare(v, {}, want, got)
         (f,) = v.failures
         assert (f.check, f.where["row"]) == ("dp-gather", row) and f.got.startswith(says), f
 
