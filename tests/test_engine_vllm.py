@@ -161,7 +161,7 @@ def test_planted_capture_limit_is_caught(results):
 def test_not_installed_is_exit_2(capsys, monkeypatch, tmp_path):
     monkeypatch.setenv("SPECHARNESS_ENGINES", str(tmp_path))
     parser_args = type("Args", (), {"engine": "vllm==0.0.1", "json": False, "target": None, "deps": None, "install": False,
-                                    "all_layouts": False, "releases": None})()
+                                    "all_layouts": False, "eager": False, "releases": None})()
     assert engine_check_main(parser_args) == 2
     assert "vllm==0.0.1 is not installed" in capsys.readouterr().err
     assert engines_root() == tmp_path

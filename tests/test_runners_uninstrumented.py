@@ -4,7 +4,8 @@ Every identifier of runners/ (classes, functions, parameters, attributes, names,
 checked for a record hook: a class named *Record, or a name with a `record` / `records` word
 (`_record`, `capture_records`, `last_decode_records`, `record=`). runners/graph_record.py is
 exempt: its recorder is the CPU graph itself (it records the ops a CUDA graph would), part of
-the system under test, not a window for the harness.
+the system under test, not a window for the harness. A CUDA event's own `record()` (torch.cuda.Event,
+called on a name ending in `event`) is the device API, not a hook.
 """
 from __future__ import annotations
 
@@ -18,6 +19,11 @@ CPU_GRAPH_MODULE = "graph_record"  # its module name, where another runner impor
 HOOK = re.compile(r"(Record$|(^|_)records?($|_))")
 
 
+def _event_record(node: ast.Attribute) -> bool:
+    receiver = node.value.attr if isinstance(node.value, ast.Attribute) else getattr(node.value, "id", "")
+    return node.attr == "record" and receiver.endswith("event")
+
+
 def _identifiers(tree: ast.AST):
     for node in ast.walk(tree):
         if isinstance(node, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
@@ -25,7 +31,8 @@ def _identifiers(tree: ast.AST):
         elif isinstance(node, ast.arg):
             yield node.lineno, node.arg
         elif isinstance(node, ast.Attribute):
-            yield node.lineno, node.attr
+            if not _event_record(node):
+                yield node.lineno, node.attr
         elif isinstance(node, ast.Name):
             yield node.lineno, node.id
         elif isinstance(node, ast.keyword) and node.arg:

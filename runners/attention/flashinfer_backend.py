@@ -95,7 +95,7 @@ class _Wrapper:
     group: _Group
     step: int
     wrapper: Any
-    copied: Any  # a CUDA event recorded after the plan's uploads: flashinfer reuses its pinned buffer at the next plan
+    upload_event: Any  # a CUDA event recorded after the plan's uploads: flashinfer reuses its pinned buffer at the next plan
     plans: int = 0
     replans_skipped: int = 0
     plan_key: Optional[tuple] = None  # what the last plan read (plan_inputs_key); None: an eager or warm-up plan
@@ -234,7 +234,7 @@ class FlashInferAttnBackend:
         replay its planner alone (`_replan`). Waits first until the wrapper's last plan uploaded its work partition:
         flashinfer writes each plan into the same pinned buffer, and a host running ahead would overwrite it."""
         group, index = entry.group, args.index
-        entry.copied.synchronize()
+        entry.upload_event.synchronize()
         if not args.written:
             group.meta[: index.packed.numel()].copy_(index.packed, non_blocking=True)
             gather_kv_indices(index, group.meta, args.table, group.kv_indices)
@@ -251,7 +251,7 @@ class FlashInferAttnBackend:
             else:
                 entry.wrapper.plan(index.kv_indptr(entry.step), kv_indices, last_page_len, num_qo_heads, self.num_kv_heads,
                                    self.head_dim, 1, **common)
-        entry.copied.record()
+        entry.upload_event.record()
         entry.plans += 1
         entry.plan_key, entry.plan_refs = key, refs
         self.num_qo_heads = num_qo_heads
