@@ -13,8 +13,6 @@ environment, its exit code and output read back, without paying torch's import e
 """
 from __future__ import annotations
 
-import multiprocessing
-import multiprocessing.forkserver
 import os
 import subprocess
 import sys
@@ -22,6 +20,8 @@ import tempfile
 import traceback
 from pathlib import Path
 from typing import Optional, Sequence
+
+from harness.ranks import forkserver
 
 REPO = Path(__file__).resolve().parent.parent
 # torch's own heavy subpackages that the engines' modules import (dynamo, inductor, distributed, ...), and ours. None
@@ -32,22 +32,10 @@ PRELOAD = ["torch", "triton", "torch._dynamo", "torch._inductor.compile_fx", "to
            "harness.engines.check", "harness.engines.sglang.loader", "harness.engines.vllm.command", "harness.engines.vllm.loader",
            "runners.parallel.layout"]
 
-_ctx = multiprocessing.get_context("forkserver")
-_ctx.set_forkserver_preload(PRELOAD)
-
-
-def _ensure_forkserver() -> None:
-    """Started with TRITON_INTERPRET=1, as the engine loaders set it before their first Triton import: the kernels
-    the preloaded modules jit are then interpreted ones, as in a fresh engine process. This process's env is left as it was."""
-    old = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"
-    try:
-        multiprocessing.forkserver.ensure_running()
-    finally:
-        if old is None:
-            del os.environ["TRITON_INTERPRET"]
-        else:
-            os.environ["TRITON_INTERPRET"] = old
+# Started with TRITON_INTERPRET=1, as the engine loaders set it before their first Triton import: the kernels the
+# preloaded modules jit are then interpreted ones, as in a fresh engine process. The server is the process's one
+# forkserver (harness.ranks.forkserver), which the gloo rank launcher forks its ranks from too.
+forkserver.register(PRELOAD, {"TRITON_INTERPRET": "1"})
 
 
 def _child(code: str, out: str, err: str, cwd: Path, env: Optional[dict[str, str]]) -> None:
@@ -83,8 +71,7 @@ class Started:
     def __init__(self, code: str, cwd: Path = REPO, env: Optional[dict[str, str]] = None) -> None:
         self._dir = tempfile.TemporaryDirectory(prefix="prewarmed-")
         self._out, self._err = os.path.join(self._dir.name, "out"), os.path.join(self._dir.name, "err")
-        _ensure_forkserver()
-        self._proc = _ctx.Process(target=_child, args=(code, self._out, self._err, cwd, env))
+        self._proc = forkserver.context().Process(target=_child, args=(code, self._out, self._err, cwd, env))
         self._proc.start()
 
     def result(self, timeout: float = 600) -> subprocess.CompletedProcess:

@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import math
 import multiprocessing
-import os
 import time
 
 import pytest
 import torch
+from process_tree import live_children
 
 from harness.ranks import launcher, supervisor
 from harness.ranks.gpu_slice import (
@@ -53,31 +53,12 @@ GROUPS = (Group.WORLD, Group.ATTN_TP, Group.ATTN_DP)
 # ---------------------------------------------------------------------------------------
 
 
-def _live_children() -> list[tuple[int, str, str]]:
-    """(pid, state, cmdline) of every process whose parent is this one (multiprocessing's resource tracker aside)."""
-    me = os.getpid()
-    out = []
-    for d in os.listdir("/proc"):
-        if not d.isdigit():
-            continue
-        try:
-            with open(f"/proc/{d}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-            with open(f"/proc/{d}/cmdline", "rb") as f:
-                cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            continue
-        if int(fields[1]) == me and "resource_tracker" not in cmd:
-            out.append((int(d), fields[0], cmd[:200]))
-    return out
-
-
 @pytest.fixture(autouse=True)
 def no_leftover_processes():
-    before = {pid for pid, _, _ in _live_children()}
+    before = {pid for pid, _, _ in live_children()}
     yield
     assert multiprocessing.active_children() == []
-    leftovers = [c for c in _live_children() if c[0] not in before]
+    leftovers = [c for c in live_children() if c[0] not in before]
     assert leftovers == [], f"processes left behind: {leftovers}"
 
 

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import json
 import multiprocessing
-import os
 import time
 
 import pytest
 import torch
+from process_tree import live_children
 
 from harness import cli
 from harness.case import load_case
@@ -50,29 +50,12 @@ MUTANT = "idle-rank-skips-mlp-sync"
 NEITHER_TP2_DP2 = ParallelLayout(2, 2, True, moe_dense_tp_size=1, enable_dp_lm_head=True, moe_a2a_backend="deepep")
 
 
-def _live_children() -> list[tuple[int, str]]:
-    me, out = os.getpid(), []
-    for d in os.listdir("/proc"):
-        if not d.isdigit():
-            continue
-        try:
-            with open(f"/proc/{d}/stat") as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            with open(f"/proc/{d}/cmdline", "rb") as f:
-                cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            continue
-        if ppid == me and "resource_tracker" not in cmd:
-            out.append((int(d), cmd[:160]))
-    return out
-
-
 @pytest.fixture(autouse=True)
 def no_leftover_processes():
-    before = {pid for pid, _ in _live_children()}
+    before = {pid for pid, _, _ in live_children()}
     yield
     assert multiprocessing.active_children() == []
-    assert [c for c in _live_children() if c[0] not in before] == []
+    assert [c for c in live_children() if c[0] not in before] == []
 
 
 def _properties(sc, runs, traces, ranks: str) -> dict[str, Verdict]:

@@ -26,7 +26,12 @@ from runners.parallel.layout import ParallelLayout
 
 
 def _set_pdeathsig(parent_pid: int) -> None:
-    """Linux: SIGKILL this process when its parent dies (a second line behind the lifeline)."""
+    """Linux: SIGKILL this process when its parent dies (a second line behind the lifeline). A rank forked by the
+    forkserver has the server as its parent, which outlives the launch: there the lifeline alone guards."""
+    if os.getppid() != parent_pid:
+        if _alive(parent_pid):
+            return
+        os._exit(ORPHAN_EXIT_CODE)
     if sys.platform.startswith("linux"):
         try:
             import ctypes
@@ -35,8 +40,18 @@ def _set_pdeathsig(parent_pid: int) -> None:
             ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG
         except Exception:  # noqa: BLE001 - best effort
             pass
-    if os.getppid() != parent_pid:
+    if os.getppid() != parent_pid:  # the parent died before the death signal was armed
         os._exit(ORPHAN_EXIT_CODE)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def child_main(
@@ -54,6 +69,7 @@ def child_main(
     pg_timeout_s: float,
     check_signatures: Optional[bool],
 ) -> None:
+    os.environ.clear()  # the parent's environment, also where the process was forked from a server started with another
     os.environ.update(env)
     _set_pdeathsig(parent_pid)
     command: dict[str, str] = {}

@@ -28,7 +28,12 @@ cpu first); fn and args travel to the children the same way, so fn must be a mod
 function and args picklable. A rank may skip with RankSkip("why") (or pytest.skip):
 the child exits with SKIP_EXIT_CODE and the parent raises LaunchSkipped(reason).
 
-Children's environment: RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE,
+Start method: gloo ranks fork from the process's forkserver (harness.ranks.forkserver), which has
+imported torch and the child module once; each child then installs its parent's environment.
+nccl ranks are spawned: a fresh interpreter whose environment holds before anything touches the
+CUDA driver.
+
+Children's environment: the parent's, plus RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE,
 OMP_NUM_THREADS=1, NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1,
 NVSHMEM_DISABLE_NVLS=1, SPECHARNESS_HEARTBEAT_FILE, GLOO_SOCKET_IFNAME=lo (gloo, unless
 set), SPECHARNESS_CUDA_DEVICE (nccl: the rank's device, torch.cuda.set_device'd).
@@ -44,6 +49,7 @@ import time
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator, Optional
 
+from harness.ranks import forkserver
 from harness.ranks.child import child_main
 from harness.ranks.gpu_slice import worker_gpus
 from harness.ranks.heartbeat import HEARTBEAT_ENV
@@ -70,6 +76,7 @@ ENV_ALWAYS = {
     "NVSHMEM_DISABLE_NVLS": "1",
 }
 CUDA_DEVICE_ENV = "SPECHARNESS_CUDA_DEVICE"
+FORKSERVER_PRELOAD = ("torch", "torch.distributed", "harness.ranks.child")
 
 def resolve_backend(backend: str, world_size: int) -> str:
     """"auto": nccl if this worker's GPU slice has >= world_size GPUs, else gloo."""
@@ -160,7 +167,7 @@ def launch(
     except Exception as e:
         raise TypeError(f"launch: fn and args must pickle (fn must be a module-level function): {e}") from e
     gpus = _worker_gpus() if backend == "nccl" else []
-    ctx = tmp_mp.get_context("spawn")
+    ctx = tmp_mp.get_context("spawn") if backend == "nccl" else forkserver.context(FORKSERVER_PRELOAD)
     workdir = tempfile.mkdtemp(prefix="specharness-ranks-")
     store_path = os.path.join(workdir, "store")
     hb_paths = [os.path.join(workdir, f"heartbeat-{r}.json") for r in range(ws)]
@@ -174,7 +181,7 @@ def launch(
             recv_end, send_end = ctx.Pipe(duplex=False)
             ctrl_recv, ctrl_send = ctx.Pipe(duplex=False)
             dev = gpus[r] if backend == "nccl" else None
-            env = child_env(r, ws, backend, hb_paths[r], dev)
+            env = {**os.environ, **child_env(r, ws, backend, hb_paths[r], dev)}
             p = ctx.Process(
                 target=child_main,
                 args=(layout, r, backend, dev, store_path, hb_paths[r], env, payload, send_end, ctrl_recv,
