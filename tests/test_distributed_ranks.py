@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import multiprocessing
+import os
 import time
 
 import pytest
@@ -367,6 +368,19 @@ def test_backend_and_child_env():
     assert env["NVSHMEM_DISABLE_NVLS"] == "1" and env["OMP_NUM_THREADS"] == "1"
     assert env["SPECHARNESS_HEARTBEAT_FILE"] == "/tmp/hb" and env["SPECHARNESS_CUDA_DEVICE"] == "1"
 
+
+
+def _env_and_parent(comm, names, launcher_pid):
+    return {n: os.environ.get(n) for n in names} | {"RANK": os.environ["RANK"], "parent": os.getppid() == launcher_pid}
+
+
+def test_gloo_ranks_see_the_launching_process_environment_not_the_forkservers(monkeypatch):
+    """The forkserver keeps the environment it started with; each rank must see its parent's as it is at launch."""
+    launcher.launch(ParallelLayout(tp_size=2), _sleep, 0.0, backend="gloo")  # the server is running from here on
+    monkeypatch.setenv("SPECHARNESS_TEST_SET_LATE", "yes")
+    monkeypatch.delenv("HOME", raising=False)
+    out = launcher.launch(ParallelLayout(tp_size=2), _env_and_parent, ("SPECHARNESS_TEST_SET_LATE", "HOME"), os.getpid(), backend="gloo")
+    assert out.results == [{"SPECHARNESS_TEST_SET_LATE": "yes", "HOME": None, "RANK": str(r), "parent": False} for r in range(2)]
 
 # ---------------------------------------------------------------------------------------
 # signatures (pure)
