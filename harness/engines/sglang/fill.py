@@ -110,7 +110,7 @@ class FillMemo:
         key, storages = self._state(args, kwargs)
         after = None if key is None else self.effects.get(key)
         if after is not None:
-            for s, b in zip(storages, after):
+            for s, b in zip(storages, after, strict=True):
                 s.copy_(torch.frombuffer(bytearray(b), dtype=torch.uint8).untyped_storage())
             self.hits += 1
             return None
