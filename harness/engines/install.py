@@ -11,6 +11,10 @@ has none) go once to ROOT/deps. Everything else is stubbed by harness/engines/sg
 ROOT defaults to `.engines/` in the repository (git-ignored), or $SPECHARNESS_ENGINES.
 An install is complete when its `.complete` marker exists; it is built in a temporary
 sibling and renamed, under a file lock, so concurrent test workers never see half of one.
+Its modules' bytecode is written once, after pip (`.compiled-TAG` says for which
+interpreter): a check imports hundreds of the engine's modules, and an interpreter that
+may not write bytecode itself (PYTHONDONTWRITEBYTECODE) would compile them from source in
+every check. An install made before that gets its bytecode on the next ensure_*.
 Nothing here is needed by the core suite.
 """
 from __future__ import annotations
@@ -35,6 +39,7 @@ REQUIREMENTS = REPO / "requirements" / "engine.txt"
 # interpreter running the check has no triton of its own.
 TRITON_FALLBACK = "triton==3.6.0"
 MARKER = ".complete"
+COMPILED = f".compiled-{sys.implementation.cache_tag}"
 _VERSION = re.compile(r"^[0-9][0-9A-Za-z.+!-]*$")
 
 
@@ -83,6 +88,10 @@ def is_installed(path: Path) -> bool:
     return (path / MARKER).is_file()
 
 
+def is_compiled(path: Path) -> bool:
+    return (path / COMPILED).is_file()
+
+
 def installed_releases(engine: str, root: Optional[os.PathLike] = None) -> list[str]:
     """The releases of `engine` installed under .engines/, oldest first in release order (0.9 before 0.34)."""
     base = engines_root(root)
@@ -92,10 +101,11 @@ def installed_releases(engine: str, root: Optional[os.PathLike] = None) -> list[
 
 
 def release_dir(spec: EngineSpec, target: Path, install: bool, ensure: Callable[..., Path], how: str) -> Path:
-    """`target`, the install dir of spec's release: installed first when `install` is set, else an error saying `how`."""
-    if not is_installed(target):
-        if not install:
-            raise FileNotFoundError(f"{spec} is not installed at {target}: {how}")
+    """`target`, the install dir of spec's release: installed first when `install` is set, else an error saying `how`;
+    an install from before its bytecode was written at install time is compiled first (no download: `install` not needed)."""
+    if not is_installed(target) and not install:
+        raise FileNotFoundError(f"{spec} is not installed at {target}: {how}")
+    if not is_installed(target) or not is_compiled(target):
         ensure(spec.version, log=lambda m: print(m, file=sys.stderr))
     return target
 
@@ -135,6 +145,23 @@ def _pip_target(target: Path, requirements: list[str], log) -> None:
     tmp.rename(target)
 
 
+def _compile(target: Path, log) -> None:
+    """Bytecode for every module under target (py_compile writes each file atomically: a concurrent import is safe).
+    A file this interpreter cannot compile (written for another Python) is left to fail where imported, as before."""
+    t0 = time.perf_counter()
+    subprocess.run([sys.executable, "-m", "compileall", "-q", "-j", "0", str(target)], capture_output=True, text=True)
+    (target / COMPILED).write_text(f"{sys.version}\n")
+    log(f"compiled {target} in {time.perf_counter() - t0:.1f}s")
+
+
+def provide(target: Path, requirements: list[str], log) -> None:
+    """target installed (pip --target) and compiled; call under target's lock."""
+    if not is_installed(target):
+        _pip_target(target, requirements, log)
+    if not is_compiled(target):
+        _compile(target, log)
+
+
 def _dep_requirements() -> list[str]:
     reqs = [ln.split("#")[0].strip() for ln in REQUIREMENTS.read_text().splitlines()]
     reqs = [r for r in reqs if r]
@@ -146,8 +173,7 @@ def _dep_requirements() -> list[str]:
 def ensure_deps(root: Optional[os.PathLike] = None, log=print) -> Path:
     target = deps_dir(root)
     with _locked(target.parent, "deps"):
-        if not is_installed(target):
-            _pip_target(target, _dep_requirements(), log)
+        provide(target, _dep_requirements(), log)
     return target
 
 
@@ -162,6 +188,7 @@ def ensure_installed(version: str, root: Optional[os.PathLike] = None, log=print
             t0 = time.perf_counter()
             _pip_target(target, [f"sglang=={version}"], log)
             log(f"installed sglang=={version} into {target} in {time.perf_counter() - t0:.1f}s")
+        provide(target, [f"sglang=={version}"], log)
     return target
 
 

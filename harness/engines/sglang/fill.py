@@ -16,12 +16,24 @@ The interpreter runs the kernel program by program (~10 ms each, max_bs + 2 prog
 launch), so `kernel` says per (layout, rank) whether the kernel runs: where it does not,
 the native twin fills the real buffers (the NPU path, checked directly), and a release with
 no native twin runs the kernel everywhere.
+
+The interpreted kernel is also memoized (FillMemo): engine-check launches it many times on
+identical inputs (every DP rank of a layout replays the same schedule), and each launch
+costs the interpreter's full run. A repeated launch replays the first one's effect instead,
+which is exact, not an approximation: the launcher and its kernel are deterministic
+functions of their arguments (tensor contents, dtypes, shapes, strides, storage offsets,
+which arguments share storage, and the plain scalars) whose only effects are writes into
+the memory of their tensor arguments and a None return. The key holds all of that, every
+byte of every storage the arguments view included (compared whole, not hashed), and a hit
+writes back every byte of those storages as the first launch left them. A call with an
+argument of any other kind, or one that returns something, is run, never memoized.
 """
 from __future__ import annotations
 
 import inspect
+import struct
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Hashable, Optional
 
 import torch
 
@@ -40,6 +52,7 @@ class FillObserver:
     last_native: Optional[dict[str, Optional[list[int]]]] = None
     calls: int = field(default=0)
     kernel_calls: int = field(default=0)
+    memo: "FillMemo" = field(default_factory=lambda: FillMemo())
 
     def __post_init__(self) -> None:
         self._sig = inspect.signature(self.native) if self.native is not None else None
@@ -55,7 +68,56 @@ class FillObserver:
             clones = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in bound.arguments.items()}
             self.native(**clones)
             self.last_native = {k: (None if clones.get(k) is None else [int(x) for x in clones[k].reshape(-1).tolist()]) for k in FILLED}
-        return self.engine_fill(*args, **kwargs)
+        return self.memo.call(self.engine_fill, args, kwargs)
+
+
+_SCALARS = (int, bool, str, type(None))
+
+
+def _bytes(storage: torch.UntypedStorage) -> bytes:
+    return torch.empty(0, dtype=torch.uint8).set_(storage).numpy().tobytes()
+
+
+@dataclass
+class FillMemo:
+    """A deterministic launcher's effect per exact input state (the module docstring says why replaying it is exact)."""
+
+    effects: dict[Hashable, list[bytes]] = field(default_factory=dict)
+    hits: int = 0
+
+    @staticmethod
+    def _state(args: tuple, kwargs: dict) -> tuple[Optional[Hashable], list[torch.UntypedStorage]]:
+        """(the key, the storages the tensor arguments view, in first-seen order); key None: not memoizable."""
+        storages: dict[int, torch.UntypedStorage] = {}
+        parts: list[Hashable] = []
+        for name, v in [*enumerate(args), *sorted(kwargs.items())]:
+            if isinstance(v, torch.Tensor):
+                if v.device.type != "cpu":
+                    return None, []
+                s = v.untyped_storage()
+                index = list(storages).index(s.data_ptr()) if s.data_ptr() in storages else len(storages)
+                storages.setdefault(s.data_ptr(), s)
+                parts.append((name, "tensor", v.dtype, tuple(v.shape), v.stride(), v.storage_offset(), index))
+            elif isinstance(v, float):  # by its bits: -0.0 is not 0.0, a NaN equals itself
+                parts.append((name, "float", struct.pack("<d", v)))
+            elif isinstance(v, _SCALARS):
+                parts.append((name, type(v).__name__, v))
+            else:
+                return None, []
+        return (tuple(parts), tuple(_bytes(s) for s in storages.values())), list(storages.values())
+
+    def call(self, fn: Callable, args: tuple, kwargs: dict) -> Any:
+        key, storages = self._state(args, kwargs)
+        after = None if key is None else self.effects.get(key)
+        if after is not None:
+            for s, b in zip(storages, after, strict=True):
+                s.copy_(torch.frombuffer(bytearray(b), dtype=torch.uint8).untyped_storage())
+            self.hits += 1
+            return None
+        ret = fn(*args, **kwargs)
+        if key is not None and ret is None:
+            self.effects[key] = [_bytes(s) for s in storages]
+        return ret
 
 
 def fill_name(ml: Any) -> Optional[str]:

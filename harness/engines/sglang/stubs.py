@@ -154,13 +154,43 @@ class _StubClass(metaclass=_StubMeta):
         return _Anything(f"{type(self).__name__}()[]")
 
 
+class _ProgressBar(_StubClass):
+    """tqdm's progress bar: a loop over `tqdm(xs)` must still run over xs (a capture loop's buckets); every other
+    use (update, set_description, close, `with`) is absorbed."""
+
+    def __init__(self, iterable: Any = None, *args: Any, **kwargs: Any) -> None:
+        self._iterable = () if iterable is None else iterable
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self._iterable)
+
+    def __len__(self) -> int:
+        return len(self._iterable)
+
+    def __enter__(self) -> "_ProgressBar":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        return None
+
+
+def _trange(*args: Any, **kwargs: Any) -> _ProgressBar:
+    return _ProgressBar(range(*args))
+
+
+# Stub attributes that must behave, per stubbed top-level package: what the engine relies on beyond absorbing use.
+_BEHAVING = {"tqdm": {"tqdm": _ProgressBar, "trange": _trange}}
+
+
 class StubModule(types.ModuleType):
-    """A package-like module: every public attribute is a real, subclassable stub class."""
+    """A package-like module: every public attribute is a real, subclassable stub class (or a _BEHAVING one)."""
 
     def __getattr__(self, name: str) -> Any:
         if name.startswith("__") and name.endswith("__"):
             raise AttributeError(name)
-        value = _StubMeta(name, (_StubClass,), {"__module__": self.__name__, "__qualname__": name})
+        value = _BEHAVING.get(self.__name__.split(".")[0], {}).get(name)
+        if value is None:
+            value = _StubMeta(name, (_StubClass,), {"__module__": self.__name__, "__qualname__": name})
         setattr(self, name, value)
         return value
 

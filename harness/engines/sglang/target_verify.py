@@ -69,13 +69,6 @@ def _no_graph_capture(*args: Any, **kwargs: Any) -> Iterator[Any]:
     yield types.SimpleNamespace(stream=None)
 
 
-class _Progress(list):
-    """tqdm as the capture loop uses it on rank 0: the buckets, in order (the stub tqdm iterates nothing)."""
-
-    def set_description(self, *args: Any, **kwargs: Any) -> None:
-        pass
-
-
 class VerifyGraphBackend(FakeGraphBackend):
     """The decode graph backend as the decode runner opens it: capture and replay inside sessions (no stream here)."""
 
@@ -141,12 +134,11 @@ class TargetVerify:
     def _capture(self, mod: types.ModuleType, runner: Any) -> None:
         """The engine's capture(): the seq_lens fill and index-buffer reset before it, every bucket largest first through
         capture_one_shape. What only a GPU has is stood in: the graph-capture stream and its memory probe; and the
-        progress bar and garbage-collector freeze around it (no effect on what is captured)."""
+        garbage-collector freeze around it (no effect on what is captured); the progress bar is the stub tqdm's (stubs.py)."""
         v = self.engine.version
         with contextlib.ExitStack() as stack:
             stack.enter_context(patched(mod, "graph_capture", _no_graph_capture, v, "the graph-capture stream context"))
             stack.enter_context(patched(mod, "get_available_gpu_memory", lambda *a, **k: 0.0, v, "the capture loop's memory probe"))
-            stack.enter_context(patched(mod, "tqdm", Strict("tqdm", tqdm=_Progress), v, "the capture loop's progress bar"))
             stack.enter_context(patched(mod, "freeze_gc", lambda *a, **k: contextlib.nullcontext(), v, "the gc freeze around capture"))
             parallel = getattr(self.engine.modules.get("runtime_context"), "get_parallel", None)
             if parallel is not None:  # the capture loop hands the TP group to torch.compile's model patch (not compiling here)

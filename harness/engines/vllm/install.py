@@ -13,7 +13,7 @@ import re
 from pathlib import Path
 from typing import Optional
 
-from harness.engines.install import _locked, _pip_target, engines_root, ensure_deps, installed_releases, is_installed
+from harness.engines.install import _locked, engines_root, ensure_deps, installed_releases, provide
 from harness.engines.vllm.stubs import REAL_REQUIREMENTS
 
 _VERSION = re.compile(r"^[0-9][0-9A-Za-z.+!-]*$")
@@ -47,10 +47,8 @@ def ensure_vllm_installed(version: str, root: Optional[os.PathLike] = None, log=
     ensure_deps(root, log)
     deps = vllm_deps_dir(root)
     with _locked(deps.parent, "vllm-deps"):
-        if not is_installed(deps):
-            _pip_target(deps, list(REAL_REQUIREMENTS), log)
+        provide(deps, list(REAL_REQUIREMENTS), log)
     target = vllm_dir(version, root)
     with _locked(target.parent, f"vllm-{version}"):
-        if not is_installed(target):
-            _pip_target(target, [_requirement(version)], log)
+        provide(target, [_requirement(version)], log)
     return target
