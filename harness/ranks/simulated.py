@@ -4,6 +4,10 @@ Why threads and not processes: the harness needs to run every layout (world size
 on a laptop CPU in milliseconds, check every collective call against every peer's, and
 report a desynchronised rank by name instead of hanging like NCCL would. Threads share
 memory, so a collective is a rendezvous on a condition variable plus a pure combine step.
+Each rendezvous has its own condition over the world's one lock: an arrival wakes only the
+members of its own collective, and only when it completes or fails it, so a collective of a
+world of W ranks costs O(W) wake-ups rather than O(W^2); what can doom any waiting rank (a
+rank returning or raising, a deadlock) wakes every rendezvous.
 
 Matching rule: the k-th call a rank makes on a *group instance* (the tuple of global
 ranks, e.g. ATTN_TP of DP group 1 = (2, 3)) meets the k-th call of every other member
@@ -83,6 +87,7 @@ class _Slot:
     ranks: tuple[int, ...]
     k: int
     group: str
+    cond: threading.Condition  # over the world's lock: wakes this rendezvous's members alone
     arrivals: dict[int, _Arrival] = field(default_factory=dict)
     first: Optional[int] = None  # the rank every later arrival is checked against
     done: bool = False
@@ -140,7 +145,7 @@ class SimulatedWorld:
         self.world_size = layout.world_size
         self.timeout_s = timeout_s
         self.traces: list[list[CollectiveCall]] = []
-        self._cond = threading.Condition()
+        self._lock = threading.Lock()
         self._running = False
         self._reset()
 
@@ -158,7 +163,7 @@ class SimulatedWorld:
         Raises RankFailure if any rank raised. Every thread has finished when this returns
         or raises; `traces` holds this run's per-rank collective calls either way.
         """
-        with self._cond:
+        with self._lock:
             if self._running:
                 raise RuntimeError("SimulatedWorld.run is already running: one run per world at a time")
             self._running = True
@@ -180,7 +185,7 @@ class SimulatedWorld:
         finally:
             for t in started:
                 t.join()
-            with self._cond:
+            with self._lock:
                 self.traces = [list(st.trace) for st in self._ranks]
                 self._running = False
         if self._failures:
@@ -193,18 +198,23 @@ class SimulatedWorld:
         except BaseException as exc:  # reported through RankFailure, including KeyboardInterrupt/SystemExit in fn
             self._finish(rank, exc, traceback.format_exc())
             return
-        with self._cond:
+        with self._lock:
             self._results[rank] = value
             self._ranks[rank].status = "returned"
-            self._cond.notify_all()
+            self._wake_everyone()
 
     def _finish(self, rank: int, exc: BaseException, tb: str) -> None:
-        with self._cond:
+        with self._lock:
             st = self._ranks[rank]
             st.status, st.exc = "raised", exc
             self._failures[rank] = (exc, tb)
             self._fail_order.append(rank)
-            self._cond.notify_all()
+            self._wake_everyone()
+
+    def _wake_everyone(self) -> None:
+        """A rank's end can doom any waiting rendezvous (or leave the rest deadlocked): every waiter re-checks."""
+        for slot in self._slots.values():
+            slot.cond.notify_all()
 
     # ---- collectives ----
     def _collective(
@@ -218,7 +228,7 @@ class SimulatedWorld:
     ) -> Optional[torch.Tensor]:
         """Record the call, meet the group's other members, return this member's fresh output."""
         ranks = tuple(self.layout.group_ranks(group, rank))
-        with self._cond:
+        with self._lock:
             if not self._running:
                 raise RuntimeError(f"rank {rank} called {op} outside SimulatedWorld.run (a SimComm is only valid inside fn)")
             st = self._ranks[rank]
@@ -226,11 +236,14 @@ class SimulatedWorld:
             st.group_seq[ranks] = k + 1
             call = CollectiveCall.of(len(st.trace), op, group.value, ranks, tensor)
             st.trace.append(call)
-            slot = self._slots.setdefault((ranks, k), _Slot(ranks=ranks, k=k, group=group.value))
+            slot = self._slots.get((ranks, k))
+            if slot is None:
+                slot = self._slots[(ranks, k)] = _Slot(ranks=ranks, k=k, group=group.value, cond=threading.Condition(self._lock))
             try:
                 self._arrive(slot, rank, _Arrival(call, tensor, params), combine)
             finally:
-                self._cond.notify_all()
+                if not slot.pending:  # complete or failed: its members stop waiting; an arrival short of that wakes no one
+                    slot.cond.notify_all()
             st.slot = slot
             try:
                 return self._await(rank, slot)
@@ -278,14 +291,14 @@ class SimulatedWorld:
                     if st.blocked and st.slot is not None:
                         st.slot.fail(CollectiveMismatch, message)
                 slot.fail(CollectiveMismatch, message)
-                self._cond.notify_all()
+                self._wake_everyone()
                 continue
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 slot.fail(CollectiveTimeout, self._timeout_message(rank, slot), origin=rank)
-                self._cond.notify_all()
+                slot.cond.notify_all()
                 continue
-            self._cond.wait(remaining)
+            slot.cond.wait(remaining)
 
     def _doomed(self, slot: _Slot) -> Optional[CollectiveError]:
         """The error for a slot a finished member will never join (raised peers first: they are likelier root causes)."""
