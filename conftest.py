@@ -95,6 +95,14 @@ def _multigpu_skip_reason(nodeid: str, marker: pytest.Mark) -> str | None:
     return require_gpus(marker.args[0])
 
 
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
+    """`-n auto`: one worker more than the cores. Part of this suite waits rather than computes (rank and engine
+    processes starting, torchrun rendezvous, collective timeouts that must expire), and with a worker per core those
+    waits leave a core idle; the extra worker fills them. Results do not depend on the worker count."""
+    return (os.cpu_count() or 1) + 1
+
+
 @pytest.hookimpl(tryfirst=True, optionalhook=True)
 def pytest_xdist_make_scheduler(config: pytest.Config, log):
     """`-n N` (xdist's default `load`) or `--dist loadgroup`, with the groups SHARED_SETUP names. xdist's own loadgroup reads xdist_group marks through a
