@@ -1,48 +1,46 @@
-"""harness/engines/install.py: an install's bytecode is written once, so no check compiles the engine from source."""
+"""harness/engines/install.py: an engine check writes the bytecode of the install's modules it imports, so the
+next check of that install does not compile them from source, even where the interpreter runs with -B."""
 from __future__ import annotations
 
 import sys
+import textwrap
 from pathlib import Path
 
-import pytest
-
-from harness.engines.install import COMPILED, MARKER, EngineSpec, is_compiled, provide, release_dir
+from prewarmed import run_python
 
 
-def _installed(tmp_path: Path) -> Path:
-    """An install as pip --target leaves it (marker written, no __pycache__)."""
+def _install(tmp_path: Path) -> Path:
+    """An install as pip --target leaves it: sources only, no __pycache__."""
     target = tmp_path / "sglang-9.9.9"
     (target / "pkg" / "sub").mkdir(parents=True)
     (target / "pkg" / "__init__.py").write_text("")
+    (target / "pkg" / "sub" / "__init__.py").write_text("")
     (target / "pkg" / "sub" / "mod.py").write_text("X = 1\n")
-    (target / "pkg" / "sub" / "py2only.py").write_text("print 'written for another Python'\n")
-    (target / MARKER).write_text("sglang==9.9.9\n")
+    (target / "pkg" / "sub" / "unused.py").write_text("Y = 2\n")
     return target
 
 
-def test_provide_writes_the_bytecode_of_an_install_made_before_once(tmp_path, monkeypatch):
-    target = _installed(tmp_path)
-    monkeypatch.setattr("harness.engines.install._pip_target", lambda *a, **k: pytest.fail("installed: no pip"))
-    logs: list[str] = []
-    provide(target, ["sglang==9.9.9"], logs.append)
+def _import_in_a_b_process(target: Path, allow: bool) -> None:
+    code = textwrap.dedent(f"""
+        import sys
+        sys.dont_write_bytecode = True  # as python -B / PYTHONDONTWRITEBYTECODE=1 start it
+        from harness.engines.install import write_engine_bytecode
+        if {allow!r}:
+            write_engine_bytecode()
+        sys.path.insert(0, {str(target)!r})
+        import pkg.sub.mod
+        assert pkg.sub.mod.X == 1
+    """)
+    proc = run_python(code, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+def test_a_check_process_writes_the_bytecode_of_what_it_imports_and_nothing_else(tmp_path):
+    target = _install(tmp_path)
     tag = sys.implementation.cache_tag
-    assert (target / "pkg" / "sub" / "__pycache__" / f"mod.{tag}.pyc").is_file()
-    assert (target / "pkg" / "__pycache__" / f"__init__.{tag}.pyc").is_file()
-    assert not (target / "pkg" / "sub" / "__pycache__" / f"py2only.{tag}.pyc").exists()  # left to fail where imported
-    assert (target / COMPILED).is_file() and is_compiled(target) and COMPILED.endswith(tag)
-    assert len(logs) == 1 and "compiled" in logs[0]
-    provide(target, ["sglang==9.9.9"], logs.append)
-    assert len(logs) == 1  # done once
-
-
-def test_a_check_of_an_uncompiled_install_compiles_it_without_asking_for_install(tmp_path):
-    target = _installed(tmp_path)
-    asked: list[str] = []
-    spec = EngineSpec.parse("sglang==9.9.9")
-    assert release_dir(spec, target, False, lambda v, log: asked.append(v), "how") == target
-    assert asked == ["9.9.9"]  # the ensure function (which compiles under the lock) ran
-    (target / COMPILED).write_text("")
-    release_dir(spec, target, False, lambda v, log: asked.append(v), "how")
-    assert asked == ["9.9.9"]
-    with pytest.raises(FileNotFoundError, match="how"):
-        release_dir(spec, tmp_path / "sglang-0.0.1", False, lambda v, log: asked.append(v), "how")
+    pyc = target / "pkg" / "sub" / "__pycache__" / f"mod.{tag}.pyc"
+    _import_in_a_b_process(target, allow=False)
+    assert not pyc.exists()  # the control: -B writes nothing
+    _import_in_a_b_process(target, allow=True)
+    assert pyc.is_file() and (target / "pkg" / "__pycache__" / f"__init__.{tag}.pyc").is_file()
+    assert not (target / "pkg" / "sub" / "__pycache__" / f"unused.{tag}.pyc").exists()  # never imported, never compiled

@@ -11,10 +11,10 @@ has none) go once to ROOT/deps. Everything else is stubbed by harness/engines/sg
 ROOT defaults to `.engines/` in the repository (git-ignored), or $SPECHARNESS_ENGINES.
 An install is complete when its `.complete` marker exists; it is built in a temporary
 sibling and renamed, under a file lock, so concurrent test workers never see half of one.
-Its modules' bytecode is written once, after pip (`.compiled-TAG` says for which
-interpreter): a check imports hundreds of the engine's modules, and an interpreter that
-may not write bytecode itself (PYTHONDONTWRITEBYTECODE) would compile them from source in
-every check. An install made before that gets its bytecode on the next ensure_*.
+Its bytecode is written by the first check that imports it (write_engine_bytecode), for
+the modules a check imports: an interpreter that may not write bytecode (PYTHONDONTWRITEBYTECODE,
+-B) would otherwise compile hundreds of the engine's modules from source in every check, and
+compiling the whole package at install would compile thousands a check never imports.
 Nothing here is needed by the core suite.
 """
 from __future__ import annotations
@@ -39,7 +39,6 @@ REQUIREMENTS = REPO / "requirements" / "engine.txt"
 # interpreter running the check has no triton of its own.
 TRITON_FALLBACK = "triton==3.6.0"
 MARKER = ".complete"
-COMPILED = f".compiled-{sys.implementation.cache_tag}"
 _VERSION = re.compile(r"^[0-9][0-9A-Za-z.+!-]*$")
 
 
@@ -88,8 +87,12 @@ def is_installed(path: Path) -> bool:
     return (path / MARKER).is_file()
 
 
-def is_compiled(path: Path) -> bool:
-    return (path / COMPILED).is_file()
+def write_engine_bytecode() -> None:
+    """Let this process write the bytecode of what it imports from here on (Python's default, which
+    PYTHONDONTWRITEBYTECODE or -B turns off): an engine check runs in a process of its own and imports
+    hundreds of the install's modules, which the next check then loads compiled. Each file is written
+    atomically by importlib, so concurrent checks of one install are safe."""
+    sys.dont_write_bytecode = False
 
 
 def installed_releases(engine: str, root: Optional[os.PathLike] = None) -> list[str]:
@@ -101,11 +104,10 @@ def installed_releases(engine: str, root: Optional[os.PathLike] = None) -> list[
 
 
 def release_dir(spec: EngineSpec, target: Path, install: bool, ensure: Callable[..., Path], how: str) -> Path:
-    """`target`, the install dir of spec's release: installed first when `install` is set, else an error saying `how`;
-    an install from before its bytecode was written at install time is compiled first (no download: `install` not needed)."""
-    if not is_installed(target) and not install:
-        raise FileNotFoundError(f"{spec} is not installed at {target}: {how}")
-    if not is_installed(target) or not is_compiled(target):
+    """`target`, the install dir of spec's release: installed first when `install` is set, else an error saying `how`."""
+    if not is_installed(target):
+        if not install:
+            raise FileNotFoundError(f"{spec} is not installed at {target}: {how}")
         ensure(spec.version, log=lambda m: print(m, file=sys.stderr))
     return target
 
@@ -145,21 +147,10 @@ def _pip_target(target: Path, requirements: list[str], log) -> None:
     tmp.rename(target)
 
 
-def _compile(target: Path, log) -> None:
-    """Bytecode for every module under target (py_compile writes each file atomically: a concurrent import is safe).
-    A file this interpreter cannot compile (written for another Python) is left to fail where imported, as before."""
-    t0 = time.perf_counter()
-    subprocess.run([sys.executable, "-m", "compileall", "-q", "-j", "0", str(target)], capture_output=True, text=True)
-    (target / COMPILED).write_text(f"{sys.version}\n")
-    log(f"compiled {target} in {time.perf_counter() - t0:.1f}s")
-
-
 def provide(target: Path, requirements: list[str], log) -> None:
-    """target installed (pip --target) and compiled; call under target's lock."""
+    """target installed (pip --target) unless it is; call under target's lock."""
     if not is_installed(target):
         _pip_target(target, requirements, log)
-    if not is_compiled(target):
-        _compile(target, log)
 
 
 def _dep_requirements() -> list[str]:
@@ -188,7 +179,6 @@ def ensure_installed(version: str, root: Optional[os.PathLike] = None, log=print
             t0 = time.perf_counter()
             _pip_target(target, [f"sglang=={version}"], log)
             log(f"installed sglang=={version} into {target} in {time.perf_counter() - t0:.1f}s")
-        provide(target, [f"sglang=={version}"], log)
     return target
 
 

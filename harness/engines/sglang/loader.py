@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Optional
 
 from harness.engines import lazy_compile
+from harness.engines.install import write_engine_bytecode
 from harness.engines.sglang.errors import EngineAdapterError, require
 from harness.engines.sglang.fill import FillObserver, fill_name
 from harness.engines.sglang.graph import AttnRecorder, recording_set_dp_buffer_len
@@ -72,6 +73,7 @@ def load(target: Optional[Path], deps: Optional[Path]) -> Engine:
     # the engine's Triton kernels run on CPU tensors under Triton's interpreter; the flag is read when a kernel is jitted
     os.environ["TRITON_INTERPRET"] = "1"
     lazy_compile.defer("sglang")  # its import-time torch.compile decorations would import TorchDynamo and Inductor
+    write_engine_bytecode()
     finder = StubFinder()
     sys.meta_path.insert(0, finder)
     for name in REAL_MODULES:

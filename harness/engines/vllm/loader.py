@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
+from harness.engines.install import write_engine_bytecode
 from harness.engines.sglang.errors import EngineAdapterError, ReleaseNotCovered
 from harness.engines.sglang.stubs import StubFinder
 from harness.engines.vllm.standins import DPWorld, GraphCapture, Strict, null_graph_capture, null_pool, torch_proxy
@@ -110,6 +111,7 @@ def load(target: Optional[Path], deps: list[Path]) -> VllmEngine:
             sys.path.append(str(d))  # after site-packages: the interpreter's own copies win
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # vllm logs to stdout, where --json writes its document
     os.environ["TRITON_INTERPRET"] = "1"  # the input-prep kernels run on CPU tensors under Triton's interpreter
+    write_engine_bytecode()
     finder = StubFinder(STUBBED_MODULES)
     sys.meta_path.insert(0, finder)
     sys.meta_path.insert(0, StubDistributionFinder())
