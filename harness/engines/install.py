@@ -150,7 +150,9 @@ def _pip_target(target: Path, requirements: list[str], log) -> None:
 def provide(target: Path, requirements: list[str], log) -> None:
     """target installed (pip --target) unless it is; call under target's lock."""
     if not is_installed(target):
+        t0 = time.perf_counter()
         _pip_target(target, requirements, log)
+        log(f"installed {' '.join(requirements)} into {target} in {time.perf_counter() - t0:.1f}s")
 
 
 def _dep_requirements() -> list[str]:
@@ -175,10 +177,7 @@ def ensure_installed(version: str, root: Optional[os.PathLike] = None, log=print
     ensure_deps(root, log)
     target = engine_dir(version, root)
     with _locked(target.parent, f"sglang-{version}"):
-        if not is_installed(target):
-            t0 = time.perf_counter()
-            _pip_target(target, [f"sglang=={version}"], log)
-            log(f"installed sglang=={version} into {target} in {time.perf_counter() - t0:.1f}s")
+        provide(target, [f"sglang=={version}"], log)
     return target
 
 

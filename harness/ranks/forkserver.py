@@ -13,8 +13,9 @@ from __future__ import annotations
 import multiprocessing
 import multiprocessing.context
 import multiprocessing.forkserver
-import os
 from typing import Mapping, Sequence
+
+from harness.ranks.environ import patched_environ
 
 _preload: list[str] = []
 _start_env: dict[str, str] = {}
@@ -30,14 +31,6 @@ def register(preload: Sequence[str], start_env: Mapping[str, str] | None = None)
 def context(preload: Sequence[str] = ()) -> multiprocessing.context.ForkServerContext:
     """The forkserver context, its server running with every registered module imported."""
     register(preload)
-    old = {k: os.environ.get(k) for k in _start_env}
-    os.environ.update(_start_env)
-    try:
+    with patched_environ(_start_env):
         multiprocessing.forkserver.ensure_running()
-    finally:
-        for k, v in old.items():
-            if v is None:
-                del os.environ[k]
-            else:
-                os.environ[k] = v
     return multiprocessing.get_context("forkserver")

@@ -44,13 +44,12 @@ import os
 import pickle
 import shutil
 import tempfile
-import threading
 import time
-from contextlib import contextmanager
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Optional
 
 from harness.ranks import forkserver
 from harness.ranks.child import child_main
+from harness.ranks.environ import patched_environ
 from harness.ranks.gpu_slice import worker_gpus
 from harness.ranks.heartbeat import HEARTBEAT_ENV
 from harness.ranks.joined import current_world
@@ -118,25 +117,6 @@ def child_env(rank: int, world_size: int, backend: str, heartbeat_path: str, cud
     return env
 
 
-_environ_lock = threading.Lock()
-
-
-@contextmanager
-def _patched_environ(env: dict[str, str]) -> Iterator[None]:
-    """The child's env in os.environ while it is spawned (so it holds before the child imports torch)."""
-    with _environ_lock:
-        old = {k: os.environ.get(k) for k in env}
-        os.environ.update(env)
-        try:
-            yield
-        finally:
-            for k, v in old.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
-
-
 def launch(
     layout: ParallelLayout,
     fn: Callable[..., Any],
@@ -191,7 +171,7 @@ def launch(
             )
             conns.append(recv_end)
             ctrls.append(ctrl_send)
-            with _patched_environ(env):
+            with patched_environ(env):  # before the child imports torch
                 p.start()
             procs.append(p)
             send_end.close()
