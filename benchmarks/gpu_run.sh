@@ -9,7 +9,8 @@
 #    (each run also times every runner and the iteration: harness/bench_runners.py).
 # Every stage has its own time limit so one slow stage cannot hide the others' output.
 # GPU_PROFILE=1 also writes $OUT/profile.txt after the bench (benchmarks/profile_iter.py: host vs device time of a
-# graphed iteration per backend, torch.profiler's ops by self CPU and CUDA time; GPU_PROFILE_BACKENDS picks the backends).
+# graphed iteration per backend, torch.profiler's ops by self CPU and CUDA time) and $OUT/sections.txt (the host time by
+# runner and plan step, no profiler); GPU_PROFILE_BACKENDS picks the backends.
 # GPU_SKIP_BENCH=1 stops after the tests. Exit status: non-zero if any stage failed.
 set -uo pipefail
 OUT=${OUT:-out}
@@ -62,6 +63,7 @@ timeout "$T_BENCH" $PY -m harness.bench $BENCH_ARGS --model hd64 --json "$OUT/be
 echo "bench: $(( $(date +%s) - start )) s" | tee -a "$OUT/bench.txt"
 if [ -n "${GPU_PROFILE:-}" ]; then
   timeout "$T_BENCH" $PY benchmarks/profile_iter.py --backends "${GPU_PROFILE_BACKENDS:-torch,triton,flashinfer}" > "$OUT/profile.txt" 2>&1 || status=1
+  timeout "$T_BENCH" $PY benchmarks/profile_iter.py --sections --backends "${GPU_PROFILE_BACKENDS:-torch,triton,flashinfer}" > "$OUT/sections.txt" 2>&1 || status=1
 fi
 
 if [ -d "$FLASHINFER_WORKSPACE_BASE/.cache" ]; then

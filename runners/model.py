@@ -110,9 +110,11 @@ class DecoderLayer:
         wk = full_weight(cfg, f"{name}.k", (cfg.num_kv_heads * d, H))
         wv = full_weight(cfg, f"{name}.v", (cfg.num_kv_heads * d, H))
         wo = full_weight(cfg, f"{name}.o", (H, cfg.num_heads * d))
-        self.wq = wq[hs.q_start * d : (hs.q_start + hs.q_count) * d].contiguous()
-        self.wk = wk[hs.kv_start * d : (hs.kv_start + hs.kv_count) * d].contiguous()
-        self.wv = wv[hs.kv_start * d : (hs.kv_start + hs.kv_count) * d].contiguous()
+        # one fused qkv_proj of this rank's heads, as the engines' QKVParallelLinear (and gpt-fast's wqkv) hold it: one
+        # GEMM, and no skinny k / v GEMM of kv_heads * head_dim columns for cuBLAS to pick a slow kernel for
+        q_rows, kv_rows = slice(hs.q_start * d, (hs.q_start + hs.q_count) * d), slice(hs.kv_start * d, (hs.kv_start + hs.kv_count) * d)
+        self.w_qkv = torch.cat([wq[q_rows], wk[kv_rows], wv[kv_rows]])
+        self.qkv_split = (hs.q_count * d, hs.kv_count * d, hs.kv_count * d)
         self.wo = wo[:, hs.q_start * d : (hs.q_start + hs.q_count) * d].contiguous()
 
         gate = full_weight(cfg, f"{name}.gate", (inter, H))
@@ -132,9 +134,8 @@ class DecoderLayer:
     def attention(self, x: torch.Tensor, fb: ForwardBatch, attn, meta: AttnMetadata) -> torch.Tensor:
         """Returns the o_proj partial sum of this rank's heads."""
         n, d = x.shape[0], self.cfg.head_dim
-        q = (x @ self.wq.T).view(n, self.heads.q_count, d)
-        k = (x @ self.wk.T).view(n, self.heads.kv_count, d)
-        v = (x @ self.wv.T).view(n, self.heads.kv_count, d)
+        q, k, v = (x @ self.w_qkv.T).split(self.qkv_split, dim=-1)
+        q, k, v = q.view(n, self.heads.q_count, d), k.view(n, self.heads.kv_count, d), v.view(n, self.heads.kv_count, d)
         q = apply_rope(q, fb.positions, self.cos_sin_cache)
         k = apply_rope(k, fb.positions, self.cos_sin_cache)
         o = attn.forward(self.kv_layer, q, k, v, fb, meta)

@@ -2,8 +2,9 @@
 and again whenever what it reads was written; from host lengths (no device read-back) when the
 batch carries them; the draft decode's per-step plans.
 
-CPU: the pieces the plan is made of (the KV slot list, the draft decode's too; the key of what a plan
-read; where it reads the lengths from) against values written out by hand. GPU (marker `gpu`): the
+CPU: the pieces the plan is made of (the indptrs; the kernel that writes the KV slot list from them, the
+draft decode's too, in Triton's interpreter; the key of what a plan read; where it reads the lengths
+from) against values written out by hand. GPU (marker `gpu`): the
 plan count over real iterations, that a plan kept past a change of the lengths is caught by P3
 (flashinfer runs on a GPU only, so the stale-plan break cannot be a CPU mutant), the draft-decode
 attention against the torch reference, and the runners' replay plans reading no length back.
@@ -20,7 +21,9 @@ from harness.props.p3 import check_eager_vs_graph
 from harness.ranks.simulated import SimulatedWorld
 from harness.scenario import Iteration, RequestSpec, Scenario, materialize, release
 from runners.attention import BACKENDS, unavailable_reason
-from runners.attention.flashinfer_plan import gather_kv_indices, kv_index_plan, plan_inputs_key, plan_sources
+from runners.attention.flashinfer_kv_indices import write_kv_indices
+from runners.attention.flashinfer_plan import kv_index_plan, plan_inputs_key, plan_sources
+from runners.attention.triton_launch import interpreter_error
 from runners.batch import EagleVerifyInput, ForwardMode
 
 
@@ -30,74 +33,92 @@ def _need_flashinfer() -> None:
 
 
 # ---- CPU ----
-def _gathered(plan, table: torch.Tensor, steps: int, cap: int) -> torch.Tensor:
-    """What the device does with a plan: the packed index copied into a buffer, then the gather into kv_indices."""
+@pytest.fixture
+def _kernel_runs():
+    err = interpreter_error(torch.device("cpu"))
+    if err is not None:
+        pytest.fail(err)
+
+
+def _written(plan, req_to_token: torch.Tensor, rpi: torch.Tensor, steps: int, cap: int, per_req: int = 1,
+             own: torch.Tensor | None = None, only: tuple[int, ...] | None = None) -> torch.Tensor:
+    """What the device does with a plan: each step's kernel (a draft decode's step s reads its first s + 1 own slots)
+    writes that step's kv_indices from the step's indptr, as the pass's first layer launches it."""
     kv_indices = torch.full((steps, cap), -1, dtype=torch.int32)
-    gather_kv_indices(plan, plan.packed.clone(), table, kv_indices)
+    for s in range(steps) if only is None else only:
+        write_kv_indices(plan.kv_indptr(s).clone(), rpi, req_to_token, kv_indices[s], per_req, own, 0 if own is None else s + 1)
     return kv_indices
 
 
-def test_kv_index_plan_concatenates_each_requests_first_slots():
-    req_to_token = torch.arange(60).view(6, 10) + 100  # row r, position p -> slot 100 + 10 r + p
-    table = req_to_token[torch.tensor([3, 0, 5])].reshape(-1)
+ROWS = torch.arange(60).view(6, 10) + 100  # req_to_token: row r, position p -> slot 100 + 10 r + p
+
+
+def test_kv_indices_concatenate_each_requests_first_slots(_kernel_runs):
     plan = kv_index_plan([4, 1, 2], [2, 1, 4], 10, cap=30)
     assert plan.qo_indptr().tolist() == [0, 4, 5, 7]
     assert plan.kv_indptr(0).tolist() == [0, 2, 3, 7]
     assert plan.kv_lens.tolist() == [[2, 1, 4]] and plan.totals == [7] and plan.qo_rows == 7
-    got = _gathered(plan, table, 1, 30)
+    got = _written(plan, ROWS, torch.tensor([3, 0, 5]), 1, 30)
     assert got[0, :7].tolist() == [130, 131, 100, 150, 151, 152, 153]
     assert (got[0, 7:] == -1).all()  # nothing past the plan's slots is written
 
 
-def test_kv_index_plan_of_no_request_is_empty():
+def test_kv_index_plan_of_no_request_is_empty(_kernel_runs):
     plan = kv_index_plan([], [], 4, cap=0)
-    assert plan.n == 0 and plan.kv_indptr(0).tolist() == [0] and plan.totals == [0]
-    assert _gathered(plan, torch.zeros(0, dtype=torch.int64), 1, 0).numel() == 0
+    assert plan.kv_indptr(0).tolist() == [0] and plan.totals == [0]
+    assert _written(plan, ROWS, torch.zeros(0, dtype=torch.int64), 1, 0).numel() == 0
 
 
-def test_kv_index_plan_of_the_draft_decode_writes_every_planned_step_into_its_row():
-    req_to_token = torch.arange(60).view(6, 10) + 100
+def test_draft_decode_kv_indices_end_with_the_steps_own_slots(_kernel_runs):
     locs = torch.tensor([[7, 8, 9], [4, 5, 6]])  # each lane's draft slots of steps 0..2
-    table = torch.cat([req_to_token[torch.tensor([3, 0])].reshape(-1), locs.reshape(-1)])
-    plan = kv_index_plan([1, 1], [2, 1], 10, cap=9, planned=(0, 1, 2), steps=3, draft_slots=3)
-    got = _gathered(plan, table, 3, 9)
+    plan = kv_index_plan([1, 1], [2, 1], 10, cap=9, steps=3, draft_slots=3)
+    got = _written(plan, ROWS, torch.tensor([3, 0]), 3, 9, own=locs)
     assert got[0, :5].tolist() == [130, 131, 7, 100, 4]
     assert got[1, :7].tolist() == [130, 131, 7, 8, 100, 4, 5]
     assert got[2].tolist() == [130, 131, 7, 8, 9, 100, 4, 5, 6]
     assert [plan.kv_indptr(s).tolist() for s in range(3)] == [[0, 3, 5], [0, 4, 7], [0, 5, 9]]
 
 
-def test_kv_index_plan_of_one_step_writes_that_row_only_and_every_steps_indptr():
-    req_to_token = torch.arange(60).view(6, 10) + 100
+def test_a_steps_kernel_writes_its_row_only(_kernel_runs):
     locs = torch.tensor([[7, 8, 9], [4, 5, 6]])
-    table = torch.cat([req_to_token[torch.tensor([3, 0])].reshape(-1), locs.reshape(-1)])
-    plan = kv_index_plan([1, 1], [2, 1], 10, cap=12, planned=(1,), steps=3, draft_slots=3)
-    got = _gathered(plan, table, 3, 12)
-    assert got[1, :7].tolist() == [130, 131, 7, 8, 100, 4, 5]
+    plan = kv_index_plan([1, 1], [2, 1], 10, cap=12, steps=3, draft_slots=3)
+    got = _written(plan, ROWS, torch.tensor([3, 0]), 3, 12, own=locs, only=(1,))
+    assert got[1, :7].tolist() == [130, 131, 7, 8, 100, 4, 5] and (got[1, 7:] == -1).all()
     assert (got[0] == -1).all() and (got[2] == -1).all()
-    assert [plan.kv_indptr(s).tolist() for s in range(3)] == [[0, 3, 5], [0, 4, 7], [0, 5, 9]]
 
 
 @pytest.mark.parametrize("topk", [1, 2])
-def test_kv_index_plan_matches_the_slots_read_one_by_one(topk):
-    """Random rows, lengths and draft slots: every step's kv_indices as a loop over req_to_token and the slot list
-    reads them, lane by lane (the keys the torch reference masks in, in order)."""
+def test_kv_indices_match_the_slots_read_one_by_one(_kernel_runs, topk):
+    """Random rows, lengths and draft slots, rows longer than the kernel's block: every step's kv_indices as a loop over
+    req_to_token and the slot list reads them, lane by lane (the keys the torch reference masks in, in order)."""
     g = torch.Generator().manual_seed(5)
-    reqs, width, steps = 5, 24, 3
-    req_to_token = torch.randperm(1000, generator=g)[: 8 * width].view(8, width)
+    reqs, width, steps = 5, 300, 3
+    req_to_token = torch.randperm(10000, generator=g)[: 8 * width].view(8, width)
     rpi = torch.randperm(8, generator=g)[:reqs]
     seq = torch.randint(0, width + 1, (reqs,), generator=g).tolist()
-    locs = torch.randint(1000, 2000, (reqs, topk, steps), generator=g)
+    locs = torch.randint(10000, 20000, (reqs, topk, steps), generator=g)
     prefix = [s for s in seq for _ in range(topk)]
     cap = reqs * topk * (width + steps)
-    plan = kv_index_plan([1] * len(prefix), prefix, width, cap, topk, (0, 1, 2), steps, steps)
-    got = _gathered(plan, torch.cat([req_to_token[rpi].reshape(-1), locs.reshape(-1)]), steps, cap)
+    plan = kv_index_plan([1] * len(prefix), prefix, width, cap, steps, steps)
+    got = _written(plan, req_to_token, rpi, steps, cap, topk, locs.reshape(-1, steps))
     for s in range(steps):
         want = []
         for b in range(reqs):
             for t in range(topk):
                 want += req_to_token[rpi[b], : seq[b]].tolist() + locs[b, t, : s + 1].tolist()
         assert got[s, : len(want)].tolist() == want and plan.totals[s] == len(want)
+        assert (got[s, len(want):] == -1).all()
+
+
+def test_kv_index_plan_writes_the_staging_buffer_it_is_given():
+    staging = torch.full((12,), -7, dtype=torch.int32)
+    plan = kv_index_plan([1, 1], [2, 1], 10, cap=12, steps=3, draft_slots=3, out=staging)
+    assert plan.packed.data_ptr() == staging.data_ptr()
+    assert staging[:12].tolist() == [0, 1, 2, 0, 3, 5, 0, 4, 7, 0, 5, 9]
+    with pytest.raises(ValueError, match="host int32 buffer of 12"):
+        kv_index_plan([1, 1], [2, 1], 10, cap=12, steps=3, draft_slots=3, out=torch.zeros(11, dtype=torch.int32))
+    with pytest.raises(ValueError, match="host int32 buffer"):
+        kv_index_plan([1, 1], [2, 1], 10, cap=12, steps=3, draft_slots=3, out=torch.zeros(12, dtype=torch.int64))
 
 
 def test_kv_index_plan_refuses_what_its_buffers_cannot_hold():
@@ -106,9 +127,17 @@ def test_kv_index_plan_refuses_what_its_buffers_cannot_hold():
     with pytest.raises(ValueError, match="outside a request row"):
         kv_index_plan([1], [11], 10, cap=100)
     with pytest.raises(ValueError, match="steps"):
-        kv_index_plan([1], [2], 10, cap=100, planned=(3,), steps=3, draft_slots=3)
+        kv_index_plan([1], [2], 10, cap=100, steps=4, draft_slots=3)
     with pytest.raises(ValueError, match="query lengths"):
         kv_index_plan([1, 1, 1], [2, 2], 10, cap=100)
+
+
+def test_write_kv_indices_refuses_draft_slots_that_do_not_fit_the_lanes():
+    indptr, out = torch.tensor([0, 3, 6], dtype=torch.int32), torch.zeros(8, dtype=torch.int32)
+    with pytest.raises(ValueError, match="draft slots"):
+        write_kv_indices(indptr, torch.tensor([0]), ROWS, out, 2, torch.zeros(3, 3, dtype=torch.int64), 1)
+    with pytest.raises(ValueError, match="no slot buffer"):
+        write_kv_indices(indptr, torch.tensor([0]), ROWS, out, 2, None, 1)
 
 
 def test_plan_reads_host_copies_only_when_the_batch_has_all_it_needs():
@@ -203,6 +232,21 @@ def test_flashinfer_stale_plan_is_caught(monkeypatch):
     from runners.attention import flashinfer_backend
 
     monkeypatch.setattr(flashinfer_backend, "plan_inputs_key", lambda fb, req_to_token, heads: (fb.forward_mode, fb.batch_size))
+    case = make_case("tp1", "flashinfer", "bfloat16", "hd64", batches=([3], [4], [3]))
+    runs = run_world(case.scenario, "cuda", "cuda")
+    assert not check_eager_vs_graph(case.scenario, runs, "cuda").ok
+
+
+@pytest.mark.gpu
+def test_flashinfer_kv_indices_left_out_of_the_graph_are_caught(monkeypatch):
+    """The kv_indices kernel belongs in the graph: captured without it, every replay attends through the slot list
+    the graph's warm-up left (the capture batch's rows, not the live requests'), and P3 must fail."""
+    _need_flashinfer()
+    from runners.attention import flashinfer_backend
+
+    real = flashinfer_backend.write_kv_indices
+    monkeypatch.setattr(flashinfer_backend, "write_kv_indices",
+                        lambda *a, **k: None if torch.cuda.is_current_stream_capturing() else real(*a, **k))
     case = make_case("tp1", "flashinfer", "bfloat16", "hd64", batches=([3], [4], [3]))
     runs = run_world(case.scenario, "cuda", "cuda")
     assert not check_eager_vs_graph(case.scenario, runs, "cuda").ok

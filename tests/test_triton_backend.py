@@ -23,13 +23,13 @@ if "triton" not in sys.modules and not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 triton_backend = pytest.importorskip("runners.attention.triton_backend", reason="triton is not installed (pip install triton==3.6.0)")
-
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from harness.tolerances import attn_vs_reference  # noqa: E402
 from runners.attention import BACKENDS, make_backend  # noqa: E402
 from runners.attention.torch_ref import TorchAttnBackend  # noqa: E402
+from runners.attention.triton_launch import INTERPRET  # noqa: E402
 from runners.batch import EagleDraftInput, ForwardBatch, ForwardMode  # noqa: E402
 from runners.memory import PADDING_SLOT, ReqToTokenPool, TokenToKVPool  # noqa: E402
 
@@ -102,7 +102,7 @@ def assert_matches(o_ref, o_tri, dtype=torch.float32, rows=None):
 def test_registered_and_interpreted():
     assert "triton" in BACKENDS
     if DEVICE.type == "cpu":
-        assert triton_backend.INTERPRET, "without CUDA the backend must run in Triton's interpreter"
+        assert INTERPRET, "without CUDA the backend must run in Triton's interpreter"
 
 
 @pytest.mark.parametrize(
@@ -168,7 +168,7 @@ def test_extend_matches_reference_property(prefixes, T, heads, d, pad, seed):
     assert_matches(o_ref, o_tri)
 
 
-@pytest.mark.skipif(triton_backend.INTERPRET, reason="Triton's interpreter computes with numpy, which has no bf16; tests/test_gpu.py covers bf16")
+@pytest.mark.skipif(INTERPRET, reason="Triton's interpreter computes with numpy, which has no bf16; tests/test_gpu.py covers bf16")
 def test_bf16_close_to_reference():
     """bf16: the kernels keep fp32 accumulators where the reference rounds scores and probs to bf16."""
     o_ref, o_tri = run_both(*paged_batch([5, 30], 4, 8, 2, 16, dtype=torch.bfloat16))

@@ -10,16 +10,18 @@ into the wrapper's int workspace), so it can never run inside a graph. As the en
   step) as the engine's multi-step draft backend keeps them, built with `use_cuda_graph=True` and
   fixed buffers for qo_indptr / kv_indptr / kv_indices / last_page_len, so a graph captured with
   it reads those buffers at fixed addresses. The wrappers of one batch size (a draft decode's
-  steps) share one buffer set: every step's indptrs and the index of the gather that writes the
-  kv_indices sit in one int32 buffer, so a plan writes them with one host-to-device copy built
-  from the host lengths (flashinfer_plan.kv_index_plan), then one gather from the requests'
-  req_to_token rows (and the draft slots) and one scatter write every planned step's kv_indices;
+  steps) share one buffer set: every step's indptrs sit in one int32 buffer, so a plan writes
+  them with one host-to-device copy from the group's pinned staging buffer, where the host
+  lengths were written (flashinfer_plan.kv_index_plan). The kv_indices the indptrs point into are
+  written on the device by the pass's first layer (flashinfer_kv_indices, one kernel per
+  wrapper, as the engine builds them): under capture that kernel is in the graph, so a replay
+  rebuilds them from the replay fill's request rows and the draft slots its own body assigned;
 - eager steps and graph warm-ups plan with the batch's live metadata before the kernel
   runs (flashinfer's own plan); the capture run does not plan (it records the kernels of the
   plan its warm-up left);
 - before every replay the graph runner calls `init_forward_metadata_replay_cuda_graph(fb)`
-  with the bucket's batch, whose tensors hold the live lanes by then: the buffers are written
-  with the live seq_lens / req_pool_indices and each wrapper's work partition is re-planned by
+  with the bucket's batch, whose tensors hold the live lanes by then: the indptrs are written
+  from the live lanes' host lengths and each wrapper's work partition is re-planned by
   flashinfer's planner alone, as the engine's fast plans do (flashinfer always splits the KV in
   CUDA-graph mode, so the replayed grid, baked into the graph, does not depend on the lengths);
   a draft-decode bucket writes all its steps' buffers at once, then plans each step;
@@ -50,21 +52,16 @@ looser tolerances that follow.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
 
 from runners import graph_record
-from runners.attention.flashinfer_plan import (
-    KvIndexPlan,
-    gather_kv_indices,
-    kv_index_plan,
-    plan_inputs_key,
-    plan_sources,
-)
+from runners.attention.flashinfer_kv_indices import write_kv_indices
+from runners.attention.flashinfer_plan import KvIndexPlan, kv_index_plan, packed_len, plan_inputs_key, plan_sources
 from runners.batch import ForwardBatch, ForwardMode
-from runners.eagle_draft import DraftDecodeSpecInfo, assign_draft_cache_locs
+from runners.eagle_draft import DraftDecodeSpecInfo
 from runners.memory import ReqToTokenPool, TokenToKVPool
 from runners.verify import chain_mask
 
@@ -79,15 +76,22 @@ FAST_PLAN_VERSION = "0.6.8"  # the release whose planner arguments `_replan` pas
 @dataclass
 class _Group:
     """The wrappers of one (kind, batch): one wrapper, or the draft decode's one per step, over one set of device
-    buffers. `meta` holds qo_indptr and every step's kv_indptr (the wrappers' indptr buffers are views of it), then the
-    gather's index, so one host-to-device copy writes them all; step s's wrapper reads row s of `kv_indices`."""
+    buffers. `meta` holds qo_indptr and every step's kv_indptr (the wrappers' indptr buffers are views of it), so one
+    host-to-device copy from `staging` writes them all; step s's wrapper reads row s of `kv_indices`."""
 
     kind: str  # "prefill" | "decode"
     lanes: int  # the wrappers' fixed batch (requests; draft-decode lanes)
     steps: int
     cap: int  # KV slots a step can hold
-    meta: torch.Tensor  # int32 [(1 + steps) * (lanes + 1) + 2 * steps * cap]
+    meta: torch.Tensor  # int32 [(1 + steps) * (lanes + 1)]
     kv_indices: torch.Tensor  # int32 [steps, cap]
+    staging: torch.Tensor  # pinned int32, meta's size: where a plan writes the host lengths for the one upload
+    upload_event: Any  # recorded after each plan's uploads (the staging copy, flashinfer's work partition)
+    staged: int = 0  # plans written into `staging` so far (a plan's args know which one is theirs)
+
+    def kv_indptr(self, step: int) -> torch.Tensor:
+        n = self.lanes + 1
+        return self.meta[(1 + step) * n: (2 + step) * n]
 
 
 @dataclass
@@ -95,7 +99,6 @@ class _Wrapper:
     group: _Group
     step: int
     wrapper: Any
-    upload_event: Any  # a CUDA event recorded after the plan's uploads: flashinfer reuses its pinned buffer at the next plan
     plans: int = 0
     replans_skipped: int = 0
     plan_key: Optional[tuple] = None  # what the last plan read (plan_inputs_key); None: an eager or warm-up plan
@@ -108,8 +111,8 @@ class _Wrapper:
 
 @dataclass
 class _PlanArgs:
-    index: KvIndexPlan  # host: the indptrs and the gather's index
-    table: torch.Tensor  # device: what the gather reads (the requests' req_to_token rows, then the draft slots)
+    index: KvIndexPlan  # host: the indptrs, in the group's staging buffer
+    stage: int  # which of the group's staged plans it is
     written: bool = False  # the group's buffers hold it (a draft decode's steps share one write)
 
 
@@ -118,7 +121,10 @@ class FlashInferMetadata:
     entry: _Wrapper
     args: Optional[_PlanArgs]  # None under capture: the kernels use the warm-up's plan
     planned: bool = False
-    extra: dict = field(default_factory=dict)
+    per_req: int = 1  # lanes per request (a draft decode's topk)
+    own: Optional[torch.Tensor] = None  # a draft decode's slots [lanes, steps]; the step's lanes read their first own_len
+    own_len: int = 0
+    indexed: bool = False  # the pass's kv_indices are written (by its first layer)
 
 
 class FlashInferAttnBackend:
@@ -164,17 +170,17 @@ class FlashInferAttnBackend:
             n_steps = max(steps, 1)
             cap = max(lanes, 1) * (self.max_ctx + steps)
             i32 = dict(dtype=torch.int32, device=self.device)
-            group = _Group(kind, lanes, n_steps, cap, torch.zeros((1 + n_steps) * (lanes + 1) + 2 * n_steps * cap, **i32),
-                           torch.zeros(n_steps, cap, **i32))
+            n = packed_len(lanes, n_steps)
+            group = _Group(kind, lanes, n_steps, cap, torch.zeros(n, **i32), torch.zeros(n_steps, cap, **i32),
+                           torch.zeros(n, dtype=torch.int32, pin_memory=True), torch.cuda.Event())
             last_page_len = torch.ones(lanes, **i32)  # page size 1: never rewritten
             for s in range(n_steps):
                 self._wrappers[(kind, bs) if not steps else ("draft_decode", bs, s)] = _Wrapper(
-                    group, s, self._flashinfer_wrapper(group, s, last_page_len), torch.cuda.Event())
+                    group, s, self._flashinfer_wrapper(group, s, last_page_len))
         return self._wrappers[key]
 
     def _flashinfer_wrapper(self, group: _Group, step: int, last_page_len: torch.Tensor) -> Any:
-        n = group.lanes + 1
-        qo_indptr, kv_indptr = group.meta[:n], group.meta[(1 + step) * n: (2 + step) * n]
+        qo_indptr, kv_indptr = group.meta[: group.lanes + 1], group.kv_indptr(step)
         if group.kind == "prefill":
             return self.fi.BatchPrefillWithPagedKVCacheWrapper(
                 self.workspace, "NHD", use_cuda_graph=True, qo_indptr_buf=qo_indptr, paged_kv_indptr_buf=kv_indptr,
@@ -195,6 +201,10 @@ class FlashInferAttnBackend:
         if mask_src is None:
             return seq_src[:bs].tolist()
         chain = self._chain(fb.spec_info.draft_token_num, mask_src.device)
+        if mask_src.device.type == "cpu":  # host copies: numpy, no tensor ops
+            if (mask_src[:bs].numpy() != chain.numpy()).any():
+                raise NotImplementedError(TREE_MASK_UNSUPPORTED)
+            return seq_src[:bs].tolist()
         not_chain = (mask_src[:bs] != chain).any().view(1).to(seq_src.dtype)
         *seq, refused = torch.cat((seq_src[:bs], not_chain)).tolist()  # one read (a sync only from the device)
         if refused:
@@ -209,18 +219,24 @@ class FlashInferAttnBackend:
             raise ValueError(f"flashinfer plan: extend lengths {qo} do not cover the batch's {fb.input_ids.shape[0]} tokens")
         seq = self._host_seq_lens(fb)
         kv = [max(1, min(max(s, q), self.max_ctx)) for s, q in zip(seq, qo, strict=True)]
-        index = kv_index_plan(qo, kv, self.max_ctx, self._entry(kind, bs).group.cap, pin=True)
-        return _PlanArgs(index, self.req_pool.req_to_token[fb.req_pool_indices[:bs]].view(-1))
+        group = self._entry(kind, bs).group
+        return _PlanArgs(kv_index_plan(qo, kv, self.max_ctx, group.cap, out=self._staging(group)), group.staged)
 
-    def _draft_plan_args(self, fb: ForwardBatch, seq: list[int], locs: torch.Tensor, planned: tuple[int, ...]) -> _PlanArgs:
-        """Lane (b, t) at draft step s: its request's prefix (seq_len keys), then its own slots of steps 0..s (its row of
-        locs [bs, topk, steps]); the planned steps' kv_indices in one gather."""
-        topk, steps = fb.spec_info.topk, locs.shape[-1]
-        prefix = [min(s, self.max_ctx) for s in seq for _ in range(topk)]
+    def _draft_plan_args(self, fb: ForwardBatch, seq: list[int], steps: int) -> _PlanArgs:
+        """Lane (b, t) at draft step s: its request's prefix (seq_len keys), then its own slots of steps 0..s; every
+        step's indptr in one staging."""
+        prefix = [min(s, self.max_ctx) for s in seq for _ in range(fb.spec_info.topk)]
         group = self._draft_entry(fb, steps, 0).group
-        index = kv_index_plan([1] * len(prefix), prefix, self.max_ctx, group.cap, topk, planned, steps, steps, pin=True)
-        rows = self.req_pool.req_to_token[fb.req_pool_indices[: fb.batch_size]].view(-1)
-        return _PlanArgs(index, torch.cat([rows, locs.reshape(-1)]))
+        index = kv_index_plan([1] * len(prefix), prefix, self.max_ctx, group.cap, steps, steps, out=self._staging(group))
+        return _PlanArgs(index, group.staged)
+
+    def _staging(self, group: _Group) -> torch.Tensor:
+        """The group's pinned staging buffer, once the group's last plan has uploaded: a host running ahead of the stream
+        would overwrite lengths still to be copied, and flashinfer writes each plan of a wrapper into the same pinned
+        buffer before its copy (every plan of the group's wrappers starts here, so this one wait covers both)."""
+        group.upload_event.synchronize()
+        group.staged += 1
+        return group.staging
 
     def _chain(self, T: int, device: torch.device) -> torch.Tensor:
         key = (T, str(device))
@@ -231,13 +247,13 @@ class FlashInferAttnBackend:
     def _plan(self, entry: _Wrapper, args: _PlanArgs, num_qo_heads: int, key: Optional[tuple] = None, refs: tuple = (),
               replay: bool = False) -> None:
         """Writes the group's buffers (once per args), then plans the step's wrapper: flashinfer's own plan, or before a
-        replay its planner alone (`_replan`). Waits first until the wrapper's last plan uploaded its work partition:
-        flashinfer writes each plan into the same pinned buffer, and a host running ahead would overwrite it."""
+        replay its planner alone (`_replan`). The args were staged after the group's last plan uploaded (`_staging`)."""
         group, index = entry.group, args.index
-        entry.upload_event.synchronize()
         if not args.written:
-            group.meta[: index.packed.numel()].copy_(index.packed, non_blocking=True)
-            gather_kv_indices(index, group.meta, args.table, group.kv_indices)
+            if args.stage != group.staged:
+                raise RuntimeError("flashinfer: a plan's host lengths were overwritten in the staging buffer by a later plan "
+                                   "of the same wrappers before they were uploaded")
+            group.meta.copy_(index.packed, non_blocking=True)
             args.written = True
         if replay:
             self._replan(entry, index, num_qo_heads)
@@ -251,7 +267,7 @@ class FlashInferAttnBackend:
             else:
                 entry.wrapper.plan(index.kv_indptr(entry.step), kv_indices, last_page_len, num_qo_heads, self.num_kv_heads,
                                    self.head_dim, 1, **common)
-        entry.upload_event.record()
+        group.upload_event.record()
         entry.plans += 1
         entry.plan_key, entry.plan_refs = key, refs
         self.num_qo_heads = num_qo_heads
@@ -276,7 +292,7 @@ class FlashInferAttnBackend:
         )
 
     # ---- the backend interface ----
-    def _capturing(self, entry: _Wrapper, what: str) -> Optional[FlashInferMetadata]:
+    def _capturing(self, entry: _Wrapper, what: str) -> bool:
         """Under capture: the warm-up's plan, no new one (a plan is host work)."""
         if graph_record.recording():
             # flashinfer launches its kernels through its own FFI, not the torch dispatcher: a
@@ -284,22 +300,27 @@ class FlashInferAttnBackend:
             raise graph_record.GraphCaptureError("flashinfer kernels bypass the torch dispatcher; the recording CPU graph "
                                                  "cannot capture them: use the cuda graph backend with flashinfer")
         if not torch.cuda.is_current_stream_capturing():
-            return None
+            return False
         if entry.plans == 0:
             raise RuntimeError(f"flashinfer: capturing {what} before any warm-up planned its wrapper")
-        return FlashInferMetadata(entry, None, planned=True)
+        return True
 
     def init_forward_metadata(self, fb: ForwardBatch) -> FlashInferMetadata:
         kind = self._kind(fb)
         entry = self._entry(kind, fb.batch_size)
-        return self._capturing(entry, f"bs={fb.batch_size}") or FlashInferMetadata(entry, self._plan_args(fb, kind))
+        if self._capturing(entry, f"bs={fb.batch_size}"):
+            return FlashInferMetadata(entry, None, planned=True)
+        return FlashInferMetadata(entry, self._plan_args(fb, kind))
 
     def init_draft_decode_metadata(self, fb: ForwardBatch, locs: torch.Tensor, step: int) -> FlashInferMetadata:
         """One draft-decode step (a decode wrapper per (bucket, step), as the engine's multi-step draft backend keeps one
-        per step); locs [bs, topk, steps] are the lanes' draft slots."""
-        entry = self._draft_entry(fb, locs.shape[-1], step)
+        per step); locs [bs, topk, steps] are the lanes' draft slots, which the step's kv_indices end with."""
+        steps = locs.shape[-1]
+        entry = self._draft_entry(fb, steps, step)
         captured = self._capturing(entry, f"the draft decode bs={fb.batch_size} step {step}")
-        return captured or FlashInferMetadata(entry, self._draft_plan_args(fb, self._host_seq_lens(fb), locs, (step,)))
+        args = None if captured else self._draft_plan_args(fb, self._host_seq_lens(fb), steps)
+        return FlashInferMetadata(entry, args, planned=captured, per_req=fb.spec_info.topk, own=locs.reshape(-1, steps),
+                                  own_len=step + 1)
 
     def _draft_entry(self, fb: ForwardBatch, steps: int, step: int) -> _Wrapper:
         return self._entry("decode", fb.batch_size, fb.batch_size * fb.spec_info.topk, steps, step)
@@ -329,15 +350,11 @@ class FlashInferAttnBackend:
         self._plan(self._entry(kind, fb.batch_size), self._plan_args(fb, kind), self.num_qo_heads, key, refs, replay=True)
 
     def plan_draft_decode_replay(self, fb: ForwardBatch) -> None:
-        """Every step's wrapper of the bucket, from one set of host lengths and one gather of all steps' kv_indices (as
-        the engine builds them in one kernel). The slots are looked up here as the graph's body will (its out_cache_loc
-        still holds the last replay's)."""
+        """Every step's wrapper of the bucket, from one set of host lengths and one upload of all steps' indptrs (the
+        graph's steps write their kv_indices from them, with the draft slots its body assigns)."""
         info: DraftDecodeSpecInfo = fb.spec_info
-        bs, steps = fb.batch_size, fb.out_cache_loc.shape[0] // (fb.batch_size * info.topk)
-        seq = self._host_seq_lens(fb)
-        locs = assign_draft_cache_locs(self.req_pool.req_to_token, fb.req_pool_indices, fb.seq_lens, info.topk, steps,
-                                       torch.empty_like(fb.out_cache_loc)).view(bs, info.topk, steps)
-        args = self._draft_plan_args(fb, seq, locs, tuple(range(steps)))
+        steps = fb.out_cache_loc.shape[0] // (fb.batch_size * info.topk)
+        args = self._draft_plan_args(fb, self._host_seq_lens(fb), steps)
         for step in range(steps):
             self._plan(self._draft_entry(fb, steps, step), args, self.num_qo_heads, replay=True)
 
@@ -347,6 +364,11 @@ class FlashInferAttnBackend:
         if not meta.planned:
             self._plan(meta.entry, meta.args, int(q.shape[1]))
             meta.planned = True
+        if not meta.indexed:  # the pass's first layer; under capture, in the graph
+            group, step = meta.entry.group, meta.entry.step
+            write_kv_indices(group.kv_indptr(step), fb.req_pool_indices, self.req_pool.req_to_token, group.kv_indices[step],
+                             meta.per_req, meta.own, meta.own_len)
+            meta.indexed = True
         kc, vc = self.kv_pool.k[layer], self.kv_pool.v[layer]
         if kc.dtype != self.compute_dtype:
             kc, vc = kc.to(self.compute_dtype), vc.to(self.compute_dtype)

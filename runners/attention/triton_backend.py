@@ -20,33 +20,21 @@ graph-capturable and a replay reads the static buffers' live contents.
   draft backends build one kv_indices per step for the same keys); s is a host value, the
   same at capture and replay.
 
-Without CUDA the kernels run in Triton's interpreter (TRITON_INTERPRET=1). The variable
-must be set before triton is first imported (triton.language's own helpers are
-decorated at import), so importing this module on a machine without CUDA sets it when
-triton isn't imported yet; `interpreter_error()` says why the backend can't run when
-it was. The interpreter is an oracle for indexing and masks in fp32, not for GPU
-numerics (DESIGN.md §5).
+Without CUDA the kernels run in Triton's interpreter (runners/attention/triton_launch.py says
+when that can be and `interpreter_error()` why it cannot). The interpreter is an oracle for
+indexing and masks in fp32, not for GPU numerics (DESIGN.md §5).
 A row with no visible key (impossible for a well-formed batch: key 0 is always visible
 to a token at position >= 0 with seq_len >= 1) gives 0 where the reference gives NaN.
 """
 from __future__ import annotations
 
-import os
-import sys
-import threading
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
 from runners.attention.torch_ref import token_to_request
-
-if "triton" not in sys.modules and not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # the only way triton runs without a GPU
-
-import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
-
+from runners.attention.triton_launch import interpreter_error, run_kernel, tl, triton
 from runners.batch import EagleVerifyInput, ForwardBatch, ForwardMode
 from runners.memory import ReqToTokenPool, TokenToKVPool
 
@@ -186,26 +174,6 @@ def _decode_kernel(
     tl.store(Out + t * stride_on + head[:, None] * stride_oh + offs_d[None, :], out.to(Out.dtype.element_ty), mask=qo_mask)
 
 
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-_INTERPRETER_LOCK = threading.Lock()  # the interpreter patches triton.language globally: one launch at a time
-
-
-def interpreter_error(device: torch.device) -> Optional[str]:
-    """None when kernels can run on `device`; else the reason (for errors and test skips)."""
-    if device.type == "cuda" or INTERPRET:
-        return None
-    return ("the triton backend on CPU runs in Triton's interpreter, which needs TRITON_INTERPRET=1 set before triton is "
-            "first imported; triton was imported without it in this process")
-
-
-def _run_kernel(kernel, grid: tuple[int, ...], *args) -> None:
-    if INTERPRET:
-        with _INTERPRETER_LOCK:
-            kernel[grid](*args)
-    else:
-        kernel[grid](*args)
-
-
 _KERNELS = {k.fn.__name__: k for k in (_extend_kernel, _decode_kernel)}
 
 
@@ -215,7 +183,7 @@ def _triton_attention(kernel: str, grid: list[int], out: torch.Tensor, tensors: 
     `kinds` spells the kernel's positional arguments: o = out, t / i / f = the next tensor, int, float."""
     it = {"t": iter(tensors), "i": iter(ints), "f": iter(floats)}
     args = [out if k == "o" else next(it[k]) for k in kinds]
-    _run_kernel(_KERNELS[kernel], tuple(grid), *args)
+    run_kernel(_KERNELS[kernel], tuple(grid), *args)
 
 
 LIBRARY = torch.library.Library("specharness", "FRAGMENT")  # a plain library op: see runners/parallel/comm.py
