@@ -37,6 +37,7 @@ from harness.scenario import Iteration, RequestSpec, Scenario, materialize, rele
 
 DEFAULT_BS = (1, 2, 4, 8, 16, 32, 64)
 PREFIX_LEN = 32
+INTERLEAVE_BLOCKS = 5  # eager-vs-graph measurements alternate in this many blocks each (Timer.measure_interleaved)
 
 # "default" is the harness' model (hidden 64, 8 heads of dim 8: launch-bound on any GPU);
 # flashinfer has no kernels for head_dim 8, so "auto" gives it "hd64" (same depth, head_dim 64).
@@ -116,6 +117,22 @@ class _Timer:
             t0 = time.perf_counter()
             fn()
             out.append((time.perf_counter() - t0) * 1e3)
+        return out
+
+    def measure_interleaved(self, fns: list[Callable[[], object]], reps: int, warmup: int) -> list[list[float]]:
+        """`measure` of each fn, in alternating blocks (one untimed call first in each), the order reversed every round
+        (ABBA): a machine whose speed drifts during the measurement (the host's share of a shared box) slows every fn
+        alike, so their ratio holds."""
+        for fn in fns:
+            for _ in range(warmup):
+                fn()
+        out: list[list[float]] = [[] for _ in fns]
+        block, rounds = -(-reps // INTERLEAVE_BLOCKS), 0
+        while len(out[0]) < reps:
+            pairs = list(zip(out, fns, strict=True))
+            for times, fn in pairs if rounds % 2 == 0 else reversed(pairs):
+                times += self.measure(fn, min(block, reps - len(times)), 1)
+            rounds += 1
         return out
 
     def sync(self) -> None:
@@ -209,8 +226,8 @@ def _bench_backend(comm, backend: str, args, device: torch.device, bs_list: list
         n = bs * T
         diff = float((graph.output.logits[:n].float() - eager_out.logits[:n].float()).abs().max())
 
-        eager_iter = timer.measure(lambda inp=inp: run_eager(worker, inp), args.replays, args.warmup)
-        graph_iter = timer.measure(lambda inp=inp: driver.run(inp), args.replays, args.warmup)  # as an engine runs it
+        eager_iter, graph_iter = timer.measure_interleaved(  # the graph as an engine runs it
+            [lambda inp=inp: run_eager(worker, inp), lambda inp=inp: driver.run(inp)], args.replays, args.warmup)
         observers = observe_all(driver.runners)  # as the harness runs it: plus P1's ReplayRecords (host read-backs)
         graph_iter_rec = timer.measure(lambda inp=inp, first=observers[0]: (driver.run(inp), first.take()), args.replays, args.warmup)
         for obs in reversed(observers):
@@ -294,7 +311,7 @@ def format_table(res: dict) -> str:
             if m["simulation"] else "real CUDA graphs (torch.cuda.CUDAGraph replay)")
     lines.append(f"harness bench: draft-extend, TP1, {m['dtype']}, {m['num_steps']} draft layers, {m['date']}")
     lines.append(f"device: {m['device']}; {kind}")
-    lines.append(f"timing: {m['timing']} of {m['replays']} after {m['warmup']} warm-up; step = draft layer 0; iter = all layers + copy-in/fill/slice, as an engine runs it "
+    lines.append(f"timing: {m['timing']} of {m['replays']} after {m['warmup']} warm-up; step = draft layer 0; iter = all layers + copy-in/fill/slice, as an engine runs it, eager and graph in {INTERLEAVE_BLOCKS} alternating blocks "
                  "(+rec: with the harness's P1 replay records, host read-backs included)")
     hdr = f"{'backend':<10} {'bs':>3} {'eager step':>11} {'graph step':>11} {'speedup':>8} {'eager iter':>11} {'graph iter':>11} {'speedup':>8} {'+rec iter':>11} {'max|diff|':>10}"
     for b in res["backends"]:

@@ -109,10 +109,6 @@ def build_rig(comm, model: ModelConfig, spec: SpecConfig, backend: str, device: 
     return RunnerRig(worker, target, extend, decode, verify, scenario_of)
 
 
-def _ms(timer, fn, args) -> float:
-    return statistics.median(timer.measure(fn, args.replays, args.warmup))
-
-
 def _runner_calls(rig: RunnerRig, ext, dec: DraftDecodeInputs, lanes: list[Lane], host_copies: bool = True) -> tuple[dict, dict]:
     """Eager and graph calls per runner, and the iteration (the three back to back). host_copies=False drops the
     inputs' host lengths (and verify mask), so every graph runner's fill reads them back from the device (a sync each)."""
@@ -141,7 +137,7 @@ def bench_runners_backend(comm, backend: str, args, device: torch.device, bs_lis
         eager, graph = _runner_calls(rig, batch.inputs, rig.decode_inputs(batch, seed=i), rig.verify_lanes(batch, seed=i))
         row = {"backend": backend, "bs": bs}
         for name in ("extend", "decode", "verify", "iteration"):
-            e, gr = _ms(timer, eager[name], args), _ms(timer, graph[name], args)
+            e, gr = map(statistics.median, timer.measure_interleaved([eager[name], graph[name]], args.replays, args.warmup))
             row.update({f"{name}_eager_ms": e, f"{name}_graph_ms": gr, f"{name}_speedup": e / gr})
         release(rig.worker, batch)
         rows.append(row)
@@ -151,7 +147,7 @@ def bench_runners_backend(comm, backend: str, args, device: torch.device, bs_lis
 
 def format_runner_table(results: list[dict], meta: dict) -> str:
     lines = [f"harness bench: every runner, single-layer EAGLE, TP1, {meta['dtype']}, {meta['num_steps']} steps, {meta['date']}, {meta['device']}",
-             "eager vs graph, median ms; iteration = draft-extend + draft decode + verify back to back (no scheduler host work); "
+             "eager vs graph, median ms (measured in alternating blocks); iteration = draft-extend + draft decode + verify back to back (no scheduler host work); "
              "every runner attends with the row's backend"]
     hdr = f"{'backend':<10} {'bs':>3}" + "".join(f" {n:>22}" for n in ("extend e/g (x)", "decode e/g (x)", "verify e/g (x)", "iteration e/g (x)"))
     for b in results:
