@@ -161,7 +161,8 @@ def launch(
             recv_end, send_end = ctx.Pipe(duplex=False)
             ctrl_recv, ctrl_send = ctx.Pipe(duplex=False)
             dev = gpus[r] if backend == "nccl" else None
-            env = {**os.environ, **child_env(r, ws, backend, hb_paths[r], dev)}
+            own = child_env(r, ws, backend, hb_paths[r], dev)
+            env = {**os.environ, **own}
             p = ctx.Process(
                 target=child_main,
                 args=(layout, r, backend, dev, store_path, hb_paths[r], env, payload, send_end, ctrl_recv,
@@ -171,7 +172,7 @@ def launch(
             )
             conns.append(recv_end)
             ctrls.append(ctrl_send)
-            with patched_environ(env):  # before the child imports torch
+            with patched_environ(own):  # a spawned child starts with it, before it imports torch
                 p.start()
             procs.append(p)
             send_end.close()
