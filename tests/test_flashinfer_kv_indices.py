@@ -1,14 +1,18 @@
 """The flashinfer plan's host half and the device kernel that writes the KV slot list from it, on CPU:
 `kv_index_plan` (every step's indptrs, in the staging buffer it is given) and `write_kv_indices` (one
 Triton kernel per wrapper, here in Triton's interpreter), against slot lists written out by hand and a
-lane-by-lane loop over req_to_token and the draft slots. The kernel inside a real graph, and a graph
+lane-by-lane loop over req_to_token and the draft slots; the backend's refusal of a plan whose staged
+lengths were overwritten before their upload. The kernel inside a real graph, and a graph
 captured without it caught by P3: tests/test_gpu_flashinfer_plan.py.
 """
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
+from runners.attention.flashinfer_backend import FlashInferAttnBackend, _Group, _PlanArgs, _Wrapper
 from runners.attention.flashinfer_kv_indices import write_kv_indices
 from runners.attention.flashinfer_plan import kv_index_plan
 from runners.attention.triton_launch import interpreter_error
@@ -119,3 +123,21 @@ def test_write_kv_indices_refuses_draft_slots_that_do_not_fit_the_lanes():
         write_kv_indices(indptr, torch.tensor([0]), ROWS, out, 2, torch.zeros(3, 3, dtype=torch.int64), 1)
     with pytest.raises(ValueError, match="no slot buffer"):
         write_kv_indices(indptr, torch.tensor([0]), ROWS, out, 2, None, 1)
+
+
+def test_a_plan_whose_staged_lengths_were_overwritten_is_refused():
+    """Two plans of one wrapper group staged before the first is uploaded: the first would upload the second's
+    lengths, so its upload is refused (the backend's guard, driven on CPU: it runs before any flashinfer call)."""
+    backend = FlashInferAttnBackend.__new__(FlashInferAttnBackend)  # no CUDA here: only the staging path runs
+    event = SimpleNamespace(synchronize=lambda: None, record=lambda: None)
+    group = _Group("prefill", 2, 1, 10, torch.zeros(6, dtype=torch.int32), torch.zeros(1, 10, dtype=torch.int32),
+                   torch.zeros(6, dtype=torch.int32), event)
+    first = _PlanArgs(kv_index_plan([1, 1], [2, 3], 10, 10, out=backend._staging(group)), group.staged)
+    second = _PlanArgs(kv_index_plan([1, 1], [4, 5], 10, 10, out=backend._staging(group)), group.staged)
+    entry = _Wrapper(group, 0, wrapper=None)
+    with pytest.raises(RuntimeError, match="overwritten in the staging buffer"):
+        backend._plan(entry, first, 8, replay=True)
+    assert group.meta.tolist() == [0] * 6  # nothing uploaded
+    with pytest.raises(RuntimeError, match="never planned"):  # the second uploads, then needs a warmed-up wrapper
+        backend._plan(entry, second, 8, replay=True)
+    assert group.meta.tolist() == [0, 1, 2, 0, 4, 9]
