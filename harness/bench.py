@@ -207,7 +207,6 @@ def _bench_backend(comm, backend: str, args, device: torch.device, bs_list: list
         eager_out = draft_extend_step(worker, 0, fb)
 
         runner = driver.runners[0]
-        runner.reset_for_iteration(bs, inp.accept_lens)
         bucket = runner.prepare_replay(inp)
         graph = runner.graphs[bucket]
         replan = getattr(worker.attn, "plan_replay", None)

@@ -201,10 +201,11 @@ class VerifyPoison(RunnerPoison):
         raw_bs, bs = inp.bs, rec.bs
         T, w = g.T, self.where(raw_bs, bs)
         raw_n = raw_bs * T
+        # The fill covers the bucket's padded lanes only (lanes past the bucket are never read), so that is what is checked
         for name, per_token, want in (("input_ids", True, 0), ("positions", True, 0), ("out_cache_loc", True, PADDING_SLOT),
                                       ("seq_lens", False, SEQ_LEN_FILL_VALUE), ("req_pool_indices", False, PADDING_ROW)):
-            start = raw_n if per_token else raw_bs
-            tail = getattr(g, name)[start:]
+            start, stop = (raw_n, bs * T) if per_token else (raw_bs, bs)
+            tail = getattr(g, name)[start:stop]
             self.v.checked += 1
             bad = (tail != want).nonzero()
             if bad.numel():
@@ -212,7 +213,7 @@ class VerifyPoison(RunnerPoison):
                 self.v.fail("canonical", name, {**w, "row" if per_token else "lane": at}, want, int(getattr(g, name)[at]),
                             f"padded {'token row' if per_token else 'lane'} {at} after the verify replay fill")
         self.v.checked += 1
-        stale = (g.custom_mask[raw_bs:] != g.chain_mask).flatten(1).any(dim=1).nonzero()
+        stale = (g.custom_mask[raw_bs:bs] != g.chain_mask).flatten(1).any(dim=1).nonzero()
         if stale.numel():
             lane = raw_bs + int(stale[0, 0])
             self.v.fail("canonical", "custom_mask", {**w, "lane": lane}, "the chain mask", "another mask",

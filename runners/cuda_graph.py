@@ -114,8 +114,9 @@ class EagleDraftExtendCudaGraphRunnerBase(DraftExtendGraphRunner):
         self.req_pool_indices[: inp.bs].copy_(inp.req_pool_indices)
 
     def _fill_for_replay(self, inp: DraftExtendInputs) -> int:
-        """Copy-in and replay fill; returns the bucket. Device work and host copies only: no device sync when inp carries its host lengths."""
+        """Reset, copy-in and replay fill; returns the bucket. Device work and host copies only: no device sync when inp carries its host lengths."""
         bs = self._choose_bucket(self._needed_bs(inp))
+        self.reset_for_iteration(inp.bs, inp.accept_lens)
         self._copy_live_inputs(inp)
         if self.global_num_tokens_gpu is not None:
             self.global_num_tokens_gpu.fill_(bs * self.T)
@@ -152,9 +153,7 @@ class MultiLayerEagleMultiStepDraftExtendCudaGraphRunner:
 
     def prepare(self, inp: DraftExtendInputs) -> int:
         """Reset, copy-in and replay fill of the shared buffers, once per iteration; returns the bucket."""
-        first = self.runners[0]
-        first.reset_for_iteration(inp.bs, inp.accept_lens)
-        self.raw_bs, self.bs = inp.bs, first._fill_for_replay(inp)
+        self.raw_bs, self.bs = inp.bs, self.runners[0].prepare_replay(inp)
         return self.bs
 
     def replay(self, step: int, inp: DraftExtendInputs) -> StepOutputs:
@@ -200,9 +199,7 @@ class DraftExtendGraphDriver:
             outs, _ = run_eager(self.worker, inp)
             return outs[: len(self.runners)]
         if self.multi_step is None:
-            single = self.runners[0]
-            single.reset_for_iteration(inp.bs, inp.accept_lens)
-            return [single.replay(inp)]
+            return [self.runners[0].replay(inp)]
         self.multi_step.prepare(inp)
         outs = []
         step_inp = inp

@@ -5,7 +5,8 @@ It is written apart from the multi-layer runner (runners.cuda_graph) on purpose:
 (the two runners agree on the metadata of the same batches) then compares two codes, as in
 the engine, where the two runners live in separate files and a fix to one has missed the
 other (sglang#26416). Its padded-lane reset differs from the multi-layer one where the engine's
-does: a padded lane selects its own last token (num_correct_drafts = T - 1).
+does: it runs only when the bucket is padded, and a padded lane selects its own last token
+(num_correct_drafts = T - 1).
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from runners.draft_extend_buffers import DraftExtendGraphRunner
 from runners.graph_backend import GraphBackend
 from runners.graph_runner import RunnerKind
 from runners.memory import PADDING_ROW, PADDING_SLOT
+from runners.replay_copy import grouped_foreach_copy_
 
 
 class EagleDraftExtendCudaGraphRunner(DraftExtendGraphRunner):
@@ -75,14 +77,15 @@ class EagleDraftExtendCudaGraphRunner(DraftExtendGraphRunner):
         return fb
 
     # ---- the replay fill (§6.4) ----
-    def reset_for_iteration(self, raw_bs: int, accept_lens: torch.Tensor) -> None:
-        """Every lane to the padding state, before the fill copies the live ones over it.
+    def _fill_padded_lanes(self, num_tokens: int, bs: int) -> None:
+        """Every lane to the padding state when the bucket holds more tokens than the batch, before the
+        live lanes are copied over it; with no padding the graph reads live lanes only, and nothing is reset.
 
         Request row 0 and position 0 make a padded lane's in-graph KV slot lookup land in the
-        padding slot; accept lengths of T make it select its own last token. The live accept
-        lengths arrive with the fill (raw_bs and accept_lens are for drivers that treat both
-        runner kinds alike).
+        padding slot; accept lengths of T make it select its own last token.
         """
+        if bs * self.T == num_tokens:  # as the engine: padding is judged in tokens, the bucket's against the batch's
+            return
         buffers = self.buffers
         buffers.input_ids.zero_()
         buffers.positions.zero_()
@@ -94,22 +97,19 @@ class EagleDraftExtendCudaGraphRunner(DraftExtendGraphRunner):
         buffers.num_accept_tokens.fill_(self.T)  # unread here, as the live copy below
 
     def _fill_for_replay(self, inp: DraftExtendInputs) -> int:
-        """Live lanes in, gathered counts written; returns the bucket. No device sync when inp carries its host lengths."""
+        """Padded lanes, live lanes in, gathered counts written; returns the bucket. No device sync when inp carries its host lengths."""
         raw_bs, buffers = inp.bs, self.buffers
         bs = self._choose_bucket(self._needed_bs(inp))
-        num_tokens = raw_bs * self.T
-        copies = (
-            (buffers.input_ids[:num_tokens], inp.input_ids),
-            (buffers.positions[:num_tokens], inp.positions),
-            (buffers.seq_lens[:raw_bs], inp.seq_lens),
-            (buffers.seq_lens_cpu[:raw_bs], host_copy(inp.seq_lens_cpu, inp.seq_lens)),
-            (buffers.req_pool_indices[:raw_bs], inp.req_pool_indices),
-            (buffers.num_correct_drafts[:raw_bs], inp.accept_lens - 1),
-            (buffers.num_accept_tokens[:raw_bs], inp.accept_lens),  # unread here (the body selects by num_correct_drafts); the engine's backends read it
-            (buffers.hidden_states[:num_tokens], inp.hidden_states),
+        num_tokens = int(inp.input_ids.shape[0])
+        self._fill_padded_lanes(num_tokens, bs)
+        grouped_foreach_copy_(
+            [buffers.input_ids[:num_tokens], buffers.positions[:num_tokens], buffers.seq_lens[:raw_bs],
+             buffers.req_pool_indices[:raw_bs], buffers.num_correct_drafts[:raw_bs],
+             buffers.num_accept_tokens[:raw_bs]],  # unread here (the body selects by num_correct_drafts); the engine's backends read it
+            [inp.input_ids, inp.positions, inp.seq_lens, inp.req_pool_indices, inp.accept_lens - 1, inp.accept_lens],
         )
-        for dst, src in copies:
-            dst.copy_(src)
+        buffers.hidden_states[:num_tokens].copy_(inp.hidden_states)  # a plain copy: large and contiguous
+        buffers.seq_lens_cpu[:raw_bs].copy_(host_copy(inp.seq_lens_cpu, inp.seq_lens))
         self._fill_gathered(bs)
         return bs
 

@@ -26,6 +26,7 @@ from runners.eagle_draft import (
 from runners.graph_backend import GraphBackend
 from runners.graph_runner import BucketedGraphRunner, RunnerKind, compute_capture_bs
 from runners.memory import PADDING_ROW, PADDING_SLOT
+from runners.replay_copy import grouped_foreach_copy_
 
 
 class EAGLEDraftCudaGraphRunner(BucketedGraphRunner):
@@ -136,13 +137,12 @@ class EAGLEDraftCudaGraphRunner(BucketedGraphRunner):
 
     def _copy_live_inputs(self, inp: DraftDecodeInputs) -> None:
         raw_bs = inp.bs
-        self.topk_p[:raw_bs].copy_(inp.topk_p)
-        self.topk_index[:raw_bs].copy_(inp.topk_index)
-        self.hidden_states[:raw_bs].copy_(inp.hidden_states)
-        self.seq_lens[:raw_bs].copy_(inp.seq_lens)
-        self.seq_lens_cpu[:raw_bs].copy_(host_copy(inp.seq_lens_cpu, inp.seq_lens))
-        self.req_pool_indices[:raw_bs].copy_(inp.req_pool_indices)
-        self.positions[: raw_bs * self.T].copy_(inp.positions)
+        grouped_foreach_copy_(
+            [self.seq_lens[:raw_bs], self.positions[: raw_bs * self.T], self.topk_p[:raw_bs], self.topk_index[:raw_bs],
+             self.req_pool_indices[:raw_bs], self.seq_lens_cpu[:raw_bs]],
+            [inp.seq_lens, inp.positions, inp.topk_p, inp.topk_index, inp.req_pool_indices, host_copy(inp.seq_lens_cpu, inp.seq_lens)],
+        )
+        self.hidden_states[:raw_bs].copy_(inp.hidden_states)  # a plain copy: large and contiguous
 
     def _fill_for_replay(self, inp: DraftDecodeInputs) -> int:
         bs = self._choose_bucket(self._needed_bs(inp))

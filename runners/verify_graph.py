@@ -27,6 +27,7 @@ from runners.graph_backend import GraphBackend
 from runners.graph_runner import BucketedGraphRunner, RunnerKind, compute_capture_bs
 from runners.memory import PADDING_SLOT
 from runners.parallel.dp_attention import RankContext
+from runners.replay_copy import grouped_foreach_copy_
 from runners.target import Lane, TargetOutput, TargetRunner, target_step
 from runners.verify import chain_mask, tree_mask
 
@@ -149,21 +150,22 @@ class TargetVerifyCudaGraphRunner(BucketedGraphRunner):
 
     # ---- replay (§6.4) ----
     def _copy_live_inputs(self, inp: VerifyInputs) -> None:
-        raw_n = inp.bs * self.T
-        self.input_ids[:raw_n].copy_(inp.input_ids)
-        self.positions[:raw_n].copy_(inp.positions)
-        self.seq_lens[: inp.bs].copy_(inp.seq_lens)
-        self.req_pool_indices[: inp.bs].copy_(inp.req_pool_indices)
+        raw_bs = inp.bs
+        raw_n = raw_bs * self.T
         if inp.custom_mask is None:  # chains
-            mask, host_mask = self.chain_mask.expand(inp.bs, -1, -1), self.chain_mask_cpu.expand(inp.bs, -1, -1)
+            mask, host_mask = self.chain_mask.expand(raw_bs, -1, -1), self.chain_mask_cpu.expand(raw_bs, -1, -1)
         else:
             mask, host_mask = inp.custom_mask, host_copy(inp.custom_mask_cpu, inp.custom_mask)
-        self.custom_mask[: inp.bs].copy_(mask)
-        self.custom_mask_cpu[: inp.bs].copy_(host_mask)
-        self.seq_lens_cpu[: inp.bs].copy_(host_copy(inp.seq_lens_cpu, inp.seq_lens))
+        grouped_foreach_copy_(
+            [self.input_ids[:raw_n], self.positions[:raw_n], self.seq_lens[:raw_bs], self.req_pool_indices[:raw_bs],
+             self.custom_mask[:raw_bs], self.seq_lens_cpu[:raw_bs], self.custom_mask_cpu[:raw_bs]],
+            [inp.input_ids, inp.positions, inp.seq_lens, inp.req_pool_indices,
+             mask, host_copy(inp.seq_lens_cpu, inp.seq_lens), host_mask],
+        )
 
-    def _fill_padded_lanes(self, raw_bs: int) -> None:
-        """The replay fill of the lanes past the live batch (they hold the last, larger batch's values).
+    def _fill_padded_lanes(self, raw_bs: int, bs: int) -> None:
+        """The replay fill of the bucket's padded lanes [raw_bs, bs) (they hold the last, larger batch's
+        values); with no padding there is none, and lanes past the bucket are never read.
 
         req_pool_indices and positions: the body looks every KV write slot up as
         req_to_token[row, position]; a padded lane left on a larger batch's row writes its KV
@@ -177,15 +179,17 @@ class TargetVerifyCudaGraphRunner(BucketedGraphRunner):
         padded node sees its root (the padding slot), never nothing: a stale mask that hides the
         root gives a row with no visible key.
         """
-        raw_n = raw_bs * self.T
-        self.out_cache_loc[raw_n:].fill_(PADDING_SLOT)
-        self.seq_lens[raw_bs:].fill_(SEQ_LEN_FILL_VALUE)
-        self.input_ids[raw_n:].zero_()
-        self.positions[raw_n:].zero_()
-        self.req_pool_indices[raw_bs:].zero_()
-        self.custom_mask[raw_bs:].copy_(self.chain_mask)
-        self.seq_lens_cpu[raw_bs:].fill_(SEQ_LEN_FILL_VALUE)
-        self.custom_mask_cpu[raw_bs:].copy_(self.chain_mask_cpu)
+        if bs == raw_bs:  # as the engine: the padded region is reset only when there is one
+            return
+        raw_n, n = raw_bs * self.T, bs * self.T
+        self.out_cache_loc[raw_n:n].fill_(PADDING_SLOT)
+        self.seq_lens[raw_bs:bs].fill_(SEQ_LEN_FILL_VALUE)
+        self.input_ids[raw_n:n].zero_()
+        self.positions[raw_n:n].zero_()
+        self.req_pool_indices[raw_bs:bs].zero_()
+        self.custom_mask[raw_bs:bs].copy_(self.chain_mask)
+        self.seq_lens_cpu[raw_bs:bs].fill_(SEQ_LEN_FILL_VALUE)
+        self.custom_mask_cpu[raw_bs:bs].copy_(self.chain_mask_cpu)
 
     def _fill_gathered(self, bs: int) -> None:
         """The logits gather reads its row counts from these: bs * T per DP group, as baked at capture."""
@@ -197,7 +201,7 @@ class TargetVerifyCudaGraphRunner(BucketedGraphRunner):
         """Copy-in and replay fill; returns the bucket. Device work and host copies only: no device sync when inp carries its host lengths."""
         bs = self._choose_bucket(self._needed_bs(inp))
         self._copy_live_inputs(inp)
-        self._fill_padded_lanes(inp.bs)
+        self._fill_padded_lanes(inp.bs, bs)
         self._fill_gathered(bs)
         return bs
 

@@ -80,7 +80,6 @@ def test_capture_bs_aligned_by_tokens():
 def test_replay_picks_smallest_bucket_and_fills():
     r = runner(PL(4, 2, True))
     observer = RunnerObserver(r)
-    r.reset_for_iteration(3, torch.full((3,), 2))
     rec = observer.prepare(inputs(3, dp_sizes=[3, 1]))
     assert (rec.raw_bs, rec.bs) == (3, 4)
     assert rec.global_num_tokens_gpu == [16, 16] and rec.global_num_tokens_for_logprob_gpu == [16, 16]  # fill bs*T
@@ -94,9 +93,7 @@ def test_padded_lanes_get_the_padding_row_and_seq_len_fill_after_a_shrink():
     """§6.4 (SGLang 0.5.23): after a shrink, padded lanes' req_pool_indices are the padding row 0, not
     the larger batch's rows (the step body looks KV write slots up through them); seq_lens are the fill."""
     r = runner(PL(1))
-    r.reset_for_iteration(7, torch.full((7,), 2))
     assert r.prepare_replay(inputs(7)) == 8
-    r.reset_for_iteration(2, torch.full((2,), 2))
     assert r.prepare_replay(inputs(2)) == 2
     assert r.req_pool_indices[:7].tolist() == [1, 2, 0, 0, 0, 0, 0]  # the larger batch had rows 1..7
     assert r.seq_lens[2:8].tolist() == [SEQ_LEN_FILL_VALUE] * 6
@@ -253,14 +250,13 @@ def test_single_layer_runner_is_its_own_code():
     from runners.cuda_graph import EagleDraftExtendCudaGraphRunnerBase
 
     assert not issubclass(EagleDraftExtendCudaGraphRunner, EagleDraftExtendCudaGraphRunnerBase)
-    for name in ("get_forward_batch", "reset_for_iteration", "_fill_for_replay", "replay"):
+    for name in ("get_forward_batch", "_fill_for_replay", "replay"):
         assert getattr(EagleDraftExtendCudaGraphRunner, name) is not getattr(MultiLayerEagleDraftExtendCudaGraphRunner, name), name
 
 
 def test_single_layer_padded_lanes_select_their_own_last_token():
     """Its reset differs from the multi-layer one where the engine's does: padded accept lengths T (select row T - 1)."""
     r = runner(PL(1), single=True)
-    r.reset_for_iteration(3, torch.full((3,), 2))
     assert r.prepare_replay(inputs(3)) == 4
     assert r.num_correct_drafts[:4].tolist() == [1, 1, 1, 3] and r.num_accept_tokens[:4].tolist() == [2, 2, 2, 4]
     assert r.req_pool_indices[:4].tolist() == [1, 2, 3, 0] and r.seq_lens[:4].tolist() == [10, 10, 10, SEQ_LEN_FILL_VALUE]

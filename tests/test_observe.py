@@ -41,7 +41,6 @@ def test_a_late_bake_keeps_the_live_replay_fill():
     """Baking a bucket writes the gathered tensors; the observer puts the replay fill back, so the graph reads the fill."""
     obs = RunnerObserver(_runner())
     r = obs.runner
-    r.reset_for_iteration(3, torch.full((3,), 2))
     assert r.prepare_replay(_inputs(3, [3, 1])) == 4
     filled = (r.global_num_tokens_gpu.tolist(), r.global_num_tokens_for_logprob_gpu.tolist())
     assert filled == ([16, 16], [16, 16])

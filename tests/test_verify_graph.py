@@ -66,10 +66,13 @@ def test_replay_fill_after_a_shrink():
     rec = observer.prepare(inputs(1, dp_sizes=[1, 3]))  # the MLP-TP gather branch pads to the largest group's bucket
     assert (rec.raw_bs, rec.bs) == (1, 4)
     assert r.input_ids[:4].tolist() == [100, 101, 102, 103] and r.req_pool_indices[:1].tolist() == [1]
-    assert r.seq_lens.tolist() == [10] + [1] * 7  # the fill value past the live lane, over the stale 10s
-    assert r.req_pool_indices[1:].tolist() == [0] * 7
-    assert r.positions[4:].tolist() == [0] * 28 and r.input_ids[4:].tolist() == [0] * 28
-    assert r.out_cache_loc[4:].tolist() == [PADDING_SLOT] * 28
+    # the bucket's padded lanes 1-3 get the fill over the stale batch of 6; lanes 4-7 are past the bucket (never
+    # read) and keep what the bucket of 8 left: lanes 4 and 5 live, 6 and 7 padded
+    assert r.seq_lens.tolist() == [10, 1, 1, 1, 10, 10, 1, 1]
+    assert r.req_pool_indices.tolist() == [1, 0, 0, 0, 5, 6, 0, 0]
+    assert r.positions[4:16].tolist() == [0] * 12 and r.input_ids[4:16].tolist() == [0] * 12
+    assert r.input_ids[16:].tolist() == list(range(116, 124)) + [0] * 8 and r.positions[16:24].tolist() == list(range(16, 24))
+    assert r.out_cache_loc[4:16].tolist() == [PADDING_SLOT] * 12
     assert r.global_num_tokens_gpu.tolist() == [16, 16]
     assert rec.padded_seq_lens == [1, 1, 1] and rec.seq_lens_sum == rec.seq_lens_sum_actual == 13
 

@@ -60,12 +60,12 @@ _SKIPPED_WRITES = (
     ("single-layer-hidden-not-copied", "the draft reads the last batch's target hidden states", LIVE, _SL, "_fill_for_replay", "hidden_states", "churn-single-layer"),  # P8
     ("single-layer-seq-lens-not-copied", "the live lanes keep the reset's fill length", LIVE, _SL, "_fill_for_replay", "seq_lens", "metadata-dp"),  # P1 (seq_lens_sum)
     ("single-layer-gathered-fill-skipped", "the DP gather reads the last bucket's token counts", GATHERED, _SL, "_fill_gathered", "global_num_tokens_gpu", "metadata-dp"),  # P1 (fill)
-    ("single-layer-padded-seq-lens-stale", "padded lanes keep a larger batch's lengths", STALE, _SL, "reset_for_iteration", "seq_lens", "metadata-dp"),  # P1 (padded seq_lens)
-    ("single-layer-host-seq-lens-stale-padded", "the host mirror keeps a larger batch's lengths in the padded lanes", STALE, _SL, "reset_for_iteration", "seq_lens_cpu", "metadata-dp"),  # P1 (host mirror)
-    ("single-layer-padded-req-rows-stale", "padded lanes write KV through a larger batch's request rows", STALE, _SL, "reset_for_iteration", "req_pool_indices", "churn-single-layer"),  # P8
-    ("single-layer-padded-input-ids-stale", "padded lanes keep a larger batch's tokens", STALE, _SL, "reset_for_iteration", "input_ids", "padded-lanes-single-layer"),  # P2 (canonical)
-    ("single-layer-padded-positions-stale", "padded lanes keep a larger batch's positions", STALE, _SL, "reset_for_iteration", "positions", "padded-lanes-single-layer"),  # P2 (canonical)
-    ("single-layer-padded-out-cache-loc-stale", "rows past the live batch keep a larger batch's KV slots", STALE, _SL, "reset_for_iteration", "out_cache_loc", "padded-lanes-single-layer"),  # P2 (canonical)
+    ("single-layer-padded-seq-lens-stale", "padded lanes keep a larger batch's lengths", STALE, _SL, "_fill_padded_lanes", "seq_lens", "metadata-dp"),  # P1 (padded seq_lens)
+    ("single-layer-host-seq-lens-stale-padded", "the host mirror keeps a larger batch's lengths in the padded lanes", STALE, _SL, "_fill_padded_lanes", "seq_lens_cpu", "metadata-dp"),  # P1 (host mirror)
+    ("single-layer-padded-req-rows-stale", "padded lanes write KV through a larger batch's request rows", STALE, _SL, "_fill_padded_lanes", "req_pool_indices", "churn-single-layer"),  # P8
+    ("single-layer-padded-input-ids-stale", "padded lanes keep a larger batch's tokens", STALE, _SL, "_fill_padded_lanes", "input_ids", "padded-lanes-single-layer"),  # P2 (canonical)
+    ("single-layer-padded-positions-stale", "padded lanes keep a larger batch's positions", STALE, _SL, "_fill_padded_lanes", "positions", "padded-lanes-single-layer"),  # P2 (canonical)
+    ("single-layer-padded-out-cache-loc-stale", "rows past the live batch keep a larger batch's KV slots", STALE, _SL, "_fill_padded_lanes", "out_cache_loc", "padded-lanes-single-layer"),  # P2 (canonical)
     # ---- the draft-decode runner (runners.eagle_draft_graph) ----
     ("decode-topk-p-not-copied", "the tree is scored with a stale batch's probabilities (zeros when the padded fill ran)", LIVE, _DD, "_copy_live_inputs", "topk_p", "churn-single-layer"),  # P8
     ("decode-topk-index-not-copied", "the tree grows from a stale batch's tokens", LIVE, _DD, "_copy_live_inputs", "topk_index", "churn-single-layer"),  # run: the loop meets a token no lane proposed

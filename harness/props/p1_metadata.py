@@ -80,7 +80,6 @@ def check_metadata(
                 r = obs.runner
                 if not r.can_run(inp):
                     continue
-                r.reset_for_iteration(raw_bs, inp.accept_lens)
                 rec = obs.prepare(inp)
                 needed = max(dp_sizes) if layout.require_mlp_tp_gather else raw_bs
                 check_replay_record(v, layout, rec, tp_rank, it, needed)
@@ -171,7 +170,6 @@ def _logprob_rows_per_request(layout: ParallelLayout, spec: SpecConfig, schedule
         inp = _synthetic_inputs(sizes[d], spec.num_tokens_per_bs, model.hidden_size, list(sizes), seed + 1000 * it + d)
         if not runner.can_run(inp):
             continue
-        runner.reset_for_iteration(inp.bs, inp.accept_lens)
         rec = observer.prepare(inp)
         lp = rec.capture.host["global_num_tokens_for_logprob_cpu"]
         out[it] = lp[d if layout.require_mlp_tp_gather else 0] // rec.bs
