@@ -173,16 +173,16 @@ class TargetVerifyCudaGraphRunner(BucketedGraphRunner):
         padding row (every entry the padding slot), so the fill makes padded writes harmless.
         Positions also gather the rotary table, which has max_context_len rows: position 0 is
         always in it. seq_lens: the fill value, so that the baked seq_lens_sum (raw sum +
-        padded lanes * fill) is the buffer's sum. out_cache_loc is rewritten by the body and
-        input_ids only shape the padded rows themselves (sliced off; each row's logits are its
-        own); both are reset as the engine resets them. custom_mask: the chain mask, so every
+        padded lanes * fill) is the buffer's sum. input_ids only shape the padded rows themselves
+        (sliced off; each row's logits are its own); they are reset as the engine resets them.
+        out_cache_loc needs no fill here, unlike the engine's (which copies its write slots in):
+        the body writes it for the whole bucket before any KV write. custom_mask: the chain mask, so every
         padded node sees its root (the padding slot), never nothing: a stale mask that hides the
         root gives a row with no visible key.
         """
         if bs == raw_bs:  # as the engine: the padded region is reset only when there is one
             return
         raw_n, n = raw_bs * self.T, bs * self.T
-        self.out_cache_loc[raw_n:n].fill_(PADDING_SLOT)
         self.seq_lens[raw_bs:bs].fill_(SEQ_LEN_FILL_VALUE)
         self.input_ids[raw_n:n].zero_()
         self.positions[raw_n:n].zero_()

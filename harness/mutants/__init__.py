@@ -17,6 +17,7 @@ from harness.mutants import (
     draft_extend,
     host_mirror,
     memory,
+    padding_rule,
     recorded_graph,
     replay_fill,
     shape,
@@ -30,7 +31,7 @@ from harness.mutants.base import Mutant
 CATALOG: tuple[Mutant, ...] = (
     *draft_extend.MUTANTS, *spec_loop.MUTANTS, *memory.MUTANTS, *verify_fill.MUTANTS, *recorded_graph.MUTANTS,
     *decode.MUTANTS, *draft_attention.MUTANTS, *shape.MUTANTS, *verify.MUTANTS, *dp.MUTANTS, *host_mirror.MUTANTS,
-    *replay_fill.MUTANTS,
+    *replay_fill.MUTANTS, *padding_rule.MUTANTS,
 )
 BY_ID: dict[str, Mutant] = {m.id: m for m in CATALOG}
 if len(BY_ID) != len(CATALOG):

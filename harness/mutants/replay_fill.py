@@ -84,7 +84,6 @@ _SKIPPED_WRITES = (
     ("verify-host-mask-not-copied", "a host-planned backend plans with the last batch's tree masks", LIVE, _TV, "_copy_live_inputs", "custom_mask_cpu", "metadata-dp"),  # P1 (host mirror)
     ("verify-padded-input-ids-stale", "padded lanes keep a larger batch's tokens", STALE, _TV, "_fill_padded_lanes", "input_ids", "padded-lanes-single-layer"),  # P2 (canonical)
     ("verify-padded-positions-stale", "padded lanes keep a larger batch's positions", STALE, _TV, "_fill_padded_lanes", "positions", "padded-lanes-single-layer"),  # P2 (canonical)
-    ("verify-padded-out-cache-loc-stale", "rows past the live batch keep a larger batch's KV slots", STALE, _TV, "_fill_padded_lanes", "out_cache_loc", "padded-lanes-single-layer"),  # P2 (canonical)
     ("verify-gathered-fill-skipped", "the DP gather reads the last bucket's token counts", GATHERED, _TV, "_fill_gathered", "global_num_tokens_gpu", "metadata-dp"),  # P1 (fill)
     ("verify-logprob-fill-skipped", "the logits gather reads the last bucket's row counts", GATHERED, _TV, "_fill_gathered", "global_num_tokens_for_logprob_gpu", "metadata-dp"),  # P1 (fill)
 )
