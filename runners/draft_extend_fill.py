@@ -53,7 +53,9 @@ class PrepareFill(Enum):
         return cls.TRITON if torch.device(device).type == "cuda" else cls.NATIVE
 
 
-@triton.jit
+# The live sizes change every iteration: specialised on them (a size of 1, a multiple of 16) the kernel would compile
+# again mid-run for each new class of batch.
+@triton.jit(do_not_specialize=["live_tokens", "live_reqs", "hidden_live_numel", "gathered_value"])
 def _prepare_fill_kernel(
     input_ids, positions, out_cache_loc, seq_lens, req_pool_indices, num_correct_drafts, num_accept_tokens, hidden_bits,
     gathered, gathered_logprob,
