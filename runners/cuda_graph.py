@@ -7,6 +7,12 @@ metadata; the replay fill copies only the live lanes in and writes the gathered 
 tensors; each step replays and slices the raw rows out. Padded lanes keep their reset or
 stale values on purpose: that is what the engine does, and what the harness must prove
 harmless. The single-layer runner is runners.eagle_draft_extend_graph.
+
+The multi-layer fill has two paths, as the engine's: on a CUDA worker one fused Triton launch
+(runners.draft_extend_fill), because there the host cost of the fill's many small torch launches
+bounds the graphed iteration; on any other device the torch methods below, its native twin,
+which the CPU suite and the built-in mutants exercise. Both leave the device buffers bitwise
+alike. The runner picks its path once, at construction, from the worker's device.
 """
 from __future__ import annotations
 
@@ -25,6 +31,7 @@ from runners.draft_extend import (
     with_step_inputs,
 )
 from runners.draft_extend_buffers import DraftExtendGraphRunner, DraftExtendInputBuffers
+from runners.draft_extend_fill import PrepareFill, fill_prepare_buffers
 from runners.eagle_draft_extend_graph import EagleDraftExtendCudaGraphRunner
 from runners.graph_backend import GraphBackend
 from runners.graph_runner import RunnerKind, compute_capture_bs
@@ -42,7 +49,12 @@ class EagleDraftExtendCudaGraphRunnerBase(DraftExtendGraphRunner):
     A runner made alone (buffers=None) owns its buffers and fills them itself through
     prepare_replay; inside MultiLayerEagleMultiStepDraftExtendCudaGraphRunner the first
     step's runner fills the shared set once per iteration and every step replays over it.
+    `prepare_fill` says how the fill is written (runners.draft_extend_fill); a test may pin it.
     """
+
+    def __init__(self, worker: DraftWorker, step: int, backend: GraphBackend, buffers: Optional[DraftExtendInputBuffers] = None):
+        super().__init__(worker, step, backend, buffers)
+        self.prepare_fill = PrepareFill.for_device(worker.device)
 
     # ---- metadata, per branch (§6.3) ----
     def get_forward_batch(self, bs: int) -> ForwardBatch:
@@ -116,6 +128,11 @@ class EagleDraftExtendCudaGraphRunnerBase(DraftExtendGraphRunner):
     def _fill_for_replay(self, inp: DraftExtendInputs) -> int:
         """Reset, copy-in and replay fill; returns the bucket. Device work and host copies only: no device sync when inp carries its host lengths."""
         bs = self._choose_bucket(self._needed_bs(inp))
+        if self.prepare_fill is PrepareFill.TRITON:
+            fill_prepare_buffers(self.buffers, inp, bs, self.T)  # every device buffer the two methods below write
+            self.seq_lens_cpu.fill_(SEQ_LEN_FILL_VALUE)  # the host mirror, as reset_for_iteration and _copy_live_inputs
+            self.seq_lens_cpu[: inp.bs].copy_(host_copy(inp.seq_lens_cpu, inp.seq_lens))
+            return bs
         self.reset_for_iteration(inp.bs, inp.accept_lens)
         self._copy_live_inputs(inp)
         if self.global_num_tokens_gpu is not None:
