@@ -68,27 +68,28 @@ def _prepare_fill_kernel(
     # Programs [0, token_programs) own blocks of token rows, program token_programs owns every request lane and the
     # gathered counts, the rest own blocks of the live hidden rows: each buffer element has exactly one writer.
     pid = tl.program_id(0)
+    # Triton types a name across the branches of an if: each branch keeps names of its own (the blocks differ in shape).
     if pid < token_programs:
         row = pid * TOKEN_BLOCK + tl.arange(0, TOKEN_BLOCK)
-        in_buffer = row < token_rows
-        live = row < live_tokens
-        ids = tl.load(src_input_ids + row, mask=live, other=0).to(tl.int64)
-        tl.store(input_ids + row, ids, mask=in_buffer)
-        pos = tl.load(src_positions + row, mask=live, other=0).to(tl.int64)
-        tl.store(positions + row, pos, mask=in_buffer)
-        tl.store(out_cache_loc + row, tl.zeros([TOKEN_BLOCK], dtype=tl.int64) + padding_slot, mask=in_buffer)
+        row_in_buffer = row < token_rows
+        row_live = row < live_tokens
+        ids = tl.load(src_input_ids + row, mask=row_live, other=0).to(tl.int64)
+        tl.store(input_ids + row, ids, mask=row_in_buffer)
+        pos = tl.load(src_positions + row, mask=row_live, other=0).to(tl.int64)
+        tl.store(positions + row, pos, mask=row_in_buffer)
+        tl.store(out_cache_loc + row, tl.zeros([TOKEN_BLOCK], dtype=tl.int64) + padding_slot, mask=row_in_buffer)
     elif pid == token_programs:
         lane = tl.arange(0, REQ_BLOCK)
-        in_buffer = lane < max_reqs
-        live = lane < live_reqs
-        seq = tl.load(src_seq_lens + lane, mask=live, other=0).to(tl.int64)
-        tl.store(seq_lens + lane, tl.where(live, seq, tl.zeros([REQ_BLOCK], dtype=tl.int64) + seq_len_fill), mask=in_buffer)
-        rows = tl.load(src_req_pool_indices + lane, mask=live, other=0).to(tl.int64)
-        tl.store(req_pool_indices + lane, tl.where(live, rows, tl.zeros([REQ_BLOCK], dtype=tl.int64) + padding_row),
-                 mask=in_buffer)
-        accept = tl.load(src_accept_lens + lane, mask=live, other=1).to(tl.int64)
-        tl.store(num_correct_drafts + lane, accept - 1, mask=live)  # padded lanes keep their (in-range) stale counts
-        tl.store(num_accept_tokens + lane, accept, mask=live)
+        lane_in_buffer = lane < max_reqs
+        lane_live = lane < live_reqs
+        seq = tl.load(src_seq_lens + lane, mask=lane_live, other=0).to(tl.int64)
+        tl.store(seq_lens + lane, tl.where(lane_live, seq, tl.zeros([REQ_BLOCK], dtype=tl.int64) + seq_len_fill), mask=lane_in_buffer)
+        rows = tl.load(src_req_pool_indices + lane, mask=lane_live, other=0).to(tl.int64)
+        tl.store(req_pool_indices + lane, tl.where(lane_live, rows, tl.zeros([REQ_BLOCK], dtype=tl.int64) + padding_row),
+                 mask=lane_in_buffer)
+        accept = tl.load(src_accept_lens + lane, mask=lane_live, other=1).to(tl.int64)
+        tl.store(num_correct_drafts + lane, accept - 1, mask=lane_live)  # padded lanes keep their (in-range) stale counts
+        tl.store(num_accept_tokens + lane, accept, mask=lane_live)
         if HAS_GATHERED:
             g = tl.arange(0, GATHERED_BLOCK)
             counts = tl.zeros([GATHERED_BLOCK], dtype=tl.int32) + gathered_value
@@ -96,8 +97,8 @@ def _prepare_fill_kernel(
             tl.store(gathered_logprob + g, counts, mask=g < gathered_len)
     else:
         flat = (pid - token_programs - 1).to(tl.int64) * HIDDEN_BLOCK + tl.arange(0, HIDDEN_BLOCK)
-        live = flat < hidden_live_numel
-        tl.store(hidden_bits + flat, tl.load(src_hidden_bits + flat, mask=live), mask=live)
+        flat_live = flat < hidden_live_numel
+        tl.store(hidden_bits + flat, tl.load(src_hidden_bits + flat, mask=flat_live), mask=flat_live)
 
 
 def _as_bits(t: torch.Tensor) -> torch.Tensor:
