@@ -45,8 +45,8 @@ def check_model_fits_layout(cfg: ModelConfig, layout: ParallelLayout) -> None:
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    xf = x.float()
-    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * w
+    """x * rsqrt(mean(x^2) + eps) in fp32, then the weight in x's dtype; torch's rms_norm is one kernel where it has a fused one."""
+    return F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype) * w
 
 
 def norm_weight(cfg: ModelConfig, name: str) -> torch.Tensor:
@@ -134,10 +134,12 @@ class DecoderLayer:
     def attention(self, x: torch.Tensor, fb: ForwardBatch, attn, meta: AttnMetadata) -> torch.Tensor:
         """Returns the o_proj partial sum of this rank's heads."""
         n, d = x.shape[0], self.cfg.head_dim
-        q, k, v = (x @ self.w_qkv.T).split(self.qkv_split, dim=-1)
-        q, k, v = q.view(n, self.heads.q_count, d), k.view(n, self.heads.kv_count, d), v.view(n, self.heads.kv_count, d)
-        q = apply_rope(q, fb.positions, self.cos_sin_cache)
-        k = apply_rope(k, fb.positions, self.cos_sin_cache)
+        qkv = x @ self.w_qkv.T
+        qk_width = self.qkv_split[0] + self.qkv_split[1]
+        # q and k sit side by side in qkv_proj's output, so one rotation covers both heads' sets
+        qk = apply_rope(qkv[:, :qk_width].view(n, self.heads.q_count + self.heads.kv_count, d), fb.positions, self.cos_sin_cache)
+        q, k = qk.split([self.heads.q_count, self.heads.kv_count], dim=1)
+        v = qkv[:, qk_width:].view(n, self.heads.kv_count, d)
         o = attn.forward(self.kv_layer, q, k, v, fb, meta)
         return o.reshape(n, self.heads.q_count * d) @ self.wo.T
 
