@@ -9,8 +9,8 @@ stale values on purpose: that is what the engine does, and what the harness must
 harmless. The single-layer runner is runners.eagle_draft_extend_graph.
 
 The multi-layer fill has two paths, as the engine's: on a CUDA worker one fused Triton launch
-(runners.draft_extend_fill), because there the host cost of the fill's many small torch launches
-bounds the graphed iteration; on any other device the torch methods below, its native twin,
+(runners.draft_extend_fill) in place of the fill's many small torch launches; on any other
+device the torch methods below, its native twin,
 which the CPU suite and the built-in mutants exercise. Both leave the device buffers bitwise
 alike. The runner picks its path once, at construction, from the worker's device.
 """

@@ -2,9 +2,10 @@
 
 The multi-layer runner fills its shared buffers once per iteration, outside the graphs. Done as
 torch ops that fill is some sixteen small launches (the reset of every buffer, the live
-copy-ins, the gathered counts), and on a fast GPU their host cost, not the device work, bounds
-the graphed iteration. The engine (SGLang 0.5.16 on) therefore writes the whole fill with one
-Triton launch on CUDA, and keeps a native torch twin for devices where the kernel cannot run.
+copy-ins, the gathered counts), each a host launch before the replays can start. The engine
+(SGLang 0.5.16 on) writes the whole fill with one Triton launch on CUDA, and keeps a native torch
+twin for devices where the kernel cannot run; the engine under test has the same two paths, so a
+bug in either (the engine's native twin has had one: padded token rows left stale) has its place here.
 We do the same: `PrepareFill.TRITON` on a CUDA worker launches `fill_prepare_buffers`;
 `PrepareFill.NATIVE` everywhere else keeps the runner's torch methods (reset_for_iteration,
 _copy_live_inputs), which the CPU suite and the built-in mutants exercise. The kernel must leave
