@@ -15,6 +15,7 @@ from harness.mutants import (
     dp,
     draft_attention,
     draft_extend,
+    fused_fill,
     host_mirror,
     memory,
     padding_rule,
@@ -31,7 +32,7 @@ from harness.mutants.base import Mutant
 CATALOG: tuple[Mutant, ...] = (
     *draft_extend.MUTANTS, *spec_loop.MUTANTS, *memory.MUTANTS, *verify_fill.MUTANTS, *recorded_graph.MUTANTS,
     *decode.MUTANTS, *draft_attention.MUTANTS, *shape.MUTANTS, *verify.MUTANTS, *dp.MUTANTS, *host_mirror.MUTANTS,
-    *replay_fill.MUTANTS, *padding_rule.MUTANTS,
+    *replay_fill.MUTANTS, *padding_rule.MUTANTS, *fused_fill.MUTANTS,
 )
 BY_ID: dict[str, Mutant] = {m.id: m for m in CATALOG}
 if len(BY_ID) != len(CATALOG):
