@@ -20,7 +20,7 @@ import torch
 from harness.case import Case
 from harness.observe import LoopObserver, LoopRecords
 from harness.ranks.simulated import SimulatedWorld
-from runners.attention.flashinfer_backend import TREE_MASK_UNSUPPORTED
+from runners.attention.kinds import TREE_MASK_UNSUPPORTED
 from runners.config import DEFAULT_MODEL, ModelConfig, SpecConfig
 from runners.parallel.dp_attention import RankContext
 from runners.parallel.layout import ParallelLayout

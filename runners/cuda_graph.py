@@ -16,7 +16,8 @@ alike. The runner picks its path once, at construction, from the worker's device
 """
 from __future__ import annotations
 
-from typing import Optional
+import importlib
+from typing import Callable, Optional
 
 import torch
 
@@ -30,8 +31,7 @@ from runners.draft_extend import (
     run_eager,
     with_step_inputs,
 )
-from runners.draft_extend_buffers import DraftExtendGraphRunner, DraftExtendInputBuffers
-from runners.draft_extend_fill import PrepareFill, fill_prepare_buffers
+from runners.draft_extend_buffers import DraftExtendGraphRunner, DraftExtendInputBuffers, PrepareFill
 from runners.eagle_draft_extend_graph import EagleDraftExtendCudaGraphRunner
 from runners.graph_backend import GraphBackend
 from runners.graph_runner import RunnerKind, compute_capture_bs
@@ -41,6 +41,13 @@ __all__ = [
     "DraftExtendGraphDriver", "EagleDraftExtendCudaGraphRunner", "EagleDraftExtendCudaGraphRunnerBase",
     "MultiLayerEagleDraftExtendCudaGraphRunner", "MultiLayerEagleMultiStepDraftExtendCudaGraphRunner", "compute_capture_bs",
 ]
+
+
+def _fused_fill() -> Callable[[DraftExtendInputBuffers, DraftExtendInputs, int, int], None]:
+    """The fused fill's launcher, imported on the fused path only: its module imports triton, an optional package
+    (runners.attention imports its backends the same way), and a CPU process must not pay for it or have it set
+    TRITON_INTERPRET."""
+    return importlib.import_module("runners.draft_extend_fill").fill_prepare_buffers
 
 
 class EagleDraftExtendCudaGraphRunnerBase(DraftExtendGraphRunner):
@@ -129,7 +136,7 @@ class EagleDraftExtendCudaGraphRunnerBase(DraftExtendGraphRunner):
         """Reset, copy-in and replay fill; returns the bucket. Device work and host copies only: no device sync when inp carries its host lengths."""
         bs = self._choose_bucket(self._needed_bs(inp))
         if self.prepare_fill is PrepareFill.TRITON:
-            fill_prepare_buffers(self.buffers, inp, bs, self.T)  # every device buffer the two methods below write
+            _fused_fill()(self.buffers, inp, bs, self.T)  # every device buffer the two methods below write
             self.seq_lens_cpu.fill_(SEQ_LEN_FILL_VALUE)  # the host mirror, as reset_for_iteration and _copy_live_inputs
             self.seq_lens_cpu[: inp.bs].copy_(host_copy(inp.seq_lens_cpu, inp.seq_lens))
             return bs

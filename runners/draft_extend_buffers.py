@@ -11,6 +11,7 @@ its own `get_forward_batch` and replay fill (DESIGN.md §6.2-6.4).
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from enum import Enum
 from typing import Optional
 
 import torch
@@ -20,6 +21,19 @@ from runners.draft_extend import SEQ_LEN_FILL_VALUE, DraftExtendInputs, DraftWor
 from runners.graph_backend import GraphBackend
 from runners.graph_runner import BucketedGraphRunner, compute_capture_bs, gathered_buffers
 from runners.memory import PADDING_SLOT
+
+
+class PrepareFill(Enum):
+    """How a multi-layer runner writes its per-iteration fill: torch ops, or the one fused launch
+    (runners.draft_extend_fill, whose module imports triton: the runner imports it on the fused path only)."""
+
+    NATIVE = "native"
+    TRITON = "triton"
+
+    @classmethod
+    def for_device(cls, device: torch.device | str) -> "PrepareFill":
+        """The engine's choice: the kernel where it is compiled for the device (CUDA), the torch ops elsewhere."""
+        return cls.TRITON if torch.device(device).type == "cuda" else cls.NATIVE
 
 
 @dataclass

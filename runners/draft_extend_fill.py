@@ -6,9 +6,10 @@ copy-ins, the gathered counts), each a host launch before the replays can start.
 (SGLang 0.5.16 on) writes the whole fill with one Triton launch on CUDA, and keeps a native torch
 twin for devices where the kernel cannot run; the engine under test has the same two paths, so a
 bug in either (the engine's native twin has had one: padded token rows left stale) has its place here.
-We do the same: `PrepareFill.TRITON` on a CUDA worker launches `fill_prepare_buffers`;
-`PrepareFill.NATIVE` everywhere else keeps the runner's torch methods (reset_for_iteration,
-_copy_live_inputs), which the CPU suite and the built-in mutants exercise. The kernel must leave
+We do the same: `PrepareFill.TRITON` (runners.draft_extend_buffers) on a CUDA worker launches
+`fill_prepare_buffers`; `PrepareFill.NATIVE` everywhere else keeps the runner's torch methods
+(reset_for_iteration, _copy_live_inputs), which the CPU suite and the built-in mutants exercise.
+This module imports triton, an optional package: the runner imports it on the fused path only. The kernel must leave
 every device buffer bitwise as the native path does; tests/test_draft_extend_fill.py holds it to
 that (in Triton's interpreter on CPU, and on CUDA).
 
@@ -25,8 +26,6 @@ The host mirror seq_lens_cpu is a host tensor: the runner writes it itself, as t
 """
 from __future__ import annotations
 
-from enum import Enum
-
 import torch
 
 from runners.attention.triton_launch import run_kernel, tl, triton
@@ -34,24 +33,12 @@ from runners.draft_extend import SEQ_LEN_FILL_VALUE, DraftExtendInputs
 from runners.draft_extend_buffers import DraftExtendInputBuffers
 from runners.memory import PADDING_ROW, PADDING_SLOT
 
-__all__ = ["PrepareFill", "fill_prepare_buffers"]
+__all__ = ["fill_prepare_buffers"]
 
 TOKEN_BLOCK = 512
 HIDDEN_BLOCK = 4096
 # The hidden rows are copied as raw bits: one kernel per element width, and NaN payloads kept as a copy keeps them.
 _BITS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
-class PrepareFill(Enum):
-    """How a multi-layer runner writes its per-iteration fill: torch ops, or the one fused launch."""
-
-    NATIVE = "native"
-    TRITON = "triton"
-
-    @classmethod
-    def for_device(cls, device: torch.device | str) -> "PrepareFill":
-        """The engine's choice: the kernel where it is compiled for the device (CUDA), the torch ops elsewhere."""
-        return cls.TRITON if torch.device(device).type == "cuda" else cls.NATIVE
 
 
 # The live sizes change every iteration: specialised on them (a size of 1, a multiple of 16) the kernel would compile

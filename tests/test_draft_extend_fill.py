@@ -10,7 +10,9 @@ is the GPU-marked test at the end.
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
+from pathlib import Path
 from typing import Optional
 
 import pytest
@@ -23,8 +25,11 @@ from runners.attention.triton_launch import interpreter_error  # noqa: E402
 from runners.config import ModelConfig, SpecConfig  # noqa: E402
 from runners.cuda_graph import MultiLayerEagleDraftExtendCudaGraphRunner  # noqa: E402
 from runners.draft_extend import DraftExtendInputs, DraftWorker  # noqa: E402
-from runners.draft_extend_buffers import DraftExtendInputBuffers  # noqa: E402
-from runners.draft_extend_fill import PrepareFill, fill_prepare_buffers  # noqa: E402
+from runners.draft_extend_buffers import (
+    DraftExtendInputBuffers,  # noqa: E402
+    PrepareFill,  # noqa: E402
+)
+from runners.draft_extend_fill import fill_prepare_buffers  # noqa: E402
 from runners.graph_backend import GraphBackend  # noqa: E402
 from runners.parallel.dp_attention import RankContext  # noqa: E402
 from runners.parallel.layout import ParallelLayout as PL  # noqa: E402
@@ -247,3 +252,14 @@ def test_fused_fill_matches_the_native_fill_on_cuda(case):
     """On CUDA the runner picks the kernel by itself (fill=None); the native twin pinned, on the same device."""
     _, layout, spec, hidden, dtype, schedule = case
     _compare(layout, spec, hidden, dtype, schedule, "cuda", None)
+
+
+def test_the_runners_import_without_triton():
+    """triton is an optional package: the multi-layer runner, the loop and its harness import the fused fill (and
+    triton) only on the fused path, so a CPU process neither pays for triton nor has TRITON_INTERPRET set by it."""
+    code = ("import os, sys\nimport runners.cuda_graph, runners.spec_decode, harness.spec_decode\n"
+            "print('triton' in sys.modules, 'TRITON_INTERPRET' in os.environ)")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", code], env=env, cwd=Path(__file__).parent.parent, capture_output=True, text=True,
+                          timeout=120)
+    assert done.stdout.split() == ["False", "False"], done.stdout + done.stderr

@@ -10,7 +10,7 @@ import torch
 
 import runners.draft_extend_fill as draft_extend_fill
 from harness.mutants.base import Mutant
-from runners.draft_extend_fill import PrepareFill
+from runners.draft_extend_buffers import PrepareFill
 
 
 def _always_fused(cls: type[PrepareFill], device: torch.device | str) -> PrepareFill:

@@ -60,13 +60,11 @@ import torch
 from runners import graph_record
 from runners.attention.flashinfer_kv_indices import write_kv_indices
 from runners.attention.flashinfer_plan import KvIndexPlan, kv_index_plan, packed_len, plan_inputs_key, plan_sources
+from runners.attention.kinds import TREE_MASK_UNSUPPORTED
 from runners.batch import ForwardBatch, ForwardMode
 from runners.eagle_draft import DraftDecodeSpecInfo
 from runners.memory import ReqToTokenPool, TokenToKVPool
 from runners.verify import chain_mask
-
-TREE_MASK_UNSUPPORTED = ("the flashinfer backend does not apply the verify tree mask (a TARGET_VERIFY batch's custom_mask): "
-                         "the speculative loop verifies with the torch or triton backend")
 
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
 WORKSPACE_BYTES = 128 * 1024 * 1024
