@@ -54,7 +54,7 @@ def instrument(flashinfer: bool) -> None:
         _timed(cls, "_host_seq_lens", "    host seq_lens (+ chain check)")
         _timed(cls, "_plan_args", "    plan args (extend, verify)")
         _timed(cls, "_draft_plan_args", "    plan args (decode)")
-        _timed(fb, "kv_index_plan", "      kv_index_plan (numpy)")
+        _timed(fb, "kv_index_plan", "      kv_index_plan (host lengths)")
         _timed(cls, "_plan", "    write buffers + plan")
         _timed(cls, "_staging", "      wait for the staging buffer")
         _timed(cls, "_replan", "      flashinfer planner (C++)")

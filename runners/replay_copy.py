@@ -15,13 +15,9 @@ _GroupKey = tuple[torch.dtype, torch.dtype, torch.device, torch.device]
 
 
 def grouped_foreach_copy_(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor]) -> None:
-    """dst.copy_(src) for every pair, one foreach call per (dtypes, devices) group."""
-    if len(dsts) != len(srcs):
-        raise ValueError(f"grouped_foreach_copy_: {len(dsts)} destinations for {len(srcs)} sources")
+    """dst.copy_(src) for every pair (broadcasting as copy_ does), one foreach call per (dtypes, devices) group."""
     groups: dict[_GroupKey, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
     for dst, src in zip(dsts, srcs, strict=True):
-        if dst.shape != src.shape:  # foreach would broadcast nothing and raise later, without naming the pair
-            raise ValueError(f"grouped_foreach_copy_: destination {tuple(dst.shape)} for a source {tuple(src.shape)}")
         group = groups.setdefault((dst.dtype, src.dtype, dst.device, src.device), ([], []))
         group[0].append(dst)
         group[1].append(src)

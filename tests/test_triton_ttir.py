@@ -48,11 +48,13 @@ def launches(monkeypatch) -> list[dict]:
     return records
 
 
-def _build(records: list[dict], tmp_path: Path) -> subprocess.CompletedProcess:
-    path = tmp_path / "launches.json"
-    path.write_text(json.dumps(records))
-    env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": os.pathsep.join([str(HERE.parent), str(HERE)])}
-    return subprocess.run([sys.executable, str(HERE / "triton_ttir.py"), str(path)], env=env, capture_output=True, text=True, timeout=300)
+def _build(records: list[dict], tmp_path: Path, *path: Path) -> subprocess.CompletedProcess:
+    """tests/triton_ttir.py over `records` in a fresh process without the interpreter; `path` adds kernels' modules."""
+    launches = tmp_path / "launches.json"
+    launches.write_text(json.dumps(records))
+    env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": os.pathsep.join(map(str, [*path, HERE.parent, HERE]))}
+    return subprocess.run([sys.executable, str(HERE / "triton_ttir.py"), str(launches)], env=env, capture_output=True, text=True,
+                          timeout=300)
 
 
 def _launch_every_kernel() -> None:
@@ -85,8 +87,5 @@ def test_a_kernel_the_gpu_compiler_refuses_is_caught(tmp_path):
         "    pid = tl.program_id(0)\n    if pid == 0:\n        m = tl.arange(0, A) < n\n        tl.store(x + tl.arange(0, A), 1, mask=m)\n"
         "    else:\n        m = tl.arange(0, B) < n\n        tl.store(x + tl.arange(0, B), 2, mask=m)\n")
     rec = {"module": "refused_kernel", "kernel": "refused", "values": {"x": ["pointer", "i64"], "n": ["int", 3], "A": ["int", 8], "B": ["int", 16]}}
-    path = tmp_path / "launches.json"
-    path.write_text(json.dumps([rec]))
-    env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": os.pathsep.join([str(tmp_path), str(HERE.parent), str(HERE)])}
-    done = subprocess.run([sys.executable, str(HERE / "triton_ttir.py"), str(path)], env=env, capture_output=True, text=True, timeout=300)
+    done = _build([rec], tmp_path, tmp_path)
     assert done.returncode == 1 and "FAILED refused_kernel.refused: CompilationError" in done.stdout, done.stdout + done.stderr
