@@ -26,7 +26,7 @@ from harness.mutants import (
     verify,
     verify_fill,
 )
-from harness.mutants.base import Mutant
+from harness.mutants.base import Mutant, Wrap
 
 # one module per family, in the order `harness mutants` lists them
 CATALOG: tuple[Mutant, ...] = (
@@ -45,4 +45,4 @@ def get(mutant_id: str) -> Mutant:
     return BY_ID[mutant_id]
 
 
-__all__ = ["BY_ID", "CATALOG", "Mutant", "get"]
+__all__ = ["BY_ID", "CATALOG", "Mutant", "Wrap", "get"]

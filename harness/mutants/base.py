@@ -2,9 +2,18 @@
 from __future__ import annotations
 
 import contextlib
+import pkgutil
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Optional
 from unittest import mock
+
+
+@dataclass(frozen=True)
+class Wrap:
+    """A replacement built from the real attribute when the mutant is planted: a patch whose target is named lazily
+    (a string) has no real method to call until then."""
+
+    make: Callable[[Any], Any]  # the real attribute -> its replacement
 
 
 @dataclass(frozen=True)
@@ -12,15 +21,21 @@ class Mutant:
     id: str
     description: str
     kind: str  # what family of bug it stands for
-    patches: tuple[tuple[object, str, object], ...] = field(default=())  # (target, attribute, replacement)
+    # (target, attribute, replacement); a str target ("pkg.mod:Class") is imported when planted, as mock.patch("pkg.mod.Class.attr")
+    # does, so the catalog can name code in a module that imports an optional package (triton) without importing it
+    patches: tuple[tuple[object, str, object], ...] = field(default=())
     probes: Optional[tuple[str, ...]] = None  # probe ids (harness.suite.PROBES) that can see it, cheapest first; None: all
 
     @contextlib.contextmanager
     def planted(self) -> Iterator["Mutant"]:
         with contextlib.ExitStack() as stack:
             for target, attr, new in self.patches:
+                if isinstance(target, str):
+                    target = pkgutil.resolve_name(target)
                 if not hasattr(target, attr):
                     raise AttributeError(f"mutant {self.id}: {target!r} has no attribute {attr!r} to patch (the code moved?)")
+                if isinstance(new, Wrap):
+                    new = new.make(getattr(target, attr))
                 stack.enter_context(mock.patch.object(target, attr, new))
             yield self
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import torch
 
-import runners.draft_extend_fill as draft_extend_fill
 from harness.mutants.base import Mutant
 from runners.draft_extend_buffers import PrepareFill
 
@@ -18,6 +17,7 @@ def _always_fused(cls: type[PrepareFill], device: torch.device | str) -> Prepare
 
 
 _FUSED = (PrepareFill, "for_device", classmethod(_always_fused))
+_FILL = "runners.draft_extend_fill"  # imports triton, an optional package: named here, imported when a mutant is planted
 
 MUTANTS: tuple[Mutant, ...] = (
     Mutant(
@@ -25,7 +25,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "the fused prepare fill gives padded lanes request row 1 instead of the padding row: their in-graph KV slot "
         "lookup goes through a live request's row and writes into its slots",
         "KV write for padded rows lands in a live slot",
-        (_FUSED, (draft_extend_fill, "PADDING_ROW", 1)),
+        (_FUSED, (_FILL, "PADDING_ROW", 1)),
         ("padded-lanes-multi-layer",),  # P2 (canonical out_cache_loc: the slot lookup)
     ),
     Mutant(
@@ -33,7 +33,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "the fused prepare fill writes 2 into the padded lanes' seq_lens instead of the fill value the capture baked "
         "into seq_lens_sum",
         "stale padded lane after shrink",
-        (_FUSED, (draft_extend_fill, "SEQ_LEN_FILL_VALUE", 2)),
+        (_FUSED, (_FILL, "SEQ_LEN_FILL_VALUE", 2)),
         ("metadata-dp",),  # P1 (padded seq_lens)
     ),
 )
