@@ -17,6 +17,7 @@ alike. The runner picks its path once, at construction, from the worker's device
 from __future__ import annotations
 
 import importlib
+from dataclasses import replace
 from typing import Callable, Optional
 
 import torch
@@ -227,8 +228,16 @@ class DraftExtendGraphDriver:
         self.multi_step.prepare(inp)
         outs = []
         step_inp = inp
+        last = len(self.runners) - 1
         for k in range(len(self.runners)):
             out = self.multi_step.replay(k, step_inp)
-            outs.append(out)
             step_inp = with_step_inputs(inp, out.next_input_ids, out.hidden)
+            outs.append(self.kept(out) if k < last else out)
         return outs
+
+    @staticmethod
+    def kept(out: StepOutputs) -> StepOutputs:
+        """A step's outputs as the caller keeps them past the next step: the steps share the logits buffer
+        (DraftExtendInputBuffers), so the next step's replay overwrites this step's logits (runners.outputs); the
+        rest is each step's own graph output. The engine's worker reads a step's logits before the next replay."""
+        return replace(out, logits=out.logits.clone())

@@ -7,7 +7,7 @@ draft's proposal in place of the first rejected token).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, replace
 from typing import Optional
 
 import torch
@@ -22,6 +22,7 @@ from runners.logits import logits_processor
 from runners.memory import ReqToTokenPool, TokenToKVPool, assign_out_cache_loc
 from runners.mlp_sync import SEQ_LEN_FILL_VALUE as SEQ_LEN_FILL_VALUE
 from runners.model import DraftModel, head_shard
+from runners.outputs import RunnerOutputs
 from runners.parallel.dp_attention import RankContext
 
 
@@ -44,7 +45,7 @@ class DraftExtendInputs:
 
 
 @dataclass
-class StepOutputs:
+class StepOutputs(RunnerOutputs):
     logits: torch.Tensor  # [N, V]
     hidden: torch.Tensor  # [N, H] layer output (pre-norm), the next layer's hidden input
     logprobs: torch.Tensor  # [bs, V] of the selected rows
@@ -54,15 +55,12 @@ class StepOutputs:
     rows_fed: torch.Tensor  # scalar: rows this rank gave lm_head
 
     def sliced(self, raw_bs: int, T: int) -> "StepOutputs":
+        """The raw batch's rows: views, as the engine's replay returns them (runners.outputs)."""
         n = raw_bs * T
         return StepOutputs(
-            self.logits[:n].clone(), self.hidden[:n].clone(), self.logprobs[:raw_bs].clone(),
-            self.topk_p[:raw_bs].clone(), self.topk_index[:raw_bs].clone(),
-            self.next_input_ids[:n].clone(), self.rows_fed.clone(),
+            self.logits[:n], self.hidden[:n], self.logprobs[:raw_bs], self.topk_p[:raw_bs], self.topk_index[:raw_bs],
+            self.next_input_ids[:n], self.rows_fed,
         )
-
-    def tensors(self) -> dict[str, torch.Tensor]:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
 class DraftWorker:

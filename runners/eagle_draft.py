@@ -21,7 +21,7 @@ write into a live request's prefix.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, replace
 from typing import Optional
 
 import torch
@@ -30,6 +30,7 @@ from runners.batch import ForwardBatch, ForwardMode
 from runners.dp_metadata import gathered_metadata
 from runners.draft_extend import DraftWorker
 from runners.logits import logits_processor
+from runners.outputs import RunnerOutputs
 from runners.scheduler import Proposal
 
 
@@ -62,7 +63,7 @@ class DraftDecodeInputs:
 
 
 @dataclass
-class DraftDecodeOutputs:
+class DraftDecodeOutputs(RunnerOutputs):
     """The draft tree of every request, per depth 1..S, and what the last forward fed lm_head."""
 
     tokens: torch.Tensor  # [bs, S, topk] the kept nodes of each depth
@@ -75,13 +76,10 @@ class DraftDecodeOutputs:
     rows_fed: torch.Tensor  # scalar: rows this rank gave lm_head in the last forward
 
     def sliced(self, raw_bs: int, topk: int) -> "DraftDecodeOutputs":
+        """The raw batch's requests and lanes: views, as the engine's replay returns them (runners.outputs)."""
         n = raw_bs * topk
-        per_req = {f: getattr(self, f)[:raw_bs].clone() for f in ("tokens", "parents", "scores", "child_index", "child_p")}
-        return DraftDecodeOutputs(**per_req, step_logits=self.step_logits[:, :n].clone(), logits=self.logits[:n].clone(),
-                                  rows_fed=self.rows_fed.clone())
-
-    def tensors(self) -> dict[str, torch.Tensor]:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
+        per_req = {f: getattr(self, f)[:raw_bs] for f in ("tokens", "parents", "scores", "child_index", "child_p")}
+        return DraftDecodeOutputs(**per_req, step_logits=self.step_logits[:, :n], logits=self.logits[:n], rows_fed=self.rows_fed)
 
 
 def check_draft_window(num_steps: int, topk: int, num_tokens_per_bs: int) -> None:

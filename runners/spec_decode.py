@@ -93,7 +93,7 @@ class StepReport:
     verified: list[RoundResult] = field(default_factory=list)
     finished: list[int] = field(default_factory=list)
     extend_rids: list[int] = field(default_factory=list)  # row order of the draft-extend below
-    extend_outs: list[StepOutputs] = field(default_factory=list)  # per draft step, real rows
+    extend_outs: list[StepOutputs] = field(default_factory=list)  # per draft step, real rows (copies: runners.outputs)
     decode_outs: Optional[DraftDecodeOutputs] = None  # the single-layer draft decode's tree (real requests)
 
 
@@ -247,8 +247,8 @@ class SpecEngine:
             if inp is not None:
                 props = self.draft.extend(inp)
                 rep.extend_rids = [r.rid for r in reqs]
-                rep.extend_outs = self.draft.last_outs
-                rep.decode_outs = self.draft.last_decode
+                rep.extend_outs = [o.cloned() for o in self.draft.last_outs]  # a report outlives the next step's replays
+                rep.decode_outs = None if self.draft.last_decode is None else self.draft.last_decode.cloned()
         if props is None:
             props = self.draft.propose(reqs) if isinstance(self.draft, TargetProposer) else []
         for r, p in zip(reqs, props, strict=True):

@@ -25,6 +25,7 @@ from runners.draft_extend import _move_tensors
 from runners.logits import logits_processor
 from runners.memory import ReqToTokenPool, TokenToKVPool, assign_out_cache_loc
 from runners.model import TargetModel, head_shard
+from runners.outputs import RunnerOutputs
 from runners.parallel.dp_attention import RankContext, mlp_sync_batch_sizes
 from runners.verify import tree_depths, tree_mask
 
@@ -94,7 +95,7 @@ def extend_batch(ctx: RankContext, lanes: Sequence[Lane], dp_tokens: list[int], 
 
 
 @dataclass
-class TargetOutput:
+class TargetOutput(RunnerOutputs):
     hidden: torch.Tensor  # [N, H] last layer, pre-norm: what the EAGLE draft consumes
     logits: torch.Tensor  # [N, V]
     rows_fed: Optional[torch.Tensor] = None  # scalar: rows this rank gave lm_head

@@ -209,4 +209,4 @@ class TargetVerifyCudaGraphRunner(BucketedGraphRunner):
         bs = self._fill_for_replay(inp)
         out: TargetOutput = self._replay_graph(bs, self.target.attn)
         n = inp.bs * self.T
-        return TargetOutput(out.hidden[:n].clone(), out.logits[:n].clone(), out.rows_fed.clone())
+        return TargetOutput(out.hidden[:n], out.logits[:n], out.rows_fed)  # views, as the engine's (runners.outputs)

@@ -75,12 +75,12 @@ def _steps(rig: RunnerRig, runners: tuple[str, ...]) -> dict[str, list]:
             if runner == "decode":
                 inp = rig.decode_inputs(batch, seed=it)
                 ref = rig.eager_decode(inp)
-                got = rig.decode.replay(inp)
+                got = rig.decode.replay(inp).cloned()  # kept past the next replay, which overwrites the views it returns
                 ref, got = ref.tensors(), got.tensors()
             else:
                 lanes = rig.verify_lanes(batch, seed=it)
                 ref = rig.eager_verify(lanes)
-                got = rig.verify.replay(rig.verify_inputs(lanes))
+                got = rig.verify.replay(rig.verify_inputs(lanes)).cloned()
                 ref, got = {"logits": ref.logits, "hidden": ref.hidden}, {"logits": got.logits, "hidden": got.hidden}
             rec = observers[runner].replays[-1]
             out[runner].append((it, raw_bs, {k: v.cpu() for k, v in ref.items()}, {k: v.cpu() for k, v in got.items()}, rec))

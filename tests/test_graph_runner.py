@@ -194,7 +194,7 @@ def test_observed_driver_replays_the_same_outputs():
         for observed in (True, False):
             observers = observe_all(driver.runners) if observed else []
             batch = materialize(driver.worker, sc, sc.iterations[1])
-            got[observed] = driver.run(batch.inputs), observers[0].take() if observers else []
+            got[observed] = [o.cloned() for o in driver.run(batch.inputs)], observers[0].take() if observers else []  # kept past the next run
             release(driver.worker, batch)
             for obs in reversed(observers):
                 obs.detach()

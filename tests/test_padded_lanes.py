@@ -89,7 +89,7 @@ def test_out_of_domain_num_correct_drafts_would_leak_into_a_real_row():
     changed_rows = []
 
     def replay(inp):
-        out_clean = real_replay(inp)
+        out_clean = real_replay(inp).cloned()  # the next replay overwrites the views a replay returns (runners.outputs)
         saved = runner.num_correct_drafts.clone()  # a step replays the buffers as prepared: sabotage them, replay, restore
         runner.num_correct_drafts[inp.bs:] = -1
         out_bad = real_replay(inp)

@@ -6,7 +6,7 @@ from unittest import mock
 from harness.mutants.base import Mutant
 from harness.mutants.draft_extend import REAL_COPY, REAL_GET_FORWARD_BATCH
 from runners.attention.torch_ref import AttnMetadata, TorchAttnBackend
-from runners.cuda_graph import EagleDraftExtendCudaGraphRunnerBase
+from runners.cuda_graph import DraftExtendGraphDriver, EagleDraftExtendCudaGraphRunnerBase
 
 # ---- issue 15: bugs only a graph that replays kernels, not Python, shows ----
 # Each body is correct whenever its Python runs with live host state, so a CPU graph that
@@ -87,5 +87,14 @@ MUTANTS: tuple[Mutant, ...] = (
         "host sync inside capture",
         ((TorchAttnBackend, "init_forward_metadata", _metadata_reads_max_seq_len),),
         ("case-tp1", "p7-idle-ranks"),  # run: the capture fails at the host read
+    ),
+    Mutant(
+        "multi-layer-keeps-shared-logits-view",
+        "the multi-layer driver hands back each step's logits as the view its replay returned, into the logits buffer "
+        "the steps share: the next step's replay overwrites it, so every earlier step reads the last step's logits "
+        "(a graph writes its outputs in place; the recorded CPU graph too)",
+        "graph output read after the next replay",
+        ((DraftExtendGraphDriver, "kept", staticmethod(lambda out: out)),),
+        ("case-tp1",),  # P3 (eager vs graph logits of every step but the last)
     ),
 )

@@ -78,7 +78,7 @@ class RunnerPoison:
         def poisoned_replay(inp):
             s0 = self._snap(g)
             self.clean = True
-            out_c = replay(inp)
+            out_c = replay(inp).cloned()  # the poisoned replay below overwrites the graph's outputs (runners.outputs)
             rec = self.observers[id(g)].replays[-1]
             self.clean = False
             self.after_clean(g, inp, rec)
