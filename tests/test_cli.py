@@ -26,6 +26,13 @@ def test_help_lists_commands(capsys):
         assert cmd in out
 
 
+def test_python_dash_m_harness_is_the_command_with_its_exit_codes():
+    ok = run_module("harness", "list", timeout=240)
+    assert ok.returncode == 0 and "tp4_attn_tp_gather" in ok.stdout, ok.stderr
+    bad = run_module("harness", "no-such-command", timeout=240)
+    assert bad.returncode == 2 and "invalid choice" in bad.stderr, (bad.returncode, bad.stderr)
+
+
 def test_list_shows_layout_and_branch(capsys):
     assert main(["list"]) == 0
     out = capsys.readouterr().out

@@ -30,10 +30,14 @@ def _replay(rig, runner: str, batch, seed: int):
     return out
 
 
+GRAPHS = [pytest.param("cpu", "sim", id="recorded-cpu-graph"), pytest.param("cuda", "cuda", id="cuda-graph", marks=pytest.mark.gpu)]
+
+
+@pytest.mark.parametrize("device,graph_kind", GRAPHS)
 @pytest.mark.parametrize("runner", ["extend", "decode", "verify"])
-def test_the_next_replay_overwrites_the_outputs_a_replay_returned(runner):
+def test_the_next_replay_overwrites_the_outputs_a_replay_returned(runner, device, graph_kind):
     def fn(comm):
-        rig = build_rig(comm, MODEL, rig_spec((2, 4)), "torch", torch.device("cpu"), "sim", runners=(runner,))
+        rig = build_rig(comm, MODEL, rig_spec((2, 4)), "torch", torch.device(device), graph_kind, runners=(runner,))
         batch = rig.batch(3, 1000)
         first = _replay(rig, runner, batch, seed=1)
         kept = first.cloned()

@@ -72,7 +72,7 @@ def test_replay_fill_after_a_shrink():
     assert r.req_pool_indices.tolist() == [1, 0, 0, 0, 5, 6, 0, 0]
     assert r.positions[4:16].tolist() == [0] * 12 and r.input_ids[4:16].tolist() == [0] * 12
     assert r.input_ids[16:].tolist() == list(range(116, 124)) + [0] * 8 and r.positions[16:24].tolist() == list(range(16, 24))
-    assert r.out_cache_loc[4:16].tolist() == [PADDING_SLOT] * 12
+    # out_cache_loc has no replay fill: the body writes every row of the bucket before a KV write (runners.verify_graph)
     assert r.global_num_tokens_gpu.tolist() == [16, 16]
     assert rec.padded_seq_lens == [1, 1, 1] and rec.seq_lens_sum == rec.seq_lens_sum_actual == 13
 
