@@ -24,7 +24,7 @@ from runners.parallel.dp_attention import (
     dp_scatter,
 )
 from runners.parallel.layout import Branch, LayoutError, ParallelLayout
-from runners.parallel.linear import column_parallel, row_parallel, shard
+from runners.parallel.linear import merged_column_parallel, row_parallel, shard
 
 
 def full_weight(cfg: ModelConfig, name: str, shape: tuple[int, ...]) -> torch.Tensor:
@@ -127,8 +127,7 @@ class DecoderLayer:
             self.mlp_rank, self.mlp_size = ctx.tp_rank, layout.tp_size
         else:
             self.mlp_rank, self.mlp_size = ctx.attn_tp_rank, ctx.attn_tp_size
-        self.w_gate = column_parallel(gate, self.mlp_rank, self.mlp_size)
-        self.w_up = column_parallel(up, self.mlp_rank, self.mlp_size)
+        self.w_gate_up = merged_column_parallel((gate, up), self.mlp_rank, self.mlp_size)  # gate_up_proj: one GEMM
         self.w_down = row_parallel(down, self.mlp_rank, self.mlp_size)
 
     def attention(self, x: torch.Tensor, fb: ForwardBatch, attn, meta: AttnMetadata) -> torch.Tensor:
@@ -144,7 +143,8 @@ class DecoderLayer:
         return o.reshape(n, self.heads.q_count * d) @ self.wo.T
 
     def mlp_local(self, x: torch.Tensor) -> torch.Tensor:
-        return (F.silu(x @ self.w_gate.T) * (x @ self.w_up.T)) @ self.w_down.T
+        gate, up = (x @ self.w_gate_up.T).chunk(2, dim=-1)
+        return (F.silu(gate) * up) @ self.w_down.T
 
     def forward(self, x: torch.Tensor, fb: ForwardBatch, attn, meta: AttnMetadata) -> torch.Tensor:
         ctx, eps = self.ctx, self.cfg.rms_eps

@@ -22,6 +22,7 @@ from harness.mutants import (
     recorded_graph,
     replay_fill,
     shape,
+    sharding,
     spec_loop,
     verify,
     verify_fill,
@@ -32,7 +33,7 @@ from harness.mutants.base import Mutant, Wrap
 CATALOG: tuple[Mutant, ...] = (
     *draft_extend.MUTANTS, *spec_loop.MUTANTS, *memory.MUTANTS, *verify_fill.MUTANTS, *recorded_graph.MUTANTS,
     *decode.MUTANTS, *draft_attention.MUTANTS, *shape.MUTANTS, *verify.MUTANTS, *dp.MUTANTS, *host_mirror.MUTANTS,
-    *replay_fill.MUTANTS, *padding_rule.MUTANTS, *fused_fill.MUTANTS,
+    *replay_fill.MUTANTS, *padding_rule.MUTANTS, *fused_fill.MUTANTS, *sharding.MUTANTS,
 )
 BY_ID: dict[str, Mutant] = {m.id: m for m in CATALOG}
 if len(BY_ID) != len(CATALOG):

@@ -24,4 +24,11 @@ def row_parallel(w: torch.Tensor, rank: int, size: int) -> torch.Tensor:
     return shard(w, 1, rank, size)
 
 
+def merged_column_parallel(parts: tuple[torch.Tensor, ...], rank: int, size: int) -> torch.Tensor:
+    """Several projections' weights stacked as one (the engines' MergedColumnParallelLinear: gate_up_proj), each
+    sharded on its own: a rank keeps its slice of every part, in order, so one GEMM gives every part's slice. Sharding
+    the stack as one weight would give rank 0 gate rows only and the last rank up rows only."""
+    return torch.cat([column_parallel(p, rank, size) for p in parts])
+
+
 vocab_parallel = column_parallel
