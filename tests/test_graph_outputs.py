@@ -6,16 +6,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from case_driver import captured_driver
 
 from harness.bench_runners import build_rig, rig_spec
 from harness.case import load_case
 from harness.ranks.simulated import SimulatedWorld
 from harness.scenario import materialize, release
 from runners.config import ModelConfig
-from runners.cuda_graph import DraftExtendGraphDriver
-from runners.draft_extend import DraftWorker
-from runners.graph_backend import GraphBackend
-from runners.parallel.dp_attention import RankContext
 from runners.parallel.layout import ParallelLayout
 
 MODEL = ModelConfig(hidden_size=64, num_heads=8, num_kv_heads=2, intermediate_size=128, vocab_size=512, max_context_len=64)
@@ -58,9 +55,7 @@ def test_the_multi_layer_driver_keeps_every_steps_logits_past_the_next_step():
     sc = load_case("tp1_neither").scenario
 
     def fn(comm):
-        ctx = RankContext(sc.layout, comm.rank, comm)
-        driver = DraftExtendGraphDriver(DraftWorker(ctx, sc.model, sc.spec, attention_backend=sc.attention_backend), GraphBackend("sim"))
-        driver.capture()
+        driver = captured_driver(comm, sc)
         batch = materialize(driver.worker, sc, sc.iterations[1])
         outs = driver.run(batch.inputs)
         release(driver.worker, batch)

@@ -2,6 +2,7 @@
 replay fill, padded lanes, and the honesty of the CPU graph simulation."""
 import pytest
 import torch
+from case_driver import captured_driver
 
 from harness.case import load_case
 from harness.checks import run_spmd
@@ -182,14 +183,11 @@ def test_observed_driver_replays_the_same_outputs():
     """The observer (P1's host read-backs) changes nothing the runners compute: an unobserved run, as an engine's, gives the same outputs."""
     from harness.ranks.simulated import SimulatedWorld
     from harness.scenario import materialize, release
-    from runners.cuda_graph import DraftExtendGraphDriver
 
     sc = load_case("tp1_neither").scenario
 
     def rank(comm):
-        ctx = RankContext(sc.layout, comm.rank, comm)
-        driver = DraftExtendGraphDriver(DraftWorker(ctx, sc.model, sc.spec, attention_backend=sc.attention_backend), GraphBackend("sim"))
-        driver.capture()
+        driver = captured_driver(comm, sc)
         got = {}
         for observed in (True, False):
             observers = observe_all(driver.runners) if observed else []
@@ -216,7 +214,7 @@ def test_multi_layer_steps_share_one_buffer_set_filled_once_per_iteration():
 
     from harness.ranks.simulated import SimulatedWorld
     from harness.scenario import materialize, release
-    from runners.cuda_graph import DraftExtendGraphDriver, EagleDraftExtendCudaGraphRunnerBase
+    from runners.cuda_graph import EagleDraftExtendCudaGraphRunnerBase
 
     sc = load_case("tp1_neither").scenario
     fills = []
@@ -227,9 +225,7 @@ def test_multi_layer_steps_share_one_buffer_set_filled_once_per_iteration():
         return real_fill(self, inp)
 
     def rank(comm):
-        ctx = RankContext(sc.layout, comm.rank, comm)
-        driver = DraftExtendGraphDriver(DraftWorker(ctx, sc.model, sc.spec, attention_backend=sc.attention_backend), GraphBackend("sim"))
-        driver.capture()
+        driver = captured_driver(comm, sc)
         batch = materialize(driver.worker, sc, sc.iterations[1])
         with mock.patch.object(EagleDraftExtendCudaGraphRunnerBase, "_fill_for_replay", counting_fill):
             outs = driver.run(batch.inputs)
