@@ -1,4 +1,4 @@
-"""Mutants of how a rank keeps its slice of the full weights (runners.parallel.linear).
+"""Mutants of how a rank keeps its slice of the full weights (runners.parallel.linear, runners.model.head_shard).
 
 Every layout re-partitions the same seeded weights, so TP1 is the oracle: a rank that keeps the wrong
 slice computes another model, which P4 (every layout against TP1 eager) sees, while eager and graph
@@ -11,6 +11,15 @@ import torch
 from harness.mutants.base import Mutant
 from runners import model
 from runners.parallel.linear import column_parallel
+
+_REAL_HEAD_SHARD = model.head_shard
+
+
+def _kv_heads_round_robin(cfg, attn_tp_rank: int, attn_tp_size: int) -> model.HeadShard:
+    hs = _REAL_HEAD_SHARD(cfg, attn_tp_rank, attn_tp_size)
+    if attn_tp_size <= cfg.num_kv_heads:
+        return hs
+    return model.HeadShard(hs.q_start, hs.q_count, attn_tp_rank % cfg.num_kv_heads, hs.kv_count)  # not the q heads' group
 
 
 def _stack_sharded_as_one(parts: tuple[torch.Tensor, ...], rank: int, size: int) -> torch.Tensor:
@@ -25,5 +34,14 @@ MUTANTS: list[Mutant] = [
         "merged weight sharded as one",
         ((model, "merged_column_parallel", _stack_sharded_as_one),),
         ("cases",),  # P4 (TP > 1 with a sharded MLP against TP1)
+    ),
+    Mutant(
+        "kv-head-replica-round-robin",
+        "with more attention-TP ranks than KV heads, the qkv_proj weight gives rank r KV head r % num_kv_heads instead "
+        "of the head its q heads' GQA group reads (r // (attn_tp_size / num_kv_heads)): the weight loader's replica "
+        "mapping, wrong on every rank but the first of each group",
+        "KV head replica on the wrong rank",
+        ((model, "head_shard", _kv_heads_round_robin),),
+        ("cases",),  # P4 (attn-TP 4 with 2 KV heads against TP1)
     ),
 ]
