@@ -65,7 +65,6 @@ def graph_iterations(comm, backend: str, model_choice: str, dtype: str, bs_list:
     batch's requests are released when the caller moves on."""
     _, model = _model(model_choice, backend, dtype)
     rig = build_rig(comm, model, rig_spec(tuple(bs_list)), backend, torch.device("cuda"), "cuda")
-    rig.extend.record = False
     for i, bs in enumerate(bs_list):
         batch = rig.batch(bs, 1000 * (i + 1))
         _, graph = _runner_calls(rig, batch.inputs, rig.decode_inputs(batch, seed=i), rig.verify_lanes(batch, seed=i))
