@@ -71,9 +71,13 @@ def cmd_check(args) -> int:
 
 
 def cmd_replay(args) -> int:
-    from harness.replay import format_table, replay_case
+    from harness.replay import check_filters, format_table, replay_case
 
     case = load_case(args.case, cases_dir(args))
+    try:
+        check_filters(case, args.step, args.rank)
+    except ValueError as e:
+        raise UsageError(f"harness replay: {e}") from None
     with mutant_ctx(args.mutant):
         progress = None if args.json else (lambda msg: print(f"... {msg}", file=sys.stderr, flush=True))
         rep = replay_case(case, step=args.step, rank=args.rank, progress=progress, ranks=args.ranks, runner=args.runner)

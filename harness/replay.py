@@ -135,8 +135,18 @@ def _oracle_rows(oracle: list[RankRun], it: int, step: int, rids: list[int], T: 
     return torch.cat([logits[pos[r] * T:(pos[r] + 1) * T] for r in rids]) if rids else logits[:0]
 
 
+def check_filters(case: Case, step: Optional[int], rank: Optional[int]) -> None:
+    """A --step or --rank the case does not run would filter every row out: an empty table that passes."""
+    steps, world = case.scenario.spec.num_steps, case.layout.world_size
+    if step is not None and not 0 <= step < steps:
+        raise ValueError(f"--step {step}: {case.name} runs draft steps 0..{steps - 1} (num_steps = {steps})")
+    if rank is not None and not 0 <= rank < world:
+        raise ValueError(f"--rank {rank}: {case.name} runs ranks 0..{world - 1} (world size {world})")
+
+
 def replay_case(case: Case, step: Optional[int] = None, rank: Optional[int] = None, progress=None, ranks: RanksKind = RanksKind.SIM,
                 runner: str = "both") -> ReplayReport:
+    check_filters(case, step, rank)
     rep = run_case(case, runner=runner, ranks=ranks, progress=progress)
     out = ReplayReport(case.name, case.layout.describe(), rep, runner=runner, rank_filter=rank, step_filter=step)
     if rep.runs is None:

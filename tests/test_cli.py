@@ -33,6 +33,14 @@ def test_python_dash_m_harness_is_the_command_with_its_exit_codes():
     assert bad.returncode == 2 and "invalid choice" in bad.stderr, (bad.returncode, bad.stderr)
 
 
+@pytest.mark.parametrize("flag,value,names", [("--step", "3", "draft steps 0..2"), ("--rank", "2", "ranks 0..1"), ("--rank", "-1", "ranks 0..1")])
+def test_replay_refuses_a_step_or_rank_the_case_does_not_run(capsys, flag, value, names):
+    """Filtering on a step or rank the case never runs would print an empty table and exit 0."""
+    assert main(["replay", "tp2_neither", flag, value]) == 2
+    err = capsys.readouterr().err
+    assert f"{flag} {value}" in err and names in err, err
+
+
 def test_list_shows_layout_and_branch(capsys):
     assert main(["list"]) == 0
     out = capsys.readouterr().out
