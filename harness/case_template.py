@@ -176,6 +176,11 @@ def coverage(layout: ParallelLayout, cases: Sequence[Case]) -> list[str]:
             and c.layout.attn_dp_size == layout.attn_dp_size]
 
 
+def case_file_path(name: str, directory: Optional[Path] = None) -> Path:
+    """Where `new_case` writes the case: the errors about it name the same file."""
+    return (Path(directory) if directory is not None else CASES_DIR) / f"{name}.toml"
+
+
 def new_case(
     name: str,
     layout: ParallelLayout,
@@ -187,8 +192,7 @@ def new_case(
     force: bool = False,
 ) -> tuple[Path, Case]:
     """Write <directory>/<name>.toml for a parallel config, validated; refuses to overwrite unless force."""
-    directory = Path(directory) if directory is not None else CASES_DIR
-    path = directory / f"{name}.toml"
+    path = case_file_path(name, directory)
     spec = spec or SpecConfig(num_steps=3, topk=1, capture_bs=(1, 2, 4, 8), max_running_requests=8)
     if path.exists() and not force:
         raise CaseError(path, "<file>", "a new case name (the file exists; pass --force to overwrite)")

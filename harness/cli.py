@@ -149,11 +149,11 @@ def cmd_mutants(args) -> int:
 
 
 def cmd_new_case(args) -> int:
-    from harness.case_template import coverage, new_case, parse_batches
+    from harness.case_template import case_file_path, coverage, new_case, parse_batches
     from runners.config import SpecConfig
     from runners.parallel.layout import LayoutError, ParallelLayout
 
-    target = f"{args.dir or 'cases'}/{args.name}.toml"
+    target = case_file_path(args.name, args.dir)
     try:
         layout = ParallelLayout(args.tp, args.dp, args.dp > 1, args.dense_tp, args.dp_lm_head, args.a2a)
     except LayoutError as e:
