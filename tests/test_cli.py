@@ -41,15 +41,6 @@ def test_replay_refuses_a_step_or_rank_the_case_does_not_run(capsys, flag, value
     assert f"{flag} {value}" in err and names in err, err
 
 
-def test_new_case_errors_name_the_file_it_would_write(tmp_path, monkeypatch, capsys):
-    """Without --dir the case goes to the cases folder, wherever the command runs: the error names that file."""
-    monkeypatch.chdir(tmp_path)
-    assert main(["new-case", "bad", "--tp", "4", "--dp", "3"]) == 2
-    err = capsys.readouterr().err
-    assert f"{CASES_DIR / 'bad.toml'}: layout.dp_size" in err, err
-    assert not (CASES_DIR / "bad.toml").exists()
-
-
 def test_list_shows_layout_and_branch(capsys):
     assert main(["list"]) == 0
     out = capsys.readouterr().out
