@@ -42,6 +42,11 @@ class CaseReport:
     def ok(self) -> bool:
         return all(v.ok for v in self.verdicts.values())
 
+    @property
+    def status(self) -> str:
+        """pass, fail, or skip: every requested property was skipped, so nothing was checked (never a pass)."""
+        return "fail" if not self.ok else "pass" if self.verdicts else "skip"
+
     def first_failure(self) -> Optional[tuple[str, str]]:
         for name in REPORT_ORDER:
             v = self.verdicts.get(name)
@@ -54,7 +59,8 @@ class CaseReport:
             "case": self.case,
             "layout": self.layout,
             "branch": self.branch,
-            "ok": self.ok,
+            "ok": self.status == "pass",
+            "status": self.status,
             "seconds": round(self.seconds, 3),
             "properties": {k: v.to_json() for k, v in self.verdicts.items()},
             "skipped": dict(self.skipped),

@@ -55,19 +55,22 @@ def cmd_check(args) -> int:
             reports.append(rep)
             if not args.json:
                 verdicts = " ".join([f"{k}:{'ok' if v.ok else 'FAIL'}" for k, v in rep.verdicts.items()] + [f"{k}:skip" for k in rep.skipped])
-                line = f"[{i}/{len(cases)}] {'PASS' if rep.ok else 'FAIL'} {case.name:<28} {rep.layout:<48} {verdicts}  {rep.seconds:.1f}s"
+                line = f"[{i}/{len(cases)}] {rep.status.upper()} {case.name:<28} {rep.layout:<48} {verdicts}  {rep.seconds:.1f}s"
                 print(line, flush=True)
                 if not rep.ok:
                     print(f"      {rep.first_failure()[1]}", flush=True)
                 for why in dict.fromkeys(rep.skipped.values()):
                     print(f"      skipped {','.join(k for k, w in rep.skipped.items() if w == why)}: {why}", flush=True)
-    failed = [r for r in reports if not r.ok]
+    count = {status: sum(r.status == status for r in reports) for status in ("pass", "fail", "skip")}
     total = time.perf_counter() - t0
+    # nothing checked on any case (every requested property skipped): as engine-check's N/A, exit 3, never a pass
+    rc = ExitCode.PROPERTY_FAILED if count["fail"] else ExitCode.INTERNAL if not count["pass"] else ExitCode.OK
     if args.json:
-        print(json.dumps({"ok": not failed, "seconds": round(total, 2), "cases": [r.to_json() for r in reports]}, indent=2, default=str))
+        print(json.dumps({"ok": rc is ExitCode.OK, "seconds": round(total, 2), "cases": [r.to_json() for r in reports]}, indent=2, default=str))
     else:
-        print(f"{len(reports) - len(failed)} passed, {len(failed)} failed in {total:.1f}s")
-    return 1 if failed else 0
+        skipped = f", {count['skip']} skipped (nothing checked)" if count["skip"] else ""
+        print(f"{count['pass']} passed, {count['fail']} failed{skipped} in {total:.1f}s")
+    return rc
 
 
 def cmd_replay(args) -> int:

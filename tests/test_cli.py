@@ -62,9 +62,13 @@ def test_check_props_all_runs_the_loop_properties_and_names_what_it_skips(capsys
     text = (CASES_DIR / "tp2_attn_tp_gather_explicit.toml").read_text().replace("topk = 2", "topk = 1")
     chain = tmp_path / "tp2_attn_tp_gather_explicit.toml"  # a chain of 3 drafts cannot fill 5 verify tokens
     chain.write_text(text)
-    assert main(["check", str(chain), "--props", "P5"]) == 0
+    assert main(["check", str(chain), "--props", "P5"]) == 3  # nothing was checked: never a pass
     out = capsys.readouterr().out
-    assert "P5:skip" in out and "num_tokens_per_bs must be 4, got 5" in out
+    assert "SKIP tp2_attn_tp_gather_explicit" in out and "P5:skip" in out and "num_tokens_per_bs must be 4, got 5" in out
+    assert "0 passed, 0 failed, 1 skipped (nothing checked)" in out
+    assert main(["check", str(chain), "tp1_neither", "--props", "P5", "--json"]) == 0  # one case checked, one skipped
+    data = json.loads(capsys.readouterr().out)
+    assert data["ok"] and [c["status"] for c in data["cases"]] == ["skip", "pass"] and not data["cases"][0]["ok"]
 
 
 def test_check_props_kill_the_seed_bug_through_p6(capsys):
