@@ -134,8 +134,6 @@ def check_case(
 
 
 def _check_spec_props(case: Case, spec_props: Sequence[str], rep: CaseReport, say: Callable[[str], None]) -> None:
-    # the loop's properties import this module: import them here
-
     why = spec_skip_reason(case)
     if why is not None:
         rep.skipped.update({p: why for p in spec_props})

@@ -20,8 +20,9 @@ or real ranks and checks, from the per-rank collective traces:
   bucket, no eager fallback; MLP-TP branch: the busy groups' bucket) and its eager path
   ran zero rows.
 
-There are no draft-decode runners in `runners/` yet: the iterations of a schedule are the
-decode iterations, each a draft-extend over every DP group.
+P7 drives the draft-extend runners (`run_rank`): the iterations of a schedule are decode
+iterations, each a draft-extend over every DP group. The draft decode's and the verify's idle
+groups run inside the loop, where the DP churn (harness.props.p8) idles each group in turn.
 """
 from __future__ import annotations
 

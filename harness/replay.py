@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Callable, Optional
 
+import torch
+
 from harness.case import Case
 from harness.checks import REPORT_ORDER, CaseReport, run_spmd
 from harness.crash import crash_verdict
@@ -129,8 +131,6 @@ def run_case(case: Case, runner: RunnerChoice = "both", ranks: RanksKind = Ranks
 def _oracle_rows(oracle: list[RankRun], it: int, step: int, rids: list[int], T: int):
     ref = oracle[0]
     pos = {rid: i for i, rid in enumerate(ref.rids[it])}
-    import torch
-
     logits = ref.eager[it][step].tensors["logits"]
     return torch.cat([logits[pos[r] * T:(pos[r] + 1) * T] for r in rids]) if rids else logits[:0]
 

@@ -20,6 +20,7 @@ import torch
 from harness.case import Case
 from harness.observe import LoopObserver, LoopRecords
 from harness.ranks.simulated import SimulatedWorld
+from harness.verdict import Verdict
 from runners.attention.kinds import TREE_MASK_UNSUPPORTED
 from runners.config import DEFAULT_MODEL, ModelConfig, SpecConfig
 from runners.parallel.dp_attention import RankContext
@@ -206,6 +207,18 @@ def acceptance_stats(session: SpecSession) -> dict:
         "sibling_accepts": sum(p["sibling_accepts"] for p in per.values()),
     }
     return {"requests": per, "summary": summary}
+
+
+def check_graph_replayed(v: Verdict, s: SpecSession, where: dict) -> None:
+    """Every graph runner of a graph session replayed at least once. One that never did (no batch fit its buckets)
+    ran every batch eagerly, and a comparison of that run with the eager one would compare eager with eager."""
+    engines = s.engines
+    counts = {"graph replays > 0": sum(e.draft.driver.stats.replays for e in engines),
+              "target verify replays > 0": sum(e.verify_graph.backend.stats.replays for e in engines)}
+    if s.spec.draft == "single_layer" and s.spec.num_steps > 1:
+        counts["draft decode replays > 0"] = sum(e.draft.decode_graph.backend.stats.replays for e in engines)
+    for field, n in counts.items():
+        v.expect_equal("replayed", field, where, True, n > 0, "every batch of this runner fell back to eager")
 
 
 def case_session(case: Case, runner: str, proposer: str = "eagle", hook=None, rounds_per_phase: int = 3) -> SpecSession:

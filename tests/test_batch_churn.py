@@ -69,6 +69,19 @@ class BatchChurn(RuleBasedStateMachine):
     def shadow_scheduler_fits(self):
         assert all(len(r) <= self.spec.max_running_requests for r in self.pair.running)
 
+    def teardown(self):
+        """The graph engine ran its graphs: no batch fell back to eager (the largest bucket holds every running request),
+        and once a request was verified every graph runner had replayed. Else eager-vs-graph compared eager with eager."""
+        if not hasattr(self, "pair"):
+            return
+        engines = self.pair.graph.engines
+        stats = [e.draft.driver.stats for e in engines] + [e.verify_graph.backend.stats for e in engines]
+        stats += [e.draft.decode_graph.backend.stats for e in engines if e.draft.decode_graph is not None]
+        assert sum(s.eager_fallbacks for s in stats) == 0
+        if any(rep.verified for reps in self.pair.graph.reports for rep in reps):
+            v = self.pair.finish_check()
+            assert v.ok, v.report()
+
 
 class BatchChurnDP2(BatchChurn):
     """MLP-TP gather over two DP groups: one bucket for both, idle groups run the padded dummy."""

@@ -139,6 +139,9 @@ def test_tp1_graph_is_bitwise_equal_to_eager():
 
     sc = Scenario(ModelConfig(), SPEC, PL(1), (Iteration((tuple(RequestSpec(i, 2 + i, 1 + i % 4) for i in range(4)),)),))
     run = run_spmd(sc)[0]
+    # the graph ran: every step replayed bucket 4 (an eager fallback would compare eager with eager)
+    assert run.stats.eager_fallbacks == 0 and run.stats.replays == len(run.graph[0]) > 0
+    assert [rec.bs for rec in run.records[0]] == [4] * len(run.graph[0])
     for e, g in zip(run.eager[0], run.graph[0], strict=True):
         for k in ("logits", "hidden", "logprobs", "topk_index", "next_input_ids"):
             assert torch.equal(e.tensors[k], g.tensors[k]), k

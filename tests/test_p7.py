@@ -101,7 +101,7 @@ def test_an_idle_rank_running_eager_instead_of_the_graph_desyncs_the_logits_gath
     def idle_falls_back(self, inp):  # the idle ranks skip the padded graph and run eager instead
         if inp.bs == 0:
             self.backend.stats.eager_fallbacks += 1
-            return run_eager(self.worker, inp)[0], []
+            return run_eager(self.worker, inp)[0]  # the driver returns the steps' outputs
         return real_run(self, inp)
 
     with mock.patch.object(DraftExtendGraphDriver, "run", idle_falls_back):

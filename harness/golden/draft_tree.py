@@ -18,7 +18,7 @@ from harness.golden.acceptance import ACCEPT_DIR, AcceptanceGoldenError, read_go
 from harness.golden.base import GOLDEN_DIR
 from harness.golden.lifecycle import refuse_under_xdist
 from harness.golden.store import write_text_atomic
-from harness.spec_decode import SpecSession, case_session
+from harness.spec_decode import SpecSession, case_session, check_graph_replayed
 from harness.tolerances import Tol
 from harness.verdict import Verdict
 
@@ -101,5 +101,7 @@ def check_tree_golden(v: Verdict, case: Case, sessions: dict[str, SpecSession], 
 def check_tree_case(case: Case) -> Verdict:
     """The draft-tree golden alone, eager and graph (`harness golden check --kind draft-tree`)."""
     v = Verdict("P6")
-    check_tree_golden(v, case, {r: case_session(case, r) for r in ("eager", "graph")})
+    sessions = {r: case_session(case, r) for r in ("eager", "graph")}
+    check_graph_replayed(v, sessions["graph"], {"case": case.name, "runner": "graph"})
+    check_tree_golden(v, case, sessions)
     return v

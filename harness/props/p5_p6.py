@@ -13,6 +13,7 @@ from harness.spec_decode import (
     Workload,
     acceptance_stats,
     case_session,
+    check_graph_replayed,
     oracle,
     run_workload,
 )
@@ -103,6 +104,7 @@ def check_spec_case(case: Case, runners: Sequence[str] = ("eager", "graph"), pro
             continue
         if runner == "graph":
             merge_verdicts(out, verify_props.shadow_verdicts(shadows, where))
+            check_graph_replayed(out.setdefault("P3", Verdict("P3")), s, where)  # a graph run that never replayed compared nothing
         if "P5" in props:
             out["P5"].merge(check_lossless(s, where))
         if golden is not None:
@@ -111,11 +113,13 @@ def check_spec_case(case: Case, runners: Sequence[str] = ("eager", "graph"), pro
 
 
 def check_acceptance_case(case: Case) -> Verdict:
-    """P6 alone; a run that crashed is a failure of the result, never an empty pass."""
+    """P6 alone; a run that crashed is a failure of the result, never an empty pass, and so is a graph run whose own
+    checks failed (P3: its runners replayed, its verify replays matched eager): its acceptance is no evidence then."""
     out = check_spec_case(case, props=("P6",))
     v = out["P6"]
-    if "run" in out:
-        v.merge(out["run"])
+    for name in ("run", "P3"):
+        if name in out:
+            v.merge(out[name])
     return v
 
 

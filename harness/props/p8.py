@@ -8,6 +8,7 @@ from harness.props.p5_p6 import TIE_MARGIN
 from harness.spec_decode import (
     DEFAULT_MODEL,
     SpecSession,
+    check_graph_replayed,
     oracle,
     request_prompt,
 )
@@ -184,13 +185,7 @@ class ChurnPair:
                             "committed token differs from target-only greedy")
 
     def finish_check(self) -> Verdict:
-        replays = sum(e.draft.driver.stats.replays for e in self.graph.engines)
-        self.v.expect_equal("replayed", "graph replays > 0", {"layout": self.layout.describe()}, True, replays > 0)
-        verify = sum(e.verify_graph.backend.stats.replays for e in self.graph.engines)
-        self.v.expect_equal("replayed", "target verify replays > 0", {"layout": self.layout.describe()}, True, verify > 0)
-        if self.spec.draft == "single_layer" and self.spec.num_steps > 1:
-            decode = sum(e.draft.decode_graph.backend.stats.replays for e in self.graph.engines)
-            self.v.expect_equal("replayed", "draft decode replays > 0", {"layout": self.layout.describe()}, True, decode > 0)
+        check_graph_replayed(self.v, self.graph, {"layout": self.layout.describe()})
         return self.v
 
 
