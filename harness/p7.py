@@ -22,7 +22,7 @@ or real ranks and checks, from the per-rank collective traces:
 
 P7 drives the draft-extend runners (`run_rank`): the iterations of a schedule are decode
 iterations, each a draft-extend over every DP group. The draft decode's and the verify's idle
-groups run inside the loop, where the DP churn (harness.props.p8) idles each group in turn.
+groups run inside the loop, where the DP churn script (harness.props.spec_probes) idles each group once.
 """
 from __future__ import annotations
 
