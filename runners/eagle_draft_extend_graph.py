@@ -5,8 +5,8 @@ It is written apart from the multi-layer runner (runners.cuda_graph) on purpose:
 (the two runners agree on the metadata of the same batches) then compares two codes, as in
 the engine, where the two runners live in separate files and a fix to one has missed the
 other (sglang#26416). Its padded-lane reset differs from the multi-layer one where the engine's
-does: it runs only when the bucket is padded, and a padded lane selects its own last token
-(num_correct_drafts = T - 1).
+does: it runs only when the bucket is padded. A padded lane selects its own last token
+(num_correct_drafts = T - 1), because this body selects rows in the graph.
 """
 from __future__ import annotations
 
@@ -93,7 +93,9 @@ class EagleDraftExtendCudaGraphRunner(DraftExtendGraphRunner):
         buffers.seq_lens.fill_(SEQ_LEN_FILL_VALUE)
         buffers.seq_lens_cpu.fill_(SEQ_LEN_FILL_VALUE)
         buffers.req_pool_indices.fill_(PADDING_ROW)
-        buffers.num_correct_drafts.fill_(self.T - 1)  # as the engine; a stale value (0..T-1) selects in its own lane too: no output differs
+        # the lane's own last row: this body selects in the graph by num_correct_drafts (a stale 0..T-1 selects in its own
+        # lane too: no output differs); the engine's worker selects outside the graph, and its fill value (T) is no row there
+        buffers.num_correct_drafts.fill_(self.T - 1)
         buffers.num_accept_tokens.fill_(self.T)  # unread here, as the live copy below
 
     def _fill_for_replay(self, inp: DraftExtendInputs) -> int:
