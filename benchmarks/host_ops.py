@@ -16,6 +16,7 @@ import os
 import sys
 from collections import Counter
 from typing import Any, Callable
+from unittest import mock
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -57,12 +58,8 @@ def _count(call: Callable[[], Any]) -> _HostOps:
         finally:
             mode.counting = True
 
-    graph_backend.GraphBackend.replay = replay_uncounted
-    try:
-        with mode:
-            call()
-    finally:
-        graph_backend.GraphBackend.replay = real_replay
+    with mock.patch.object(graph_backend.GraphBackend, "replay", replay_uncounted), mode:
+        call()
     return mode
 
 

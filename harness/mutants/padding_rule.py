@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from harness.mutants.base import Mutant
+from harness.mutants.base import Mutant, Wrap
 from runners.eagle_draft_extend_graph import EagleDraftExtendCudaGraphRunner
 from runners.eagle_draft_graph import EAGLEDraftCudaGraphRunner
 from runners.verify_graph import TargetVerifyCudaGraphRunner
@@ -38,7 +38,7 @@ MUTANTS: tuple[Mutant, ...] = tuple(
         f"the {what} replay fill compares the batch with the bucket its own batch needs, not the bucket every DP group "
         "replays: with a larger peer batch the padded lanes keep a larger batch's lengths and request rows",
         _KIND,
-        ((runner, "_fill_padded_lanes", wrap(runner._fill_padded_lanes)),),
+        ((runner, "_fill_padded_lanes", Wrap(wrap)),),
         ("metadata-dp",),  # P1 (padded seq_lens)
     )
     for name, what, runner, wrap in (

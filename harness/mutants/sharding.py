@@ -6,20 +6,23 @@ of the same layout agree with each other (P3 cannot).
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
-from harness.mutants.base import Mutant
+from harness.mutants.base import Mutant, Wrap
 from runners import model
 from runners.parallel.linear import column_parallel
 
-_REAL_HEAD_SHARD = model.head_shard
 
+def _kv_heads_round_robin(real: Callable[..., model.HeadShard]) -> Callable[..., model.HeadShard]:
+    def head_shard(cfg, attn_tp_rank: int, attn_tp_size: int) -> model.HeadShard:
+        hs = real(cfg, attn_tp_rank, attn_tp_size)
+        if attn_tp_size <= cfg.num_kv_heads:
+            return hs
+        return model.HeadShard(hs.q_start, hs.q_count, attn_tp_rank % cfg.num_kv_heads, hs.kv_count)  # not the q heads' group
 
-def _kv_heads_round_robin(cfg, attn_tp_rank: int, attn_tp_size: int) -> model.HeadShard:
-    hs = _REAL_HEAD_SHARD(cfg, attn_tp_rank, attn_tp_size)
-    if attn_tp_size <= cfg.num_kv_heads:
-        return hs
-    return model.HeadShard(hs.q_start, hs.q_count, attn_tp_rank % cfg.num_kv_heads, hs.kv_count)  # not the q heads' group
+    return head_shard
 
 
 def _stack_sharded_as_one(parts: tuple[torch.Tensor, ...], rank: int, size: int) -> torch.Tensor:
@@ -41,7 +44,7 @@ MUTANTS: list[Mutant] = [
         "of the head its q heads' GQA group reads (r // (attn_tp_size / num_kv_heads)): the weight loader's replica "
         "mapping, wrong on every rank but the first of each group",
         "KV head replica on the wrong rank",
-        ((model, "head_shard", _kv_heads_round_robin),),
+        ((model, "head_shard", Wrap(_kv_heads_round_robin)),),
         ("cases",),  # P4 (attn-TP 4 with 2 KV heads against TP1)
     ),
 ]
