@@ -9,7 +9,7 @@ from harness.mutants.draft_extend import REAL_COPY, REAL_RESET
 # ---- issue 8: the speculative decoding loop (runners.spec_decode); P2 / P5 / P6 / P8 kill these ----
 from runners import draft_decode, verify
 from runners.attention.torch_ref import TorchAttnBackend
-from runners.cuda_graph import EagleDraftExtendCudaGraphRunnerBase
+from runners.cuda_graph import EagleDraftExtendCudaGraphRunnerBase, MultiLayerEagleDraftExtendCudaGraphRunner
 
 
 def _accept_per_request(parents, tokens, argmax) -> list[int]:
@@ -92,5 +92,12 @@ MUTANTS: tuple[Mutant, ...] = (
         ((EagleDraftExtendCudaGraphRunnerBase, "reset_for_iteration", _reset_marks_padded_lanes_unaccepted),),
         ("padded-lanes", "batch-churn", "cases"),  # P2, P8, P3/P4
     ),
+    Mutant(
+        "loop-draft-extend-never-replays",
+        "the multi-layer draft-extend runner refuses every batch (can_run false, as a bucket list that fits nothing): the "
+        "loop's graph run drafts eagerly, and a comparison of it with the eager run compares eager with eager",
+        "graph silently not used",
+        ((MultiLayerEagleDraftExtendCudaGraphRunner, "can_run", lambda self, inp: False),),
+        ("spec-cases",),  # P3 (replayed: graph replays > 0), the loop's check that its graph run ran its graphs
+    ),
 )
-
