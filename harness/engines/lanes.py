@@ -11,7 +11,9 @@ the per-token ones (input_ids, positions, out_cache_loc). Two checks, per fill p
   (they last held a larger batch's real rows); each padded lane must read the same both
   times, in every buffer the release's own fill writes (FILLED_SINCE: which release began
   filling which buffer, per runner, from the release sources). A buffer a release leaves
-  stale by design is reported as a note with its lanes, not hidden.
+  stale by design is reported as a note with its lanes, not hidden;
+* padded values: history independence passes a fill that writes the same wrong value every time.
+  The index buffers a fill writes must hold the one value that points nowhere live (PAD_VALUE).
 
 Live values are distinct per iteration (and never the fill values), so a stale lane shows.
 """
@@ -92,6 +94,17 @@ FILLED_SINCE: dict[tuple[str, str], str] = {
 }
 
 
+# The value a filled padded lane of an index buffer must hold: what the graph reads or writes through it must be
+# nothing a live request owns. SGLang's KV pool and request pool reserve slot 0 and row 0 for padding (its verify
+# buffer registry: padded rows "point at slot 0"), so out_cache_loc 0 makes a padded token's KV write a dummy one, and
+# req_pool_indices 0 reads the padding row. Positions index the rotary cos/sin cache: 0 is in range for any model, a
+# value past it a read out of bounds (SGLang issue 24361: stale padded positions, an illegal memory access in
+# flashinfer's verify plan). seq_lens has its own fixed-value check (padded seq_lens = the fill value, p1_records).
+# input_ids, num_correct_drafts and num_accept_tokens are absent: what a padded value may be there depends on how
+# the step reads it (input_ids is not read past the live tokens; the accept counts index rows outside the graph).
+PAD_VALUE: dict[str, int] = {"out_cache_loc": 0, "req_pool_indices": 0, "positions": 0}
+
+
 def check_lanes(v: Verdict, rec: LaneRecord, live: LiveBatch, seen: dict, where: dict, filled: frozenset[str]) -> None:
     """Real rows = the live batch; padded lanes of the buffers in `filled` independent of the history (see the module doc)."""
     T, raw, bs = rec.tokens_per_bs, rec.raw_bs, rec.bs
@@ -108,6 +121,13 @@ def check_lanes(v: Verdict, rec: LaneRecord, live: LiveBatch, seen: dict, where:
             v.fail("lanes", name, {**w, "row": i}, real[i], buf[i], "a real row after the replay fill: the live batch's value")
         lo, hi = (raw, bs) if name in PER_REQUEST else (raw * T, bs * T)
         pad = tuple(buf[lo:hi])
+        if name in filled and name in PAD_VALUE and pad:
+            v.checked += 1
+            bad = [i for i, x in enumerate(pad) if x != PAD_VALUE[name]]
+            if bad:
+                v.fail("pad value", name, {**w, "lane": lo + bad[0]}, PAD_VALUE[name], pad[bad[0]],
+                       f"a padded {'lane' if name in PER_REQUEST else 'token row'} of a buffer the release's fill writes "
+                       f"({len(bad)} of {len(pad)} padded); {PAD_VALUE[name]} points at nothing a live request owns")
         key = (rec.runner, rec.step, rec.path, name, raw, bs, tuple(live.dp_batch_sizes))
         if key not in seen:
             seen[key] = (pad, live.iteration)
