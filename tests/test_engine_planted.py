@@ -161,6 +161,16 @@ def test_draft_chain_write_bug_is_caught_on_the_next_step(fixed, tmp_path):
     assert {f["runner"] for f in fails} == {"multi_layer"} and {f["step"] for f in fails} == {1, 2}, _kinds(fails)
 
 
+def test_worker_rotation_writing_the_draft_at_the_window_end_is_caught_on_the_later_steps(newest, tmp_path):
+    # the worker's rotate_input_ids (one window for all steps) writes the drafted token at the window's last row instead
+    # of the request's last accepted row (select_index): step 1 and 2 read a rejected draft where the chain should be
+    target = _plant(newest, tmp_path / "sglang", KERNEL, "            last_pos_ptr = input_ids_ptr + tl.load(select_index_ptr + pid)\n",
+                    "            last_pos_ptr = input_ids_ptr + start_loc + seq_len - 1\n")
+    fails = [f for f in _failures(target, PLAIN, PLAIN) if (f["check"], f["field"], f["runner"], f["path"]) not in NATIVE_TAIL]
+    assert {(f["check"], f["field"], f["runner"]) for f in fails} == {("chain", "input_ids", "multi_layer")}, _kinds(fails)
+    assert {f["step"] for f in fails} == {1, 2}  # step 0 reads the fill's window: nothing rotated yet
+
+
 def test_select_index_bug_in_the_triton_fill_kernel_is_caught_after_the_model_call(newest, tmp_path):
     # the kernel's select_index forgets the accepted drafts: the body takes the window's first row's logits
     target = _plant(newest, tmp_path / "sglang", KERNEL, "        si = i.to(tl.int64) * num_tokens_per_bs + num_front_tokens + ncd\n",

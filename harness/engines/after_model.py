@@ -20,6 +20,11 @@ tokens per request) and the runner sources, not computed by the engine code unde
   appends the token it drafted) move that row by the s tokens appended: row
   i·W_s + num_correct_drafts[i] + s; releases with one width for all steps rotate the chain
   on the worker, so the row stays at i·W + num_correct_drafts[i];
+* where the worker rotates (before step s + 1, with step s's top-k), each request's window
+  drops its first token and the drafted token takes the last accepted row: rows
+  i·W .. i·W + num_correct_drafts[i] of step s + 1 hold rows i·W + 1 .. i·W +
+  num_correct_drafts[i] of step s, then the token step s drafted (the rows after it are
+  rejected drafts, read by nothing that is kept);
 * step s drafts top-k of that row's logits: topk_index[i][0] = next_token(input_ids[row(i, s)]),
   input_ids as the graph launched with them (step 0's real rows are checked against the live
   batch by lanes.py; later steps' by the chain rule below);
@@ -81,6 +86,7 @@ class BodyRecord:
     returned_tokens: list[int]  # argmax of each logits row handed back after replay
     topk_index: Optional[list[int]]  # the body's top-1 per request (None: the body computes no top-k)
     input_ids: list[int]  # this runner's input_ids buffer when its graph launched
+    rotated: bool = False  # the worker rotated the window since the previous step launched (build.py)
 
 
 def selected_row(i: int, ncd: int, width: int, base_width: int, step: int) -> int:
@@ -88,8 +94,9 @@ def selected_row(i: int, ncd: int, width: int, base_width: int, step: int) -> in
     return i * width + ncd + (width - base_width)
 
 
-def check_body(v: Verdict, rec: BodyRecord, ncd: list[int], prev_topk: Optional[list[int]], where: dict) -> None:
-    """One replay's body against the rules of the module doc; prev_topk: step s - 1's top-1 per request."""
+def check_body(v: Verdict, rec: BodyRecord, ncd: list[int], prev: Optional[BodyRecord], where: dict) -> None:
+    """One replay's body against the rules of the module doc; prev: step s - 1's body of the same runner."""
+    prev_topk = None if prev is None else prev.topk_index
     W, W0, s = rec.tokens_per_bs, rec.base_width, rec.step
     rows = [selected_row(i, ncd[i], W, W0, s) for i in range(rec.raw_bs)]
     content = [rec.input_ids[r] for r in rows]
@@ -115,6 +122,24 @@ def check_body(v: Verdict, rec: BodyRecord, ncd: list[int], prev_topk: Optional[
             i = _first_diff(content, want)
             v.fail("chain", "input_ids", {**where, "request": i, "row": rows[i]}, want[i], content[i],
                    f"the token step {s - 1} drafted, written by its body at this step's last accepted row of request {i}")
+    if s > 0 and rec.rotated and prev is not None and prev_topk is not None:
+        _check_rotated(v, rec, ncd, prev, where)
+
+
+def _check_rotated(v: Verdict, rec: BodyRecord, ncd: list[int], prev: BodyRecord, where: dict) -> None:
+    """The worker's rotation (module doc), request by request, on the rows up to the last accepted one."""
+    W = rec.tokens_per_bs
+    for i in range(rec.raw_bs):
+        lo, hi = i * W, i * W + ncd[i]
+        want = prev.input_ids[lo + 1: hi + 1] + [prev.topk_index[i]]
+        got = rec.input_ids[lo: hi + 1]
+        v.checked += 1
+        if got != want:
+            k = _first_diff(got, want)
+            v.fail("chain", "input_ids", {**where, "request": i, "row": lo + k}, _at(want, k), _at(got, k),
+                   f"the worker's rotation before step {rec.step}: request {i}'s window moved up a row, the token step "
+                   f"{rec.step - 1} drafted at its last accepted row {hi}")
+            return
 
 
 def selected_tokens(rec: BodyRecord, ncd: list[int]) -> list[int]:

@@ -156,7 +156,7 @@ def check_engine(engine: Engine, layouts: tuple[ParallelLayout, ...] = REPRESENT
                         check_lanes(ln.verdict, lr, live, seen_lanes, w, filled[lr.runner])
                     if body is not None:
                         prev = bodies.get(("multi_layer", rec.step - 1))
-                        check_body(ln.verdict, body, live.num_correct_drafts, None if prev is None else prev.topk_index, w)
+                        check_body(ln.verdict, body, live.num_correct_drafts, prev, w)
                         bodies[(rec.runner, rec.step)] = body
                 _check_selected_parity(bodies, live, functools.partial(line, layout),
                                        {"layout": layout.describe(), "branch": layout.branch.value, "rank": tp_rank, "iteration": it})

@@ -3,8 +3,11 @@
 The worker and model runner are strict stand-ins (standins.Strict) carrying the attributes
 the runner code reads; __init__ and the composite's _init_and_capture are the engine's, with
 the graph capture loop left out (each bucket is captured through RunnerHandle.capture_all).
-Between multi-layer steps the engine advances the chain inside the graph (assign_new_state /
-rotate_input_ids): not run, so steps > 0 are replayed with step 0's token buffers.
+Between multi-layer steps the draft chain advances: inside the graph where the step windows
+grow (assign_new_state, run where the step body is driven), or on the worker in the releases
+with one window for all steps (0.5.15 on): the worker's rotate_input_ids over the composite's
+shared buffers, run here as the worker calls it wherever the step body is driven (it needs the
+step's top-k). Elsewhere steps > 0 are replayed with step 0's token buffers.
 """
 from __future__ import annotations
 
@@ -12,7 +15,7 @@ import contextlib
 import inspect
 import types
 import warnings
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -27,6 +30,9 @@ from harness.engines.sglang.process import configure_process, make_server_args
 from harness.engines.sglang.standins import FakeGroup, Strict, noop, patched
 from harness.records import ReplayRecord
 from runners.parallel.layout import ParallelLayout
+
+# The function the worker advances the draft chain with between multi-layer steps, as 0.5.16 on / 0.5.15 name it.
+WORKER_ROTATE = ("rotate_input_ids", "rotate_input_ids_triton")
 
 # one runner's replay: our record, the logits rows it handed back, its lanes per fill path, its body past the model call
 Replayed = tuple[ReplayRecord, Optional[int], list[LaneRecord], Optional[BodyRecord]]
@@ -210,9 +216,18 @@ class EngineRunners:
                 comp.prepare(fb, staged=False)  # staged: a path where the worker stages shared reads first
             else:
                 comp.prepare(fb)
+            rotate, rotated = self._worker_rotate(), False
             for step, h in enumerate(self.multi):
-                logits, _p, _i = comp.replay(step)
+                logits, _p, topk_index = comp.replay(step)
                 out.append(self._records(h, live, logits.next_token_logits))
+                body = out[-1][3]
+                if body is not None:
+                    body.rotated = rotated
+                rotated = rotate is not None and body is not None and step < len(self.multi) - 1
+                if rotated:  # the worker, between steps: step + 1's graph reads the rotated window
+                    b = comp.buffers
+                    rotate(b.input_ids[: comp.raw_num_tokens], b.extend_start_loc[: comp.raw_bs], b.extend_seq_lens[: comp.raw_bs],
+                           topk_index, b.select_index[: comp.raw_bs])
             return out
         can_run = comp.can_run(fb) if eng.generation == "legacy" else comp.can_run_graph(fb)
         if not can_run:
@@ -224,6 +239,18 @@ class EngineRunners:
             res = run(fb, init_state=(step == 0))
             out.append(self._records(h, live, res.next_token_logits))
         return out
+
+    def _worker_rotate(self) -> Optional[Callable]:
+        """The worker's chain advance between steps; None where the composite rotates inside its graph (0.5.16 on
+        ships such a composite beside the per-step one the adapter builds)."""
+        if getattr(self.composite, "rotates_in_graph", False):
+            return None
+        utils = self.engine.modules["mle_utils"]
+        fn = next((getattr(utils, n) for n in WORKER_ROTATE if hasattr(utils, n)), None)
+        if fn is None:
+            raise EngineAdapterError(f"sglang {self.engine.version}: {utils.__name__} has none of {', '.join(WORKER_ROTATE)}, the "
+                                     "worker's draft-chain advance between multi-layer steps: the release moved it")
+        return fn
 
     def replay_single_layer(self, live: LiveBatch) -> Replayed:
         eng, h = self.engine, self.single
