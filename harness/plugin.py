@@ -12,6 +12,9 @@ selects one case, `-k P3` one property, and `--lf` reruns what failed. Each case
 goldens and fails those items (as pytest-regressions' --force-regen does); it is refused under
 pytest-xdist, whose workers would race on the files.
 
+With `--specharness-engine-check="ARGS"` it also checks an engine build (engine-check ARGS) and collects its
+lines as items under `<dir>::specharness::engine-check` (harness.plugin_engine).
+
 Fixtures: `specharness_cases` (the configured cases), `specharness_check` (run properties on a
 case, optionally with a mutant planted) and `specharness_golden_dir`.
 """
@@ -28,6 +31,8 @@ from harness.case import CASES_DIR, Case, CaseError, default_cases, load_case
 from harness.checks import CASE_PROPS, FAST_PROPS, CaseReport, check_case, parse_props
 from harness.golden import GOLDEN_DIR, GoldenError, check_golden, record_golden
 from harness.mutants import get as get_mutant
+from harness.plugin_engine import NODE as ENGINE_NODE
+from harness.plugin_engine import EngineCheckNode, engine_check_args
 
 PLUGIN = "harness.plugin"
 pytest_plugins = ["harness.plugin_options"]  # the options: also the entry point, light so every session can load it
@@ -49,6 +54,7 @@ def pytest_configure(config: pytest.Config) -> None:
         parse_props(config.getoption("--specharness-props") or config.getini("specharness_props"))
     except ValueError as e:
         raise pytest.UsageError(f"--specharness-props: {e}") from None
+    engine_check_args(config)  # a bad engine-check command line is a usage error now, not at collection
     mutant_id = config.getoption("--specharness-mutant")
     if mutant_id:
         try:
@@ -109,6 +115,9 @@ class Suite(pytest.Collector):
             raise CaseError(cases_dir, "<cases>", "a directory of case files (*.toml): set --specharness-cases-dir or ini specharness_cases_dir")
         for path in paths:
             yield CaseNode.from_parent(self, name=path.stem, path=path)
+        engine_args = engine_check_args(self.config)
+        if engine_args is not None:
+            yield EngineCheckNode.from_parent(self, name=ENGINE_NODE, args=engine_args)
 
     def repr_failure(self, excinfo):  # type: ignore[override]
         return str(excinfo.value) if isinstance(excinfo.value, (CaseError, GoldenError)) else super().repr_failure(excinfo)

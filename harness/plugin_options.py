@@ -22,6 +22,10 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                 help=f"properties per case: a comma list of {', '.join(CASE_PROPS)} or 'all' (default: {','.join(FAST_PROPS)})")
     g.addoption("--specharness-force-regen", action="store_true", help="rewrite the goldens and fail their items (never under pytest-xdist)")
     g.addoption("--specharness-mutant", metavar="ID", help="plant a mutant of the catalog for the whole session (see `harness mutants`)")
+    g.addoption("--specharness-engine-check", metavar="ARGS",
+                help="an engine-check command line (e.g. \"--engine sglang --target python\"): check that engine build and "
+                     "collect one item per (runner, layout) it drove (harness.plugin_engine)")
+    parser.addini("specharness_engine_check", "engine-check arguments, as --specharness-engine-check", default="")
     parser.addini("specharness_cases_dir", "directory of case files (relative to the ini file)", type="paths", default=[])
     parser.addini("specharness_golden_dir", "directory of goldens (relative to the ini file)", type="paths", default=[])
     parser.addini("specharness_props", "properties per case, as --specharness-props", default=",".join(FAST_PROPS))

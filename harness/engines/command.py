@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Optional
 
 from harness.engines.check import REPRESENTATIVE_LAYOUTS, check_engine
-from harness.engines.drive import drive_engine
+from harness.engines.drive import cannot_check, drive_engine
 from harness.engines.install import (
     EngineSpec,
     InstallError,
@@ -83,24 +83,20 @@ def main(args) -> int:
         try:
             spec = EngineSpec.parse(args.engine)
         except ValueError as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 2
+            return cannot_check(str(e), args.json)
         if spec.version is not None or args.target:
-            print(f"error: --releases picks the versions: give --engine {spec.name}, without ==VERSION or --target", file=sys.stderr)
-            return 2
+            return cannot_check(f"--releases picks the versions: give --engine {spec.name}, without ==VERSION or --target", args.json)
         extra = [flag for flag, on in (("--all-layouts", args.all_layouts), ("--eager", args.eager)) if on and spec.name == "sglang"]
         return run_releases(args.releases, args.json, extra, lambda m: print(m, file=sys.stderr, flush=True), PRODUCTS[spec.name])
     if args.engine.strip().lower().startswith("vllm"):
         if args.eager:
-            print("error: --eager checks SGLang's eager draft-extend path; vLLM's adapter has no eager check", file=sys.stderr)
-            return 2
+            return cannot_check("--eager checks SGLang's eager draft-extend path; vLLM's adapter has no eager check", args.json)
         return vllm_main(args)
     try:
         spec = EngineSpec.parse(args.engine)
         target, deps = _resolve(args)
     except (FileNotFoundError, ValueError, InstallError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return cannot_check(str(e), args.json)
     layouts = tuple(all_layouts(8) if args.all_layouts else REPRESENTATIVE_LAYOUTS)
     cfg = EngineConfig()
     return drive_engine(spec, lambda: load(target, deps), lambda engine, progress: check_engine(engine, layouts, cfg, progress, eager=args.eager),

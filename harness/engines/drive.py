@@ -14,6 +14,8 @@ from typing import Any, Callable, Optional
 
 from harness.engines.install import EngineSpec
 from harness.engines.sglang.errors import EngineAdapterError, MissingEngineAttribute, ReleaseNotCovered
+from harness.errors import ExitCode
+from harness.outcome import KINDS, emit_error
 
 NOT_APPLICABLE = 3  # exit status: the release is outside what the adapter claims (errors.ReleaseNotCovered)
 Progress = Optional[Callable[[str], None]]
@@ -34,15 +36,20 @@ def drive_engine(spec: EngineSpec, load_engine: Callable[[], Any], check: Callab
             print(json.dumps({"engine": spec.name, "version": spec.version, "ok": None, "not_covered": str(e)}, indent=2))
         return NOT_APPLICABLE
     except (EngineAdapterError, MissingEngineAttribute) as e:
-        print(f"error: the engine adapter cannot drive this release: {e}", file=sys.stderr)
-        return 2
+        return cannot_check(f"the engine adapter cannot drive this release: {e}", as_json)
     except Exception as e:  # the engine's own code raised while being driven: not a verdict either way
         traceback.print_exc()
         what = engine.describe() if engine is not None else str(spec)
-        print(f"error: driving {what} raised {type(e).__name__}: {e}", file=sys.stderr)
-        return 2
+        return cannot_check(f"driving {what} raised {type(e).__name__}: {e}", as_json)
     print(json.dumps(rep.to_json(), indent=2, default=str) if as_json else format_report(rep))
     return 0 if rep.ok else 1
+
+
+def cannot_check(message: str, as_json: bool) -> int:
+    """Exit 2: the message on stderr and, under --json, the error document every harness command writes, so the
+    module entry point (`python -m harness.engine_check`) keeps the one-JSON-document contract too."""
+    emit_error(ExitCode.BAD_INPUT, KINDS[ExitCode.BAD_INPUT], message, as_json)
+    return ExitCode.BAD_INPUT
 
 
 class Strict:

@@ -1,0 +1,158 @@
+"""engine-check as test items of an engine team's own pytest suite.
+
+`--specharness-engine-check="--engine sglang --target python"` (or ini `specharness_engine_check`)
+holds an engine-check command line; the plugin then collects one item per (runner, layout) the
+check drove on that engine build (SGLang: runner x representative layout; vLLM: runner x DP size),
+named `engine-check::<runner>[<layout>]`, plus one skipped item per thing the check says it did
+not check (never a pass). An item fails with the failures of its lines, as the CLI prints them.
+
+The check runs once, at collection, in a process of its own (`python -m harness.engine_check
+... --json`): loading an engine swaps module globals process-wide, so it can never run inside the
+pytest process. The items are what that run reports: an item that exists was checked. Under
+pytest-xdist each worker collects, so each runs the check (the same deterministic report).
+An engine that could not be checked (exit 2) is a collection error with the check's message; a
+release outside the adapter's reach (exit 3, N/A) is one skipped item with the reason.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import shlex
+import subprocess
+import sys
+from collections import defaultdict
+from typing import Iterator, Optional
+
+import pytest
+
+from harness.engines.command import add_arguments
+from harness.engines.releases import _json_document
+from harness.verdict import Failure
+
+NODE = "engine-check"
+# one check of the slowest engine to import (vLLM: 15-30 s of import, seconds of checks) on a 2-core machine, with room
+CHECK_TIMEOUT_S = 900
+EXIT_NOT_COVERED = 3
+
+
+class EngineCheckError(Exception):
+    """The engine could not be checked, or an item's lines failed: reported as its text, not a traceback."""
+
+
+def engine_check_args(config: pytest.Config) -> Optional[list[str]]:
+    """The engine-check command line the session was given (None: no engine items), parsed by engine-check's own
+    parser so a bad flag is a usage error at startup, not a collection error later."""
+    raw = config.getoption("--specharness-engine-check") or config.getini("specharness_engine_check")
+    if not raw:
+        return None
+    args = shlex.split(raw)
+    parser = argparse.ArgumentParser(prog="--specharness-engine-check", exit_on_error=False)
+    add_arguments(parser)
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err):
+            ns = parser.parse_args(args)
+    except (argparse.ArgumentError, SystemExit) as e:
+        detail = err.getvalue().strip().splitlines()[-1:] or [str(e)]
+        raise pytest.UsageError(f"--specharness-engine-check={raw!r}: {detail[0]}") from None
+    if ns.releases:
+        raise pytest.UsageError("--specharness-engine-check: --releases checks many releases, one process each; "
+                                "a session checks one engine build (run `harness engine-check --releases` for the table)")
+    return [a for a in args if a != "--json"]
+
+
+def run_engine_check(args: list[str]) -> tuple[int, dict]:
+    cmd = [sys.executable, "-m", "harness.engine_check", *args, "--json"]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=CHECK_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        raise EngineCheckError(f"engine-check {shlex.join(args)} ran past {CHECK_TIMEOUT_S} s") from None
+    try:
+        doc = _json_document(proc.stdout)
+    except ValueError:
+        raise EngineCheckError(f"engine-check {shlex.join(args)} exited {proc.returncode} without its JSON document:\n"
+                               f"{proc.stderr[-3000:]}") from None
+    return proc.returncode, doc
+
+
+def _layout_id(line: dict) -> str:
+    """SGLang names a layout with its branch ("tp4-dp2 [mlp_tp_gather]"), vLLM lines carry a DP size."""
+    if "layout" in line:
+        return line["layout"].split(" [")[0]
+    return f"dp{line['dp']}"
+
+
+def _skip_name(reason: str, taken: set[str]) -> str:
+    """A short, unique item name for something not checked: its reason's first words up to a colon."""
+    base = reason.split(":")[0].split(" (")[0].strip().replace(" ", "_")[:40] or "not-checked"
+    name, k = base, 2
+    while name in taken:
+        name, k = f"{base}_{k}", k + 1
+    taken.add(name)
+    return name
+
+
+class EngineCheckNode(pytest.Collector):
+    """The engine build under check: its items come from one engine-check run."""
+
+    def __init__(self, *, args: list[str], **kw) -> None:
+        super().__init__(**kw)
+        self.args = args
+
+    def collect(self) -> Iterator[pytest.Item]:
+        rc, doc = run_engine_check(self.args)
+        if "error" in doc:
+            raise EngineCheckError(f"engine-check {shlex.join(self.args)} could not check the engine (exit {rc}): {doc['error']['message']}")
+        if rc == EXIT_NOT_COVERED:
+            yield NotCheckedItem.from_parent(self, name="n/a", reason=f"{doc['engine']} {doc['version']}: {doc['not_covered']}")
+            return
+        groups: dict[tuple[str, str], list[dict]] = defaultdict(list)
+        for line in doc["lines"]:
+            groups[(line["runner"], _layout_id(line))].append(line)
+        what = f"{doc['engine']} {doc['version']} from {doc['location']}"
+        for (runner, layout), lines in groups.items():
+            yield LinesItem.from_parent(self, name=f"{runner}[{layout}]", lines=lines, what=what)
+        taken: set[str] = set()
+        for reason in [*doc.get("skipped", []), *doc.get("not_applicable", [])]:
+            yield NotCheckedItem.from_parent(self, name=_skip_name(reason, taken), reason=reason)
+
+    def repr_failure(self, excinfo):  # type: ignore[override]
+        return str(excinfo.value) if isinstance(excinfo.value, EngineCheckError) else super().repr_failure(excinfo)
+
+
+class LinesItem(pytest.Item):
+    def __init__(self, *, lines: list[dict], what: str, **kw) -> None:
+        super().__init__(**kw)
+        self.lines, self.what = lines, what
+
+    def runtest(self) -> None:
+        failed = [ln for ln in self.lines if not ln["ok"]]
+        if not failed:
+            return
+        failures = [Failure(**f) for ln in failed for f in ln["failures"]]
+        checked = sum(ln["checked"] for ln in self.lines)
+        shown = "\n".join("  " + f.message() for f in failures[:5])
+        more = f"\n  ... and {len(failures) - 5} more" if len(failures) > 5 else ""
+        raise EngineCheckError(f"{self.what}: {len(failed)} of {len(self.lines)} lines failed, {len(failures)} failure(s) in "
+                               f"{checked} checks\n{shown}{more}")
+
+    def repr_failure(self, excinfo):  # type: ignore[override]
+        return str(excinfo.value) if isinstance(excinfo.value, EngineCheckError) else super().repr_failure(excinfo)
+
+    def reportinfo(self):
+        return self.path, None, f"{NODE} {self.name}"
+
+
+class NotCheckedItem(pytest.Item):
+    """What the check says it did not check: skipped with its reason, never passed."""
+
+    def __init__(self, *, reason: str, **kw) -> None:
+        super().__init__(**kw)
+        self.reason = reason
+
+    def runtest(self) -> None:
+        pytest.skip(f"not checked: {self.reason}")
+
+    def reportinfo(self):
+        return self.path, None, f"{NODE} {self.name}"

@@ -1,0 +1,80 @@
+"""engine-check from an engine team's pytest: `--specharness-engine-check` turns a check of their build into items.
+
+The external project (tests/external_project) is run with the option pointing at installed SGLang
+releases: 0.5.13.post1 carries the seed bug in its multi-layer runner's attn-TP gather branch,
+0.5.14 is the first release without it (tests/test_engine_check.py holds both verdicts on the CLI).
+"""
+from __future__ import annotations
+
+import json
+import re
+import shutil
+
+import pytest
+from engine_releases import installed_release
+from prewarmed import run_module
+from test_plugin import PROJECT, counts, pytest_in
+
+pytestmark = pytest.mark.timeout(900)
+
+
+@pytest.fixture
+def project(tmp_path):
+    return shutil.copytree(PROJECT, tmp_path / "project", ignore=shutil.ignore_patterns("__pycache__", ".pytest_cache"))
+
+
+def _items(out: str, outcome: str) -> set[str]:
+    return {ln.split(" ", 1)[1].split(" - ")[0] for ln in out.splitlines() if ln.startswith(outcome + " ")}
+
+
+def test_seed_bug_release_fails_its_attn_tp_gather_multi_layer_items_only(project):
+    target = installed_release("0.5.13.post1")
+    rc, out = pytest_in(project, "-k", "engine-check", "-rA", f"--specharness-engine-check=--engine sglang --target {target}")
+    assert rc == 1, out[-3000:]
+    failed = _items(out, "FAILED")
+    # the seed bug lives in the multi-layer runner's attn-TP gather branch: its two layouts, nothing else
+    assert failed == {".::specharness::engine-check::multi_layer[tp4-dense_tp1]",
+                      ".::specharness::engine-check::multi_layer[tp4-dp2-dense_tp1-dp_lm_head-a2a_deepep]"}, failed
+    assert "P1/I1 global_num_tokens_for_logprob_gpu: expected [16], got [4]" in out
+    assert "Traceback" not in out
+    passed = _items(out, "PASSED")
+    assert ".::specharness::engine-check::single_layer[tp4-dense_tp1]" in passed
+    assert ".::specharness::engine-check::multi_layer[tp4]" in passed
+    # what the check did not check is skipped with its reason, never passed
+    skipped = [ln for ln in out.splitlines() if ln.startswith("SKIPPED")]
+    assert any("not checked: I7 (eager vs graph): not run" in ln for ln in skipped), skipped
+
+
+def test_fixed_release_passes_every_item_and_skips_what_it_did_not_check(project):
+    target = installed_release("0.5.14")
+    rc, out = pytest_in(project, "-k", "engine-check", "-rA", f"--specharness-engine-check=--engine sglang --target {target}")
+    assert rc == 0, out[-3000:]
+    c = counts(out)
+    # 4 runners (multi-layer, single-layer, draft decode, target verify) x 5 representative layouts
+    assert c["passed"] == 20 and c.get("failed", 0) == 0 and c["skipped"] >= 1, c
+    assert re.search(r"PASSED \.::specharness::engine-check::target_verify\[tp4-dp2\]", out), out[-3000:]
+
+
+def test_bad_engine_check_arguments_are_a_usage_error_at_startup(project):
+    rc, out = pytest_in(project, "--specharness-engine-check=--engine sglang --no-such-flag")
+    assert rc == 4 and "--specharness-engine-check='--engine sglang --no-such-flag': " in out and "--no-such-flag" in out, out[-2000:]
+    rc, out = pytest_in(project, "--specharness-engine-check=--engine sglang --releases all")
+    assert rc == 4 and "a session checks one engine build" in out, out[-2000:]
+
+
+def test_an_engine_that_cannot_be_checked_is_a_collection_error_saying_why(project, tmp_path):
+    rc, out = pytest_in(project, "-k", "engine-check", f"--specharness-engine-check=--engine sglang --target {tmp_path / 'nowhere'}")
+    assert rc == 2, out[-3000:]  # pytest: errors during collection
+    assert "could not check the engine (exit 2)" in out and "no sglang package under" in out, out[-3000:]
+    assert "Traceback" not in out
+
+
+@pytest.mark.parametrize("args", [["--engine", "sglang", "--target", "/nowhere"], ["--engine", "sglang==0.0.1"],
+                                  ["--engine", "vllm==0.34.0", "--eager"]])
+def test_the_module_entry_point_writes_one_json_document_when_it_cannot_check(args):
+    """What the plugin runs (`python -m harness.engine_check ... --json`): an engine it cannot check still ends in the
+    harness's error document on stdout (exit 2), with the message on stderr, as `harness engine-check` does."""
+    p = run_module("harness.engine_check", *args, "--json", timeout=120)
+    doc = json.loads(p.stdout)
+    assert p.returncode == 2 and doc["ok"] is False and doc["exit_code"] == 2 and doc["error"]["kind"] == "bad-input", p.stdout
+    assert f"error: {doc['error']['message']}" in p.stderr
