@@ -8,10 +8,11 @@ input-prep Triton kernel and BlockTables.compute_slot_mappings' kernel (run by T
 interpreter on CPU tensors, the code a GPU runs). The attention metadata of a draft step
 (_build_uniform_attn_metadata) is a stand-in: no attention backend runs.
 
-Which releases it claims: those with the EAGLE speculator's graph managers (GRAPH_PATH) and the
-request-keyed capture sizes its configuration and rules describe (from 0.34). Older ones are
-imported as far as vllm.config and then said n/a with the reason (errors.ReleaseNotCovered),
-so a release table tells the path's absence, an older API and an adapter that fell behind apart.
+Which releases it claims: those with the EAGLE speculator's graph managers (GRAPH_PATH) and a
+capture API that api.py speaks (token-keyed up to 0.33, request-keyed from 0.34). Others are
+imported as far as vllm.config and the graph manager and then said n/a with the reason
+(errors.ReleaseNotCovered), so a release table tells the path's absence, an older API and an
+adapter that fell behind apart.
 
 What is swapped, process-wide (one engine per process), each for its reason:
   torch.cuda.graph / CUDAGraph   no device: the capture pass's forward is recorded as the bake
@@ -23,6 +24,8 @@ What is swapped, process-wide (one engine per process), each for its reason:
   build_slot_mappings_by_layer    per-layer views of the KV cache config (no layers here)
   get_dp_group                    the calling thread's rank of a DPWorld (standins.py)
   should_skip_dp_coordination     False: the ranks really agree
+  dispatch_cg_and_sync_dp         in the speculator modules: the engine's own, each call's result noted
+                                  (what the draft prefill agreed is not passed on when its graph replays)
 """
 from __future__ import annotations
 
@@ -40,6 +43,7 @@ from typing import Any, Optional
 from harness.engines.install import write_engine_bytecode
 from harness.engines.sglang.errors import EngineAdapterError, ReleaseNotCovered
 from harness.engines.sglang.stubs import StubFinder
+from harness.engines.vllm.api import CaptureApi, capture_api
 from harness.engines.vllm.standins import DPWorld, GraphCapture, Strict, null_graph_capture, null_pool, torch_proxy
 from harness.engines.vllm.stubs import REAL_MODULES, STUBBED_MODULES, StubDistributionFinder
 
@@ -52,6 +56,8 @@ MODULES: dict[str, tuple[str, ...]] = {
     "dp": ("vllm.v1.worker.gpu.dp_utils",),
     "ar": ("vllm.v1.worker.gpu.spec_decode.autoregressive.speculator",
            "vllm.v1.worker.gpu.spec_decode.target_dependent_ar.speculator"),
+    "propose": ("vllm.v1.worker.gpu.spec_decode.target_dependent_ar.speculator",
+                "vllm.v1.worker.gpu.spec_decode.autoregressive.speculator"),
     "spec": ("vllm.v1.worker.gpu.spec_decode.speculator",),
     "eagle": ("vllm.v1.worker.gpu.spec_decode.eagle.speculator",),
     "compilation": ("vllm.config.compilation",),
@@ -75,8 +81,10 @@ class VllmEngine:
     location: str
     modules: dict[str, types.ModuleType]
     capture: GraphCapture
+    api: CaptureApi  # how the release keys its decode graphs (api.py)
     stubbed: list[str] = field(default_factory=list)
     world: Optional[DPWorld] = None  # the DP world now being driven (get_dp_group reads it)
+    dispatched: Optional[list] = None  # while a proposer runs: its (manager, descriptor, DP sync) dispatches
 
     def describe(self) -> str:
         return f"vllm {self.version} from {self.location}"
@@ -130,14 +138,15 @@ def load(target: Optional[Path], deps: list[Path]) -> VllmEngine:
         location = str(Path(vllm.__file__).resolve().parent.parent)
         version = _version_of(vllm, location)
         try:
-            _require_graph_path(version)
-            mods["config"] = _import_first(MODULES["config"])
-            _require_request_keyed_capture(mods["config"].VllmConfig, version)
+            path = _require_graph_path(version)
+            for key in ("config", "cg"):
+                mods[key] = _import_first(MODULES[key])
+            api = capture_api(mods["config"].VllmConfig, getattr(mods["cg"], "CudaGraphManager", None), version, path)
             for key, names in MODULES.items():
                 mods[key] = _import_first(names)
         except ModuleNotFoundError as e:
             raise _missing_module(e) from e
-    _LOADED = VllmEngine(version, location, mods, GraphCapture(), sorted(finder.served))
+    _LOADED = VllmEngine(version, location, mods, GraphCapture(), api, sorted(finder.served))
     _install_shims(_LOADED)
     return _LOADED
 
@@ -161,18 +170,6 @@ def _require_graph_path(version: str) -> str:
     if not found:
         raise ReleaseNotCovered(f"vllm {version} has no model-runner-v2 EAGLE speculator graph path (none of {', '.join(GRAPH_PATH)})")
     return found[0]
-
-
-def _require_request_keyed_capture(vllm_config_cls: type, version: str) -> None:
-    """The adapter's configuration and capture-size rules are 0.34's request-keyed ones (decode
-    graphs per request count: VllmConfig.get_draft_decode_cudagraph_request_sizes). Releases
-    before carry the path with token-keyed sizes (compilation_config.cudagraph_capture_sizes)
-    in other module layouts."""
-    if not hasattr(vllm_config_cls, "get_draft_decode_cudagraph_request_sizes"):
-        raise ReleaseNotCovered(f"vllm {version} carries model runner v2's EAGLE speculator graph path ({_require_graph_path(version)}) "
-                                "with token-keyed capture sizes (compilation_config.cudagraph_capture_sizes, no "
-                                "VllmConfig.get_draft_decode_cudagraph_request_sizes); the adapter drives the request-keyed "
-                                "capture API (from 0.34)")
 
 
 def _spec_exists(name: str) -> bool:
@@ -211,6 +208,24 @@ def _install_shims(engine: VllmEngine) -> None:
 
     dp.get_dp_group = get_dp_group
     dp.should_skip_dp_coordination = lambda: False
+    for key in ("ar", "propose"):
+        _note_dispatches(engine, key)
+
+
+def _note_dispatches(engine: VllmEngine, key: str) -> None:
+    mod = engine.modules[key]
+    real = engine.attr(key, "dispatch_cg_and_sync_dp")
+    if getattr(real, "engine_check_noted", False):
+        return
+
+    def dispatch_cg_and_sync_dp(cudagraph_manager: Any, *args: Any, **kwargs: Any) -> Any:
+        desc, sync = real(cudagraph_manager, *args, **kwargs)
+        if engine.dispatched is not None:
+            engine.dispatched.append((cudagraph_manager, desc, sync))
+        return desc, sync
+
+    dispatch_cg_and_sync_dp.engine_check_noted = True  # type: ignore[attr-defined]
+    mod.dispatch_cg_and_sync_dp = dispatch_cg_and_sync_dp
 
 
 def _import_real_triton() -> None:

@@ -3,8 +3,8 @@ graph, the pipeline and DP process groups.
 
 The config stand-in is strict (reading an attribute it lacks names the attribute: a release
 that moved something ends with exit 2, not a silent default), and its derived values are the
-engine's own: `uniform_decode_query_len`, `get_decode_cudagraph_query_lens` and
-`get_draft_decode_cudagraph_request_sizes` are VllmConfig's functions, bound to it.
+engine's own: VllmConfig's functions (`uniform_decode_query_len` and those api.py names per
+capture API), bound to it.
 
 The DP group is real enough to agree: one thread per DP rank, and `cpu_all_reduce_` sums
 every rank's tensor behind a barrier, so the engine's own coordinate-and-pad code runs on
@@ -28,13 +28,9 @@ class Strict(BaseStrict):
     where = "harness/engines/vllm/standins.py"
 
 
-def config_standin(vllm_config_cls: type, **attrs: Any) -> Strict:
-    """A Strict VllmConfig whose derived sizes are computed by VllmConfig's own methods."""
-    cls = type("VllmConfigStandIn", (Strict,), {
-        "uniform_decode_query_len": vllm_config_cls.uniform_decode_query_len,
-        "get_decode_cudagraph_query_lens": vllm_config_cls.get_decode_cudagraph_query_lens,
-        "get_draft_decode_cudagraph_request_sizes": vllm_config_cls.get_draft_decode_cudagraph_request_sizes,
-    })
+def config_standin(vllm_config_cls: type, bound: tuple[str, ...], **attrs: Any) -> Strict:
+    """A Strict VllmConfig whose derived sizes are computed by VllmConfig's own methods (`bound`)."""
+    cls = type("VllmConfigStandIn", (Strict,), {name: getattr(vllm_config_cls, name) for name in bound})
     return cls("vllm_config", **attrs)
 
 
@@ -55,6 +51,7 @@ class GraphCapture:
 
     def __init__(self) -> None:
         self.current: Optional[FakeGraph] = None
+        self.piecewise: Optional[list[int]] = None  # while a manager captures: its PIECEWISE passes' token counts
 
     def CUDAGraph(self) -> FakeGraph:  # noqa: N802 (torch's name)
         return FakeGraph()
