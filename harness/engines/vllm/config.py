@@ -24,5 +24,7 @@ class VllmCheckConfig:
     max_model_len: int = 256
     dp_sizes: tuple[int, ...] = (1, 2, 4)
     # per DP rank, the raw request counts of the schedule, each replayed growing and then shrinking;
-    # rank r runs max(1, size - 3 * r), so ranks differ and DP padding matters
-    schedule: tuple[int, ...] = (1, 3, 6, 9, 13, 16, 19, 23)
+    # rank r runs max(1, size - 3 * r), so ranks differ and DP padding matters. 4 requests at 1 + K = 3 pad the
+    # token-keyed target to its 6-request graph while a 4-request draft decode graph exists: a draft decode that
+    # pads from the target's padded count instead of the ranks' real one takes the larger graph.
+    schedule: tuple[int, ...] = (1, 3, 4, 6, 9, 13, 16, 19, 23)

@@ -108,6 +108,8 @@ class RankDriver:
             idx_mapping=torch.zeros(n, dtype=torch.int64), draft_tokens=torch.zeros(n, self.K, dtype=torch.int64),
             sample_src_positions=torch.zeros(n, dtype=torch.int64),
         )
+        if not isinstance(getattr(cls, "max_model_len", None), property):  # a plain field before 0.33's property
+            s.max_model_len = self.cfg.max_model_len
         s.on_prefill_end = self._prefill_outputs
         inner = s._multi_step_decode
 

@@ -24,6 +24,7 @@ What is swapped, process-wide (one engine per process), each for its reason:
   build_slot_mappings_by_layer    per-layer views of the KV cache config (no layers here)
   get_dp_group                    the calling thread's rank of a DPWorld (standins.py)
   should_skip_dp_coordination     False: the ranks really agree
+  dist (up to 0.32)               all_reduce over the DP group's cpu_group: the DPWorld's sum
   dispatch_cg_and_sync_dp         in the speculator modules: the engine's own, each call's result noted
                                   (what the draft prefill agreed is not passed on when its graph replays)
 """
@@ -44,7 +45,15 @@ from harness.engines.install import write_engine_bytecode
 from harness.engines.sglang.errors import EngineAdapterError, ReleaseNotCovered
 from harness.engines.sglang.stubs import StubFinder
 from harness.engines.vllm.api import CaptureApi, capture_api
-from harness.engines.vllm.standins import DPWorld, GraphCapture, Strict, null_graph_capture, null_pool, torch_proxy
+from harness.engines.vllm.standins import (
+    DPWorld,
+    GraphCapture,
+    Strict,
+    dist_standin,
+    null_graph_capture,
+    null_pool,
+    torch_proxy,
+)
 from harness.engines.vllm.stubs import REAL_MODULES, STUBBED_MODULES, StubDistributionFinder
 
 # Where each module the adapter drives lives, newest layout first: up to 0.33 the autoregressive
@@ -208,6 +217,8 @@ def _install_shims(engine: VllmEngine) -> None:
 
     dp.get_dp_group = get_dp_group
     dp.should_skip_dp_coordination = lambda: False
+    if hasattr(dp, "dist"):
+        dp.dist = dist_standin()
     for key in ("ar", "propose"):
         _note_dispatches(engine, key)
 

@@ -132,6 +132,13 @@ class DPGroup(Strict):
     def __init__(self, world: DPWorld, rank: int) -> None:
         super().__init__("dp_group", world_size=world.dp_size, rank_in_group=rank, dead_dp_ranks=())
         object.__setattr__(self, "_world", world)
+        object.__setattr__(self, "cpu_group", self)  # up to 0.32 the agreement is dist.all_reduce(t, group=cpu_group)
 
     def cpu_all_reduce_(self, t: torch.Tensor) -> None:
         self._world.cpu_all_reduce_(self.rank_in_group, t)
+
+
+def dist_standin() -> Strict:
+    """torch.distributed as a release's DP agreement calls it before DP groups had cpu_all_reduce_: the
+    sum over the DPWorld of `group` (a DPGroup's cpu_group is the group itself)."""
+    return Strict("torch.distributed", all_reduce=lambda t, group=None: group.cpu_all_reduce_(t))
