@@ -13,12 +13,14 @@ release's capture API (api.py). Everything is converted into ReplayRecord / Capt
 """
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import numpy as np
 import torch
 
+from harness.engines.sglang.errors import EngineAdapterError
 from harness.engines.vllm.config import VllmCheckConfig
 from harness.engines.vllm.loader import VllmEngine
 from harness.engines.vllm.standins import DPWorld, FakeGraph, Strict, config_standin
@@ -87,6 +89,11 @@ class RankDriver:
         cgm = engine.attr("cg", "CudaGraphManager")
         self.target = cgm(self.vcfg, torch.device("cpu"), self.mode.FULL_AND_PIECEWISE, **engine.api.target_manager_kwargs(self.vcfg))
         self.decode_calls: list[tuple] = []
+        # propose()'s DP agreement argument: dp_sync up to 0.31, dp_sync_state after
+        names = [n for n in ("dp_sync_state", "dp_sync") if n in inspect.signature(self.spec.propose).parameters]
+        if not names:
+            raise EngineAdapterError(f"vllm {engine.version}: propose() takes neither dp_sync_state nor dp_sync; teach drive.py its DP argument")
+        self.sync_arg = names[0]
 
     def _speculator(self) -> Any:
         eagle = self.engine.attr("eagle", "EagleSpeculator")
@@ -100,6 +107,7 @@ class RankDriver:
             vllm_config=self.vcfg, device=torch.device("cpu"), speculative_config=self.vcfg.speculative_config, method="eagle",
             num_speculative_steps=self.K, max_num_reqs=n, max_num_tokens=max_tokens, draft_max_seq_len=self.cfg.max_model_len,
             dp_size=self.dp_size, dp_rank=self.rank, enable_adaptive_verification=False, supports_decode_metadata_update=False,
+            use_fused_multi_step_decode=False,  # supports_decode_metadata_update's name up to 0.31
             input_buffers=ib(n, max_tokens, torch.device("cpu")), target_input_buffers=ib(n, max_tokens, torch.device("cpu")),
             can_reuse_target_attn_metadata=True, target_attn_groups=[], attn_groups=[], model_state=None, block_tables=self._block_tables(),
             kv_cache_config=None, model=None, pcp_manager=None, eplb_state=None, supports_mm_inputs=False,
@@ -141,6 +149,7 @@ class RankDriver:
             num_kv_cache_groups=1, slot_mappings=torch.zeros(1, n * self.q, dtype=torch.int64),
             block_table_ptrs=torch.tensor([self.kv_table.data_ptr()], dtype=torch.uint64),
             block_table_strides=torch.tensor([width], dtype=torch.int64), block_sizes_tensor=torch.tensor([KV_BLOCK_SIZE], dtype=torch.int32),
+            kernel_block_sizes_tensor=torch.tensor([KV_BLOCK_SIZE], dtype=torch.int32),  # up to 0.31: kernel blocks = KV blocks
             slot_mapping_enabled=torch.tensor([True]), dcp_sharded=torch.tensor([True]), cp_rank=0, cp_size=1, cp_interleave=1)
         return bt
 
@@ -183,7 +192,7 @@ class RankDriver:
         self.decode_calls.clear()
         log = self.engine.dispatched = []
         try:
-            self.spec.propose(*args, dp_sync_state=tsync)
+            self.spec.propose(*args, **{self.sync_arg: tsync})
         finally:
             self.engine.dispatched, self.live = None, None
         prefill = [(d, sync) for mgr, d, sync in log if mgr is self.spec.prefill_cudagraph_manager]
@@ -241,8 +250,9 @@ def _recorder(engine: VllmEngine):
         g = engine.capture.current
         if g is not None:
             g.baked = {"num_reqs": num_reqs, "num_tokens": num_tokens,
-                       "num_tokens_across_dp": None if num_tokens_across_dp is None else num_tokens_across_dp.tolist(),
-                       "num_speculative_steps": kw.get("num_speculative_steps", a[0] if a else None)}
+                       "num_tokens_across_dp": None if num_tokens_across_dp is None else num_tokens_across_dp.tolist()}
+            if a or "num_speculative_steps" in kw:  # a draft step count baked into the graph (from 0.32)
+                g.baked["num_speculative_steps"] = kw.get("num_speculative_steps", a[0] if a else None)
         elif engine.capture.piecewise is not None and getattr(cudagraph_runtime_mode, "name", None) == "PIECEWISE":
             engine.capture.piecewise.append(num_tokens)
 

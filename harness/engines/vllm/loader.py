@@ -16,7 +16,7 @@ adapter that fell behind apart.
 
 What is swapped, process-wide (one engine per process), each for its reason:
   torch.cuda.graph / CUDAGraph   no device: the capture pass's forward is recorded as the bake
-  graph_capture, capture_pool     device streams and memory pools
+  graph_capture, capture_pool     device streams and memory pools (set_graph_pool_id up to 0.31)
   get_pp_group, current_platform  one pipeline stage; no graph pool
   get_offloader, current_stream   weight offload and streams sync on a device
   is_global_first_rank            False: no progress bars
@@ -192,14 +192,16 @@ def _spec_exists(name: str) -> bool:
 
 def _install_shims(engine: VllmEngine) -> None:
     cg, scg, dp = engine.modules["cg"], engine.modules["scg"], engine.modules["dp"]
-    for name in ("torch", "graph_capture", "capture_pool", "get_pp_group", "current_platform", "get_offloader", "current_stream",
+    for name in ("torch", "graph_capture", "get_pp_group", "current_platform", "get_offloader", "current_stream",
                  "is_global_first_rank"):
         engine.attr("cg", name)
+    engine.attr("cg", "capture_pool" if hasattr(cg, "capture_pool") else "set_graph_pool_id")  # the pool API up to 0.31
     cg.torch = torch_proxy(engine.capture)
     cg.graph_capture = null_graph_capture
     cg.capture_pool = null_pool
+    cg.set_graph_pool_id = lambda pool: None
     cg.get_pp_group = lambda: Strict("pp_group", is_first_rank=True, is_last_rank=True)
-    cg.current_platform = Strict("current_platform", get_global_graph_pool=lambda: None)
+    cg.current_platform = Strict("current_platform", get_global_graph_pool=lambda: None, graph_pool_handle=lambda: None)
     cg.get_offloader = lambda: Strict("offloader", sync_prev_onload=lambda: None, join_after_forward=lambda: None)
     cg.current_stream = lambda: None
     cg.is_global_first_rank = lambda: False
