@@ -219,7 +219,7 @@ class RankDriver:
         positions = [s - q + k for s in seq_lens for k in range(q)] + [0] * (padded - raw * q)
         i32 = torch.int32
         batch = Strict("input_batch", num_reqs=raw, num_tokens=raw * q, num_tokens_after_padding=padded,
-                       num_scheduled_tokens=np.full(raw, q, dtype=np.int32), decode_graph_eligible=True,
+                       num_scheduled_tokens=np.full(raw, q, dtype=np.int32), decode_graph_eligible=True, has_prefill=False,  # has_prefill up to 0.30
                        seq_lens=torch.tensor(seq_lens, dtype=i32), seq_lens_cpu_upper_bound=torch.tensor(seq_lens, dtype=i32),
                        idx_mapping=torch.tensor(live["idx_mapping"], dtype=i32), query_start_loc=torch.arange(raw + 1, dtype=i32) * q,
                        input_ids=torch.arange(padded, dtype=torch.int64) + 5000, positions=torch.tensor(positions, dtype=torch.int64))
