@@ -151,9 +151,9 @@ def load(target: Optional[Path], deps: list[Path]) -> VllmEngine:
             for key in ("config", "cg"):
                 mods[key] = _import_first(MODULES[key])
             api = capture_api(mods["config"].VllmConfig, getattr(mods["cg"], "CudaGraphManager", None), version, path)
+            _require_reused_dp_agreement(version, path)
             for key, names in MODULES.items():
                 mods[key] = _import_first(names)
-            _require_reused_dp_agreement(mods["spec"].DraftModelSpeculator, version, path)
         except ModuleNotFoundError as e:
             raise _missing_module(e) from e
     _LOADED = VllmEngine(version, location, mods, GraphCapture(), api, sorted(finder.served))
@@ -182,11 +182,13 @@ def _require_graph_path(version: str) -> str:
     return found[0]
 
 
-def _require_reused_dp_agreement(speculator_cls: type, version: str, path: str) -> None:
+def _require_reused_dp_agreement(version: str, path: str) -> None:
     """From 0.30 the draft decode reuses the target's DP agreement (DraftModelSpeculator.
     _build_uniform_batch_dp_sync over DPSyncState.num_reqs): propose() runs no collective, so each
     rank's proposer is driven on its own. Before, each draft decode ran its own DP collective from
     inside propose(), and the configuration had no uniform_decode_query_len (up to 0.28)."""
+    name = MODULES["spec"][0]
+    speculator_cls = getattr(importlib.import_module(name), "DraftModelSpeculator", None) if _spec_exists(name) else None
     if not hasattr(speculator_cls, "_build_uniform_batch_dp_sync"):
         raise ReleaseNotCovered(f"vllm {version} carries model runner v2's EAGLE speculator graph path ({path}), but its draft decode "
                                 "runs its own DP collective inside propose() (no DraftModelSpeculator._build_uniform_batch_dp_sync "
