@@ -5,14 +5,14 @@ reuses; the draft prefill graphs at 1 + K tokens per request; the draft decode g
 
 * capture sizes: every uniform-decode graph holds q tokens per request (q = 1 + K for the
   target and the draft prefill, 1 for draft decode), num_tokens = num_reqs * q, within
-  max_num_seqs and the token cap; the captured request counts are the configured ones below
-  the limit min(max_num_seqs, cap // q) plus the limit itself (the max a batch can pad to);
-  draft decode graphs reach max_num_seqs (or the cap), starting at 1.
+  max_num_seqs and the token cap; the captured request counts and PIECEWISE token sizes follow
+  the release's own rule (api.py: request-keyed from 0.34, token-keyed before).
 * capture = replay (I1): a replayed graph's bake (num_tokens, num_tokens_across_dp of its
   capture pass) equals what the replay agreed; every bake holds [num_tokens] * dp.
 * DP padding: every rank of an iteration runs the same mode and token count; with graphs,
-  num_tokens_across_dp is that count on every rank; the bucket is the smallest captured one
-  holding the largest rank's requests (eager exactly when none does).
+  num_tokens_across_dp is that count on every rank; the bucket is the smallest FULL graph
+  holding the largest rank's requests, else the smallest PIECEWISE one holding its tokens
+  (eager exactly when none does).
 * padded tail (draft decode, after _prepare_decode_inputs and compute_slot_mappings): real
   lanes hold the live batch; padded lanes [raw, bs) are canonical (query_start_loc = raw:
   zero-length queries; seq_lens = 0; slot_mapping = PAD_SLOT_ID) and independent of the history (the schedule replays each size after smaller and
