@@ -1,10 +1,11 @@
-"""engine-check on vLLM's EAGLE proposer: the newest release passes (and says what does not apply),
-and bugs planted into an installed copy are each caught by the check that owns them.
+"""engine-check on vLLM's EAGLE proposer: the newest release and the newest token-keyed one (0.33) pass
+(and say what does not apply), and bugs planted into installed copies are each caught by the check
+that owns them.
 
-The release is installed once (cached under .engines/, under a file lock, as the SGLang tests
-install theirs), or every test here skips with pip's reason. Each check runs in its own process
-(the adapter swaps module globals process-wide); the unmodified release and the planted copies
-run concurrently, once per session, since importing vLLM dominates their time.
+Each release is installed once (cached under .engines/, under a file lock, as the SGLang tests
+install theirs), or its tests skip with pip's reason. Each check runs in its own process (the
+adapter swaps module globals process-wide); a release and its planted copies run concurrently,
+once per session, since importing vLLM dominates their time.
 """
 from __future__ import annotations
 
@@ -26,6 +27,8 @@ from harness.engines.vllm.standins import DPWorld
 
 REPO = Path(__file__).resolve().parent.parent
 VERSION = os.environ.get("SPECHARNESS_VLLM_NEWEST", "0.34.0")
+TOKEN_KEYED = "0.33.0"  # the newest release whose decode graphs are keyed by token counts (cudagraph_capture_sizes)
+CUDAGRAPH_UTILS = "vllm/v1/worker/gpu/cudagraph_utils.py"
 KERNEL = "vllm/v1/worker/gpu/spec_decode/target_dependent_ar/speculator.py"
 DP_UTILS = "vllm/v1/worker/gpu/dp_utils.py"
 COMPILATION = "vllm/config/compilation.py"
@@ -33,11 +36,14 @@ BLOCK_TABLE = "vllm/v1/worker/gpu/block_table.py"
 
 # id -> [(file, the line as released, the planted line)]: one copy per id, checked at DP sizes PLANTED_DP[id]
 PLANTED = {
-    # two padded-tail bugs, in two kernels and two buffers (each failure names its buffer):
-    # _prepare_decode_inputs_kernel stops zeroing seq_lens past the live requests, and the slot-mapping
-    # kernel stops writing PAD_SLOT_ID past the live tokens (padded lanes would write KV into live blocks)
+    # two padded-tail bugs, in two buffers (each failure names its buffer): the draft input kernels stop
+    # zeroing seq_lens past the live requests (the prefill's and the decode's: propose() runs both on the same
+    # buffer, so either one alone still leaves the tail at 0), and the slot-mapping kernel stops writing
+    # PAD_SLOT_ID past the live tokens (padded lanes would write KV into live blocks)
     "padded_tail_not_written": [(KERNEL, "tl.store(seq_lens_ptr + block, 0, mask=mask)",
                                  "tl.store(seq_lens_ptr + block, 0, mask=mask & (block < 0))"),
+                                (KERNEL, "tl.store(draft_seq_lens_ptr + block, 0, mask=mask)",
+                                 "tl.store(draft_seq_lens_ptr + block, 0, mask=mask & (block < 0))"),
                                 (BLOCK_TABLE, "tl.store(slot_mapping_ptr + offset, PAD_ID, mask=offset < max_num_tokens)",
                                  "tl.store(slot_mapping_ptr + offset, PAD_ID, mask=offset < 0)")],
     # the DP agreement pads each rank to its own count instead of the largest rank's
@@ -65,31 +71,41 @@ _CHECK = """
 """
 
 
-def _plant(src: Path, dst: Path, edits: list[tuple[str, str, str]]) -> Path:
+# 0.33's token-keyed copies: id -> edits, and their DP sizes
+PLANTED_TOKEN_KEYED = {
+    # as in 0.34: the DP agreement pads each rank to its own count
+    "dp_pads_to_own_count": PLANTED["dp_pads_to_own_count"],
+    # the manager's token-keyed rule forgets the capture cap: 64 tokens round up to a 22-request (66-token) graph
+    "rounded_size_ignores_cap": [(CUDAGRAPH_UTILS, "or rounded_num_tokens > max_cg_capture_size", "or False")],
+}
+PLANTED_TOKEN_KEYED_DP = {"dp_pads_to_own_count": (1, 2), "rounded_size_ignores_cap": (1,)}
+
+
+def _plant(src: Path, dst: Path, edits: list[tuple[str, str, str]], version: str) -> Path:
     """dst: src's files as symlinks, except each edited file, a real copy with its line replaced (exactly once)."""
-    texts = {}
-    for rel, old, _ in edits:
-        texts[rel] = (src / rel).read_text()
-        if texts[rel].count(old) != 1:
-            pytest.skip(f"vllm {VERSION}: {rel} does not have the line {old!r} exactly once")
-    shutil.copytree(src, dst, symlinks=True, copy_function=os.symlink)
+    texts: dict[str, str] = {}
     for rel, old, new in edits:
+        texts.setdefault(rel, (src / rel).read_text())
+        if texts[rel].count(old) != 1:
+            pytest.skip(f"vllm {version}: {rel} does not have the line {old!r} exactly once")
+        texts[rel] = texts[rel].replace(old, new)
+    shutil.copytree(src, dst, symlinks=True, copy_function=os.symlink)
+    for rel, text in texts.items():
         (dst / rel).unlink()
-        (dst / rel).write_text(texts[rel].replace(old, new))
+        (dst / rel).write_text(text)
     return dst
 
 
-@pytest.fixture(scope="module")
-def results(tmp_path_factory) -> dict[str, dict]:
+def _run_checks(version: str, planted: dict, planted_dp: dict, base: Path) -> dict[str, dict]:
+    """The release and each planted copy of it, checked concurrently: name -> {"report", "text"}."""
     try:
-        release = ensure_vllm_installed(VERSION, log=lambda m: print(m, file=sys.stderr))
+        release = ensure_vllm_installed(version, log=lambda m: print(m, file=sys.stderr))
     except InstallError as e:
-        pytest.skip(f"cannot install vllm=={VERSION} here: {e}")
-    base = tmp_path_factory.mktemp("vllm-planted")
+        pytest.skip(f"cannot install vllm=={version} here: {e}")
     targets = {"release": release}
-    for name, edits in PLANTED.items():
-        targets[name] = _plant(release, base / name, edits)
-    overrides = {name: {"dp_sizes": PLANTED_DP[name]} if name in PLANTED_DP else {} for name in targets}
+    for name, edits in planted.items():
+        targets[name] = _plant(release, base / name, edits, version)
+    overrides = {name: {"dp_sizes": planted_dp[name]} if name in planted_dp else {} for name in targets}
     procs = {name: Started(textwrap.dedent(_CHECK.format(target=str(t), overrides=overrides[name]))) for name, t in targets.items()}
     out = {}
     for name, p in procs.items():
@@ -97,6 +113,16 @@ def results(tmp_path_factory) -> dict[str, dict]:
         assert proc.returncode == 0, f"{name}: " + proc.stdout[-2000:] + proc.stderr[-3000:]
         out[name] = json.loads(proc.stdout)
     return out
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory) -> dict[str, dict]:
+    return _run_checks(VERSION, PLANTED, PLANTED_DP, tmp_path_factory.mktemp("vllm-planted"))
+
+
+@pytest.fixture(scope="module")
+def token_keyed(tmp_path_factory) -> dict[str, dict]:
+    return _run_checks(TOKEN_KEYED, PLANTED_TOKEN_KEYED, PLANTED_TOKEN_KEYED_DP, tmp_path_factory.mktemp("vllm-planted-tok"))
 
 
 def _failed(rep: dict) -> set[tuple[str, str, str]]:
@@ -138,8 +164,9 @@ def test_planted_padded_tail_is_caught(results):
     assert {b for c, b, _ in failed if c in ("padded tail", "canonical")} == {"seq_lens", "slot_mapping"}
 
 
-def test_planted_dp_pad_count_is_caught(results):
-    rep = results["dp_pads_to_own_count"]["report"]
+@pytest.mark.parametrize("release", ["results", "token_keyed"])
+def test_planted_dp_pad_count_is_caught(release, request):
+    rep = request.getfixturevalue(release)["dp_pads_to_own_count"]["report"]
     assert not rep["ok"]
     failed = _failed(rep)
     # the ranks run different graphs: the target's agreement, and the draft prefill that reuses it
@@ -149,13 +176,35 @@ def test_planted_dp_pad_count_is_caught(results):
     assert all(f["where"]["dp"] > 1 for ln in rep["lines"] for f in ln["failures"])
 
 
-def test_planted_capture_limit_is_caught(results):
-    rep = results["capture_limit_ignores_query_len"]["report"]
+@pytest.mark.parametrize("release, planted", [("results", "capture_limit_ignores_query_len"), ("token_keyed", "rounded_size_ignores_cap")])
+def test_planted_capture_limit_is_caught(release, planted, request):
+    rep = request.getfixturevalue(release)[planted]["report"]
     assert not rep["ok"]
     failed = _failed(rep)
     for runner in ("target_verify", "draft_prefill"):
         assert ("capture sizes", "num_tokens <= cap", runner) in failed
         assert ("capture sizes", "request sizes at 1 + K", runner) in failed
+    # one token per request: the cap alone bounds the draft decode graphs (0.34), and 64 requests exceed max_num_seqs (0.33)
+    assert not any(r == "draft_decode" and c == "capture sizes" for c, _, r in failed)
+
+
+def test_token_keyed_release_passes_under_its_own_rules(token_keyed):
+    rep, text = token_keyed["release"]["report"], token_keyed["release"]["text"]
+    assert (rep["version"], rep["api"]) == (TOKEN_KEYED, "mrv2-tok")
+    assert rep["ok"], text
+    captured = {(ln["runner"], ln["dp"]): ln["captured_requests"] for ln in rep["lines"] if ln["bucket"] == "capture"}
+    # cudagraph_capture_sizes 1, 2, 4, 8, 16, 24, 32, 48, 64 at 1 + K = 3 tokens per request: ceil(t / 3) requests
+    # while within 64 tokens (64 itself would be 22 requests, 66 tokens: dropped); one-token draft decodes keep each
+    # size up to max_num_seqs 24
+    for dp in (1, 2, 4):
+        assert captured[("target_verify", dp)] == captured[("draft_prefill", dp)] == [1, 2, 3, 6, 8, 11, 16]
+        assert captured[("draft_decode", dp)] == [1, 2, 4, 8, 16, 24]
+    buckets = {(ln["runner"], ln["bucket"]) for ln in rep["lines"] if ln["dp"] == 1}
+    # 19 requests (57 tokens) are above the largest FULL graph (48 tokens) and run PIECEWISE at 64; 23 (69) run eager
+    for runner in ("target_verify", "draft_prefill"):
+        assert {(runner, "piecewise tokens=64"), (runner, "eager"), (runner, "reqs=16 tokens=48")} <= buckets
+    assert ("draft_decode", "reqs=24 tokens=24") in buckets
+    assert "verdict: PASS" in text and "cudagraph_capture_sizes=[1, 2, 4, 8, 16, 24, 32, 48, 64]" in text
 
 
 def test_not_installed_is_exit_2(capsys, monkeypatch, tmp_path):

@@ -2,12 +2,15 @@
 the one the release's source calls for.
 
 Expected rows, read from the wheels: 0.11.2 has no model runner v2 EAGLE speculator
-(vllm/v1/worker/gpu/ has no spec_decode/eagle*): N/A, no path. 0.33.0 has it (the graph
-manager in spec_decode/target_dependent_ar/cudagraph_utils.py) with token-keyed capture
-sizes (compilation_config.cudagraph_capture_sizes; VllmConfig has no
-get_draft_decode_cudagraph_request_sizes): N/A, older API, after importing on CPU. 0.34.0
-is driven and passes. Releases are installed on first use (cached, locked) or the table
-test skips with pip's reason.
+(vllm/v1/worker/gpu/ has no spec_decode/eagle*): N/A, no path. 0.29.0 has it, but its draft
+decode runs its own DP collective inside propose() (DraftModelSpeculator has no
+_build_uniform_batch_dp_sync): N/A, older design. 0.32.0 is driven (token-keyed capture sizes,
+compilation_config.cudagraph_capture_sizes) and fails the padding check: its DPSyncState.num_reqs
+holds the target's padded request count (dp_utils.py: "Holds the padded count when a FULL
+descriptor imposed one"), which the draft decode pads from, so with 4 requests on the largest
+rank the one-token decode takes the 8-request graph while a 4-request one is captured. 0.33.0
+(token-keyed, num_reqs the ranks' real maximum) and 0.34.0 (request-keyed) pass. Releases are
+installed on first use (cached, locked) or the table test skips with pip's reason.
 """
 from __future__ import annotations
 
@@ -30,7 +33,7 @@ from harness.engines.vllm.install import ensure_vllm_installed, installed_vllm_v
 from harness.engines.vllm.stubs import StubDistributionFinder
 
 REPO = Path(__file__).resolve().parent.parent
-TABLE_RELEASES = ("0.11.2", "0.33.0", "0.34.0")
+TABLE_RELEASES = ("0.11.2", "0.29.0", "0.32.0", "0.33.0", "0.34.0")
 
 
 def test_vllm_all_starts_at_the_first_release_with_the_speculator_graphs():
@@ -64,8 +67,9 @@ def test_stubbed_transformers_reports_the_version_old_releases_require():
 
 @pytest.mark.timeout(900)
 @pytest.mark.skipif(bool(os.environ.get("CI")) and not os.environ.get("SPECHARNESS_VLLM_TABLE"),
-                    reason="downloads two more vLLM wheels (about 1.8 GB installed) that CI does not need: 0.34.0's verdict is checked "
-                           "by tests/test_engine_vllm.py; set SPECHARNESS_VLLM_TABLE=1 to run the table of N/A releases in CI")
+                    reason="downloads three more vLLM wheels (0.11.2, 0.29.0, 0.32.0: about 2.7 GB installed) that CI does not need: "
+                           "0.34.0's and 0.33.0's verdicts are checked by tests/test_engine_vllm.py; set SPECHARNESS_VLLM_TABLE=1 to run "
+                           "the release table in CI")
 def test_release_table_verdicts_follow_the_sources():
     for v in TABLE_RELEASES:
         try:
@@ -75,12 +79,16 @@ def test_release_table_verdicts_follow_the_sources():
     proc = subprocess.run([sys.executable, "-m", "harness.engine_check", "--engine", "vllm", "--releases", ",".join(TABLE_RELEASES),
                            "--json"], cwd=REPO, capture_output=True, text=True)
     rows = {r["version"]: r for r in json.loads(proc.stdout)}
-    assert proc.returncode == 0, proc.stderr[-2000:]  # N/A rows do not count against the table
+    assert proc.returncode == 1, proc.stderr[-2000:]  # 0.32.0 fails; N/A rows do not count against the table
     assert rows["0.11.2"]["verdict"] == "N/A" and rows["0.11.2"]["exit_code"] == 3
     assert "has no model-runner-v2 EAGLE speculator graph path" in rows["0.11.2"]["first_failure"]
-    assert rows["0.33.0"]["verdict"] == "N/A" and rows["0.33.0"]["exit_code"] == 3
-    assert "target_dependent_ar.cudagraph_utils" in rows["0.33.0"]["first_failure"]
-    assert "token-keyed capture sizes" in rows["0.33.0"]["first_failure"]
+    assert rows["0.29.0"]["verdict"] == "N/A" and rows["0.29.0"]["exit_code"] == 3
+    assert "autoregressive.cudagraph_utils" in rows["0.29.0"]["first_failure"]
+    assert "runs its own DP collective inside propose()" in rows["0.29.0"]["first_failure"]
+    assert rows["0.32.0"]["verdict"] == "FAIL" and rows["0.32.0"]["api"] == "mrv2-tok"
+    assert rows["0.32.0"]["first_failure"].startswith("P1/padding graph (mode, requests): expected ['FULL', 4], got ['FULL', 8]")
+    assert "runner=draft_decode" in rows["0.32.0"]["first_failure"]
+    assert rows["0.33.0"]["verdict"] == "PASS" and rows["0.33.0"]["failures"] == 0 and rows["0.33.0"]["api"] == "mrv2-tok"
     assert rows["0.34.0"]["verdict"] == "PASS" and rows["0.34.0"]["failures"] == 0 and rows["0.34.0"]["api"] == "mrv2"
 
 

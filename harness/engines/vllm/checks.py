@@ -5,14 +5,14 @@ reuses; the draft prefill graphs at 1 + K tokens per request; the draft decode g
 
 * capture sizes: every uniform-decode graph holds q tokens per request (q = 1 + K for the
   target and the draft prefill, 1 for draft decode), num_tokens = num_reqs * q, within
-  max_num_seqs and the token cap; the captured request counts are the configured ones below
-  the limit min(max_num_seqs, cap // q) plus the limit itself (the max a batch can pad to);
-  draft decode graphs reach max_num_seqs (or the cap), starting at 1.
+  max_num_seqs and the token cap; the captured request counts and PIECEWISE token sizes follow
+  the release's own rule (api.py: request-keyed from 0.34, token-keyed before).
 * capture = replay (I1): a replayed graph's bake (num_tokens, num_tokens_across_dp of its
   capture pass) equals what the replay agreed; every bake holds [num_tokens] * dp.
 * DP padding: every rank of an iteration runs the same mode and token count; with graphs,
-  num_tokens_across_dp is that count on every rank; the bucket is the smallest captured one
-  holding the largest rank's requests (eager exactly when none does).
+  num_tokens_across_dp is that count on every rank; the bucket is the smallest FULL graph
+  holding the largest rank's requests, else the smallest PIECEWISE one holding its tokens
+  (eager exactly when none does).
 * padded tail (draft decode, after _prepare_decode_inputs and compute_slot_mappings): real
   lanes hold the live batch; padded lanes [raw, bs) are canonical (query_start_loc = raw:
   zero-length queries; seq_lens = 0; slot_mapping = PAD_SLOT_ID) and independent of the history (the schedule replays each size after smaller and
@@ -21,8 +21,9 @@ reuses; the draft prefill graphs at 1 + K tokens per request; the draft decode g
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
+from harness.engines.vllm.api import SMALLEST_LARGEST, CaptureApi
 from harness.engines.vllm.config import VllmCheckConfig
 from harness.engines.vllm.drive import KV_BLOCK_SIZE, RankCapture, VllmReplay
 from harness.engines.vllm.report import VLine
@@ -46,11 +47,10 @@ def query_len(runner: str, cfg: VllmCheckConfig) -> int:
     return 1 if runner == "draft_decode" else 1 + cfg.num_speculative_tokens
 
 
-def check_capture(ln: VLine, runner: str, cap: RankCapture, cfg: VllmCheckConfig, dp: int, rank: int,
-                  decode_sizes: Optional[list[int]]) -> None:
+def check_capture(ln: VLine, runner: str, cap: RankCapture, cfg: VllmCheckConfig, dp: int, rank: int, api: CaptureApi, vcfg: Any) -> None:
+    """The release's capture-size rules (api.py, per capture API) against what this rank captured."""
     v, q = ln.verdict, query_len(runner, cfg)
-    cap_tokens = cfg.max_cudagraph_capture_size
-    limit = min(cfg.max_num_seqs, cap_tokens // q)
+    cap_tokens = api.max_capture_tokens(cfg)
     full = [(d, g) for d, g in cap.graphs[runner] if d.cg_mode.name == "FULL"]
     reqs = [d.num_reqs for d, _ in full]
     ln.ranks.add(rank)
@@ -68,19 +68,14 @@ def check_capture(ln: VLine, runner: str, cap: RankCapture, cfg: VllmCheckConfig
         v.expect_equal("I1", "baked num_tokens", w, d.num_tokens, g.baked["num_tokens"])
         v.expect_equal("I1", "baked num_tokens_across_dp", w, [d.num_tokens] * dp if dp > 1 else None, g.baked["num_tokens_across_dp"],
                        "every DP rank runs the graph's token count")
-        if runner == "draft_decode":
+        if runner == "draft_decode" and "num_speculative_steps" in g.baked:  # up to 0.31 steps are not a graph argument
             v.expect_equal("capture sizes", "num_speculative_steps", w, cfg.num_speculative_tokens, g.baked["num_speculative_steps"])
     w = {"dp": dp, "rank": rank, "runner": runner}
-    if runner == "draft_decode":
-        v.expect_equal("capture sizes", "draft decode request sizes", w, [n for n in decode_sizes or [] if n <= limit], reqs,
-                       "the engine's draft-decode request grid, each captured once")
-        v.expect_equal("capture sizes", "smallest / largest graph", w, (1, limit), (reqs[0], reqs[-1]) if reqs else None,
-                       f"one-token draft decodes have graphs up to min(max_num_seqs, cap) = {limit} requests")
-    else:
-        sizes = sorted(set(cfg.decode_request_sizes))
-        want = [n for n in sizes if n < limit] + ([limit] if any(n >= limit for n in sizes) else [])
-        v.expect_equal("capture sizes", "request sizes at 1 + K", w, want, reqs,
-                       f"configured sizes below min(max_num_seqs, cap // (1 + K)) = {limit}, and that limit for the first size above it")
+    ends = (reqs[0], reqs[-1]) if reqs else None
+    for name, want, reason in api.rules(runner, q, cfg, vcfg):
+        v.expect_equal("capture sizes", name, w, want, ends if name == SMALLEST_LARGEST else reqs, reason)
+    want_pw, reason = api.piecewise_rule(runner, cfg)
+    v.expect_equal("capture sizes", "PIECEWISE token sizes", w, want_pw, cap.piecewise[runner], reason)
 
 
 def check_iteration(lines: dict, seen: dict, reps: list[VllmReplay], caps: list[RankCapture], cfg: VllmCheckConfig, dp: int) -> None:
@@ -99,21 +94,27 @@ def check_iteration(lines: dict, seen: dict, reps: list[VllmReplay], caps: list[
         w = {"dp": dp, "runner": runner, "rank": r.rank, "iteration": r.iteration, "dp_raw": r.dp_raw, "raw_bs": rec.raw_bs, "bs": rec.bs}
         captured = sorted(d.num_reqs for d, _ in caps[r.rank].graphs[runner] if d.cg_mode.name == "FULL")
         fits = [n for n in captured if n >= needed]
-        want = ("FULL", min(fits)) if fits else ("NONE", rec.raw_bs)
-        v.expect_equal("padding", "graph (mode, requests)", w, want, (r.cg_mode, rec.bs),
-                       f"the smallest captured graph holding the largest rank's {needed} requests; eager when none does")
+        tokens = [t for t in caps[r.rank].piecewise[runner] if t >= needed * q]
+        why = (f"the smallest captured graph holding the largest rank's {needed} requests; else the smallest PIECEWISE size "
+               f"holding its {needed * q} tokens; eager when none does")
+        if fits or not tokens:
+            want = ("FULL", min(fits)) if fits else ("NONE", rec.raw_bs)
+            v.expect_equal("padding", "graph (mode, requests)", w, want, (r.cg_mode, rec.bs), why)
+        else:
+            v.expect_equal("padding", "graph (mode, tokens)", w, ("PIECEWISE", min(tokens)), (r.cg_mode, rec.capture.num_tokens), why)
         if dp > 1:
             v.expect_equal("DP", "(mode, num_tokens) on every rank", w, 1, len(agreed), f"the ranks ran {sorted(agreed, key=str)}")
         num_tokens = rec.capture.num_tokens
-        if r.cg_mode == "FULL":
-            v.expect_equal("padding", "num_tokens", w, rec.bs * q, num_tokens)
+        if r.cg_mode != "NONE":
             v.expect_equal("DP", "num_tokens_across_dp", w, [num_tokens] * dp if dp > 1 else None, rec.global_num_tokens_gpu,
                            "every rank pads to the graph's count")
+        if r.cg_mode == "FULL":
+            v.expect_equal("padding", "num_tokens", w, rec.bs * q, num_tokens)
             if runner != "target_verify":
                 v.expect_equal("I1", "num_tokens_across_dp", w, rec.capture.global_num_tokens_gpu, rec.global_num_tokens_gpu,
                                "baked at capture vs agreed at replay")
                 v.expect_equal("I1", "num_tokens", w, rec.capture.host.get("num_tokens"), num_tokens, "baked at capture vs replayed")
-        elif dp > 1 and runner == "target_verify":
+        elif r.cg_mode == "NONE" and dp > 1 and runner == "target_verify":
             v.expect_equal("DP", "num_tokens_across_dp (eager)", w, [n * q for n in r.dp_raw], rec.global_num_tokens_gpu,
                            "eager: every rank's own count, unpadded")
         if r.lanes is not None:
@@ -161,7 +162,8 @@ def check_lanes(v: Verdict, r: VllmReplay, cfg: VllmCheckConfig, seen: dict, w: 
 
 
 def line_for(lines: dict, dp: int, runner: str, r: Optional[VllmReplay]) -> VLine:
-    bucket = "capture" if r is None else (f"reqs={r.rec.bs} tokens={r.rec.capture.num_tokens}" if r.cg_mode == "FULL" else "eager")
+    modes = {"FULL": f"reqs={r.rec.bs} tokens={r.rec.capture.num_tokens}", "PIECEWISE": f"piecewise tokens={r.rec.capture.num_tokens}"} if r else {}
+    bucket = "capture" if r is None else modes.get(r.cg_mode, "eager")
     key = (dp, runner, bucket)
     if key not in lines:
         lines[key] = VLine(runner, dp, bucket)

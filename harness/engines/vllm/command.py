@@ -3,7 +3,7 @@
 One line per (DP size, runner, bucket), the invariants that do not apply to vLLM's design with
 their reason, then a verdict. Exit 0: every check held; 1: a check failed; 2: the release could
 not be checked (not installed, or the adapter cannot drive it: the message says what moved);
-3: the release predates the path or its request-keyed capture API (n/a, with the reason).
+3: the release predates the path or a capture API the adapter speaks (n/a, with the reason).
 """
 from __future__ import annotations
 
@@ -31,10 +31,9 @@ def check_vllm(engine: VllmEngine, cfg: Optional[VllmCheckConfig] = None, progre
         if progress:
             progress(f"dp={dp}")
         caps, replays, ranks = drive_world(engine, cfg, dp)
-        decode_sizes = ranks[0].vcfg.get_draft_decode_cudagraph_request_sizes()
         for runner in RUNNERS:
             for rank, cap in enumerate(caps):
-                check_capture(line_for(lines, dp, runner, None), runner, cap, cfg, dp, rank, decode_sizes)
+                check_capture(line_for(lines, dp, runner, None), runner, cap, cfg, dp, rank, engine.api, ranks[rank].vcfg)
         seen: dict = {}
         by_iter: dict[tuple[int, str], list] = {}
         for r in replays:
@@ -42,7 +41,8 @@ def check_vllm(engine: VllmEngine, cfg: Optional[VllmCheckConfig] = None, progre
         for (_, _), reps in sorted(by_iter.items(), key=lambda kv: (kv[0][0], RUNNERS.index(kv[0][1]))):
             check_iteration(lines, seen, reps, caps, cfg, dp)
     ordered = sorted(lines.values(), key=lambda ln: (ln.dp, RUNNERS.index(ln.runner), ln.bucket != "capture", _bucket_key(ln.bucket)))
-    return VllmReport(engine.version, engine.location, asdict(cfg), ordered, list(NOT_APPLICABLE), engine.stubbed, time.perf_counter() - t0)
+    return VllmReport(engine.version, engine.location, asdict(cfg), ordered, list(NOT_APPLICABLE), engine.stubbed, time.perf_counter() - t0,
+                      engine.api.name, engine.api.flags(cfg))
 
 
 def _bucket_key(bucket: str) -> int:

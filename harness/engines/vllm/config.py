@@ -16,8 +16,15 @@ class VllmCheckConfig:
     max_cudagraph_capture_size: int = 64
     # decode_cudagraph_capture_request_sizes as a user would pass them; 24 is above the verify-width cap
     decode_request_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 24)
+    # cudagraph_capture_sizes (tokens) as a user would pass them to a token-keyed release (up to 0.33), whose
+    # max is its max_cudagraph_capture_size: at 1 + K = 3 they round to 1, 2, 3, 6, 8, 11, 16 requests while 64
+    # (22 requests, 66 tokens) overshoots the cap, so 17..21 requests run PIECEWISE at 64 tokens and more run
+    # eager; the one-token draft decode keeps 1, 2, 4, 8, 16, 24 (max_num_seqs).
+    cudagraph_capture_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 24, 32, 48, 64)
     max_model_len: int = 256
     dp_sizes: tuple[int, ...] = (1, 2, 4)
     # per DP rank, the raw request counts of the schedule, each replayed growing and then shrinking;
-    # rank r runs max(1, size - 3 * r), so ranks differ and DP padding matters
-    schedule: tuple[int, ...] = (1, 3, 6, 9, 13, 16, 19, 23)
+    # rank r runs max(1, size - 3 * r), so ranks differ and DP padding matters. 4 requests at 1 + K = 3 pad the
+    # token-keyed target to its 6-request graph while a 4-request draft decode graph exists: a draft decode that
+    # pads from the target's padded count instead of the ranks' real one takes the larger graph.
+    schedule: tuple[int, ...] = (1, 3, 4, 6, 9, 13, 16, 19, 23)

@@ -6,17 +6,21 @@ draft model, is a recorder: what a capture pass bakes is the graph's bake), and 
 uniform-decode graph manager, whose DP agreement the proposer reuses. Per iteration of the
 schedule, every rank at once (one thread each) runs the engine's dispatch_cg_and_sync_dp for
 the target (the collective that pads every rank to one count); then each rank runs the
-draft prefill dispatch on that agreement and replays its graph, and the proposer's own
-_run_multi_step_decode: the decode dispatch, _prepare_decode_inputs (its Triton kernel) and
-the K - 1 draft decode replays. Everything is converted into ReplayRecord / CaptureRecord.
+proposer's own propose() on that agreement: its prefill-input kernel, the draft prefill
+dispatch and replay, the decode-input kernel, the decode dispatch and the K - 1 draft decode
+replays with their slot mappings. The configuration and the target's manager follow the
+release's capture API (api.py). Everything is converted into ReplayRecord / CaptureRecord.
 """
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+import numpy as np
 import torch
 
+from harness.engines.sglang.errors import EngineAdapterError
 from harness.engines.vllm.config import VllmCheckConfig
 from harness.engines.vllm.loader import VllmEngine
 from harness.engines.vllm.standins import DPWorld, FakeGraph, Strict, config_standin
@@ -42,9 +46,11 @@ class VllmReplay:
 
 @dataclass
 class RankCapture:
-    """One rank's captured graphs per runner: (descriptor, graph with its bake), by token count."""
+    """One rank's captured graphs per runner: (descriptor, graph with its bake), by token count; and
+    the token counts of its PIECEWISE captures (no graph object: the compiled model holds them)."""
 
     graphs: dict[str, list[tuple[Any, FakeGraph]]] = field(default_factory=dict)
+    piecewise: dict[str, list[int]] = field(default_factory=dict)
 
 
 def vllm_config(engine: VllmEngine, cfg: VllmCheckConfig, dp_size: int, dp_rank: int) -> Strict:
@@ -52,20 +58,20 @@ def vllm_config(engine: VllmEngine, cfg: VllmCheckConfig, dp_size: int, dp_rank:
     spec = Strict("speculative_config", method="eagle", num_speculative_tokens=cfg.num_speculative_tokens,
                   num_speculative_tokens_per_batch_size=None,
                   uses_dynamic_speculative_decoding=lambda: False, use_multi_module_mtp=lambda: False, use_gemma4_mtp=lambda: False)
-    compilation = Strict("compilation_config", cudagraph_mode=comp.CUDAGraphMode.FULL_AND_PIECEWISE,
-                         prefill_cudagraph_capture_token_sizes=[], decode_cudagraph_capture_request_sizes=list(cfg.decode_request_sizes),
-                         max_cudagraph_capture_size=cfg.max_cudagraph_capture_size, max_decode_cudagraph_capture_tokens=None,
-                         max_decode_cudagraph_capture_requests=None, use_breakable_cudagraph=False)
-    return config_standin(
-        engine.attr("config", "VllmConfig"),
-        num_speculative_tokens=cfg.num_speculative_tokens, speculative_config=spec, compilation_config=compilation,
+    config_cls = engine.attr("config", "VllmConfig")
+    vcfg = config_standin(
+        config_cls, engine.api.bound,
+        num_speculative_tokens=cfg.num_speculative_tokens, speculative_config=spec,
+        compilation_config=engine.api.compilation(comp.CUDAGraphMode.FULL_AND_PIECEWISE, cfg),
         scheduler_config=Strict("scheduler_config", max_num_seqs=cfg.max_num_seqs,
                                 max_num_batched_tokens=cfg.max_num_seqs * (1 + cfg.num_speculative_tokens)),
         parallel_config=Strict("parallel_config", tensor_parallel_size=1, data_parallel_size=dp_size, data_parallel_rank=dp_rank,
                                enable_fault_tolerance=False),
         cache_config=Strict("cache_config", use_kda_recoverssm=False),
-        model_config=Strict("model_config", max_model_len=cfg.max_model_len),
+        model_config=Strict("model_config", max_model_len=cfg.max_model_len, enforce_eager=False),
     )
+    engine.api.settle(config_cls, engine.attr("compilation", "CompilationConfig"), vcfg)
+    return vcfg
 
 
 class RankDriver:
@@ -77,31 +83,42 @@ class RankDriver:
         self.mode = engine.modules["compilation"].CUDAGraphMode
         self.K = cfg.num_speculative_tokens
         self.q = 1 + self.K
+        self.live: Optional[dict[str, list[int]]] = None  # the batch propose() now runs (the draft prefill's outputs)
         self.spec = self._speculator()
         self.spec.init_cudagraph_manager(self.mode.FULL_AND_PIECEWISE)
         cgm = engine.attr("cg", "CudaGraphManager")
-        self.target = cgm(self.vcfg, torch.device("cpu"), self.mode.FULL_AND_PIECEWISE,
-                          decode_query_lens=self.vcfg.get_decode_cudagraph_query_lens(self.vcfg.uniform_decode_query_len))
+        self.target = cgm(self.vcfg, torch.device("cpu"), self.mode.FULL_AND_PIECEWISE, **engine.api.target_manager_kwargs(self.vcfg))
         self.decode_calls: list[tuple] = []
+        # propose()'s DP agreement argument: dp_sync up to 0.31, dp_sync_state after
+        names = [n for n in ("dp_sync_state", "dp_sync") if n in inspect.signature(self.spec.propose).parameters]
+        if not names:
+            raise EngineAdapterError(f"vllm {engine.version}: propose() takes neither dp_sync_state nor dp_sync; teach drive.py its DP argument")
+        self.sync_arg = names[0]
 
     def _speculator(self) -> Any:
         eagle = self.engine.attr("eagle", "EagleSpeculator")
         ib = self.engine.attr("input_batch", "InputBuffers")
         n, max_tokens = self.cfg.max_num_seqs, self.cfg.max_num_seqs * self.q
         cls = type("EngineCheckEagleSpeculator", (eagle,), {"_prefill": _recorder(self.engine), "_decode": _recorder(self.engine),
+                                                            "_generate_draft": _recorder(self.engine),
                                                             "_build_uniform_attn_metadata": lambda *a, **k: None})
         s = object.__new__(cls)  # the engine's __init__ builds the draft model's state; the fields the paths read are set here
         s.__dict__.update(
-            vllm_config=self.vcfg, device=torch.device("cpu"), speculative_config=self.vcfg.speculative_config,
-            num_speculative_steps=self.K, max_num_reqs=n, max_num_tokens=max_tokens,
+            vllm_config=self.vcfg, device=torch.device("cpu"), speculative_config=self.vcfg.speculative_config, method="eagle",
+            num_speculative_steps=self.K, max_num_reqs=n, max_num_tokens=max_tokens, draft_max_seq_len=self.cfg.max_model_len,
             dp_size=self.dp_size, dp_rank=self.rank, enable_adaptive_verification=False, supports_decode_metadata_update=False,
+            use_fused_multi_step_decode=False,  # supports_decode_metadata_update's name up to 0.31
             input_buffers=ib(n, max_tokens, torch.device("cpu")), target_input_buffers=ib(n, max_tokens, torch.device("cpu")),
             can_reuse_target_attn_metadata=True, target_attn_groups=[], attn_groups=[], model_state=None, block_tables=self._block_tables(),
-            kv_cache_config=None, model=None,
+            kv_cache_config=None, model=None, pcp_manager=None, eplb_state=None, supports_mm_inputs=False,
+            hidden_states=torch.zeros(max_tokens, 1), temperature=torch.zeros(n), seeds=torch.zeros(n, dtype=torch.int64),
             last_token_indices=torch.zeros(n, dtype=torch.int64), current_draft_step=torch.tensor(0, dtype=torch.int64),
-            idx_mapping=torch.zeros(n, dtype=torch.int32), draft_tokens=torch.zeros(n, self.K, dtype=torch.int64),
+            idx_mapping=torch.zeros(n, dtype=torch.int64), draft_tokens=torch.zeros(n, self.K, dtype=torch.int64),
             sample_src_positions=torch.zeros(n, dtype=torch.int64),
         )
+        if not isinstance(getattr(cls, "max_model_len", None), property):  # a plain field before 0.33's property
+            s.max_model_len = self.cfg.max_model_len
+        s.on_prefill_end = self._prefill_outputs
         inner = s._multi_step_decode
 
         def multi_step_decode(num_reqs, skip_attn, batch_desc, num_tokens_across_dp, *rest):
@@ -110,6 +127,17 @@ class RankDriver:
 
         s._multi_step_decode = multi_step_decode
         return s
+
+    def _prefill_outputs(self, num_reqs: int) -> None:
+        """What the draft model's prefill leaves for the decode steps (its graph or its eager call, both
+        stand-ins here): each request's position at its last accepted token, gathered by the
+        last_token_indices the engine's prefill-input kernel computed, and its first draft token."""
+        if self.live is None:
+            return  # capture() fires the hook too
+        spec = self.spec
+        idx = spec.last_token_indices[:num_reqs]
+        spec.input_buffers.positions[:num_reqs] = spec.input_buffers.positions[idx].clone()
+        spec.draft_tokens[:num_reqs, 0] = torch.tensor(self.live["draft_tokens"])
 
     def _block_tables(self) -> Any:
         """BlockTables with the engine's compute_slot_mappings (its Triton kernel) over one KV group whose
@@ -121,19 +149,25 @@ class RankDriver:
             num_kv_cache_groups=1, slot_mappings=torch.zeros(1, n * self.q, dtype=torch.int64),
             block_table_ptrs=torch.tensor([self.kv_table.data_ptr()], dtype=torch.uint64),
             block_table_strides=torch.tensor([width], dtype=torch.int64), block_sizes_tensor=torch.tensor([KV_BLOCK_SIZE], dtype=torch.int32),
+            kernel_block_sizes_tensor=torch.tensor([KV_BLOCK_SIZE], dtype=torch.int32),  # up to 0.31: kernel blocks = KV blocks
             slot_mapping_enabled=torch.tensor([True]), dcp_sharded=torch.tensor([True]), cp_rank=0, cp_size=1, cp_interleave=1)
         return bt
 
     def capture(self) -> RankCapture:
-        self.spec.capture()
+        out = RankCapture()
+        pw = self.engine.capture.piecewise = []
+        self.spec.capture()  # the draft decode manager is FULL-only: every PIECEWISE capture here is the prefill's
+        out.piecewise["draft_prefill"], out.piecewise["draft_decode"] = sorted(pw), []
 
         def create_forward_fn(desc: Any, warmup: bool) -> Any:
             across = torch.full((self.dp_size,), desc.num_tokens, dtype=torch.int32) if self.dp_size > 1 else None
             fwd = _recorder(self.engine)
             return lambda cg_mode: fwd(None, desc.num_reqs, desc.num_tokens, None, None, across, cg_mode)
 
+        pw = self.engine.capture.piecewise = []
         self.target.capture(create_forward_fn)
-        out = RankCapture()
+        out.piecewise["target_verify"] = sorted(pw)
+        self.engine.capture.piecewise = None
         for runner, mgr in self.managers().items():
             out.graphs[runner] = sorted(mgr.graphs.items(), key=lambda kv: kv[0].num_tokens)
         return out
@@ -152,43 +186,51 @@ class RankDriver:
 
     def proposer(self, it: int, dp_raw: list[int], tdesc: Any, tsync: Any) -> list[VllmReplay]:
         raw = dp_raw[self.rank]
-        out = [self._record("target_verify", it, dp_raw, tdesc, tsync, self.target, replay=False)]
-        fn = self.engine.attr("dp", "dispatch_cg_and_sync_dp")
-        pdesc, psync = fn(self.spec.prefill_cudagraph_manager, raw, tdesc.num_tokens, self.q, dp_size=self.dp_size,
-                          dp_rank=self.rank, max_query_len=self.q, dp_sync_state=tsync, parallel_config=self.vcfg.parallel_config)
-        out.append(self._record("draft_prefill", it, dp_raw, pdesc, psync, self.spec.prefill_cudagraph_manager, replay=True))
-        live = self._live_decode_inputs(it, raw)
+        out = [self._record("target_verify", it, dp_raw, tdesc, tsync, self.target)]
+        live, args = self._live_batch(it, raw, tdesc.num_tokens)
+        self.live = live
         self.decode_calls.clear()
-        batch = Strict("input_batch", seq_lens=torch.tensor(live["target_seq_lens"], dtype=torch.int32))
-        self.spec._run_multi_step_decode(batch, torch.tensor(live["num_rejected"], dtype=torch.int32), raw, False, tsync,
-                                         torch.tensor(live["target_seq_lens"]), False, self.K)
+        log = self.engine.dispatched = []
+        try:
+            self.spec.propose(*args, **{self.sync_arg: tsync})
+        finally:
+            self.engine.dispatched, self.live = None, None
+        prefill = [(d, sync) for mgr, d, sync in log if mgr is self.spec.prefill_cudagraph_manager]
+        if len(prefill) != 1 or len(self.decode_calls) != 1:
+            raise RuntimeError(f"propose() dispatched the draft prefill {len(prefill)} times and ran the decode steps "
+                               f"{len(self.decode_calls)} times for one batch")
+        out.append(self._record("draft_prefill", it, dp_raw, *prefill[0], self.spec.prefill_cudagraph_manager))
         num_reqs, ddesc, across = self.decode_calls[-1]
         lanes = {name: getattr(self.spec.input_buffers, name).tolist() for name in LANE_BUFFERS}
         lanes["slot_mapping"] = self.spec.block_tables.slot_mappings[0].tolist()
-        rec = self._record("draft_decode", it, dp_raw, ddesc, across, self.spec.decode_cudagraph_manager, replay=False, raw=num_reqs)
+        rec = self._record("draft_decode", it, dp_raw, ddesc, across, self.spec.decode_cudagraph_manager, raw=num_reqs)
         rec.lanes, rec.live = lanes, live
         out.append(rec)
         return out
 
-    def _live_decode_inputs(self, it: int, raw: int) -> dict[str, list[int]]:
-        """Distinct per iteration and never a fill value; written where the target's step leaves them."""
-        n = self.cfg.max_num_seqs
-        live = {"draft_tokens": [1000 + 97 * it + i for i in range(raw)], "positions": [30 + 5 * it + i for i in range(raw)],
-                "target_seq_lens": [40 + 7 * it + 2 * i for i in range(raw)], "num_rejected": [(i + it) % self.q for i in range(raw)],
-                "idx_mapping": [(i + it) % n for i in range(raw)]}
-        self.spec.draft_tokens[:raw, 0] = torch.tensor(live["draft_tokens"])
-        # as _copy_request_inputs leaves it: the live requests' rows, -1 (no blocks) past them
-        self.spec.idx_mapping[:raw] = torch.tensor(live["idx_mapping"])
-        self.spec.idx_mapping[raw:] = -1
-        self.spec.input_buffers.positions[:raw] = torch.tensor(live["positions"])
-        return live
+    def _live_batch(self, it: int, raw: int, padded: int) -> tuple[dict[str, list[int]], tuple]:
+        """The target's verify batch as propose() reads it: distinct per iteration and never a fill value.
+        Request i holds q tokens ending at seq_len - 1 and had num_rejected of them rejected."""
+        n, q = self.cfg.max_num_seqs, self.q
+        seq_lens = [40 + 7 * it + 2 * i for i in range(raw)]
+        rejected = [(i + it) % q for i in range(raw)]
+        live = {"draft_tokens": [1000 + 97 * it + i for i in range(raw)], "target_seq_lens": seq_lens, "num_rejected": rejected,
+                "positions": [s - 1 - j for s, j in zip(seq_lens, rejected, strict=True)], "idx_mapping": [(i + it) % n for i in range(raw)]}
+        positions = [s - q + k for s in seq_lens for k in range(q)] + [0] * (padded - raw * q)
+        i32 = torch.int32
+        batch = Strict("input_batch", num_reqs=raw, num_tokens=raw * q, num_tokens_after_padding=padded,
+                       num_scheduled_tokens=np.full(raw, q, dtype=np.int32), decode_graph_eligible=True, has_prefill=False,  # has_prefill up to 0.30
+                       seq_lens=torch.tensor(seq_lens, dtype=i32), seq_lens_cpu_upper_bound=torch.tensor(seq_lens, dtype=i32),
+                       idx_mapping=torch.tensor(live["idx_mapping"], dtype=i32), query_start_loc=torch.arange(raw + 1, dtype=i32) * q,
+                       input_ids=torch.arange(padded, dtype=torch.int64) + 5000, positions=torch.tensor(positions, dtype=torch.int64))
+        args = (batch, None, None, torch.zeros(padded, 1), None, torch.ones(raw, dtype=i32), torch.tensor(rejected, dtype=i32),
+                torch.zeros(n, dtype=torch.int64), torch.zeros(n, dtype=i32), torch.zeros(n), torch.zeros(n, dtype=torch.int64))
+        return live, args
 
-    def _record(self, runner: str, it: int, dp_raw: list[int], desc: Any, sync: Any, mgr: Any, *, replay: bool,
+    def _record(self, runner: str, it: int, dp_raw: list[int], desc: Any, sync: Any, mgr: Any,
                 raw: Optional[int] = None) -> VllmReplay:
         across = sync if isinstance(sync, list) or sync is None else sync.num_tokens_across_dp.tolist()
         graph = mgr.graphs.get(desc) if desc.cg_mode == self.mode.FULL else None
-        if graph is not None and replay:
-            mgr.run_fullgraph(desc)
         baked = graph.baked if graph is not None else None
         q = desc.uniform_token_count or (self.q if runner != "draft_decode" else 1)
         cap = CaptureRecord(bs=desc.num_reqs or 0, num_tokens=desc.num_tokens, host=dict(baked or {}, cg_mode=desc.cg_mode.name),
@@ -201,14 +243,18 @@ class RankDriver:
 
 
 def _recorder(engine: VllmEngine):
-    """The draft model's forward (and the target's, for its capture): a graph capture pass's call is its bake."""
+    """The draft model's forward (and the target's, for its capture): a graph capture pass's call is its bake;
+    a PIECEWISE capture pass (no graph object) is noted by its token count."""
 
     def forward(self, num_reqs, num_tokens, attn_metadata, slot_mappings, num_tokens_across_dp, cudagraph_runtime_mode, *a, **kw):
         g = engine.capture.current
         if g is not None:
             g.baked = {"num_reqs": num_reqs, "num_tokens": num_tokens,
-                       "num_tokens_across_dp": None if num_tokens_across_dp is None else num_tokens_across_dp.tolist(),
-                       "num_speculative_steps": kw.get("num_speculative_steps", a[0] if a else None)}
+                       "num_tokens_across_dp": None if num_tokens_across_dp is None else num_tokens_across_dp.tolist()}
+            if a or "num_speculative_steps" in kw:  # a draft step count baked into the graph (from 0.32)
+                g.baked["num_speculative_steps"] = kw.get("num_speculative_steps", a[0] if a else None)
+        elif engine.capture.piecewise is not None and getattr(cudagraph_runtime_mode, "name", None) == "PIECEWISE":
+            engine.capture.piecewise.append(num_tokens)
 
     return forward
 

@@ -8,14 +8,15 @@ input-prep Triton kernel and BlockTables.compute_slot_mappings' kernel (run by T
 interpreter on CPU tensors, the code a GPU runs). The attention metadata of a draft step
 (_build_uniform_attn_metadata) is a stand-in: no attention backend runs.
 
-Which releases it claims: those with the EAGLE speculator's graph managers (GRAPH_PATH) and the
-request-keyed capture sizes its configuration and rules describe (from 0.34). Older ones are
-imported as far as vllm.config and then said n/a with the reason (errors.ReleaseNotCovered),
-so a release table tells the path's absence, an older API and an adapter that fell behind apart.
+Which releases it claims: those with the EAGLE speculator's graph managers (GRAPH_PATH) and a
+capture API that api.py speaks (token-keyed up to 0.33, request-keyed from 0.34). Others are
+imported as far as vllm.config and the graph manager and then said n/a with the reason
+(errors.ReleaseNotCovered), so a release table tells the path's absence, an older API and an
+adapter that fell behind apart.
 
 What is swapped, process-wide (one engine per process), each for its reason:
   torch.cuda.graph / CUDAGraph   no device: the capture pass's forward is recorded as the bake
-  graph_capture, capture_pool     device streams and memory pools
+  graph_capture, capture_pool     device streams and memory pools (set_graph_pool_id up to 0.31)
   get_pp_group, current_platform  one pipeline stage; no graph pool
   get_offloader, current_stream   weight offload and streams sync on a device
   is_global_first_rank            False: no progress bars
@@ -23,6 +24,9 @@ What is swapped, process-wide (one engine per process), each for its reason:
   build_slot_mappings_by_layer    per-layer views of the KV cache config (no layers here)
   get_dp_group                    the calling thread's rank of a DPWorld (standins.py)
   should_skip_dp_coordination     False: the ranks really agree
+  dist (up to 0.32)               all_reduce over the DP group's cpu_group: the DPWorld's sum
+  dispatch_cg_and_sync_dp         in the speculator modules: the engine's own, each call's result noted
+                                  (what the draft prefill agreed is not passed on when its graph replays)
 """
 from __future__ import annotations
 
@@ -40,7 +44,16 @@ from typing import Any, Optional
 from harness.engines.install import write_engine_bytecode
 from harness.engines.sglang.errors import EngineAdapterError, ReleaseNotCovered
 from harness.engines.sglang.stubs import StubFinder
-from harness.engines.vllm.standins import DPWorld, GraphCapture, Strict, null_graph_capture, null_pool, torch_proxy
+from harness.engines.vllm.api import CaptureApi, capture_api
+from harness.engines.vllm.standins import (
+    DPWorld,
+    GraphCapture,
+    Strict,
+    dist_standin,
+    null_graph_capture,
+    null_pool,
+    torch_proxy,
+)
 from harness.engines.vllm.stubs import REAL_MODULES, STUBBED_MODULES, StubDistributionFinder
 
 # Where each module the adapter drives lives, newest layout first: up to 0.33 the autoregressive
@@ -52,6 +65,8 @@ MODULES: dict[str, tuple[str, ...]] = {
     "dp": ("vllm.v1.worker.gpu.dp_utils",),
     "ar": ("vllm.v1.worker.gpu.spec_decode.autoregressive.speculator",
            "vllm.v1.worker.gpu.spec_decode.target_dependent_ar.speculator"),
+    "propose": ("vllm.v1.worker.gpu.spec_decode.target_dependent_ar.speculator",
+                "vllm.v1.worker.gpu.spec_decode.autoregressive.speculator"),
     "spec": ("vllm.v1.worker.gpu.spec_decode.speculator",),
     "eagle": ("vllm.v1.worker.gpu.spec_decode.eagle.speculator",),
     "compilation": ("vllm.config.compilation",),
@@ -75,8 +90,10 @@ class VllmEngine:
     location: str
     modules: dict[str, types.ModuleType]
     capture: GraphCapture
+    api: CaptureApi  # how the release keys its decode graphs (api.py)
     stubbed: list[str] = field(default_factory=list)
     world: Optional[DPWorld] = None  # the DP world now being driven (get_dp_group reads it)
+    dispatched: Optional[list] = None  # while a proposer runs: its (manager, descriptor, DP sync) dispatches
 
     def describe(self) -> str:
         return f"vllm {self.version} from {self.location}"
@@ -130,14 +147,16 @@ def load(target: Optional[Path], deps: list[Path]) -> VllmEngine:
         location = str(Path(vllm.__file__).resolve().parent.parent)
         version = _version_of(vllm, location)
         try:
-            _require_graph_path(version)
-            mods["config"] = _import_first(MODULES["config"])
-            _require_request_keyed_capture(mods["config"].VllmConfig, version)
+            path = _require_graph_path(version)
+            for key in ("config", "cg"):
+                mods[key] = _import_first(MODULES[key])
+            api = capture_api(mods["config"].VllmConfig, getattr(mods["cg"], "CudaGraphManager", None), version, path)
+            _require_reused_dp_agreement(version, path)
             for key, names in MODULES.items():
                 mods[key] = _import_first(names)
         except ModuleNotFoundError as e:
             raise _missing_module(e) from e
-    _LOADED = VllmEngine(version, location, mods, GraphCapture(), sorted(finder.served))
+    _LOADED = VllmEngine(version, location, mods, GraphCapture(), api, sorted(finder.served))
     _install_shims(_LOADED)
     return _LOADED
 
@@ -163,16 +182,17 @@ def _require_graph_path(version: str) -> str:
     return found[0]
 
 
-def _require_request_keyed_capture(vllm_config_cls: type, version: str) -> None:
-    """The adapter's configuration and capture-size rules are 0.34's request-keyed ones (decode
-    graphs per request count: VllmConfig.get_draft_decode_cudagraph_request_sizes). Releases
-    before carry the path with token-keyed sizes (compilation_config.cudagraph_capture_sizes)
-    in other module layouts."""
-    if not hasattr(vllm_config_cls, "get_draft_decode_cudagraph_request_sizes"):
-        raise ReleaseNotCovered(f"vllm {version} carries model runner v2's EAGLE speculator graph path ({_require_graph_path(version)}) "
-                                "with token-keyed capture sizes (compilation_config.cudagraph_capture_sizes, no "
-                                "VllmConfig.get_draft_decode_cudagraph_request_sizes); the adapter drives the request-keyed "
-                                "capture API (from 0.34)")
+def _require_reused_dp_agreement(version: str, path: str) -> None:
+    """From 0.30 the draft decode reuses the target's DP agreement (DraftModelSpeculator.
+    _build_uniform_batch_dp_sync over DPSyncState.num_reqs): propose() runs no collective, so each
+    rank's proposer is driven on its own. Before, each draft decode ran its own DP collective from
+    inside propose(), and the configuration had no uniform_decode_query_len (up to 0.28)."""
+    name = MODULES["spec"][0]
+    speculator_cls = getattr(importlib.import_module(name), "DraftModelSpeculator", None) if _spec_exists(name) else None
+    if not hasattr(speculator_cls, "_build_uniform_batch_dp_sync"):
+        raise ReleaseNotCovered(f"vllm {version} carries model runner v2's EAGLE speculator graph path ({path}), but its draft decode "
+                                "runs its own DP collective inside propose() (no DraftModelSpeculator._build_uniform_batch_dp_sync "
+                                "reusing the target's agreement); the adapter drives the reused agreement (from 0.30)")
 
 
 def _spec_exists(name: str) -> bool:
@@ -186,14 +206,16 @@ def _spec_exists(name: str) -> bool:
 
 def _install_shims(engine: VllmEngine) -> None:
     cg, scg, dp = engine.modules["cg"], engine.modules["scg"], engine.modules["dp"]
-    for name in ("torch", "graph_capture", "capture_pool", "get_pp_group", "current_platform", "get_offloader", "current_stream",
+    for name in ("torch", "graph_capture", "get_pp_group", "current_platform", "get_offloader", "current_stream",
                  "is_global_first_rank"):
         engine.attr("cg", name)
+    engine.attr("cg", "capture_pool" if hasattr(cg, "capture_pool") else "set_graph_pool_id")  # the pool API up to 0.31
     cg.torch = torch_proxy(engine.capture)
     cg.graph_capture = null_graph_capture
     cg.capture_pool = null_pool
+    cg.set_graph_pool_id = lambda pool: None
     cg.get_pp_group = lambda: Strict("pp_group", is_first_rank=True, is_last_rank=True)
-    cg.current_platform = Strict("current_platform", get_global_graph_pool=lambda: None)
+    cg.current_platform = Strict("current_platform", get_global_graph_pool=lambda: None, graph_pool_handle=lambda: None)
     cg.get_offloader = lambda: Strict("offloader", sync_prev_onload=lambda: None, join_after_forward=lambda: None)
     cg.current_stream = lambda: None
     cg.is_global_first_rank = lambda: False
@@ -211,6 +233,26 @@ def _install_shims(engine: VllmEngine) -> None:
 
     dp.get_dp_group = get_dp_group
     dp.should_skip_dp_coordination = lambda: False
+    if hasattr(dp, "dist"):
+        dp.dist = dist_standin()
+    for key in ("ar", "propose"):
+        _note_dispatches(engine, key)
+
+
+def _note_dispatches(engine: VllmEngine, key: str) -> None:
+    mod = engine.modules[key]
+    real = engine.attr(key, "dispatch_cg_and_sync_dp")
+    if getattr(real, "engine_check_noted", False):
+        return
+
+    def dispatch_cg_and_sync_dp(cudagraph_manager: Any, *args: Any, **kwargs: Any) -> Any:
+        desc, sync = real(cudagraph_manager, *args, **kwargs)
+        if engine.dispatched is not None:
+            engine.dispatched.append((cudagraph_manager, desc, sync))
+        return desc, sync
+
+    dispatch_cg_and_sync_dp.engine_check_noted = True  # type: ignore[attr-defined]
+    mod.dispatch_cg_and_sync_dp = dispatch_cg_and_sync_dp
 
 
 def _import_real_triton() -> None:

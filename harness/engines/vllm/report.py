@@ -36,10 +36,13 @@ class VllmReport(LineVerdicts):
     not_applicable: list[str]
     stubbed: list[str]
     seconds: float = 0.0
+    api: str = "mrv2"  # the capture API driven (api.py): mrv2 request-keyed, mrv2-tok token-keyed
+    flags: str = ""  # the capture-size flags as that API takes them
 
     def to_json(self) -> dict:
         return {
-            "engine": "vllm", "version": self.version, "location": self.location, "ok": self.ok, "seconds": round(self.seconds, 2),
+            "engine": "vllm", "version": self.version, "api": self.api, "location": self.location, "ok": self.ok,
+            "seconds": round(self.seconds, 2),
             "config": self.config, "stubbed_modules": self.stubbed, "not_applicable": self.not_applicable,
             "summary": self.summary(),
             "lines": [ln.to_json() for ln in self.lines],
@@ -54,8 +57,8 @@ def format_report(rep: VllmReport) -> str:
     c = rep.config
     out = [f"engine-check: vllm {rep.version} from {where}",
            f"  EAGLE proposer graphs (target verify DP sync, draft prefill, draft decode): K={c['num_speculative_tokens']} "
-           f"max_num_seqs={c['max_num_seqs']} max_cudagraph_capture_size={c['max_cudagraph_capture_size']} "
-           f"decode request sizes={list(c['decode_request_sizes'])} dp={list(c['dp_sizes'])}; no model, no GPU",
+           f"max_num_seqs={c['max_num_seqs']} "
+           f"{rep.flags} dp={list(c['dp_sizes'])} ({rep.api}); no model, no GPU",
            f"  stubbed imports: {', '.join(rep.stubbed)}"]
     for ln in rep.lines:
         v = ln.verdict

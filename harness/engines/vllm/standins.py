@@ -3,8 +3,8 @@ graph, the pipeline and DP process groups.
 
 The config stand-in is strict (reading an attribute it lacks names the attribute: a release
 that moved something ends with exit 2, not a silent default), and its derived values are the
-engine's own: `uniform_decode_query_len`, `get_decode_cudagraph_query_lens` and
-`get_draft_decode_cudagraph_request_sizes` are VllmConfig's functions, bound to it.
+engine's own: VllmConfig's functions (`uniform_decode_query_len` and those api.py names per
+capture API), bound to it.
 
 The DP group is real enough to agree: one thread per DP rank, and `cpu_all_reduce_` sums
 every rank's tensor behind a barrier, so the engine's own coordinate-and-pad code runs on
@@ -28,13 +28,9 @@ class Strict(BaseStrict):
     where = "harness/engines/vllm/standins.py"
 
 
-def config_standin(vllm_config_cls: type, **attrs: Any) -> Strict:
-    """A Strict VllmConfig whose derived sizes are computed by VllmConfig's own methods."""
-    cls = type("VllmConfigStandIn", (Strict,), {
-        "uniform_decode_query_len": vllm_config_cls.uniform_decode_query_len,
-        "get_decode_cudagraph_query_lens": vllm_config_cls.get_decode_cudagraph_query_lens,
-        "get_draft_decode_cudagraph_request_sizes": vllm_config_cls.get_draft_decode_cudagraph_request_sizes,
-    })
+def config_standin(vllm_config_cls: type, bound: tuple[str, ...], **attrs: Any) -> Strict:
+    """A Strict VllmConfig whose derived sizes are computed by VllmConfig's own methods (`bound`)."""
+    cls = type("VllmConfigStandIn", (Strict,), {name: getattr(vllm_config_cls, name) for name in bound})
     return cls("vllm_config", **attrs)
 
 
@@ -55,6 +51,7 @@ class GraphCapture:
 
     def __init__(self) -> None:
         self.current: Optional[FakeGraph] = None
+        self.piecewise: Optional[list[int]] = None  # while a manager captures: its PIECEWISE passes' token counts
 
     def CUDAGraph(self) -> FakeGraph:  # noqa: N802 (torch's name)
         return FakeGraph()
@@ -135,6 +132,13 @@ class DPGroup(Strict):
     def __init__(self, world: DPWorld, rank: int) -> None:
         super().__init__("dp_group", world_size=world.dp_size, rank_in_group=rank, dead_dp_ranks=())
         object.__setattr__(self, "_world", world)
+        object.__setattr__(self, "cpu_group", self)  # up to 0.32 the agreement is dist.all_reduce(t, group=cpu_group)
 
     def cpu_all_reduce_(self, t: torch.Tensor) -> None:
         self._world.cpu_all_reduce_(self.rank_in_group, t)
+
+
+def dist_standin() -> Strict:
+    """torch.distributed as a release's DP agreement calls it before DP groups had cpu_all_reduce_: the
+    sum over the DPWorld of `group` (a DPGroup's cpu_group is the group itself)."""
+    return Strict("torch.distributed", all_reduce=lambda t, group=None: group.cpu_all_reduce_(t))
