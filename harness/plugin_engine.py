@@ -27,7 +27,7 @@ from typing import Iterator, Optional
 import pytest
 
 from harness.engines.command import add_arguments
-from harness.engines.releases import _json_document
+from harness.engines.releases import json_document
 from harness.verdict import Failure
 
 NODE = "engine-check"
@@ -69,7 +69,7 @@ def run_engine_check(args: list[str]) -> tuple[int, dict]:
     except subprocess.TimeoutExpired:
         raise EngineCheckError(f"engine-check {shlex.join(args)} ran past {CHECK_TIMEOUT_S} s") from None
     try:
-        doc = _json_document(proc.stdout)
+        doc = json_document(proc.stdout)
     except ValueError:
         raise EngineCheckError(f"engine-check {shlex.join(args)} exited {proc.returncode} without its JSON document:\n"
                                f"{proc.stderr[-3000:]}") from None

@@ -28,7 +28,7 @@ import pytest
 
 from harness.engines.command import add_arguments, main
 from harness.engines.install import MARKER, InstallError
-from harness.engines.releases import VLLM, _json_document, select
+from harness.engines.releases import VLLM, json_document, select
 from harness.engines.vllm.install import ensure_vllm_installed, installed_vllm_versions
 from harness.engines.vllm.stubs import StubDistributionFinder
 
@@ -51,9 +51,9 @@ def test_vllm_releases_refuses_a_pinned_engine():
     assert rc == 2 and "give --engine vllm, without ==VERSION" in err.getvalue()
 
 
-def test_json_document_after_engine_log_lines():
+def testjson_document_after_engine_log_lines():
     out = 'WARNING 12-03 [interface.py:358] Failed to import from vllm._C\n{\n  "ok": null,\n  "x": {\n    "y": 1\n  }\n}\n'
-    assert _json_document(out) == {"ok": None, "x": {"y": 1}}
+    assert json_document(out) == {"ok": None, "x": {"y": 1}}
 
 
 def test_stubbed_transformers_reports_the_version_old_releases_require():

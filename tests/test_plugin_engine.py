@@ -70,7 +70,8 @@ def test_an_engine_that_cannot_be_checked_is_a_collection_error_saying_why(proje
 
 
 @pytest.mark.parametrize("args", [["--engine", "sglang", "--target", "/nowhere"], ["--engine", "sglang==0.0.1"],
-                                  ["--engine", "vllm==0.34.0", "--eager"]])
+                                  ["--engine", "vllm==0.34.0", "--eager"], ["--engine", "vllm==0.0.1"],
+                                  ["--engine", "vllm", "--target", "/nowhere"]])
 def test_the_module_entry_point_writes_one_json_document_when_it_cannot_check(args):
     """What the plugin runs (`python -m harness.engine_check ... --json`): an engine it cannot check still ends in the
     harness's error document on stdout (exit 2), with the message on stderr, as `harness engine-check` does."""

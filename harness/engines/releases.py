@@ -103,7 +103,7 @@ def check_release(version: str, extra: list[str], log: Callable[[str], None], pr
     verdict = VERDICTS.get(proc.returncode, "ERROR")
     api, first, nfail, nnotes = "-", "", 0, 0
     if proc.returncode in (0, 1):
-        rep = _json_document(proc.stdout)
+        rep = json_document(proc.stdout)
         api, nfail, nnotes = rep.get("api", "mrv2"), rep["summary"]["failures"], rep["summary"]["notes"]
         for ln in rep["lines"]:
             if ln["failures"]:
@@ -112,14 +112,14 @@ def check_release(version: str, extra: list[str], log: Callable[[str], None], pr
                 first = f"{f['prop']}/{f['check']} {f['field']}: expected {f['expected']}, got {f['got']} [{w}]"
                 break
     elif proc.returncode == NOT_APPLICABLE:
-        first = _json_document(proc.stdout)["not_covered"]
+        first = json_document(proc.stdout)["not_covered"]
     else:
         errs = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]
         first = errs[-1][len("error: "):] if errs else proc.stderr.strip().splitlines()[-1:] and proc.stderr.strip().splitlines()[-1]
     return ReleaseRow(version, api, verdict, proc.returncode, first, round(wall, 1), round(cpu, 1), nfail, nnotes)
 
 
-def _json_document(stdout: str) -> dict:
+def json_document(stdout: str) -> dict:
     """The check's JSON document: the last thing on stdout, after whatever the engine logged there at import."""
     lines = stdout.splitlines()
     start = max(i for i, ln in enumerate(lines) if ln == "{")

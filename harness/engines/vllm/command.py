@@ -7,13 +7,12 @@ not be checked (not installed, or the adapter cannot drive it: the message says 
 """
 from __future__ import annotations
 
-import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
 from typing import Callable, Optional
 
-from harness.engines.drive import drive_engine
+from harness.engines.drive import cannot_check, drive_engine
 from harness.engines.install import EngineSpec, InstallError, deps_dir, release_dir
 from harness.engines.vllm.checks import NOT_APPLICABLE, check_capture, check_iteration, line_for
 from harness.engines.vllm.config import VllmCheckConfig
@@ -65,8 +64,7 @@ def main(args) -> int:
         spec = EngineSpec.parse(args.engine)
         target = _resolve(spec, args)
     except (FileNotFoundError, ValueError, InstallError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return cannot_check(str(e), args.json)
     deps = [Path(args.deps)] if args.deps else [deps_dir(), vllm_deps_dir()]
     return drive_engine(spec, lambda: load(target, deps), lambda engine, progress: check_vllm(engine, VllmCheckConfig(), progress),
                         format_report, args.json)

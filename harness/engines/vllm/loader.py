@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from harness.engines.install import write_engine_bytecode
+from harness.engines.interpreter import patch_interpreter_index
 from harness.engines.sglang.errors import EngineAdapterError, ReleaseNotCovered
 from harness.engines.sglang.stubs import StubFinder
 from harness.engines.vllm.api import CaptureApi, capture_api
@@ -142,7 +143,7 @@ def load(target: Optional[Path], deps: list[Path]) -> VllmEngine:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         _import_real_triton()
-        _patch_interpreter_index()
+        patch_interpreter_index()
         vllm = importlib.import_module("vllm")
         location = str(Path(vllm.__file__).resolve().parent.parent)
         version = _version_of(vllm, location)
@@ -270,21 +271,6 @@ def _import_real_triton() -> None:
             os.environ["CUDA_VISIBLE_DEVICES"] = old
     if not getattr(tu, "HAS_TRITON", False):
         raise EngineAdapterError("vllm.triton_utils replaced triton by its placeholder: the input-prep kernels cannot run")
-
-
-def _patch_interpreter_index() -> None:
-    """Triton's interpreter turns a scalar argument into int() of a 1-element array, which numpy 2
-    refuses (`range(0, max_num_reqs + 1, BLOCK)` in vLLM's kernels): take the element instead."""
-    interp = importlib.import_module("triton.runtime.interpreter")
-    original = interp._patch_lang_tensor
-
-    def patch_lang_tensor(tensor: Any, scope: Any) -> None:
-        original(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]) if self.handle.data.size == 1
-                       else int(self.handle.data))
-
-    if getattr(original, "__name__", "") != "patch_lang_tensor":
-        interp._patch_lang_tensor = patch_lang_tensor
 
 
 def _version_of(vllm: types.ModuleType, location: str) -> str:
