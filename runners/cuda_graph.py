@@ -17,7 +17,6 @@ alike. The runner picks its path once, at construction, from the worker's device
 from __future__ import annotations
 
 import importlib
-from dataclasses import replace
 from typing import Callable, Optional
 
 import torch
@@ -237,7 +236,9 @@ class DraftExtendGraphDriver:
 
     @staticmethod
     def kept(out: StepOutputs) -> StepOutputs:
-        """A step's outputs as the caller keeps them past the next step: the steps share the logits buffer
-        (DraftExtendInputBuffers), so the next step's replay overwrites this step's logits (runners.outputs); the
-        rest is each step's own graph output. The engine's worker reads a step's logits before the next replay."""
-        return replace(out, logits=out.logits.clone())
+        """A step's outputs as the caller keeps them past the later steps' replays, copied: the steps share the logits
+        buffer (DraftExtendInputBuffers), and their graphs one graph pool, captured last step first, so a step's
+        outputs may sit in memory a later step's graph frees at capture and rewrites at every replay
+        (runners.graph_pool). The engine's worker clones each step's top-k before the next step for that reason;
+        the caller here keeps every output of every step (the proposal, the loop's report)."""
+        return out.cloned()

@@ -17,6 +17,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
+from runners.graph_pool import RecordedPool
 from runners.graph_record import GraphCaptureError, RecordedGraph
 
 __all__ = ["CudaGraph", "GraphBackend", "GraphCaptureError", "GraphStats", "RecordedGraph", "no_gc_during_capture"]
@@ -91,7 +92,8 @@ class GraphBackend:
             raise ValueError(f"unknown graph backend {kind!r}: expected auto, sim or cuda")
         self.kind = kind
         self.stats = GraphStats()
-        self.pool = torch.cuda.graph_pool_handle() if kind == "cuda" else None
+        # one pool for every graph of this backend, on a GPU and (simulated: runners.graph_pool) on CPU
+        self.pool = torch.cuda.graph_pool_handle() if kind == "cuda" else RecordedPool()
         self.stream = torch.cuda.Stream(device) if kind == "cuda" else None
 
     def warmup(self, body: Callable[[], Any]) -> Any:
@@ -104,7 +106,7 @@ class GraphBackend:
         return body()
 
     def capture(self, body: Callable[[], Any]) -> RecordedGraph | CudaGraph:
-        g = CudaGraph(body, self.pool, self.stream) if self.kind == "cuda" else RecordedGraph(body)
+        g = CudaGraph(body, self.pool, self.stream) if self.kind == "cuda" else RecordedGraph(body, self.pool)
         g.capture()
         self.stats.captures += 1
         return g

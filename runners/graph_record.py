@@ -42,7 +42,9 @@ from typing import Any, Callable, Iterator, NamedTuple, Optional
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
+from torch.utils._pytree import tree_leaves, tree_map_only
+
+from runners.graph_pool import RecordedPool
 
 
 class GraphCaptureError(RuntimeError):
@@ -272,10 +274,12 @@ class _Recorder(TorchDispatchMode):
     def _should_skip_dynamo(cls) -> bool:
         return False  # no torch.compile inside a capture: spare every op the disable-dynamo wrapper
 
-    def __init__(self) -> None:
+    def __init__(self, pool: Optional[RecordedPool]) -> None:
         super().__init__()
         self.ops: list[RecordedOp] = []
         self.views = 0
+        self.pool = pool
+        self.made: list[torch.Tensor] = []  # the new tensors of the capture (its functional ops' results)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -287,6 +291,9 @@ class _Recorder(TorchDispatchMode):
             out = func(*args, **kwargs)
         finally:
             _state.capturing = True
+        if plan.effect == _FUNCTIONAL and self.pool is not None:
+            out = tree_map_only(torch.Tensor, self.pool.place, out)
+            self.made.extend(t for t in tree_leaves(out) if isinstance(t, torch.Tensor))
         op = _record(plan, args, kwargs, out)
         if op is None:
             self.views += 1
@@ -298,13 +305,16 @@ class _Recorder(TorchDispatchMode):
 class RecordedGraph:
     """The CPU graph: `capture` runs the body once under the recorder, `replay` re-issues the recorded ops.
 
-    The body is dropped after capture: a replay has no Python of the body to run.
+    The body is dropped after capture: a replay has no Python of the body to run. With a pool
+    (runners.graph_pool), the tensors a capture makes may sit in memory earlier captures of the
+    pool freed, as in a CUDA graph pool.
     """
 
     kind = "sim"
 
-    def __init__(self, body: Callable[[], Any]):
+    def __init__(self, body: Callable[[], Any], pool: Optional[RecordedPool] = None):
         self._body: Optional[Callable[[], Any]] = body
+        self.pool = pool
         self.output: Any = None
         self.ops: list[RecordedOp] = []
         self.num_views = 0  # view ops seen at capture, not re-run (their outputs alias their bases)
@@ -317,9 +327,11 @@ class RecordedGraph:
     def capture(self) -> Any:
         if self._body is None:
             raise RuntimeError("this graph was captured already")
-        recorder = _Recorder()
+        recorder = _Recorder(self.pool)
         with _host_read_guard(), _capturing_as(True), recorder:
             self.output = self._body()
+        if self.pool is not None:
+            self.pool.release(recorder.made, self.output)
         self.ops, self.num_views, self._body = recorder.ops, recorder.views, None
         # OpOverload.__call__ only forwards to the C++ op: call that directly
         self._calls = [(getattr(op.func, "_op", op.func), op.args, op.kwargs, op.refresh) for op in self.ops]

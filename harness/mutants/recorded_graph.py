@@ -1,6 +1,7 @@
 """Mutants only a graph that replays kernels, not Python, shows (runners.graph_record)."""
 from __future__ import annotations
 
+from dataclasses import replace
 from unittest import mock
 
 from harness.mutants.base import Mutant
@@ -89,12 +90,22 @@ MUTANTS: tuple[Mutant, ...] = (
         ("case-tp1", "p7-idle-ranks"),  # run: the capture fails at the host read
     ),
     Mutant(
-        "multi-layer-keeps-shared-logits-view",
-        "the multi-layer driver hands back each step's logits as the view its replay returned, into the logits buffer "
-        "the steps share: the next step's replay overwrites it, so every earlier step reads the last step's logits "
-        "(a graph writes its outputs in place; the recorded CPU graph too)",
+        "multi-layer-keeps-step-output-views",
+        "the multi-layer driver hands back each step's outputs as the views its replay returned: the later steps' replays "
+        "overwrite them, the logits in the buffer the steps share, the rest in the graph-pool memory the later steps' "
+        "graphs freed at capture (a graph writes its outputs in place; the recorded CPU graph too, in its pool)",
         "graph output read after the next replay",
         ((DraftExtendGraphDriver, "kept", staticmethod(lambda out: out)),),
         ("case-tp1",),  # P3 (eager vs graph logits of every step but the last)
+    ),
+    Mutant(
+        "multi-layer-copies-only-logits",
+        "the multi-layer driver copies each step's logits (the buffer the steps share) and keeps the rest of its outputs "
+        "as views: they sit in graph-pool memory that the later steps' graphs freed at capture (captured last step first) "
+        "and rewrite at every replay, so an earlier step's top-k and hidden states read the later steps' intermediates; "
+        "killed only because the CPU graphs of one backend share a pool, as CUDA graphs do (runners.graph_pool)",
+        "graph output read after another graph's replay",
+        ((DraftExtendGraphDriver, "kept", staticmethod(lambda out: replace(out, logits=out.logits.clone()))),),
+        ("case-tp1",),  # P3 (eager vs graph, every step but the last)
     ),
 )

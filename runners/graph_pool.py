@@ -1,0 +1,75 @@
+"""The CPU graph's memory pool, shared by the graphs of one GraphBackend as their CUDA graph pool is.
+
+On a GPU the graphs of one pool (torch.cuda.graph_pool_handle; SGLang's runners all capture into
+its global graph pool) are captured one after another into one private allocator pool, and what
+a capture frees, every tensor it made but the ones still referenced after it (its outputs), the
+next capture may allocate again. A replay writes every tensor its capture made, so replaying a
+graph overwrites the outputs of graphs captured after it that were placed in its freed memory: a
+consumer that holds one graph's output past another graph's replay must copy it first (SGLang's
+multi-layer worker clones each step's top-k before the next step replays, for that reason).
+
+RecordedGraphs that each owned fresh tensors could never show that. So a capture into a
+RecordedPool places each tensor it makes in a block an earlier capture freed whenever one is large
+enough (best fit, a whole block per tensor): the reuse a caching allocator may make, made every
+time it can, so that code which holds an output across replays only by luck fails on CPU. What a
+capture made, its outputs aside, is free when it ends.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Iterator
+
+import torch
+
+
+def tensors_in(obj: Any) -> Iterator[torch.Tensor]:
+    """Every tensor a body's return value holds: in dataclasses (the runners' outputs), tuples, lists and dicts."""
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        for f in dataclasses.fields(obj):
+            yield from tensors_in(getattr(obj, f.name))
+    elif isinstance(obj, (tuple, list)):
+        for x in obj:
+            yield from tensors_in(x)
+    elif isinstance(obj, dict):
+        for x in obj.values():
+            yield from tensors_in(x)
+
+
+def _placeable(t: torch.Tensor) -> bool:
+    """A tensor that is its storage, whole: a new result (an op's fresh output), not a view of something."""
+    return (t.layout == torch.strided and t.numel() > 0 and t.is_contiguous() and t.storage_offset() == 0
+            and t.untyped_storage().nbytes() == t.numel() * t.element_size())
+
+
+class RecordedPool:
+    """Blocks freed by the captures into this pool, handed to the next ones (module doc)."""
+
+    def __init__(self) -> None:
+        self.free: list[torch.UntypedStorage] = []
+        self.placed = 0  # tensors a capture placed in an earlier capture's freed block
+
+    def place(self, t: torch.Tensor) -> torch.Tensor:
+        """`t`, a tensor a capture just made, moved into the smallest freed block that holds it (or `t` itself)."""
+        if not self.free or not _placeable(t):
+            return t
+        need = t.untyped_storage().nbytes()
+        fits = [i for i, s in enumerate(self.free) if s.nbytes() >= need and s.device == t.device]
+        if not fits:
+            return t
+        block = self.free.pop(min(fits, key=lambda i: self.free[i].nbytes()))
+        moved = torch.empty(0, dtype=t.dtype, device=t.device).set_(block, 0, t.shape, t.stride())
+        moved.copy_(t)
+        self.placed += 1
+        return moved
+
+    def release(self, made: list[torch.Tensor], outputs: Any) -> None:
+        """The end of a capture: the blocks of every tensor it made, but its outputs', are free again."""
+        held = {o.untyped_storage().data_ptr() for o in tensors_in(outputs)}
+        for t in made:
+            s = t.untyped_storage()
+            ptr = s.data_ptr()
+            if ptr not in held:
+                held.add(ptr)  # one block once, however many tensors of the capture view it
+                self.free.append(s)
