@@ -107,13 +107,15 @@ class EagleProposer:
     def model(self):
         return self.worker.model
 
-    def capture(self) -> None:
-        """Build and capture the graph runners (after any weight change: a graph bakes nothing else)."""
+    def capture(self, graphs: Optional[GraphBackend] = None) -> None:
+        """Build and capture the graph runners (after any weight change: a graph bakes nothing else), into the pool of
+        `graphs`, the rank's (GraphBackend.sibling), or one of their own."""
         if self.runner == "graph":
-            self.driver = DraftExtendGraphDriver(self.worker, GraphBackend("auto", self.device), single_layer=self.single_layer)
+            graphs = graphs or GraphBackend("auto", self.device)
+            self.driver = DraftExtendGraphDriver(self.worker, graphs.sibling(), single_layer=self.single_layer)
             self.driver.capture()
             if self.single_layer and self.spec.num_steps > 1:
-                self.decode_graph = EAGLEDraftCudaGraphRunner(self.worker, GraphBackend("auto", self.device))
+                self.decode_graph = EAGLEDraftCudaGraphRunner(self.worker, graphs.sibling())
                 self.decode_graph.capture()
 
     # ---- prefill: the prompt, in T-row chunks, eagerly ----
@@ -202,8 +204,8 @@ class TargetProposer:
         self.target, self.spec = target, spec
         self.model = None  # no draft model of its own
 
-    def capture(self) -> None:
-        pass
+    def capture(self, graphs: Optional[GraphBackend] = None) -> None:
+        pass  # no graphs: the target's own decode steps run eagerly
 
     def prefill(self, reqs: Sequence[Request], hiddens: Sequence[torch.Tensor]) -> list[Proposal]:
         return self.propose(reqs)

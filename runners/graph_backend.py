@@ -9,6 +9,7 @@ the body reads on the host (the live batch, a runner attribute) can reach a repl
 """
 from __future__ import annotations
 
+import copy
 import gc
 import threading
 from contextlib import contextmanager
@@ -95,6 +96,14 @@ class GraphBackend:
         # one pool for every graph of this backend, on a GPU and (simulated: runners.graph_pool) on CPU
         self.pool = torch.cuda.graph_pool_handle() if kind == "cuda" else RecordedPool()
         self.stream = torch.cuda.Stream(device) if kind == "cuda" else None
+
+    def sibling(self) -> "GraphBackend":
+        """A backend for another graph runner of the same rank: stats of its own, this backend's pool and stream. SGLang's
+        runners (the target's and the draft's) all capture into one global graph pool, so one runner's outputs may sit
+        in memory another runner's graphs freed at capture (runners.graph_pool)."""
+        other = copy.copy(self)
+        other.stats = GraphStats()
+        return other
 
     def warmup(self, body: Callable[[], Any]) -> Any:
         if self.kind == "cuda":

@@ -136,11 +136,14 @@ class SpecEngine:
             self.draft = TargetProposer(self.target, spec)
         else:
             raise ValueError(f"proposer must be 'eagle' or 'target', got {proposer!r}")
-        self.draft.capture()
+        # one graph pool per rank, as SGLang's global graph pool: the target's graphs first (its model runner captures at
+        # init), then the draft's; all after the alignment (a graph bakes the weights it was captured with)
+        graphs = GraphBackend("auto", self.device) if runner == "graph" else None
         self.verify_graph: Optional[TargetVerifyCudaGraphRunner] = None
-        if runner == "graph":
-            self.verify_graph = TargetVerifyCudaGraphRunner(ctx, cfg, spec, self.target, GraphBackend("auto", self.device), self.device)
-            self.verify_graph.capture()  # after the alignment: a graph bakes the weights it was captured with
+        if graphs is not None:
+            self.verify_graph = TargetVerifyCudaGraphRunner(ctx, cfg, spec, self.target, graphs.sibling(), self.device)
+            self.verify_graph.capture()
+        self.draft.capture(graphs)
         self.steps = 0
 
     # ---- commands (the harness sends every rank every command; a rank keeps its DP group's) ----
