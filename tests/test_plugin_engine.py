@@ -9,11 +9,14 @@ from __future__ import annotations
 import json
 import re
 import shutil
+from types import SimpleNamespace
 
 import pytest
 from engine_releases import installed_release
 from prewarmed import run_module
 from test_plugin import PROJECT, counts, pytest_in
+
+from harness import plugin_engine
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -79,3 +82,21 @@ def test_the_module_entry_point_writes_one_json_document_when_it_cannot_check(ar
     doc = json.loads(p.stdout)
     assert p.returncode == 2 and doc["ok"] is False and doc["exit_code"] == 2 and doc["error"]["kind"] == "bad-input", p.stdout
     assert f"error: {doc['error']['message']}" in p.stderr
+
+
+# `harness engine-check --engine vllm==0.29.0 --json` (exit 3), as it printed on 2026-12-05: a release the adapter
+# does not reach. Fed to the plugin in place of running the check, so this branch needs no 500 MB wheel in CI.
+NOT_COVERED = (3, {"engine": "vllm", "version": "0.29.0", "ok": None,
+                   "not_covered": "vllm 0.29.0 carries model runner v2's EAGLE speculator graph path (...), but its draft "
+                                  "decode runs its own DP collective inside propose() (...); the adapter drives the reused "
+                                  "agreement (from 0.30)"})
+
+
+def test_a_release_outside_the_adapters_reach_is_one_skipped_item_with_the_reason(monkeypatch):
+    monkeypatch.setattr(plugin_engine, "run_engine_check", lambda args: NOT_COVERED)
+    node = SimpleNamespace(args=["--engine", "vllm==0.29.0"])
+    made = []
+    monkeypatch.setattr(plugin_engine.NotCheckedItem, "from_parent", classmethod(lambda cls, parent, **kw: made.append(kw) or kw))
+    items = list(plugin_engine.EngineCheckNode.collect(node))
+    assert [kw["name"] for kw in items] == ["n/a"]
+    assert made[0]["reason"].startswith("vllm 0.29.0: vllm 0.29.0 carries model runner v2's EAGLE speculator graph path")
