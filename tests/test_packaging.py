@@ -87,6 +87,17 @@ def test_installed_wheel_finds_every_shipped_case_and_checks_them_green_outside_
     assert rc == 0 and "1 passed, 0 failed" in out, (out[-2000:], err[-2000:])
 
 
+def test_installed_wheel_installs_engines_in_the_users_cache_not_in_site_packages(installed, tmp_path):
+    venv, purelib, env, work, _ = installed
+    env = {k: v for k, v in env.items() if k != "SPECHARNESS_ENGINES"} | {"XDG_CACHE_HOME": str(tmp_path / "cache")}
+    code = "from harness.engines.install import engine_dir, engines_root; print(engines_root()); print(engine_dir('0.5.23'))"
+    rc, out, err = _sh(venv / "bin" / "python", "-c", code, cwd=work, env=env)
+    assert rc == 0, err
+    assert out.split() == [str(tmp_path / "cache" / "specharness" / "engines"), str(tmp_path / "cache" / "specharness" / "engines" / "sglang-0.5.23")]
+    rc, out, err = _sh(venv / "bin" / "python", "-c", code, cwd=work, env=env | {"SPECHARNESS_ENGINES": str(tmp_path / "mine")})
+    assert out.split()[0] == str(tmp_path / "mine"), (out, err)
+
+
 def test_installed_wheel_without_cases_exits_2_saying_where_it_looked(installed, tmp_path):
     venv, purelib, env, work, _ = installed
     rc, out, err = _sh(venv / "bin" / "harness", "check", "--cases-dir", tmp_path, "--json", cwd=work, env=env)

@@ -8,7 +8,8 @@ CUDA torch builds we must not install). The few modules the runner modules need 
 (requirements/engine.txt: msgspec, dill, regex, packaging; triton when the interpreter
 has none) go once to ROOT/deps. Everything else is stubbed by harness/engines/sglang/stubs.py.
 
-ROOT defaults to `.engines/` in the repository (git-ignored), or $SPECHARNESS_ENGINES.
+ROOT defaults to `.engines/` in the repository (git-ignored), $SPECHARNESS_ENGINES, or for an installed
+wheel the user's cache (engines_root).
 An install is complete when its `.complete` marker exists; it is built in a temporary
 sibling and renamed, under a file lock, so concurrent test workers never see half of one.
 Its bytecode is written by the first check that imports it (write_engine_bytecode), for
@@ -69,10 +70,16 @@ class EngineSpec:
 
 
 def engines_root(root: Optional[os.PathLike] = None) -> Path:
+    """Where installs live: `root`, else $SPECHARNESS_ENGINES, else `.engines/` in a checkout (git-ignored), else (an
+    installed wheel, whose package sits in site-packages, no place for engines) the user's cache directory."""
     if root is not None:
         return Path(root)
     env = os.environ.get("SPECHARNESS_ENGINES")
-    return Path(env) if env else REPO / ".engines"
+    if env:
+        return Path(env)
+    if (REPO / "pyproject.toml").is_file():
+        return REPO / ".engines"
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "specharness" / "engines"
 
 
 def engine_dir(version: str, root: Optional[os.PathLike] = None) -> Path:
