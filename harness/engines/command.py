@@ -24,6 +24,7 @@ from harness.engines.install import (
     InstallError,
     deps_dir,
     engine_dir,
+    engines_root,
     ensure_installed,
     installed_versions,
     release_dir,
@@ -74,7 +75,7 @@ def _resolve(args) -> tuple[Optional[Path], Optional[Path]]:
         return None, deps  # the environment's own sglang
     versions = installed_versions()
     if not versions:
-        raise FileNotFoundError("no sglang in this environment and none under .engines/: give --engine sglang==VERSION --install")
+        raise FileNotFoundError(f"no sglang in this environment and none under {engines_root()}: give --engine sglang==VERSION --install")
     return engine_dir(versions[-1]), deps
 
 

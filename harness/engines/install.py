@@ -103,7 +103,7 @@ def write_engine_bytecode() -> None:
 
 
 def installed_releases(engine: str, root: Optional[os.PathLike] = None) -> list[str]:
-    """The releases of `engine` installed under .engines/, oldest first in release order (0.9 before 0.34)."""
+    """The releases of `engine` installed under engines_root(), oldest first in release order (0.9 before 0.34)."""
     base = engines_root(root)
     if not base.is_dir():
         return []
