@@ -25,7 +25,7 @@ from typing import Any, Optional
 
 from harness.engines.vllm.api import SMALLEST_LARGEST, CaptureApi
 from harness.engines.vllm.config import VllmCheckConfig
-from harness.engines.vllm.drive import KV_BLOCK_SIZE, RankCapture, VllmReplay
+from harness.engines.vllm.drive import DECODE_RUNNERS, KV_BLOCK_SIZE, RankCapture, VllmReplay
 from harness.engines.vllm.report import VLine
 from harness.verdict import Verdict
 
@@ -44,7 +44,12 @@ NOT_APPLICABLE = (
 
 
 def query_len(runner: str, cfg: VllmCheckConfig) -> int:
-    return 1 if runner == "draft_decode" else 1 + cfg.num_speculative_tokens
+    return 1 if runner in DECODE_RUNNERS else 1 + cfg.num_speculative_tokens
+
+
+def rule_runner(runner: str) -> str:
+    """The runner whose capture rules apply (api.py): both draft decode paths share the decode manager's."""
+    return DECODE_RUNNERS[0] if runner in DECODE_RUNNERS else runner
 
 
 def check_capture(ln: VLine, runner: str, cap: RankCapture, cfg: VllmCheckConfig, dp: int, rank: int, api: CaptureApi, vcfg: Any) -> None:
@@ -68,13 +73,19 @@ def check_capture(ln: VLine, runner: str, cap: RankCapture, cfg: VllmCheckConfig
         v.expect_equal("I1", "baked num_tokens", w, d.num_tokens, g.baked["num_tokens"])
         v.expect_equal("I1", "baked num_tokens_across_dp", w, [d.num_tokens] * dp if dp > 1 else None, g.baked["num_tokens_across_dp"],
                        "every DP rank runs the graph's token count")
-        if runner == "draft_decode" and "num_speculative_steps" in g.baked:  # up to 0.31 steps are not a graph argument
+        if runner in DECODE_RUNNERS and "num_speculative_steps" in g.baked:  # up to 0.31 steps are not a graph argument
             v.expect_equal("capture sizes", "num_speculative_steps", w, cfg.num_speculative_tokens, g.baked["num_speculative_steps"])
+        if runner == DECODE_RUNNERS[1]:
+            v.expect_equal("capture sizes", "draft steps in the graph", w, list(range(1, cfg.num_speculative_tokens)), g.baked["draft_steps"],
+                           "the fused graph holds all K - 1 draft steps, in order")
+        elif runner == DECODE_RUNNERS[0]:
+            v.expect_equal("capture sizes", "draft forwards in the graph", w, 1, len(g.baked["draft_steps"]),
+                           "one draft step per graph; the step index is read from current_draft_step at replay")
     w = {"dp": dp, "rank": rank, "runner": runner}
     ends = (reqs[0], reqs[-1]) if reqs else None
-    for name, want, reason in api.rules(runner, q, cfg, vcfg):
+    for name, want, reason in api.rules(rule_runner(runner), q, cfg, vcfg):
         v.expect_equal("capture sizes", name, w, want, ends if name == SMALLEST_LARGEST else reqs, reason)
-    want_pw, reason = api.piecewise_rule(runner, cfg)
+    want_pw, reason = api.piecewise_rule(rule_runner(runner), cfg)
     v.expect_equal("capture sizes", "PIECEWISE token sizes", w, want_pw, cap.piecewise[runner], reason)
 
 
@@ -117,8 +128,26 @@ def check_iteration(lines: dict, seen: dict, reps: list[VllmReplay], caps: list[
         elif r.cg_mode == "NONE" and dp > 1 and runner == "target_verify":
             v.expect_equal("DP", "num_tokens_across_dp (eager)", w, [n * q for n in r.dp_raw], rec.global_num_tokens_gpu,
                            "eager: every rank's own count, unpadded")
+        if runner in DECODE_RUNNERS:
+            check_steps(v, r, cfg, w)
         if r.lanes is not None:
             check_lanes(v, r, cfg, seen, w)
+
+
+def check_steps(v: Verdict, r: VllmReplay, cfg: VllmCheckConfig, w: dict) -> None:
+    """Every draft step ran once, in order, and its forward ran on attention metadata derived from the buffers it reads:
+    over its padded requests (one token each), with their query_start_loc and seq_lens as they are at that step."""
+    v.expect_equal("steps", "draft steps run", w, list(range(1, cfg.num_speculative_tokens)), [s["step"] for s in r.steps],
+                   "propose() runs draft steps 1 .. K - 1, eager or replayed")
+    for s in r.steps:
+        ws, md, lanes, n = {**w, "step": s["step"]}, s["metadata"], s["lanes"], s["num_tokens"]
+        if not v.expect_equal("metadata", "derived", ws, True, md is not None, "the forward's attention metadata was built"):
+            continue
+        v.expect_equal("metadata", "requests", ws, n, len(md["seq_lens"]), "the forward's padded request count (one token each)")
+        v.expect_equal("metadata", "query_start_loc", ws, lanes["query_start_loc"][: n + 1], md["query_start_loc"],
+                       "derived (built or updated in place) from the query_start_loc this step reads")
+        v.expect_equal("metadata", "seq_lens", ws, lanes["seq_lens"][:n], md["seq_lens"],
+                       "derived (built or updated in place) from the seq_lens this step reads")
 
 
 def check_lanes(v: Verdict, r: VllmReplay, cfg: VllmCheckConfig, seen: dict, w: dict) -> None:

@@ -20,7 +20,6 @@ What is swapped, process-wide (one engine per process), each for its reason:
   get_pp_group, current_platform  one pipeline stage; no graph pool
   get_offloader, current_stream   weight offload and streams sync on a device
   is_global_first_rank            False: no progress bars
-  prepare_inputs_to_capture       builds attention metadata for the model (never run here)
   build_slot_mappings_by_layer    per-layer views of the KV cache config (no layers here)
   get_dp_group                    the calling thread's rank of a DPWorld (standins.py)
   should_skip_dp_coordination     False: the ranks really agree
@@ -206,7 +205,7 @@ def _spec_exists(name: str) -> bool:
 
 
 def _install_shims(engine: VllmEngine) -> None:
-    cg, scg, dp = engine.modules["cg"], engine.modules["scg"], engine.modules["dp"]
+    cg, dp = engine.modules["cg"], engine.modules["dp"]
     for name in ("torch", "graph_capture", "get_pp_group", "current_platform", "get_offloader", "current_stream",
                  "is_global_first_rank"):
         engine.attr("cg", name)
@@ -220,10 +219,10 @@ def _install_shims(engine: VllmEngine) -> None:
     cg.get_offloader = lambda: Strict("offloader", sync_prev_onload=lambda: None, join_after_forward=lambda: None)
     cg.current_stream = lambda: None
     cg.is_global_first_rank = lambda: False
-    engine.attr("scg", "prepare_inputs_to_capture")
-    scg.prepare_inputs_to_capture = lambda *a, **k: (None, None)
     engine.attr("ar", "build_slot_mappings_by_layer")
-    engine.modules["ar"].build_slot_mappings_by_layer = lambda slot_mappings, kv_cache_config: slot_mappings
+    for key in ("ar", "propose", "cg"):  # the decode loops, and prepare_inputs_to_capture
+        if hasattr(engine.modules[key], "build_slot_mappings_by_layer"):
+            engine.modules[key].build_slot_mappings_by_layer = lambda slot_mappings, kv_cache_config: slot_mappings
     engine.attr("dp", "get_dp_group")
     engine.attr("dp", "should_skip_dp_coordination")
 
