@@ -26,11 +26,9 @@ def check_vllm(engine: VllmEngine, cfg: Optional[VllmCheckConfig] = None, progre
     cfg = cfg or VllmCheckConfig()
     t0 = time.perf_counter()
     lines: dict = {}
-    for fused in cfg.fused_decode:
-        # the fused worlds run the target and the draft prefill as the per-step ones do: only their decode is checked
-        runners = [r for r in RUNNERS if r not in DECODE_RUNNERS or r == DECODE_RUNNERS[fused]]
-        if fused and False in cfg.fused_decode:
-            runners = [DECODE_RUNNERS[True]]
+    for i, fused in enumerate(cfg.fused_decode):
+        # the target and the draft prefill run alike whichever decode path follows: checked in the first path's worlds
+        runners = [r for r in RUNNERS if r == DECODE_RUNNERS[fused] or (i == 0 and r not in DECODE_RUNNERS)]
         for dp in cfg.dp_sizes:
             if progress:
                 progress(f"dp={dp} {DECODE_RUNNERS[fused]}")
