@@ -46,6 +46,8 @@ NOT_APPLICABLE = (
     "I6 (single- vs multi-layer draft-extend runner): n/a: one proposer, with a prefill and a decode graph manager",
     "target_verify I1 (bake): n/a: the target's graphs are captured with the model by ModelCudaGraphManager, not driven "
     "here; its DP agreement, which the proposer reuses, is checked",
+    "draft_decode_fused graphs keyed by step count (specialize_spec_tokens): n/a: only under dynamic speculative decoding "
+    "(per-batch-size K), off in the configuration driven; each fused graph's baked steps are checked against K - 1",
 )
 
 
