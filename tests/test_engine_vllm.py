@@ -33,6 +33,8 @@ KERNEL = "vllm/v1/worker/gpu/spec_decode/target_dependent_ar/speculator.py"
 DP_UTILS = "vllm/v1/worker/gpu/dp_utils.py"
 COMPILATION = "vllm/config/compilation.py"
 BLOCK_TABLE = "vllm/v1/worker/gpu/block_table.py"
+AR = "vllm/v1/worker/gpu/spec_decode/autoregressive/speculator.py"  # 0.34: the decode loops, per-step and fused
+FUSED_LOOP = "for step in range(1, num_speculative_steps):\n            if attn_metadata is not None and ("  # the fused body's loop head
 
 # id -> [(file, the line as released, the planted line)]: one copy per id, checked at DP sizes PLANTED_DP[id]
 PLANTED = {
@@ -51,9 +53,18 @@ PLANTED = {
                               "synced_num_tokens = int(num_tokens_across_dp[dp_rank])")],
     # uniform-decode graphs no longer respect the token cap at 1 + K tokens per request
     "capture_limit_ignores_query_len": [(COMPILATION, "limit = min(max_reqs, max_tokens // q)", "limit = min(max_reqs, max_tokens)")],
+    # the fused multi-step graph body runs one draft step too many (the per-step loop's head, the same text, is left alone)
+    "fused_graph_extra_step": [(AR, FUSED_LOOP, FUSED_LOOP.replace("num_speculative_steps):", "num_speculative_steps + 1):"))],
+    # the fused graph body no longer refreshes the slot mappings and the attention metadata before a step: on a GPU its
+    # replays would write KV through the slot mappings and attend with the metadata of the batch it was last refreshed for
+    "fused_graph_skips_refresh": [(AR, "if attn_metadata is not None and (", "if attn_metadata is None and (")],
 }
 # the planted copies run fewer DP worlds (their time is the interpreted kernels'); the release runs the default (1, 2, 4)
-PLANTED_DP = {"padded_tail_not_written": (1, 2), "dp_pads_to_own_count": (1, 2), "capture_limit_ignores_query_len": (1,)}
+PLANTED_DP = {"padded_tail_not_written": (1, 2), "dp_pads_to_own_count": (1, 2), "capture_limit_ignores_query_len": (1,),
+              "fused_graph_extra_step": (1, 2), "fused_graph_skips_refresh": (1, 2)}
+# the draft decode paths each planted copy drives (the release drives both): a copy whose bug is outside the draft
+# decode needs one of them
+PLANTED_PATHS = {"dp_pads_to_own_count": (False,), "capture_limit_ignores_query_len": (False,), "rounded_size_ignores_cap": (False,)}
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -105,7 +116,8 @@ def _run_checks(version: str, planted: dict, planted_dp: dict, base: Path) -> di
     targets = {"release": release}
     for name, edits in planted.items():
         targets[name] = _plant(release, base / name, edits, version)
-    overrides = {name: {"dp_sizes": planted_dp[name]} if name in planted_dp else {} for name in targets}
+    overrides = {name: {**({"dp_sizes": planted_dp[name]} if name in planted_dp else {}),
+                        **({"fused_decode": PLANTED_PATHS[name]} if name in PLANTED_PATHS else {})} for name in targets}
     procs = {name: Started(textwrap.dedent(_CHECK.format(target=str(t), overrides=overrides[name]))) for name, t in targets.items()}
     out = {}
     for name, p in procs.items():
@@ -134,14 +146,14 @@ def test_release_passes_and_says_what_does_not_apply(results):
     assert rep["version"] == VERSION
     assert rep["ok"], text
     runners = {(ln["runner"], ln["dp"]) for ln in rep["lines"]}
-    assert runners == {(r, dp) for r in ("target_verify", "draft_prefill", "draft_decode") for dp in (1, 2, 4)}
+    assert runners == {(r, dp) for r in ("target_verify", "draft_prefill", "draft_decode", "draft_decode_fused") for dp in (1, 2, 4)}
     # every DP size replayed graphs in more than one bucket and ran eager above the verify-width cap
     buckets = {(ln["runner"], ln["dp"]): set() for ln in rep["lines"]}
     for ln in rep["lines"]:
         buckets[(ln["runner"], ln["dp"])].add(ln["bucket"])
     for (runner, dp), bs in buckets.items():
         assert len(bs - {"capture", "eager"}) >= 4, (runner, dp, bs)
-        if runner != "draft_decode":
+        if not runner.startswith("draft_decode"):
             assert "eager" in bs, (runner, dp, bs)
     assert "verdict: PASS" in text
     for what in ("I2/I4/I5", "I3 ", "I6 ", "target_verify I1"):
@@ -157,11 +169,41 @@ def test_planted_padded_tail_is_caught(results):
     rep = results["padded_tail_not_written"]["report"]
     assert not rep["ok"]
     failed = _failed(rep)
-    for buffer in ("seq_lens", "slot_mapping"):
-        assert ("padded tail", buffer, "draft_decode") in failed
-        assert ("canonical", buffer, "draft_decode") in failed
-    assert {r for _, _, r in failed} == {"draft_decode"}
+    # the kernels are the same on both decode paths: the fused graph's in-graph slot mappings too
+    for runner in ("draft_decode", "draft_decode_fused"):
+        for buffer in ("seq_lens", "slot_mapping"):
+            assert ("padded tail", buffer, runner) in failed
+            assert ("canonical", buffer, runner) in failed
+    assert {r for _, _, r in failed} == {"draft_decode", "draft_decode_fused"}
     assert {b for c, b, _ in failed if c in ("padded tail", "canonical")} == {"seq_lens", "slot_mapping"}
+
+
+def test_release_drives_the_fused_decode_as_its_own_path(results):
+    rep = results["release"]["report"]
+    lines = {(ln["runner"], ln["dp"], ln["bucket"]): ln for ln in rep["lines"]}
+    for dp in (1, 2, 4):
+        # the same draft decode grid on both paths (one decode manager), each line checked on its own
+        assert lines[("draft_decode_fused", dp, "capture")]["captured_requests"] == lines[("draft_decode", dp, "capture")]["captured_requests"]
+        assert lines[("draft_decode_fused", dp, "reqs=10 tokens=10")]["checked"] > 0
+    # the fused world's target and draft prefill are the per-step world's: not reported twice
+    assert sum(ln["runner"] == "target_verify" and ln["bucket"] == "capture" for ln in rep["lines"]) == 3
+
+
+@pytest.mark.parametrize("planted, caught", [
+    # the graph bakes steps 1 and 2 where K - 1 = 1, and every replay runs both
+    ("fused_graph_extra_step", {("capture sizes", "draft steps in the graph"), ("steps", "draft steps run")}),
+    # the replayed graph attends with metadata derived for another batch and writes KV through stale slot mappings
+    ("fused_graph_skips_refresh", {("metadata", "seq_lens"), ("metadata", "query_start_loc"), ("lanes", "slot_mapping (real lanes)")}),
+])
+def test_planted_fused_bug_is_caught_on_the_fused_path_only(results, planted, caught):
+    rep = results[planted]["report"]
+    assert not rep["ok"]
+    failed = _failed(rep)
+    assert {(c, f, "draft_decode_fused") for c, f in caught} <= failed
+    assert {r for _, _, r in failed} == {"draft_decode_fused"}
+    if planted == "fused_graph_extra_step":
+        bad = [f for ln in rep["lines"] for f in ln["failures"] if f["field"] == "draft steps in the graph"]
+        assert bad and all(f["expected"] == [1] and f["got"] == [1, 2] for f in bad)
 
 
 @pytest.mark.parametrize("release", ["results", "token_keyed"])

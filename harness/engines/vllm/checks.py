@@ -13,11 +13,17 @@ reuses; the draft prefill graphs at 1 + K tokens per request; the draft decode g
   num_tokens_across_dp is that count on every rank; the bucket is the smallest FULL graph
   holding the largest rank's requests, else the smallest PIECEWISE one holding its tokens
   (eager exactly when none does).
-* padded tail (draft decode, after _prepare_decode_inputs and compute_slot_mappings): real
-  lanes hold the live batch; padded lanes [raw, bs) are canonical (query_start_loc = raw:
-  zero-length queries; seq_lens = 0; slot_mapping = PAD_SLOT_ID) and independent of the history (the schedule replays each size after smaller and
-  after larger batches). input_ids / positions of padded lanes are left as the last larger
+* padded tail (draft decode, what the first draft step's forward reads: after
+  _prepare_decode_inputs and compute_slot_mappings, on the host for the per-step loop, inside
+  the replayed graph for the fused one): real lanes hold the live batch; padded lanes [raw, bs)
+  are canonical (query_start_loc = raw: zero-length queries; seq_lens = 0; slot_mapping =
+  PAD_SLOT_ID) and independent of the history (the schedule replays each size after smaller
+  and after larger batches). input_ids / positions of padded lanes are left as the last larger
   batch wrote them by design: reported as n/a with the lanes, never as a pass.
+* steps and metadata (both draft decode paths): a fused graph bakes all K - 1 draft steps, a
+  per-step graph one; propose() runs steps 1 .. K - 1; each step's forward runs on attention
+  metadata derived (built on the host, or updated in place inside the fused graph) from the
+  query_start_loc and seq_lens it reads, over its padded request count.
 """
 from __future__ import annotations
 
@@ -25,7 +31,7 @@ from typing import Any, Optional
 
 from harness.engines.vllm.api import SMALLEST_LARGEST, CaptureApi
 from harness.engines.vllm.config import VllmCheckConfig
-from harness.engines.vllm.drive import KV_BLOCK_SIZE, RankCapture, VllmReplay
+from harness.engines.vllm.drive import DECODE_RUNNERS, KV_BLOCK_SIZE, RankCapture, VllmReplay
 from harness.engines.vllm.report import VLine
 from harness.verdict import Verdict
 
@@ -40,11 +46,18 @@ NOT_APPLICABLE = (
     "I6 (single- vs multi-layer draft-extend runner): n/a: one proposer, with a prefill and a decode graph manager",
     "target_verify I1 (bake): n/a: the target's graphs are captured with the model by ModelCudaGraphManager, not driven "
     "here; its DP agreement, which the proposer reuses, is checked",
+    "draft_decode_fused graphs keyed by step count (specialize_spec_tokens): n/a: only under dynamic speculative decoding "
+    "(per-batch-size K), off in the configuration driven; each fused graph's baked steps are checked against K - 1",
 )
 
 
 def query_len(runner: str, cfg: VllmCheckConfig) -> int:
-    return 1 if runner == "draft_decode" else 1 + cfg.num_speculative_tokens
+    return 1 if runner in DECODE_RUNNERS else 1 + cfg.num_speculative_tokens
+
+
+def rule_runner(runner: str) -> str:
+    """The runner whose capture rules apply (api.py): both draft decode paths share the decode manager's."""
+    return DECODE_RUNNERS[0] if runner in DECODE_RUNNERS else runner
 
 
 def check_capture(ln: VLine, runner: str, cap: RankCapture, cfg: VllmCheckConfig, dp: int, rank: int, api: CaptureApi, vcfg: Any) -> None:
@@ -68,13 +81,19 @@ def check_capture(ln: VLine, runner: str, cap: RankCapture, cfg: VllmCheckConfig
         v.expect_equal("I1", "baked num_tokens", w, d.num_tokens, g.baked["num_tokens"])
         v.expect_equal("I1", "baked num_tokens_across_dp", w, [d.num_tokens] * dp if dp > 1 else None, g.baked["num_tokens_across_dp"],
                        "every DP rank runs the graph's token count")
-        if runner == "draft_decode" and "num_speculative_steps" in g.baked:  # up to 0.31 steps are not a graph argument
+        if runner in DECODE_RUNNERS and "num_speculative_steps" in g.baked:  # up to 0.31 steps are not a graph argument
             v.expect_equal("capture sizes", "num_speculative_steps", w, cfg.num_speculative_tokens, g.baked["num_speculative_steps"])
+        if runner == DECODE_RUNNERS[1]:
+            v.expect_equal("capture sizes", "draft steps in the graph", w, list(range(1, cfg.num_speculative_tokens)), g.baked["draft_steps"],
+                           "the fused graph holds all K - 1 draft steps, in order")
+        elif runner == DECODE_RUNNERS[0]:
+            v.expect_equal("capture sizes", "draft forwards in the graph", w, 1, len(g.baked["draft_steps"]),
+                           "one draft step per graph; the step index is read from current_draft_step at replay")
     w = {"dp": dp, "rank": rank, "runner": runner}
     ends = (reqs[0], reqs[-1]) if reqs else None
-    for name, want, reason in api.rules(runner, q, cfg, vcfg):
+    for name, want, reason in api.rules(rule_runner(runner), q, cfg, vcfg):
         v.expect_equal("capture sizes", name, w, want, ends if name == SMALLEST_LARGEST else reqs, reason)
-    want_pw, reason = api.piecewise_rule(runner, cfg)
+    want_pw, reason = api.piecewise_rule(rule_runner(runner), cfg)
     v.expect_equal("capture sizes", "PIECEWISE token sizes", w, want_pw, cap.piecewise[runner], reason)
 
 
@@ -117,8 +136,26 @@ def check_iteration(lines: dict, seen: dict, reps: list[VllmReplay], caps: list[
         elif r.cg_mode == "NONE" and dp > 1 and runner == "target_verify":
             v.expect_equal("DP", "num_tokens_across_dp (eager)", w, [n * q for n in r.dp_raw], rec.global_num_tokens_gpu,
                            "eager: every rank's own count, unpadded")
+        if runner in DECODE_RUNNERS:
+            check_steps(v, r, cfg, w)
         if r.lanes is not None:
             check_lanes(v, r, cfg, seen, w)
+
+
+def check_steps(v: Verdict, r: VllmReplay, cfg: VllmCheckConfig, w: dict) -> None:
+    """Every draft step ran once, in order, and its forward ran on attention metadata derived from the buffers it reads:
+    over its padded requests (one token each), with their query_start_loc and seq_lens as they are at that step."""
+    v.expect_equal("steps", "draft steps run", w, list(range(1, cfg.num_speculative_tokens)), [s["step"] for s in r.steps],
+                   "propose() runs draft steps 1 .. K - 1, eager or replayed")
+    for s in r.steps:
+        ws, md, lanes, n = {**w, "step": s["step"]}, s["metadata"], s["lanes"], s["num_tokens"]
+        if not v.expect_equal("metadata", "derived", ws, True, md is not None, "the forward's attention metadata was built"):
+            continue
+        v.expect_equal("metadata", "requests", ws, n, len(md["seq_lens"]), "the forward's padded request count (one token each)")
+        v.expect_equal("metadata", "query_start_loc", ws, lanes["query_start_loc"][: n + 1], md["query_start_loc"],
+                       "derived (built or updated in place) from the query_start_loc this step reads")
+        v.expect_equal("metadata", "seq_lens", ws, lanes["seq_lens"][:n], md["seq_lens"],
+                       "derived (built or updated in place) from the seq_lens this step reads")
 
 
 def check_lanes(v: Verdict, r: VllmReplay, cfg: VllmCheckConfig, seen: dict, w: dict) -> None:

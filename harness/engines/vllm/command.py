@@ -16,7 +16,7 @@ from harness.engines.drive import cannot_check, drive_engine
 from harness.engines.install import EngineSpec, InstallError, deps_dir, release_dir
 from harness.engines.vllm.checks import NOT_APPLICABLE, check_capture, check_iteration, line_for
 from harness.engines.vllm.config import VllmCheckConfig
-from harness.engines.vllm.drive import RUNNERS, drive_world
+from harness.engines.vllm.drive import DECODE_RUNNERS, RUNNERS, drive_world
 from harness.engines.vllm.install import ensure_vllm_installed, installed_vllm_versions, vllm_deps_dir, vllm_dir
 from harness.engines.vllm.loader import VllmEngine, load
 from harness.engines.vllm.report import VllmReport, format_report
@@ -26,19 +26,23 @@ def check_vllm(engine: VllmEngine, cfg: Optional[VllmCheckConfig] = None, progre
     cfg = cfg or VllmCheckConfig()
     t0 = time.perf_counter()
     lines: dict = {}
-    for dp in cfg.dp_sizes:
-        if progress:
-            progress(f"dp={dp}")
-        caps, replays, ranks = drive_world(engine, cfg, dp)
-        for runner in RUNNERS:
-            for rank, cap in enumerate(caps):
-                check_capture(line_for(lines, dp, runner, None), runner, cap, cfg, dp, rank, engine.api, ranks[rank].vcfg)
-        seen: dict = {}
-        by_iter: dict[tuple[int, str], list] = {}
-        for r in replays:
-            by_iter.setdefault((r.iteration, r.rec.runner), []).append(r)
-        for (_, _), reps in sorted(by_iter.items(), key=lambda kv: (kv[0][0], RUNNERS.index(kv[0][1]))):
-            check_iteration(lines, seen, reps, caps, cfg, dp)
+    for i, fused in enumerate(cfg.fused_decode):
+        # the target and the draft prefill run alike whichever decode path follows: checked in the first path's worlds
+        runners = [r for r in RUNNERS if r == DECODE_RUNNERS[fused] or (i == 0 and r not in DECODE_RUNNERS)]
+        for dp in cfg.dp_sizes:
+            if progress:
+                progress(f"dp={dp} {DECODE_RUNNERS[fused]}")
+            caps, replays, ranks = drive_world(engine, cfg, dp, fused)
+            for runner in runners:
+                for rank, cap in enumerate(caps):
+                    check_capture(line_for(lines, dp, runner, None), runner, cap, cfg, dp, rank, engine.api, ranks[rank].vcfg)
+            seen: dict = {}
+            by_iter: dict[tuple[int, str], list] = {}
+            for r in replays:
+                if r.rec.runner in runners:
+                    by_iter.setdefault((r.iteration, r.rec.runner), []).append(r)
+            for (_, _), reps in sorted(by_iter.items(), key=lambda kv: (kv[0][0], RUNNERS.index(kv[0][1]))):
+                check_iteration(lines, seen, reps, caps, cfg, dp)
     ordered = sorted(lines.values(), key=lambda ln: (ln.dp, RUNNERS.index(ln.runner), ln.bucket != "capture", _bucket_key(ln.bucket)))
     return VllmReport(engine.version, engine.location, asdict(cfg), ordered, list(NOT_APPLICABLE), engine.stubbed, time.perf_counter() - t0,
                       engine.api.name, engine.api.flags(cfg))

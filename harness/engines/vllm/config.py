@@ -23,6 +23,9 @@ class VllmCheckConfig:
     cudagraph_capture_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 24, 32, 48, 64)
     max_model_len: int = 256
     dp_sizes: tuple[int, ...] = (1, 2, 4)
+    # the draft decode paths driven, each its own DP worlds: the per-step loop (False) and the fused multi-step graph
+    # (True), which the release takes when the draft's attention backends can update decode metadata in place
+    fused_decode: tuple[bool, ...] = (False, True)
     # per DP rank, the raw request counts of the schedule, each replayed growing and then shrinking;
     # rank r runs max(1, size - 3 * r), so ranks differ and DP padding matters. 4 requests at 1 + K = 3 pad the
     # token-keyed target to its 6-request graph while a 4-request draft decode graph exists: a draft decode that

@@ -8,14 +8,22 @@ schedule, every rank at once (one thread each) runs the engine's dispatch_cg_and
 the target (the collective that pads every rank to one count); then each rank runs the
 proposer's own propose() on that agreement: its prefill-input kernel, the draft prefill
 dispatch and replay, the decode-input kernel, the decode dispatch and the K - 1 draft decode
-replays with their slot mappings. The configuration and the target's manager follow the
+steps with their slot mappings. The configuration and the target's manager follow the
 release's capture API (api.py). Everything is converted into ReplayRecord / CaptureRecord.
+
+The draft decode has two paths, and the release picks one from its attention backends
+(_configure_decode_metadata_update): a per-step loop (runner draft_decode: one graph per step,
+slot mappings and metadata rebuilt on the host between steps) or, where every backend can
+update draft-decode metadata in place, one graph holding all K - 1 steps with those refreshes
+recorded inside it (runner draft_decode_fused). A DP world is driven once per path, the
+draft's attention group saying whether it supports the update; the path is the release's
+answer to that, never set here.
 """
 from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 import torch
@@ -23,10 +31,26 @@ import torch
 from harness.engines.sglang.errors import EngineAdapterError
 from harness.engines.vllm.config import VllmCheckConfig
 from harness.engines.vllm.loader import VllmEngine
-from harness.engines.vllm.standins import DPWorld, FakeGraph, Strict, config_standin
+from harness.engines.vllm.standins import (
+    DPWorld,
+    DraftAttnGroup,
+    FakeGraph,
+    ModelStateStandIn,
+    Strict,
+    build_metadata,
+    config_standin,
+    graph_body,
+)
 from harness.records import CaptureRecord, ReplayRecord
 
-RUNNERS = ("target_verify", "draft_prefill", "draft_decode")
+RUNNERS = ("target_verify", "draft_prefill", "draft_decode", "draft_decode_fused")
+DECODE_RUNNERS = RUNNERS[2:]  # the per-step loop, the fused multi-step graph
+# How a release chooses the fused path from its attention groups, and the flag it sets (newest first)
+DECODE_PATH_CHOICE = (("_configure_decode_metadata_update", "supports_decode_metadata_update"),
+                      ("_configure_fused_multi_step_decode", "use_fused_multi_step_decode"))
+# What propose() calls to run the K - 1 steps, per path (the first the release has): up to 0.33 the fused run is
+# _fused_multi_step_decode, which 0.34 renamed _run_fused_multi_step_decode (its graph body took the old name)
+DECODE_RUNS = (("_multi_step_decode",), ("_run_fused_multi_step_decode", "_fused_multi_step_decode"))
 LANE_BUFFERS = ("input_ids", "positions", "query_start_loc", "seq_lens")
 KV_BLOCK_SIZE = 16
 
@@ -40,8 +64,9 @@ class VllmReplay:
     rank: int
     iteration: int
     dp_raw: list[int]  # raw requests per DP rank this iteration
-    lanes: Optional[dict[str, list[int]]] = None  # the decode input buffers after _prepare_decode_inputs
+    lanes: Optional[dict[str, list[int]]] = None  # the decode input buffers the first draft step's forward read
     live: Optional[dict[str, list[int]]] = None  # what this rank's real lanes were given
+    steps: list[dict] = field(default_factory=list)  # per draft forward: its step, token count, lanes, the metadata's derivation
 
 
 @dataclass
@@ -77,15 +102,21 @@ def vllm_config(engine: VllmEngine, cfg: VllmCheckConfig, dp_size: int, dp_rank:
 class RankDriver:
     """One DP rank: its EagleSpeculator (engine methods, stand-in state) and the target's manager."""
 
-    def __init__(self, engine: VllmEngine, cfg: VllmCheckConfig, dp_size: int, rank: int) -> None:
-        self.engine, self.cfg, self.dp_size, self.rank = engine, cfg, dp_size, rank
+    def __init__(self, engine: VllmEngine, cfg: VllmCheckConfig, dp_size: int, rank: int, fused: bool) -> None:
+        self.engine, self.cfg, self.dp_size, self.rank, self.fused = engine, cfg, dp_size, rank, fused
+        self.decode_runner = DECODE_RUNNERS[fused]
+        self.attn_group = DraftAttnGroup(supports_update=fused)
+        self.steps: list[dict] = []  # the draft decode forwards of the propose() now running
         self.vcfg = vllm_config(engine, cfg, dp_size, rank)
         self.mode = engine.modules["compilation"].CUDAGraphMode
         self.K = cfg.num_speculative_tokens
         self.q = 1 + self.K
         self.live: Optional[dict[str, list[int]]] = None  # the batch propose() now runs (the draft prefill's outputs)
         self.spec = self._speculator()
+        self._choose_decode_path()
         self.spec.init_cudagraph_manager(self.mode.FULL_AND_PIECEWISE)
+        for mgr in (self.spec.prefill_cudagraph_manager, self.spec.decode_cudagraph_manager):
+            mgr.capture = self._capturing_bodies(mgr.capture)
         cgm = engine.attr("cg", "CudaGraphManager")
         self.target = cgm(self.vcfg, torch.device("cpu"), self.mode.FULL_AND_PIECEWISE, **engine.api.target_manager_kwargs(self.vcfg))
         self.decode_calls: list[tuple] = []
@@ -99,17 +130,17 @@ class RankDriver:
         eagle = self.engine.attr("eagle", "EagleSpeculator")
         ib = self.engine.attr("input_batch", "InputBuffers")
         n, max_tokens = self.cfg.max_num_seqs, self.cfg.max_num_seqs * self.q
-        cls = type("EngineCheckEagleSpeculator", (eagle,), {"_prefill": _recorder(self.engine), "_decode": _recorder(self.engine),
-                                                            "_generate_draft": _recorder(self.engine),
-                                                            "_build_uniform_attn_metadata": lambda *a, **k: None})
+        step = _recorder(self.engine, self._draft_step)  # the draft step's forward: _decode (0.34), _generate_draft before
+        cls = type("EngineCheckEagleSpeculator", (eagle,), {"_prefill": _recorder(self.engine), "_decode": step, "_generate_draft": step,
+                                                            "_build_uniform_attn_metadata": self._uniform_attn_metadata})
         s = object.__new__(cls)  # the engine's __init__ builds the draft model's state; the fields the paths read are set here
         s.__dict__.update(
             vllm_config=self.vcfg, device=torch.device("cpu"), speculative_config=self.vcfg.speculative_config, method="eagle",
             num_speculative_steps=self.K, max_num_reqs=n, max_num_tokens=max_tokens, draft_max_seq_len=self.cfg.max_model_len,
-            dp_size=self.dp_size, dp_rank=self.rank, enable_adaptive_verification=False, supports_decode_metadata_update=False,
-            use_fused_multi_step_decode=False,  # supports_decode_metadata_update's name up to 0.31
+            dp_size=self.dp_size, dp_rank=self.rank, enable_adaptive_verification=False,
             input_buffers=ib(n, max_tokens, torch.device("cpu")), target_input_buffers=ib(n, max_tokens, torch.device("cpu")),
-            can_reuse_target_attn_metadata=True, target_attn_groups=[], attn_groups=[], model_state=None, block_tables=self._block_tables(),
+            can_reuse_target_attn_metadata=True, target_attn_groups=[], attn_groups=[[self.attn_group]], model_state=ModelStateStandIn(),
+            block_tables=self._block_tables(),
             kv_cache_config=None, model=None, pcp_manager=None, eplb_state=None, supports_mm_inputs=False,
             hidden_states=torch.zeros(max_tokens, 1), temperature=torch.zeros(n), seeds=torch.zeros(n, dtype=torch.int64),
             last_token_indices=torch.zeros(n, dtype=torch.int64), current_draft_step=torch.tensor(0, dtype=torch.int64),
@@ -119,14 +150,52 @@ class RankDriver:
         if not isinstance(getattr(cls, "max_model_len", None), property):  # a plain field before 0.33's property
             s.max_model_len = self.cfg.max_model_len
         s.on_prefill_end = self._prefill_outputs
-        inner = s._multi_step_decode
+        name = next(n for n in DECODE_RUNS[self.fused] if hasattr(s, n))
+        inner = getattr(s, name)
 
         def multi_step_decode(num_reqs, skip_attn, batch_desc, num_tokens_across_dp, *rest):
             self.decode_calls.append((num_reqs, batch_desc, None if num_tokens_across_dp is None else num_tokens_across_dp.tolist()))
             return inner(num_reqs, skip_attn, batch_desc, num_tokens_across_dp, *rest)
 
-        s._multi_step_decode = multi_step_decode
+        setattr(s, name, multi_step_decode)
         return s
+
+    def _choose_decode_path(self) -> None:
+        """The release's own choice (set_attn calls it once the attention groups exist), checked to be the path asked for."""
+        for configure, flag in DECODE_PATH_CHOICE:
+            if hasattr(self.spec, configure):
+                getattr(self.spec, configure)()
+                if getattr(self.spec, flag) != self.fused:
+                    raise EngineAdapterError(f"vllm {self.engine.version}: {configure}() set {flag}={getattr(self.spec, flag)} for a draft "
+                                             f"attention group whose supports_draft_decode_metadata_update is {self.fused}")
+                return
+        raise EngineAdapterError(f"vllm {self.engine.version}: the speculator has none of {', '.join(c for c, _ in DECODE_PATH_CHOICE)}; "
+                                 "teach drive.py how it picks the draft decode path")
+
+    def _capturing_bodies(self, capture: Any) -> Any:
+        """A speculator manager's capture whose forward function, called inside a graph's capture, is that graph's body."""
+
+        def capture_with_bodies(forward_fn: Any, *args: Any, **kwargs: Any) -> Any:
+            return capture(graph_body(self.engine.capture, forward_fn), *args, **kwargs)
+
+        return capture_with_bodies
+
+    def _uniform_attn_metadata(self, batch_desc: Any, num_reqs: int, **kwargs: Any) -> dict[str, Any]:
+        """_build_uniform_attn_metadata: the groups' metadata over the padded requests (batch_desc.num_reqs or num_reqs, as the
+        engine's _build_attn_metadata sizes it) of the draft buffers; the host-side build of the per-step loop and of the fused
+        path's eager step 1."""
+        n, spec = batch_desc.num_reqs or num_reqs, self.spec
+        return build_metadata(spec.attn_groups, n, spec.input_buffers.query_start_loc, spec.input_buffers.seq_lens)
+
+    def _draft_step(self, num_tokens: int) -> None:
+        """A draft step's forward ran (eager, or inside a replayed graph): the buffers it reads, and what the draft's attention
+        metadata was last derived from."""
+        spec = self.spec
+        lanes = {name: getattr(spec.input_buffers, name).tolist() for name in LANE_BUFFERS}
+        lanes["slot_mapping"] = spec.block_tables.slot_mappings[0].tolist()
+        derived = self.attn_group.builder.derived
+        self.steps.append({"step": int(spec.current_draft_step), "num_tokens": num_tokens, "lanes": lanes,
+                           "metadata": None if derived is None else dict(derived)})
 
     def _prefill_outputs(self, num_reqs: int) -> None:
         """What the draft model's prefill leaves for the decode steps (its graph or its eager call, both
@@ -150,14 +219,16 @@ class RankDriver:
             block_table_ptrs=torch.tensor([self.kv_table.data_ptr()], dtype=torch.uint64),
             block_table_strides=torch.tensor([width], dtype=torch.int64), block_sizes_tensor=torch.tensor([KV_BLOCK_SIZE], dtype=torch.int32),
             kernel_block_sizes_tensor=torch.tensor([KV_BLOCK_SIZE], dtype=torch.int32),  # up to 0.31: kernel blocks = KV blocks
-            slot_mapping_enabled=torch.tensor([True]), dcp_sharded=torch.tensor([True]), cp_rank=0, cp_size=1, cp_interleave=1)
+            slot_mapping_enabled=torch.tensor([True]), dcp_sharded=torch.tensor([True]), cp_rank=0, cp_size=1, cp_interleave=1,
+            # the batch's gathered block tables (a capture's dummy batch zeroes their rows; FULL replays map them to kernel blocks)
+            input_block_tables=(torch.zeros_like(self.kv_table),), _num_dirty_rows=0)
         return bt
 
     def capture(self) -> RankCapture:
         out = RankCapture()
         pw = self.engine.capture.piecewise = []
         self.spec.capture()  # the draft decode manager is FULL-only: every PIECEWISE capture here is the prefill's
-        out.piecewise["draft_prefill"], out.piecewise["draft_decode"] = sorted(pw), []
+        out.piecewise["draft_prefill"], out.piecewise[self.decode_runner] = sorted(pw), []
 
         def create_forward_fn(desc: Any, warmup: bool) -> Any:
             across = torch.full((self.dp_size,), desc.num_tokens, dtype=torch.int32) if self.dp_size > 1 else None
@@ -174,7 +245,7 @@ class RankDriver:
 
     def managers(self) -> dict[str, Any]:
         return {"target_verify": self.target, "draft_prefill": self.spec.prefill_cudagraph_manager,
-                "draft_decode": self.spec.decode_cudagraph_manager}
+                self.decode_runner: self.spec.decode_cudagraph_manager}
 
     # ---- replay --------------------------------------------------------------------------------
 
@@ -190,6 +261,7 @@ class RankDriver:
         live, args = self._live_batch(it, raw, tdesc.num_tokens)
         self.live = live
         self.decode_calls.clear()
+        self.steps = []
         log = self.engine.dispatched = []
         try:
             self.spec.propose(*args, **{self.sync_arg: tsync})
@@ -201,10 +273,8 @@ class RankDriver:
                                f"{len(self.decode_calls)} times for one batch")
         out.append(self._record("draft_prefill", it, dp_raw, *prefill[0], self.spec.prefill_cudagraph_manager))
         num_reqs, ddesc, across = self.decode_calls[-1]
-        lanes = {name: getattr(self.spec.input_buffers, name).tolist() for name in LANE_BUFFERS}
-        lanes["slot_mapping"] = self.spec.block_tables.slot_mappings[0].tolist()
-        rec = self._record("draft_decode", it, dp_raw, ddesc, across, self.spec.decode_cudagraph_manager, raw=num_reqs)
-        rec.lanes, rec.live = lanes, live
+        rec = self._record(self.decode_runner, it, dp_raw, ddesc, across, self.spec.decode_cudagraph_manager, raw=num_reqs)
+        rec.lanes, rec.live, rec.steps = (self.steps[0]["lanes"] if self.steps else None), live, self.steps
         out.append(rec)
         return out
 
@@ -232,7 +302,7 @@ class RankDriver:
         across = sync if isinstance(sync, list) or sync is None else sync.num_tokens_across_dp.tolist()
         graph = mgr.graphs.get(desc) if desc.cg_mode == self.mode.FULL else None
         baked = graph.baked if graph is not None else None
-        q = desc.uniform_token_count or (self.q if runner != "draft_decode" else 1)
+        q = desc.uniform_token_count or (self.q if runner not in DECODE_RUNNERS else 1)
         cap = CaptureRecord(bs=desc.num_reqs or 0, num_tokens=desc.num_tokens, host=dict(baked or {}, cg_mode=desc.cg_mode.name),
                             global_num_tokens_gpu=None if baked is None else baked["num_tokens_across_dp"], global_num_tokens_for_logprob_gpu=None)
         rec = ReplayRecord(runner=runner, step=0, branch="dp", raw_bs=dp_raw[self.rank] if raw is None else raw, bs=desc.num_reqs or 0,
@@ -242,19 +312,24 @@ class RankDriver:
         return VllmReplay(rec, desc.cg_mode.name, self.rank, it, list(dp_raw))
 
 
-def _recorder(engine: VllmEngine):
-    """The draft model's forward (and the target's, for its capture): a graph capture pass's call is its bake;
-    a PIECEWISE capture pass (no graph object) is noted by its token count."""
+def _recorder(engine: VllmEngine, on_run: Optional[Callable[[int], None]] = None):
+    """The draft model's forward (and the target's, for its capture): a graph capture pass's call is its bake (with the
+    draft step of each forward the graph holds: all K - 1 in a fused graph); a PIECEWISE capture pass (no graph object) is
+    noted by its token count; any other call (eager, or a replayed graph's body) is a run, passed to on_run."""
 
     def forward(self, num_reqs, num_tokens, attn_metadata, slot_mappings, num_tokens_across_dp, cudagraph_runtime_mode, *a, **kw):
         g = engine.capture.current
         if g is not None:
-            g.baked = {"num_reqs": num_reqs, "num_tokens": num_tokens,
+            step = getattr(self, "current_draft_step", None)  # None: the target's forward
+            steps = (g.baked or {}).get("draft_steps", []) + ([] if step is None else [int(step)])
+            g.baked = {"num_reqs": num_reqs, "num_tokens": num_tokens, "draft_steps": steps,
                        "num_tokens_across_dp": None if num_tokens_across_dp is None else num_tokens_across_dp.tolist()}
             if a or "num_speculative_steps" in kw:  # a draft step count baked into the graph (from 0.32)
                 g.baked["num_speculative_steps"] = kw.get("num_speculative_steps", a[0] if a else None)
         elif engine.capture.piecewise is not None and getattr(cudagraph_runtime_mode, "name", None) == "PIECEWISE":
             engine.capture.piecewise.append(num_tokens)
+        elif on_run is not None:
+            on_run(num_tokens)
 
     return forward
 
@@ -265,10 +340,11 @@ def schedule(cfg: VllmCheckConfig, dp_size: int) -> list[list[int]]:
     return up + up[::-1][1:]
 
 
-def drive_world(engine: VllmEngine, cfg: VllmCheckConfig, dp_size: int) -> tuple[list[RankCapture], list[VllmReplay], list[RankDriver]]:
+def drive_world(engine: VllmEngine, cfg: VllmCheckConfig, dp_size: int,
+                fused: bool) -> tuple[list[RankCapture], list[VllmReplay], list[RankDriver]]:
     world = DPWorld(dp_size)
     engine.world = world
-    ranks = [RankDriver(engine, cfg, dp_size, r) for r in range(dp_size)]
+    ranks = [RankDriver(engine, cfg, dp_size, r, fused) for r in range(dp_size)]
     captures = [rk.capture() for rk in ranks]
     replays: list[VllmReplay] = []
     for it, dp_raw in enumerate(schedule(cfg, dp_size)):

@@ -3,10 +3,14 @@
 What stays the engine's: the graph managers (CudaGraphManager, SpeculatorCudaGraphManager:
 their capture tables, capture loop and dispatch), the capture-shape rules in vllm.config,
 the DP agreement (dispatch_cg_and_sync_dp / sync_cudagraph_and_dp_padding), the proposer's
-multi-step decode drive (_run_multi_step_decode, _build_uniform_batch_dp_sync), its
-input-prep Triton kernel and BlockTables.compute_slot_mappings' kernel (run by Triton's
-interpreter on CPU tensors, the code a GPU runs). The attention metadata of a draft step
-(_build_uniform_attn_metadata) is a stand-in: no attention backend runs.
+multi-step decode drive (_run_multi_step_decode, _build_uniform_batch_dp_sync), its choice
+of the per-step or the fused multi-step decode and both loops, its input-prep Triton kernel
+and BlockTables.compute_slot_mappings' kernel (run by Triton's interpreter on CPU tensors, the
+code a GPU runs), prepare_inputs_to_capture (a capture's dummy batch). No attention backend
+runs: the draft's attention group and its metadata builder are stand-ins (standins.py:
+DraftAttnGroup says whether it can update draft-decode metadata in place, which is how the
+release picks the decode path), and so are the model state's prepare_attn and the proposer's
+_build_uniform_attn_metadata, which build through that group (drive.py).
 
 Which releases it claims: those with the EAGLE speculator's graph managers (GRAPH_PATH) and a
 capture API that api.py speaks (token-keyed up to 0.33, request-keyed from 0.34). Others are
@@ -15,13 +19,14 @@ imported as far as vllm.config and the graph manager and then said n/a with the 
 adapter that fell behind apart.
 
 What is swapped, process-wide (one engine per process), each for its reason:
-  torch.cuda.graph / CUDAGraph   no device: the capture pass's forward is recorded as the bake
+  torch.cuda.graph / CUDAGraph   no device: the capture pass's forward is recorded as the bake, and
+                                  the call made inside the capture is the graph's body, re-run at replay
   graph_capture, capture_pool     device streams and memory pools (set_graph_pool_id up to 0.31)
   get_pp_group, current_platform  one pipeline stage; no graph pool
   get_offloader, current_stream   weight offload and streams sync on a device
   is_global_first_rank            False: no progress bars
-  prepare_inputs_to_capture       builds attention metadata for the model (never run here)
-  build_slot_mappings_by_layer    per-layer views of the KV cache config (no layers here)
+  build_slot_mappings_by_layer    per-layer views of the KV cache config (no layers here), in the decode
+                                  loops' modules and prepare_inputs_to_capture's
   get_dp_group                    the calling thread's rank of a DPWorld (standins.py)
   should_skip_dp_coordination     False: the ranks really agree
   dist (up to 0.32)               all_reduce over the DP group's cpu_group: the DPWorld's sum
@@ -206,7 +211,7 @@ def _spec_exists(name: str) -> bool:
 
 
 def _install_shims(engine: VllmEngine) -> None:
-    cg, scg, dp = engine.modules["cg"], engine.modules["scg"], engine.modules["dp"]
+    cg, dp = engine.modules["cg"], engine.modules["dp"]
     for name in ("torch", "graph_capture", "get_pp_group", "current_platform", "get_offloader", "current_stream",
                  "is_global_first_rank"):
         engine.attr("cg", name)
@@ -220,10 +225,10 @@ def _install_shims(engine: VllmEngine) -> None:
     cg.get_offloader = lambda: Strict("offloader", sync_prev_onload=lambda: None, join_after_forward=lambda: None)
     cg.current_stream = lambda: None
     cg.is_global_first_rank = lambda: False
-    engine.attr("scg", "prepare_inputs_to_capture")
-    scg.prepare_inputs_to_capture = lambda *a, **k: (None, None)
     engine.attr("ar", "build_slot_mappings_by_layer")
-    engine.modules["ar"].build_slot_mappings_by_layer = lambda slot_mappings, kv_cache_config: slot_mappings
+    for key in ("ar", "propose", "cg"):  # the decode loops, and prepare_inputs_to_capture
+        if hasattr(engine.modules[key], "build_slot_mappings_by_layer"):
+            engine.modules[key].build_slot_mappings_by_layer = lambda slot_mappings, kv_cache_config: slot_mappings
     engine.attr("dp", "get_dp_group")
     engine.attr("dp", "should_skip_dp_coordination")
 

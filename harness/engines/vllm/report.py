@@ -68,7 +68,7 @@ def format_report(rep: VllmReport) -> str:
             tail_info = f" graphs at {','.join(map(str, ln.captured))} requests"
         else:
             tail_info = ""
-        head = f"{'ok  ' if v.ok else 'FAIL'} {ln.runner:<13} dp={ln.dp} {ln.bucket:<19} raw_bs {raws:<6} ranks {','.join(map(str, sorted(ln.ranks))):<8}"
+        head = f"{'ok  ' if v.ok else 'FAIL'} {ln.runner:<18} dp={ln.dp} {ln.bucket:<19} raw_bs {raws:<6} ranks {','.join(map(str, sorted(ln.ranks))):<8}"
         if v.ok:
             tail = f"{v.checked} checks" + (f"; {len(v.notes)} n/a note(s)" if v.notes else "") + tail_info
         else:

@@ -1,5 +1,5 @@
 """Stand-ins for what vLLM's proposer reads but a CPU cannot give: the config object, the CUDA
-graph, the pipeline and DP process groups.
+graph, the pipeline and DP process groups, the draft's attention backend.
 
 The config stand-in is strict (reading an attribute it lacks names the attribute: a release
 that moved something ends with exit 2, not a silent default), and its derived values are the
@@ -35,14 +35,24 @@ def config_standin(vllm_config_cls: type, bound: tuple[str, ...], **attrs: Any) 
 
 
 class FakeGraph:
-    """A captured CUDA graph: what the capture pass baked, and how often it was replayed."""
+    """A captured CUDA graph: what the capture pass baked, how often it was replayed, and its body.
+
+    A CUDA graph replays the kernels its capture launched, with the scalars and buffer views
+    of that capture. The body is the call the manager made inside the capture context (its
+    forward function with the capture's arguments), so a replay re-runs it: the same request
+    and token counts, the same buffer views, whatever a later batch wrote into them. That is
+    faithful while the body's host-side branches read only what was fixed at capture (true of
+    the draft decode bodies driven: they branch on the captured metadata and step count)."""
 
     def __init__(self) -> None:
         self.baked: Optional[dict] = None
         self.replays = 0
+        self.body: Optional[Callable[[], Any]] = None
 
     def replay(self) -> None:
         self.replays += 1
+        if self.body is not None:
+            self.body()
 
 
 class GraphCapture:
@@ -63,6 +73,18 @@ class GraphCapture:
             yield
         finally:
             self.current = None
+
+
+def graph_body(capture: GraphCapture, forward_fn: Callable[..., Any]) -> Callable[..., Any]:
+    """A manager's forward function whose call inside a capture context becomes that graph's body."""
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        g = capture.current
+        if g is not None and g.body is None:
+            g.body = lambda: forward_fn(*args, **kwargs)
+        return forward_fn(*args, **kwargs)
+
+    return forward
 
 
 def torch_proxy(capture: GraphCapture) -> types.SimpleNamespace:
@@ -142,3 +164,76 @@ def dist_standin() -> Strict:
     """torch.distributed as a release's DP agreement calls it before DP groups had cpu_all_reduce_: the
     sum over the DPWorld of `group` (a DPGroup's cpu_group is the group itself)."""
     return Strict("torch.distributed", all_reduce=lambda t, group=None: group.cpu_all_reduce_(t))
+
+
+DRAFT_LAYER = "draft_attn"  # the one draft attention layer the stand-in group serves
+
+
+class DraftAttnBuilder:
+    """The draft's attention metadata builder, for the part the proposer's graphs depend on.
+
+    A backend derives state from the draft buffers when it builds metadata (FlashAttention's
+    scheduler metadata from query_start_loc and seq_lens) and keeps it in persistent tensors a
+    FULL graph reads. The non-fused loop rebuilds it on the host before every step; the fused
+    graph refreshes it in place (update_draft_decode_metadata, recorded in the graph). `derived`
+    is that state: the lanes and values it was last derived from, so a draft forward can be
+    checked against the buffers it actually runs on. No attention kernel runs."""
+
+    def __init__(self, supports_update: bool) -> None:
+        self.supports_draft_decode_metadata_update = supports_update
+        self.derived: Optional[dict[str, list[int]]] = None
+        self.updates = 0
+
+    def build(self, num_reqs: int, query_start_loc: torch.Tensor, seq_lens: torch.Tensor) -> Strict:
+        md = Strict("draft_attn_metadata", num_reqs=num_reqs, query_start_loc=query_start_loc[: num_reqs + 1], seq_lens=seq_lens[:num_reqs])
+        self._derive(md)
+        return md
+
+    def update_draft_decode_metadata(self, md: Strict) -> None:
+        self.updates += 1
+        self._derive(md)
+
+    def _derive(self, md: Strict) -> None:
+        self.derived = {"query_start_loc": md.query_start_loc.tolist(), "seq_lens": md.seq_lens.tolist()}
+
+
+class DraftAttnGroup(Strict):
+    """An AttentionGroup of the draft's one layer, with a backend that says whether it can update
+    draft-decode metadata in place: the fact the release's own configuration step
+    (_configure_decode_metadata_update, _configure_fused_multi_step_decode up to 0.31) reads to
+    choose the fused multi-step decode graph or the per-step loop."""
+
+    def __init__(self, supports_update: bool) -> None:
+        super().__init__("attn_group", backend=Strict("attn_backend", get_name=lambda: "ENGINE_CHECK_DRAFT_ATTN"),
+                         layer_names=[DRAFT_LAYER], kv_cache_group_id=0, supports_draft_decode_metadata_update=supports_update,
+                         builder=DraftAttnBuilder(supports_update))
+
+    def build(self, num_reqs: int, query_start_loc: torch.Tensor, seq_lens: torch.Tensor) -> dict[str, Any]:
+        return {DRAFT_LAYER: self.builder.build(num_reqs, query_start_loc, seq_lens)}
+
+    def update_draft_decode_metadata(self, attn_metadata: dict[str, Any]) -> None:
+        self.builder.update_draft_decode_metadata(attn_metadata[DRAFT_LAYER])
+
+    def map_to_kernel_block_table(self, block_table: torch.Tensor, ubatch_idx: int = 0) -> torch.Tensor:
+        return block_table  # kernel blocks are the KV blocks (no kernel_block_size)
+
+
+class ModelStateStandIn(Strict):
+    """The model state's prepare_attn, which the engine's prepare_inputs_to_capture calls to build a
+    capture's metadata through the backends' builders (the draft group's, here) from its dummy batch."""
+
+    def __init__(self) -> None:
+        super().__init__("model_state")
+
+    def prepare_attn(self, input_batch: Any, cg_mode: Any, block_tables: Any, slot_mappings: Any, attn_groups: list, kv_cache_config: Any,
+                     for_capture: bool = False) -> dict[str, Any]:
+        return build_metadata(attn_groups, input_batch.num_reqs, input_batch.query_start_loc, input_batch.seq_lens)
+
+
+def build_metadata(attn_groups: list, num_reqs: int, query_start_loc: torch.Tensor, seq_lens: torch.Tensor) -> dict[str, Any]:
+    """Every group's metadata over the first num_reqs requests of these buffers (views, as a backend's)."""
+    out: dict[str, Any] = {}
+    for groups in attn_groups:
+        for g in groups:
+            out.update(g.build(num_reqs, query_start_loc, seq_lens))
+    return out
