@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from harness.engines.drive import cannot_check, drive_engine
-from harness.engines.install import EngineSpec, InstallError, deps_dir, release_dir
+from harness.engines.install import EngineSpec, InstallError, deps_dir, engines_root, release_dir
 from harness.engines.vllm.checks import NOT_APPLICABLE, check_capture, check_iteration, line_for
 from harness.engines.vllm.config import VllmCheckConfig
 from harness.engines.vllm.drive import DECODE_RUNNERS, RUNNERS, drive_world
@@ -59,7 +59,7 @@ def _resolve(spec: EngineSpec, args) -> Path:
         return release_dir(spec, vllm_dir(spec.version), args.install, ensure_vllm_installed, "pass --install")
     versions = installed_vllm_versions()
     if not versions:
-        raise FileNotFoundError("no vllm under .engines/: give --engine vllm==VERSION --install")
+        raise FileNotFoundError(f"no vllm under {engines_root()}: give --engine vllm==VERSION --install")
     return vllm_dir(versions[-1])
 
 
