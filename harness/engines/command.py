@@ -1,4 +1,4 @@
-"""`harness engine-check --engine sglang[==VERSION] [--json]`: our invariants on the engine's own runners.
+"""`harness engine-check --engine sglang|vllm[==VERSION] [--json]`: our invariants on the engine's own runners.
 
 One line per (runner, layout/branch, bucket), then a verdict. Exit 0: every check held;
 1: a check failed; 2: the engine could not be checked (not installed, or the adapter cannot
@@ -40,7 +40,7 @@ from harness.layout import all_layouts
 def add_parser(subparsers) -> None:
     p = subparsers.add_parser(
         "engine-check",
-        help="run the P1 invariants on an installed SGLang's draft-extend graph runners (CPU, no model)",
+        help="our invariants on an installed SGLang's or vLLM's own graph runners (CPU, no model, no GPU)",
         description=__doc__.split("\n\n")[1],
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
