@@ -99,11 +99,11 @@ def build_rig(comm, model: ModelConfig, spec: SpecConfig, backend: str, device: 
         reqs = tuple(RequestSpec(base_rid + i, PREFIX, 1 + (7 * i + 3) % T) for i in range(bs))
         return Scenario(model, spec, layout, (Iteration((reqs,)),), seed=seed, attention_backend=backend, name=f"rig-bs{bs}")
 
-    gb = lambda: GraphBackend(graph_kind, worker.device)  # noqa: E731 - one backend (graph pool) per runner
-    extend = DraftExtendGraphDriver(worker, gb(), single_layer=True) if "extend" in runners else None
-    decode = EAGLEDraftCudaGraphRunner(worker, gb()) if "decode" in runners else None
-    verify = TargetVerifyCudaGraphRunner(ctx, model, spec, target, gb(), worker.device) if "verify" in runners else None
-    for r in (extend, decode, verify):
+    graphs = GraphBackend(graph_kind, worker.device)  # one graph pool for the rank's runners, as runners.spec_decode
+    extend = DraftExtendGraphDriver(worker, graphs.sibling(), single_layer=True) if "extend" in runners else None
+    decode = EAGLEDraftCudaGraphRunner(worker, graphs.sibling()) if "decode" in runners else None
+    verify = TargetVerifyCudaGraphRunner(ctx, model, spec, target, graphs.sibling(), worker.device) if "verify" in runners else None
+    for r in (verify, extend, decode):  # the target's graphs first, as the engine captures them
         if r is not None:
             r.capture()
     return RunnerRig(worker, target, extend, decode, verify, scenario_of)
