@@ -338,7 +338,8 @@ def _recorder(engine: VllmEngine, on_run: Optional[Callable[[int], None]] = None
     """The draft model's forward (and the target's, for its capture): a graph capture pass's call is its bake (with the
     draft step of each forward the graph holds: all K - 1 in a fused graph); a PIECEWISE capture pass (no graph object) is
     noted by its token count; any other call (eager, or a replayed graph's body) is a run, passed to on_run. With a body
-    (the engine's draft step), the call then runs it, in capture passes too: a graph's replay re-runs what it captured."""
+    (the engine's draft step), a run then runs it; a graph's capture pass only records it, as a GPU's does, and each
+    replay re-runs it."""
 
     def forward(self, num_reqs, num_tokens, attn_metadata, slot_mappings, num_tokens_across_dp, cudagraph_runtime_mode, *a, **kw):
         g = engine.capture.current
@@ -353,7 +354,7 @@ def _recorder(engine: VllmEngine, on_run: Optional[Callable[[int], None]] = None
             engine.capture.piecewise.append(num_tokens)
         elif on_run is not None:
             on_run(num_tokens)
-        if body is not None:
+        if body is not None and g is None:  # a capture pass records the body's kernels without running them
             body(self, num_reqs, num_tokens, attn_metadata, slot_mappings, num_tokens_across_dp, cudagraph_runtime_mode, *a, **kw)
 
     return forward
