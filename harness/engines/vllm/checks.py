@@ -13,12 +13,14 @@ reuses; the draft prefill graphs at 1 + K tokens per request; the draft decode g
   num_tokens_across_dp is that count on every rank; the bucket is the smallest FULL graph
   holding the largest rank's requests, else the smallest PIECEWISE one holding its tokens
   (eager exactly when none does).
-* padded tail (draft decode, what the first draft step's forward reads: after
-  _prepare_decode_inputs and compute_slot_mappings, on the host for the per-step loop, inside
-  the replayed graph for the fused one): real lanes hold the live batch; padded lanes [raw, bs)
-  are canonical (query_start_loc = raw: zero-length queries; seq_lens = 0; slot_mapping =
-  PAD_SLOT_ID) and independent of the history (the schedule replays each size after smaller
-  and after larger batches). input_ids / positions of padded lanes are left as the last larger
+* lanes and padded tail (draft decode, what every draft step's forward reads: after
+  _prepare_decode_inputs, then after the step before, with compute_slot_mappings on the host
+  for the per-step loop, inside the replayed graph for the fused one): real lanes hold the live
+  batch advanced by the steps before (the id each sampled, positions and seq_lens one further
+  per step, their KV slots); padded lanes [raw, bs) are canonical (query_start_loc = raw:
+  zero-length queries; seq_lens = 0 at step 1, advanced with the steps by the graph's update
+  over its captured requests; slot_mapping = PAD_SLOT_ID) and independent of the history (the
+  schedule replays each size after smaller and after larger batches). input_ids / positions of padded lanes are left as the last larger
   batch wrote them by design: reported as n/a with the lanes, never as a pass.
 * steps and metadata (both draft decode paths): a fused graph bakes all K - 1 draft steps, a
   per-step graph one; propose() runs steps 1 .. K - 1; each step's forward runs on attention

@@ -1,8 +1,9 @@
 """Drive vLLM's EAGLE proposer CUDA-graph path for one DP world, without a model or a GPU.
 
 Per DP rank: an EagleSpeculator whose graph managers come from its own
-init_cudagraph_manager and are captured by its own capture() (the forward it captures, the
-draft model, is a recorder: what a capture pass bakes is the graph's bake), and the target's
+init_cudagraph_manager and are captured by its own capture() (the draft model's forward is a
+recorder: what a capture pass bakes is the graph's bake; a draft step's body around it is the
+engine's, with a next-id model and sampler standing in), and the target's
 uniform-decode graph manager, whose DP agreement the proposer reuses. Per iteration of the
 schedule, every rank at once (one thread each) runs the engine's dispatch_cg_and_sync_dp for
 the target (the collective that pads every rank to one count); then each rank runs the
