@@ -34,6 +34,10 @@ DP_UTILS = "vllm/v1/worker/gpu/dp_utils.py"
 COMPILATION = "vllm/config/compilation.py"
 BLOCK_TABLE = "vllm/v1/worker/gpu/block_table.py"
 AR = "vllm/v1/worker/gpu/spec_decode/autoregressive/speculator.py"  # 0.34: the decode loops, per-step and fused
+# update_draft_inputs' kernel advancing a request's position for the next draft step (the decode-input kernel's line is
+# the same text: the load before it tells them apart)
+NEXT_STEP_POSITION = ("max_model_len = tl.load(max_model_len_ptr)\n        position = tl.load(positions_ptr + req_idx)\n"
+                      "        position = tl.minimum(position + 1, max_model_len - 1)")
 FUSED_LOOP = "for step in range(1, num_speculative_steps):\n            if attn_metadata is not None and ("  # the fused body's loop head
 
 # id -> [(file, the line as released, the planted line)]: one copy per id, checked at DP sizes PLANTED_DP[id]
@@ -58,13 +62,28 @@ PLANTED = {
     # the fused graph body no longer refreshes the slot mappings and the attention metadata before a step: on a GPU its
     # replays would write KV through the slot mappings and attend with the metadata of the batch it was last refreshed for
     "fused_graph_skips_refresh": [(AR, "if attn_metadata is not None and (", "if attn_metadata is None and (")],
+    # between draft steps (K = 3 worlds): update_draft_inputs stops advancing positions for the next step (seq_lens still
+    # advance); the draft step's body is the same on both paths
+    "next_step_positions_not_advanced": [(KERNEL, NEXT_STEP_POSITION, NEXT_STEP_POSITION.replace("position + 1,", "position,"))],
+    # the per-step loop refreshes slot mappings and metadata before step 1 only, as if draft positions never advanced
+    "per_step_refresh_only_first": [(AR, "if not skip_attn and (self.advance_draft_positions or step == 1):",
+                                     "if not skip_attn and (step == 1):")],
+    # the fused graph body likewise: steps 2 .. K - 1 write KV and attend with step 1's slot mappings and metadata
+    "fused_refresh_only_first": [(AR, "    self.advance_draft_positions or step == 1\n            ):", "    step == 1\n            ):")],
 }
 # the planted copies run fewer DP worlds (their time is the interpreted kernels'); the release runs the default (1, 2, 4)
 PLANTED_DP = {"padded_tail_not_written": (1, 2), "dp_pads_to_own_count": (1, 2), "capture_limit_ignores_query_len": (1,),
               "fused_graph_extra_step": (1, 2), "fused_graph_skips_refresh": (1, 2)}
 # the draft decode paths each planted copy drives (the release drives both): a copy whose bug is outside the draft
 # decode needs one of them
-PLANTED_PATHS = {"dp_pads_to_own_count": (False,), "capture_limit_ignores_query_len": (False,), "rounded_size_ignores_cap": (False,)}
+PLANTED_PATHS = {"dp_pads_to_own_count": (False,), "capture_limit_ignores_query_len": (False,), "rounded_size_ignores_cap": (False,),
+                 "fused_graph_extra_step": (True,), "fused_graph_skips_refresh": (True,), "per_step_refresh_only_first": (False,),
+                 "fused_refresh_only_first": (True,)}
+# the between-step copies drive only the K = 3 decode worlds (no K = 2 world), at DP 1
+STEP_COPIES = ("next_step_positions_not_advanced", "per_step_refresh_only_first", "fused_refresh_only_first")
+# (the fused-path copies drive the K = 3 fused worlds only, at the default decode DP sizes)
+PLANTED_DP.update({name: () for name in (*STEP_COPIES, "fused_graph_extra_step", "fused_graph_skips_refresh")})
+PLANTED_DECODE_DP = {name: (1,) for name in STEP_COPIES}
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -117,7 +136,8 @@ def _run_checks(version: str, planted: dict, planted_dp: dict, base: Path) -> di
     for name, edits in planted.items():
         targets[name] = _plant(release, base / name, edits, version)
     overrides = {name: {**({"dp_sizes": planted_dp[name]} if name in planted_dp else {}),
-                        **({"fused_decode": PLANTED_PATHS[name]} if name in PLANTED_PATHS else {})} for name in targets}
+                        **({"fused_decode": PLANTED_PATHS[name]} if name in PLANTED_PATHS else {}),
+                        **({"decode_dp_sizes": PLANTED_DECODE_DP[name]} if name in PLANTED_DECODE_DP else {})} for name in targets}
     procs = {name: Started(textwrap.dedent(_CHECK.format(target=str(t), overrides=overrides[name]))) for name, t in targets.items()}
     out = {}
     for name, p in procs.items():
@@ -146,7 +166,8 @@ def test_release_passes_and_says_what_does_not_apply(results):
     assert rep["version"] == VERSION
     assert rep["ok"], text
     runners = {(ln["runner"], ln["dp"]) for ln in rep["lines"]}
-    assert runners == {(r, dp) for r in ("target_verify", "draft_prefill", "draft_decode", "draft_decode_fused") for dp in (1, 2, 4)}
+    assert runners == ({(r, dp) for r in ("target_verify", "draft_prefill", "draft_decode") for dp in (1, 2, 4)}
+                       | {("draft_decode_fused", dp) for dp in (1, 2)})
     # every DP size replayed graphs in more than one bucket and ran eager above the verify-width cap
     buckets = {(ln["runner"], ln["dp"]): set() for ln in rep["lines"]}
     for ln in rep["lines"]:
@@ -181,7 +202,7 @@ def test_planted_padded_tail_is_caught(results):
 def test_release_drives_the_fused_decode_as_its_own_path(results):
     rep = results["release"]["report"]
     lines = {(ln["runner"], ln["dp"], ln["bucket"]): ln for ln in rep["lines"]}
-    for dp in (1, 2, 4):
+    for dp in (1, 2):
         # the same draft decode grid on both paths (one decode manager), each line checked on its own
         assert lines[("draft_decode_fused", dp, "capture")]["captured_requests"] == lines[("draft_decode", dp, "capture")]["captured_requests"]
         assert lines[("draft_decode_fused", dp, "reqs=10 tokens=10")]["checked"] > 0
@@ -190,7 +211,7 @@ def test_release_drives_the_fused_decode_as_its_own_path(results):
 
 
 @pytest.mark.parametrize("planted, caught", [
-    # the graph bakes steps 1 and 2 where K - 1 = 1, and every replay runs both
+    # the graph bakes steps 1 .. 3 where K - 1 = 2, and every replay runs them all
     ("fused_graph_extra_step", {("capture sizes", "draft steps in the graph"), ("steps", "draft steps run")}),
     # the replayed graph attends with metadata derived for another batch and writes KV through stale slot mappings
     ("fused_graph_skips_refresh", {("metadata", "seq_lens"), ("metadata", "query_start_loc"), ("lanes", "slot_mapping (real lanes)")}),
@@ -203,7 +224,26 @@ def test_planted_fused_bug_is_caught_on_the_fused_path_only(results, planted, ca
     assert {r for _, _, r in failed} == {"draft_decode_fused"}
     if planted == "fused_graph_extra_step":
         bad = [f for ln in rep["lines"] for f in ln["failures"] if f["field"] == "draft steps in the graph"]
-        assert bad and all(f["expected"] == [1] and f["got"] == [1, 2] for f in bad)
+        assert bad and all(f["expected"] == [1, 2] and f["got"] == [1, 2, 3] for f in bad)
+
+
+@pytest.mark.parametrize("planted, runners, caught", [
+    # step 2 reads step 1's position: its KV slot is step 1's too; seq_lens (advanced) and the metadata built from them agree
+    ("next_step_positions_not_advanced", {"draft_decode", "draft_decode_fused"},
+     {("lanes", "positions (real lanes)"), ("lanes", "slot_mapping (real lanes)")}),
+    # step 2 runs on step 1's slot mappings and on metadata derived from step 1's seq_lens
+    ("per_step_refresh_only_first", {"draft_decode"}, {("lanes", "slot_mapping (real lanes)"), ("metadata", "seq_lens")}),
+    ("fused_refresh_only_first", {"draft_decode_fused"}, {("lanes", "slot_mapping (real lanes)"), ("metadata", "seq_lens")}),
+])
+def test_planted_between_step_bug_is_caught_at_step_2_on_its_path(results, planted, runners, caught):
+    rep = results[planted]["report"]
+    assert not rep["ok"]
+    fails = [f for ln in rep["lines"] for f in ln["failures"]]
+    assert {(c, f, r) for c, f in caught for r in runners} <= _failed(rep)
+    assert {f["where"]["runner"] for f in fails} == runners
+    assert {f["where"]["step"] for f in fails} == {2}, "step 1 reads what _prepare_decode_inputs wrote: the bug is after it"
+    if planted == "next_step_positions_not_advanced":
+        assert {f["field"] for f in fails} == {"positions (real lanes)", "slot_mapping (real lanes)"}
 
 
 @pytest.mark.parametrize("release", ["results", "token_keyed"])

@@ -13,12 +13,14 @@ reuses; the draft prefill graphs at 1 + K tokens per request; the draft decode g
   num_tokens_across_dp is that count on every rank; the bucket is the smallest FULL graph
   holding the largest rank's requests, else the smallest PIECEWISE one holding its tokens
   (eager exactly when none does).
-* padded tail (draft decode, what the first draft step's forward reads: after
-  _prepare_decode_inputs and compute_slot_mappings, on the host for the per-step loop, inside
-  the replayed graph for the fused one): real lanes hold the live batch; padded lanes [raw, bs)
-  are canonical (query_start_loc = raw: zero-length queries; seq_lens = 0; slot_mapping =
-  PAD_SLOT_ID) and independent of the history (the schedule replays each size after smaller
-  and after larger batches). input_ids / positions of padded lanes are left as the last larger
+* lanes and padded tail (draft decode, what every draft step's forward reads: after
+  _prepare_decode_inputs, then after the step before, with compute_slot_mappings on the host
+  for the per-step loop, inside the replayed graph for the fused one): real lanes hold the live
+  batch advanced by the steps before (the id each sampled, positions and seq_lens one further
+  per step, their KV slots); padded lanes [raw, bs) are canonical (query_start_loc = raw:
+  zero-length queries; seq_lens = 0 at step 1, advanced with the steps by the graph's update
+  over its captured requests; slot_mapping = PAD_SLOT_ID) and independent of the history (the
+  schedule replays each size after smaller and after larger batches). input_ids / positions of padded lanes are left as the last larger
   batch wrote them by design: reported as n/a with the lanes, never as a pass.
 * steps and metadata (both draft decode paths): a fused graph bakes all K - 1 draft steps, a
   per-step graph one; propose() runs steps 1 .. K - 1; each step's forward runs on attention
@@ -159,28 +161,41 @@ def check_steps(v: Verdict, r: VllmReplay, cfg: VllmCheckConfig, w: dict) -> Non
 
 
 def check_lanes(v: Verdict, r: VllmReplay, cfg: VllmCheckConfig, seen: dict, w: dict) -> None:
-    raw, bs, lanes, live = r.rec.raw_bs, r.rec.bs, r.lanes, r.live
+    """What every draft step's forward reads. Step 1 reads the live batch after _prepare_decode_inputs; each later step
+    reads what the step before left (update_draft_inputs: the id it sampled, positions and seq_lens one further) and the
+    slot mappings refreshed for those positions. The stand-in model samples the id after the one it read (drive.py)."""
+    for s in r.steps:
+        _check_step_lanes(v, r, cfg, seen, {**w, "step": s["step"]}, s["step"] - 1, s["lanes"])
+
+
+def _check_step_lanes(v: Verdict, r: VllmReplay, cfg: VllmCheckConfig, seen: dict, w: dict, done: int, lanes: dict) -> None:
+    """One step's lanes, `done` draft steps after the first."""
+    raw, bs, live = r.rec.raw_bs, r.rec.bs, r.live
     real = {
-        "input_ids": live["draft_tokens"],
-        "positions": [min(p + 1, cfg.max_model_len - 1) for p in live["positions"]],
-        "seq_lens": [min(s - j + 1, cfg.max_model_len) for s, j in zip(live["target_seq_lens"], live["num_rejected"], strict=True)],
+        "input_ids": [t + done for t in live["draft_tokens"]],
+        "positions": [min(p + 1 + done, cfg.max_model_len - 1) for p in live["positions"]],
+        "seq_lens": [min(s - j + 1 + done, cfg.max_model_len) for s, j in zip(live["target_seq_lens"], live["num_rejected"], strict=True)],
         "query_start_loc": list(range(raw + 1)),
     }
     if "slot_mapping" in lanes:  # one KV group, block table row r = blocks 100 + r * width .. (drive.py)
         width = -(-cfg.max_model_len // KV_BLOCK_SIZE)
         real["slot_mapping"] = [(100 + req * width + p // KV_BLOCK_SIZE) * KV_BLOCK_SIZE + p % KV_BLOCK_SIZE
                                 for req, p in zip(live["idx_mapping"], real["positions"], strict=True)]
+    why = "the live batch after _prepare_decode_inputs" if done == 0 else f"the live batch advanced by {done} draft step(s)"
     for name, want in real.items():
-        v.expect_equal("lanes", f"{name} (real lanes)", w, want, lanes[name][: len(want)], "the live batch after _prepare_decode_inputs")
+        v.expect_equal("lanes", f"{name} (real lanes)", w, want, lanes[name][: len(want)], why)
     if bs <= raw:
         return
-    canonical = {"query_start_loc": (raw + 1, bs + 1, raw), "seq_lens": (raw, bs, 0)}
+    # a replayed graph's update_draft_inputs runs over the requests it was captured for: padded lanes' seq_lens advance
+    # with the steps like a real lane's (0 at step 1) while their queries stay zero-length and their slots PAD_SLOT_ID
+    canonical = {"query_start_loc": (raw + 1, bs + 1, raw), "seq_lens": (raw, bs, min(done, cfg.max_model_len))}
     if "slot_mapping" in lanes:
         canonical["slot_mapping"] = (raw, bs, PAD_SLOT_ID)
     for name, (lo, hi, value) in canonical.items():
         v.expect_equal("padded tail", name, {**w, "lanes": f"{lo}..{hi - 1}"}, [value] * (hi - lo), lanes[name][lo:hi],
-                       "padded lanes: zero-length queries of seq_len 0 writing no KV, whatever ran before")
-    key = (r.rank, raw, bs, tuple(r.dp_raw))
+                       "padded lanes: zero-length queries writing no KV, seq_lens 0 at step 1 and one further per step after, "
+                       "whatever ran before")
+    key = (r.rank, raw, bs, tuple(r.dp_raw), w["step"])
     for name in (*canonical, "input_ids", "positions"):
         lo, hi = (raw + 1, bs + 1) if name == "query_start_loc" else (raw, bs)
         pad = lanes[name][lo:hi]
@@ -194,8 +209,8 @@ def check_lanes(v: Verdict, r: VllmReplay, cfg: VllmCheckConfig, seen: dict, w: 
             v.fail("canonical", name, w, first[0], pad, detail)
         elif ("noted", name) not in seen:
             seen[("noted", name)] = True
-            v.notes.append(f"n/a: padded-lane {name} left stale by design (query length 0, seq_len 0: never attended, "
-                           f"outputs dropped): {detail} [dp={w['dp']}, rank={r.rank}]")
+            v.notes.append(f"n/a: padded-lane {name} left stale by design (query length 0: never attended, "
+                           f"outputs dropped): {detail} [dp={w['dp']}, rank={r.rank}, step={w['step']}]")
 
 
 def line_for(lines: dict, dp: int, runner: str, r: Optional[VllmReplay]) -> VLine:

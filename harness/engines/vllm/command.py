@@ -8,7 +8,7 @@ not be checked (not installed, or the adapter cannot drive it: the message says 
 from __future__ import annotations
 
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -26,26 +26,36 @@ def check_vllm(engine: VllmEngine, cfg: Optional[VllmCheckConfig] = None, progre
     cfg = cfg or VllmCheckConfig()
     t0 = time.perf_counter()
     lines: dict = {}
-    for i, fused in enumerate(cfg.fused_decode):
-        # the target and the draft prefill run alike whichever decode path follows: checked in the first path's worlds
-        runners = [r for r in RUNNERS if r == DECODE_RUNNERS[fused] or (i == 0 and r not in DECODE_RUNNERS)]
-        for dp in cfg.dp_sizes:
-            if progress:
-                progress(f"dp={dp} {DECODE_RUNNERS[fused]}")
-            caps, replays, ranks = drive_world(engine, cfg, dp, fused)
-            for runner in runners:
-                for rank, cap in enumerate(caps):
-                    check_capture(line_for(lines, dp, runner, None), runner, cap, cfg, dp, rank, engine.api, ranks[rank].vcfg)
-            seen: dict = {}
-            by_iter: dict[tuple[int, str], list] = {}
-            for r in replays:
-                if r.rec.runner in runners:
-                    by_iter.setdefault((r.iteration, r.rec.runner), []).append(r)
-            for (_, _), reps in sorted(by_iter.items(), key=lambda kv: (kv[0][0], RUNNERS.index(kv[0][1]))):
-                check_iteration(lines, seen, reps, caps, cfg, dp)
+    for world_cfg, fused, dp, runners in worlds(cfg):
+        if progress:
+            progress(f"dp={dp} K={world_cfg.num_speculative_tokens} {DECODE_RUNNERS[fused]}")
+        caps, replays, ranks = drive_world(engine, world_cfg, dp, fused)
+        for runner in runners:
+            for rank, cap in enumerate(caps):
+                check_capture(line_for(lines, dp, runner, None), runner, cap, world_cfg, dp, rank, engine.api, ranks[rank].vcfg)
+        seen: dict = {}
+        by_iter: dict[tuple[int, str], list] = {}
+        for r in replays:
+            if r.rec.runner in runners:
+                by_iter.setdefault((r.iteration, r.rec.runner), []).append(r)
+        for (_, _), reps in sorted(by_iter.items(), key=lambda kv: (kv[0][0], RUNNERS.index(kv[0][1]))):
+            check_iteration(lines, seen, reps, caps, world_cfg, dp)
     ordered = sorted(lines.values(), key=lambda ln: (ln.dp, RUNNERS.index(ln.runner), ln.bucket != "capture", _bucket_key(ln.bucket)))
     return VllmReport(engine.version, engine.location, asdict(cfg), ordered, list(NOT_APPLICABLE), engine.stubbed, time.perf_counter() - t0,
                       engine.api.name, engine.api.flags(cfg))
+
+
+def worlds(cfg: VllmCheckConfig) -> list[tuple[VllmCheckConfig, bool, int, list[str]]]:
+    """(configuration, decode path, DP size, runners checked) of each world driven. At cfg's K: the target and the draft
+    prefill (they run alike whichever decode path follows) with the first path's decode; at the decode worlds' K, where
+    that differs: each decode path's steps."""
+    first = cfg.fused_decode[0]
+    out = [(cfg, first, dp, [r for r in RUNNERS if r not in DECODE_RUNNERS or r == DECODE_RUNNERS[first]]) for dp in cfg.dp_sizes]
+    steps = replace(cfg, num_speculative_tokens=cfg.decode_num_speculative_tokens)
+    for fused in cfg.fused_decode:
+        if steps != cfg or fused != first:
+            out += [(steps, fused, dp, [DECODE_RUNNERS[fused]]) for dp in cfg.decode_dp_sizes]
+    return out
 
 
 def _bucket_key(bucket: str) -> int:

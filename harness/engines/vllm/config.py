@@ -9,6 +9,12 @@ class VllmCheckConfig:
     # K: the target verifies 1 + K tokens per request; K - 1 = 1 draft decode step (each one runs the
     # interpreted slot-mapping kernel: the check's time goes there)
     num_speculative_tokens: int = 2
+    # K of the draft decode paths' own worlds: 3 runs two draft steps, so what a step leaves for the next (the
+    # sampled id, positions and seq_lens advanced, slot mappings and metadata refreshed) is read by a forward and
+    # checked; the K above keeps a world (target, draft prefill, per-step decode) whose capture sizes it sets
+    decode_num_speculative_tokens: int = 3
+    # the DP sizes of those worlds (the DP agreement the decode reuses is checked at every size in the K world)
+    decode_dp_sizes: tuple[int, ...] = (1, 2)
     max_num_seqs: int = 24
     # Token cap of uniform decode graphs: 64 // (1 + K) = 21 requests at K = 2, below max_num_seqs and not a
     # configured size: the verify-width graphs stop at that cap (the first size above it is captured at 21),

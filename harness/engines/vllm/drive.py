@@ -1,8 +1,9 @@
 """Drive vLLM's EAGLE proposer CUDA-graph path for one DP world, without a model or a GPU.
 
 Per DP rank: an EagleSpeculator whose graph managers come from its own
-init_cudagraph_manager and are captured by its own capture() (the forward it captures, the
-draft model, is a recorder: what a capture pass bakes is the graph's bake), and the target's
+init_cudagraph_manager and are captured by its own capture() (the draft model's forward is a
+recorder: what a capture pass bakes is the graph's bake; a draft step's body around it is the
+engine's, with a next-id model and sampler standing in), and the target's
 uniform-decode graph manager, whose DP agreement the proposer reuses. Per iteration of the
 schedule, every rank at once (one thread each) runs the engine's dispatch_cg_and_sync_dp for
 the target (the collective that pads every rank to one count); then each rank runs the
@@ -51,6 +52,8 @@ DECODE_PATH_CHOICE = (("_configure_decode_metadata_update", "supports_decode_met
 # What propose() calls to run the K - 1 steps, per path (the first the release has): up to 0.33 the fused run is
 # _fused_multi_step_decode, which 0.34 renamed _run_fused_multi_step_decode (its graph body took the old name)
 DECODE_RUNS = (("_multi_step_decode",), ("_run_fused_multi_step_decode", "_fused_multi_step_decode"))
+# The draft step's body, the engine's own: _decode from 0.34, _generate_draft before
+DRAFT_STEP_BODIES = ("_decode", "_generate_draft")
 LANE_BUFFERS = ("input_ids", "positions", "query_start_loc", "seq_lens")
 KV_BLOCK_SIZE = 16
 
@@ -130,8 +133,15 @@ class RankDriver:
         eagle = self.engine.attr("eagle", "EagleSpeculator")
         ib = self.engine.attr("input_batch", "InputBuffers")
         n, max_tokens = self.cfg.max_num_seqs, self.cfg.max_num_seqs * self.q
-        step = _recorder(self.engine, self._draft_step)  # the draft step's forward: _decode (0.34), _generate_draft before
-        cls = type("EngineCheckEagleSpeculator", (eagle,), {"_prefill": _recorder(self.engine), "_decode": step, "_generate_draft": step,
+        body = next((n for n in DRAFT_STEP_BODIES if hasattr(eagle, n)), None)
+        if body is None:
+            raise EngineAdapterError(f"vllm {self.engine.version}: the speculator has none of {', '.join(DRAFT_STEP_BODIES)}; "
+                                     "teach drive.py its draft step")
+        # the draft step is the engine's own body (its forward, its sampling, update_draft_inputs for the next step), entered
+        # through the recorder; only the model forward and the sampling inside it stand in
+        step = _recorder(self.engine, self._draft_step, getattr(eagle, body))
+        cls = type("EngineCheckEagleSpeculator", (eagle,), {"_prefill": _recorder(self.engine), body: step, "_run_model": _next_id_model,
+                                                            "sample_draft": _next_id_sampler,
                                                             "_build_uniform_attn_metadata": self._uniform_attn_metadata})
         s = object.__new__(cls)  # the engine's __init__ builds the draft model's state; the fields the paths read are set here
         s.__dict__.update(
@@ -145,7 +155,8 @@ class RankDriver:
             hidden_states=torch.zeros(max_tokens, 1), temperature=torch.zeros(n), seeds=torch.zeros(n, dtype=torch.int64),
             last_token_indices=torch.zeros(n, dtype=torch.int64), current_draft_step=torch.tensor(0, dtype=torch.int64),
             idx_mapping=torch.zeros(n, dtype=torch.int64), draft_tokens=torch.zeros(n, self.K, dtype=torch.int64),
-            sample_src_positions=torch.zeros(n, dtype=torch.int64),
+            sample_src_positions=torch.zeros(n, dtype=torch.int64), draft_logits=None,
+            max_model_len_gpu=torch.tensor(self.cfg.max_model_len, dtype=torch.int32),  # from 0.34: update_draft_inputs' clamp
         )
         if not isinstance(getattr(cls, "max_model_len", None), property):  # a plain field before 0.33's property
             s.max_model_len = self.cfg.max_model_len
@@ -312,10 +323,24 @@ class RankDriver:
         return VllmReplay(rec, desc.cg_mode.name, self.rank, it, list(dp_raw))
 
 
-def _recorder(engine: VllmEngine, on_run: Optional[Callable[[int], None]] = None):
+def _next_id_model(spec: Any, num_tokens: int, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """The draft model's forward inside the engine's draft step: its hidden state is the input id each token read, so what
+    a step samples tells which ids that step's forward was given."""
+    hidden = spec.input_buffers.input_ids[:num_tokens].to(spec.hidden_states.dtype).unsqueeze(1)
+    return hidden, hidden
+
+
+def _next_id_sampler(spec: Any, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    """sample_draft: the id after the one each request's forward read (a prediction a check writes without running it)."""
+    return hidden_states[:, 0].round().to(torch.int64) + 1
+
+
+def _recorder(engine: VllmEngine, on_run: Optional[Callable[[int], None]] = None, body: Optional[Callable[..., Any]] = None):
     """The draft model's forward (and the target's, for its capture): a graph capture pass's call is its bake (with the
     draft step of each forward the graph holds: all K - 1 in a fused graph); a PIECEWISE capture pass (no graph object) is
-    noted by its token count; any other call (eager, or a replayed graph's body) is a run, passed to on_run."""
+    noted by its token count; any other call (eager, or a replayed graph's body) is a run, passed to on_run. With a body
+    (the engine's draft step), a run then runs it; a graph's capture pass only records it, as a GPU's does, and each
+    replay re-runs it."""
 
     def forward(self, num_reqs, num_tokens, attn_metadata, slot_mappings, num_tokens_across_dp, cudagraph_runtime_mode, *a, **kw):
         g = engine.capture.current
@@ -330,6 +355,8 @@ def _recorder(engine: VllmEngine, on_run: Optional[Callable[[int], None]] = None
             engine.capture.piecewise.append(num_tokens)
         elif on_run is not None:
             on_run(num_tokens)
+        if body is not None and g is None:  # a capture pass records the body's kernels without running them
+            body(self, num_reqs, num_tokens, attn_metadata, slot_mappings, num_tokens_across_dp, cudagraph_runtime_mode, *a, **kw)
 
     return forward
 
