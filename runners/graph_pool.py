@@ -13,6 +13,11 @@ RecordedPool places each tensor it makes in a block an earlier capture freed whe
 enough (best fit, a whole block per tensor): the reuse a caching allocator may make, made every
 time it can, so that code which holds an output across replays only by luck fails on CPU. What a
 capture made, its outputs aside, is free when it ends.
+
+One difference, deliberate: on a GPU a tensor the body stashed somewhere else (an attribute) stays
+allocated, because it is still referenced; here only what the body returns is kept. A body must hand
+out through its return value whatever is read outside the graph, which every runner here does; a
+stash read outside the graph would read another graph's data on CPU (stricter than a GPU, not looser).
 """
 from __future__ import annotations
 
