@@ -23,6 +23,7 @@ from prewarmed import Started
 
 from harness.engines.command import main as engine_check_main
 from harness.engines.install import InstallError, engines_root
+from harness.engines.sglang.errors import EngineAdapterError
 from harness.engines.vllm.install import ensure_vllm_installed
 from harness.engines.vllm.standins import DPWorld
 
@@ -343,4 +344,15 @@ def test_dp_world_runs_one_rank_at_a_time_outside_its_collectives():
     world.run(rank_step)
     assert overlaps == []
     assert votes_seen == [[1, 2, 3]] * 6
+
+
+def test_dp_world_ranks_that_diverge_at_a_collective_raise_instead_of_hanging():
+    world = DPWorld(2, meet_timeout_s=0.2)
+
+    def only_rank_0_votes(rank: int) -> None:
+        if rank == 0:
+            world.group().cpu_all_reduce_(torch.zeros(1))
+
+    with pytest.raises(EngineAdapterError, match="did not all reach the same collective"):
+        world.run(only_rank_0_votes)
 

@@ -20,7 +20,7 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 
 from harness.engines.drive import Strict as BaseStrict
-from harness.engines.sglang.errors import MissingEngineAttribute
+from harness.engines.sglang.errors import EngineAdapterError, MissingEngineAttribute
 
 
 class Strict(BaseStrict):
@@ -112,9 +112,10 @@ class DPWorld:
     global patching of triton.language among it) is not safe to run from several threads at once,
     and the collectives are the only points where ranks must meet."""
 
-    def __init__(self, dp_size: int) -> None:
+    def __init__(self, dp_size: int, meet_timeout_s: float = 120.0) -> None:
         self.dp_size = dp_size
-        self._barrier = threading.Barrier(dp_size)
+        self.meet_timeout_s = meet_timeout_s  # a rank waiting longer at a collective: the ranks diverged (an error, not a hang)
+        self._barrier = threading.Barrier(dp_size, timeout=meet_timeout_s)
         self._slots: list[Optional[torch.Tensor]] = [None] * dp_size
         self._local = threading.local()
         self._turn = threading.Lock()
@@ -159,7 +160,11 @@ class DPWorld:
             t.join()
         if errors:
             self._barrier.reset()
-            raise next((e for e in errors if not isinstance(e, threading.BrokenBarrierError)), errors[0])
+            real = next((e for e in errors if not isinstance(e, threading.BrokenBarrierError)), None)
+            if real is not None:
+                raise real
+            raise EngineAdapterError(f"the DP ranks did not all reach the same collective within {self.meet_timeout_s} s: "
+                                     "a rank the others waited for finished or ran a different number of collectives")
         return out
 
 
