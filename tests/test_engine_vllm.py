@@ -14,6 +14,7 @@ import os
 import shutil
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -22,6 +23,7 @@ from prewarmed import Started
 
 from harness.engines.command import main as engine_check_main
 from harness.engines.install import InstallError, engines_root
+from harness.engines.sglang.errors import EngineAdapterError
 from harness.engines.vllm.install import ensure_vllm_installed
 from harness.engines.vllm.standins import DPWorld
 
@@ -317,3 +319,40 @@ def test_dp_world_all_reduce_sums_every_rank_and_raises_the_real_error():
     with pytest.raises(KeyError):
         world.run(fail_on_one)
     assert world.run(vote) == [[[10, 11, 12], [0, 1, 4]]] * 3  # usable again after a failed round
+
+
+def test_dp_world_runs_one_rank_at_a_time_outside_its_collectives():
+    """The ranks' engine code (Triton's interpreter among it) never runs on two threads at once; they meet only in a
+    collective, where every rank's vote is in before any rank goes on."""
+    world = DPWorld(3)
+    running: list[int] = []
+    overlaps: list[list[int]] = []
+    votes_seen: list[list[int]] = []
+
+    def rank_step(rank: int) -> None:
+        for _ in range(2):
+            running.append(rank)
+            if len(running) > 1:
+                overlaps.append(list(running))
+            time.sleep(0.01)  # gives up the GIL: another rank would run here if nothing held it back
+            running.remove(rank)
+            t = torch.zeros(3, dtype=torch.int32)
+            t[rank] = rank + 1
+            world.group().cpu_all_reduce_(t)
+            votes_seen.append(t.tolist())
+
+    world.run(rank_step)
+    assert overlaps == []
+    assert votes_seen == [[1, 2, 3]] * 6
+
+
+def test_dp_world_ranks_that_diverge_at_a_collective_raise_instead_of_hanging():
+    world = DPWorld(2, meet_timeout_s=0.2)
+
+    def only_rank_0_votes(rank: int) -> None:
+        if rank == 0:
+            world.group().cpu_all_reduce_(torch.zeros(1))
+
+    with pytest.raises(EngineAdapterError, match="did not all reach the same collective"):
+        world.run(only_rank_0_votes)
+

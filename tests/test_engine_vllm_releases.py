@@ -2,9 +2,12 @@
 the one the release's source calls for.
 
 Expected rows, read from the wheels: 0.11.2 has no model runner v2 EAGLE speculator
-(vllm/v1/worker/gpu/ has no spec_decode/eagle*): N/A, no path. 0.29.0 has it, but its draft
-decode runs its own DP collective inside propose() (DraftModelSpeculator has no
-_build_uniform_batch_dp_sync): N/A, older design. 0.32.0 is driven (token-keyed capture sizes,
+(vllm/v1/worker/gpu/ has no spec_decode/eagle*): N/A, no path. 0.29.0 is driven and passes: its
+draft decode runs its own DP collective inside propose() (dispatch_cg_and_sync_dp with no dp_sync:
+every rank votes its real request count, the agreement takes the largest), so the ranks' propose()
+calls run at once and the one-token decode takes the smallest graph holding the largest rank's
+requests; a copy of it whose draft decode dispatch skips that collective (dp_size=1) fails on the
+draft decode lines only. 0.32.0 is driven (token-keyed capture sizes,
 compilation_config.cudagraph_capture_sizes) and fails the padding check: its DPSyncState.num_reqs
 holds the target's padded request count (dp_utils.py: "Holds the padded count when a FULL
 descriptor imposed one"), which the draft decode pads from, so with 4 requests on the largest
@@ -20,6 +23,7 @@ import importlib.metadata
 import io
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -82,14 +86,54 @@ def test_release_table_verdicts_follow_the_sources():
     assert proc.returncode == 1, proc.stderr[-2000:]  # 0.32.0 fails; N/A rows do not count against the table
     assert rows["0.11.2"]["verdict"] == "N/A" and rows["0.11.2"]["exit_code"] == 3
     assert "has no model-runner-v2 EAGLE speculator graph path" in rows["0.11.2"]["first_failure"]
-    assert rows["0.29.0"]["verdict"] == "N/A" and rows["0.29.0"]["exit_code"] == 3
-    assert "autoregressive.cudagraph_utils" in rows["0.29.0"]["first_failure"]
-    assert "runs its own DP collective inside propose()" in rows["0.29.0"]["first_failure"]
+    assert rows["0.29.0"]["verdict"] == "PASS" and rows["0.29.0"]["failures"] == 0 and rows["0.29.0"]["api"] == "mrv2-tok"
     assert rows["0.32.0"]["verdict"] == "FAIL" and rows["0.32.0"]["api"] == "mrv2-tok"
     assert rows["0.32.0"]["first_failure"].startswith("P1/padding graph (mode, requests): expected ['FULL', 4], got ['FULL', 8]")
     assert "runner=draft_decode" in rows["0.32.0"]["first_failure"]
     assert rows["0.33.0"]["verdict"] == "PASS" and rows["0.33.0"]["failures"] == 0 and rows["0.33.0"]["api"] == "mrv2-tok"
     assert rows["0.34.0"]["verdict"] == "PASS" and rows["0.34.0"]["failures"] == 0 and rows["0.34.0"]["api"] == "mrv2"
+
+
+# 0.29.0's draft decode dispatch in propose(), as released and with its own DP collective skipped (each rank pads alone)
+OWN_AGREEMENT = "uniform_token_count=1,\n            dp_size=self.dp_size,"
+OWN_AGREEMENT_SKIPPED = "uniform_token_count=1,\n            dp_size=1,"
+_PLANTED_029 = """
+from pathlib import Path
+import json, sys
+from harness.engines.install import deps_dir
+from harness.engines.vllm.command import check_vllm
+from harness.engines.vllm.config import VllmCheckConfig
+from harness.engines.vllm.install import vllm_deps_dir
+from harness.engines.vllm.loader import load
+rep = check_vllm(load(Path(sys.argv[1]), [deps_dir(), vllm_deps_dir()]), VllmCheckConfig(dp_sizes=(2,), decode_dp_sizes=(), fused_decode=(False,)))
+print(json.dumps(rep.to_json(), default=str))
+"""
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.skipif(bool(os.environ.get("CI")) and not os.environ.get("SPECHARNESS_VLLM_TABLE"),
+                    reason="needs the vLLM 0.29.0 wheel, which only the release table installs; set SPECHARNESS_VLLM_TABLE=1")
+def test_planted_029_draft_decode_skipping_its_own_agreement_is_caught(tmp_path):
+    try:
+        release = ensure_vllm_installed("0.29.0", log=lambda m: print(m, file=sys.stderr))
+    except InstallError as e:
+        pytest.skip(f"cannot install vllm==0.29.0 here: {e}")
+    rel = "vllm/v1/worker/gpu/spec_decode/autoregressive/speculator.py"
+    text = (release / rel).read_text()
+    assert text.count(OWN_AGREEMENT) == 1
+    planted = tmp_path / "vllm-0.29.0"
+    shutil.copytree(release, planted, symlinks=True, copy_function=os.symlink)
+    (planted / rel).unlink()
+    (planted / rel).write_text(text.replace(OWN_AGREEMENT, OWN_AGREEMENT_SKIPPED))
+    proc = subprocess.run([sys.executable, "-c", _PLANTED_029, str(planted)], cwd=REPO, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rep = json.loads(proc.stdout)
+    failed = {(f["check"], f["field"], f["where"]["runner"]) for ln in rep["lines"] for f in ln["failures"]}
+    # each rank takes the graph of its own count: the ranks run different shapes, with no count across DP
+    assert ("DP", "(mode, num_tokens) on every rank", "draft_decode") in failed
+    assert ("DP", "num_tokens_across_dp", "draft_decode") in failed
+    assert ("padding", "graph (mode, requests)", "draft_decode") in failed
+    assert {runner for _, _, runner in failed} == {"draft_decode"}  # the target's and the draft prefill's agreement are untouched
 
 
 def test_installed_releases_are_ordered_as_releases_not_as_strings(tmp_path):

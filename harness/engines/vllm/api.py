@@ -122,6 +122,11 @@ def capture_api(vllm_config_cls: type, manager_cls: Optional[type], version: str
         return CaptureApi()
     params = inspect.signature(manager_cls.__init__).parameters if manager_cls is not None else {}
     if hasattr(vllm_config_cls, "_set_cudagraph_sizes") and "decode_query_len" in params:
+        if not hasattr(vllm_config_cls, "uniform_decode_query_len"):
+            raise ReleaseNotCovered(f"vllm {version} carries model runner v2's EAGLE speculator graph path ({graph_path}) with token-keyed "
+                                    "capture sizes, but the target's decode query length its graphs are keyed by is GPUModelRunner's own "
+                                    "(model_runner.py: decode_query_len=self.decode_query_len), not VllmConfig.uniform_decode_query_len, "
+                                    "and the adapter drives no model runner")
         return TokenKeyedApi()
     raise ReleaseNotCovered(f"vllm {version} carries model runner v2's EAGLE speculator graph path ({graph_path}) with neither "
                             "request-keyed capture sizes (VllmConfig.get_draft_decode_cudagraph_request_sizes) nor the token-keyed "

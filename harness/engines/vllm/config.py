@@ -13,7 +13,7 @@ class VllmCheckConfig:
     # sampled id, positions and seq_lens advanced, slot mappings and metadata refreshed) is read by a forward and
     # checked; the K above keeps a world (target, draft prefill, per-step decode) whose capture sizes it sets
     decode_num_speculative_tokens: int = 3
-    # the DP sizes of those worlds (the DP agreement the decode reuses is checked at every size in the K world)
+    # the DP sizes of those worlds (the decode's DP agreement, reused or its own up to 0.29, is checked at every size in the K world)
     decode_dp_sizes: tuple[int, ...] = (1, 2)
     max_num_seqs: int = 24
     # Token cap of uniform decode graphs: 64 // (1 + K) = 21 requests at K = 2, below max_num_seqs and not a

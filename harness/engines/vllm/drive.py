@@ -6,11 +6,11 @@ recorder: what a capture pass bakes is the graph's bake; a draft step's body aro
 engine's, with a next-id model and sampler standing in), and the target's
 uniform-decode graph manager, whose DP agreement the proposer reuses. Per iteration of the
 schedule, every rank at once (one thread each) runs the engine's dispatch_cg_and_sync_dp for
-the target (the collective that pads every rank to one count); then each rank runs the
-proposer's own propose() on that agreement: its prefill-input kernel, the draft prefill
-dispatch and replay, the decode-input kernel, the decode dispatch and the K - 1 draft decode
-steps with their slot mappings. The configuration and the target's manager follow the
-release's capture API (api.py). Everything is converted into ReplayRecord / CaptureRecord.
+the target (the collective that pads every rank to one count); then every rank at once runs
+the proposer's own propose() on that agreement: its prefill-input kernel, the draft prefill
+dispatch and replay, the decode-input kernel, the decode dispatch (a collective of its own up to
+0.29, the reused agreement after) and the K - 1 draft decode steps with their slot mappings.
+The configuration and the target's manager follow the release's capture API (api.py). Everything is converted into ReplayRecord / CaptureRecord.
 
 The draft decode has two paths, and the release picks one from its attention backends
 (_configure_decode_metadata_update): a per-step loop (runner draft_decode: one graph per step,
@@ -54,6 +54,8 @@ DECODE_PATH_CHOICE = (("_configure_decode_metadata_update", "supports_decode_met
 DECODE_RUNS = (("_multi_step_decode",), ("_run_fused_multi_step_decode", "_fused_multi_step_decode"))
 # The draft step's body, the engine's own: _decode from 0.34, _generate_draft before
 DRAFT_STEP_BODIES = ("_decode", "_generate_draft")
+# How the draft decode builds its attention metadata: _build_uniform_attn_metadata from 0.30, _build_draft_attn_metadata before
+UNIFORM_ATTN_BUILDERS = ("_build_uniform_attn_metadata", "_build_draft_attn_metadata")
 LANE_BUFFERS = ("input_ids", "positions", "query_start_loc", "seq_lens")
 KV_BLOCK_SIZE = 16
 
@@ -140,9 +142,12 @@ class RankDriver:
         # the draft step is the engine's own body (its forward, its sampling, update_draft_inputs for the next step), entered
         # through the recorder; only the model forward and the sampling inside it stand in
         step = _recorder(self.engine, self._draft_step, getattr(eagle, body))
+        attn = next((n for n in UNIFORM_ATTN_BUILDERS if hasattr(eagle, n)), None)
+        if attn is None:
+            raise EngineAdapterError(f"vllm {self.engine.version}: the speculator has none of {', '.join(UNIFORM_ATTN_BUILDERS)}; "
+                                     "teach drive.py how its draft decode builds attention metadata")
         cls = type("EngineCheckEagleSpeculator", (eagle,), {"_prefill": _recorder(self.engine), body: step, "_run_model": _next_id_model,
-                                                            "sample_draft": _next_id_sampler,
-                                                            "_build_uniform_attn_metadata": self._uniform_attn_metadata})
+                                                            "sample_draft": _next_id_sampler, attn: self._uniform_attn_metadata})
         s = object.__new__(cls)  # the engine's __init__ builds the draft model's state; the fields the paths read are set here
         s.__dict__.update(
             vllm_config=self.vcfg, device=torch.device("cpu"), speculative_config=self.vcfg.speculative_config, method="eagle",
@@ -191,11 +196,12 @@ class RankDriver:
 
         return capture_with_bodies
 
-    def _uniform_attn_metadata(self, batch_desc: Any, num_reqs: int, **kwargs: Any) -> dict[str, Any]:
-        """_build_uniform_attn_metadata: the groups' metadata over the padded requests (batch_desc.num_reqs or num_reqs, as the
-        engine's _build_attn_metadata sizes it) of the draft buffers; the host-side build of the per-step loop and of the fused
-        path's eager step 1."""
-        n, spec = batch_desc.num_reqs or num_reqs, self.spec
+    def _uniform_attn_metadata(self, num_reqs: int, batch_desc: Any = None, num_reqs_padded: Optional[int] = None,
+                               **kwargs: Any) -> dict[str, Any]:
+        """The draft decode's metadata build: the groups' metadata over the padded requests (batch_desc.num_reqs or num_reqs, as
+        the engine's _build_attn_metadata sizes it; up to 0.29 the caller passes that count as num_reqs_padded) of the draft
+        buffers; the host-side build of the per-step loop and of the fused path's eager step 1."""
+        n, spec = num_reqs_padded or batch_desc.num_reqs or num_reqs, self.spec
         return build_metadata(spec.attn_groups, n, spec.input_buffers.query_start_loc, spec.input_buffers.seq_lens)
 
     def _draft_step(self, num_tokens: int) -> None:
@@ -263,8 +269,9 @@ class RankDriver:
     def target_dispatch(self, raw: int) -> tuple[Any, Any]:
         """The target's dispatch and DP agreement for a uniform decode of raw requests (collective)."""
         fn = self.engine.attr("dp", "dispatch_cg_and_sync_dp")
-        return fn(self.target, raw, raw * self.q, self.q, dp_size=self.dp_size, dp_rank=self.rank, max_query_len=self.q,
-                  parallel_config=self.vcfg.parallel_config)
+        # parallel_config (from 0.30) decides microbatching, which these batches never allow
+        extra = {"parallel_config": self.vcfg.parallel_config} if "parallel_config" in inspect.signature(fn).parameters else {}
+        return fn(self.target, raw, raw * self.q, self.q, dp_size=self.dp_size, dp_rank=self.rank, max_query_len=self.q, **extra)
 
     def proposer(self, it: int, dp_raw: list[int], tdesc: Any, tsync: Any) -> list[VllmReplay]:
         raw = dp_raw[self.rank]
@@ -273,11 +280,11 @@ class RankDriver:
         self.live = live
         self.decode_calls.clear()
         self.steps = []
-        log = self.engine.dispatched = []
+        log = self.engine.dispatched.log = []
         try:
             self.spec.propose(*args, **{self.sync_arg: tsync})
         finally:
-            self.engine.dispatched, self.live = None, None
+            self.engine.dispatched.log, self.live = None, None
         prefill = [(d, sync) for mgr, d, sync in log if mgr is self.spec.prefill_cudagraph_manager]
         if len(prefill) != 1 or len(self.decode_calls) != 1:
             raise RuntimeError(f"propose() dispatched the draft prefill {len(prefill)} times and ran the decode steps "
@@ -376,7 +383,9 @@ def drive_world(engine: VllmEngine, cfg: VllmCheckConfig, dp_size: int,
     replays: list[VllmReplay] = []
     for it, dp_raw in enumerate(schedule(cfg, dp_size)):
         agreed = world.run(lambda r, dp_raw=dp_raw: ranks[r].target_dispatch(dp_raw[r]))
-        for r, (tdesc, tsync) in enumerate(agreed):
-            replays += ranks[r].proposer(it, dp_raw, tdesc, tsync)
+        # every rank's propose() at once: a release whose draft decode agrees its own padding (up to 0.29) runs that
+        # collective inside propose(), over the other ranks' real votes
+        proposed = world.run(lambda r, it=it, dp_raw=dp_raw, agreed=agreed: ranks[r].proposer(it, dp_raw, *agreed[r]))
+        replays += [rep for rank_replays in proposed for rep in rank_replays]
     engine.world = None
     return captures, replays, ranks

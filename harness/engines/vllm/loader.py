@@ -13,7 +13,7 @@ release picks the decode path), and so are the model state's prepare_attn and th
 _build_uniform_attn_metadata, which build through that group (drive.py).
 
 Which releases it claims: those with the EAGLE speculator's graph managers (GRAPH_PATH) and a
-capture API that api.py speaks (token-keyed up to 0.33, request-keyed from 0.34). Others are
+capture API that api.py speaks (token-keyed from 0.29 up to 0.33, request-keyed from 0.34). Others are
 imported as far as vllm.config and the graph manager and then said n/a with the reason
 (errors.ReleaseNotCovered), so a release table tells the path's absence, an older API and an
 adapter that fell behind apart.
@@ -28,7 +28,7 @@ What is swapped, process-wide (one engine per process), each for its reason:
   build_slot_mappings_by_layer    per-layer views of the KV cache config (no layers here), in the decode
                                   loops' modules and prepare_inputs_to_capture's
   get_dp_group                    the calling thread's rank of a DPWorld (standins.py)
-  should_skip_dp_coordination     False: the ranks really agree
+  should_skip_dp_coordination     False: the ranks really agree (from 0.30)
   dist (up to 0.32)               all_reduce over the DP group's cpu_group: the DPWorld's sum
   dispatch_cg_and_sync_dp         in the speculator modules: the engine's own, each call's result noted
                                   (what the draft prefill agreed is not passed on when its graph replays)
@@ -40,6 +40,7 @@ import importlib.util
 import logging
 import os
 import sys
+import threading
 import types
 import warnings
 from dataclasses import dataclass, field
@@ -99,7 +100,8 @@ class VllmEngine:
     api: CaptureApi  # how the release keys its decode graphs (api.py)
     stubbed: list[str] = field(default_factory=list)
     world: Optional[DPWorld] = None  # the DP world now being driven (get_dp_group reads it)
-    dispatched: Optional[list] = None  # while a proposer runs: its (manager, descriptor, DP sync) dispatches
+    # per rank thread (the ranks' proposers run at once): `log`, while a proposer runs, its (manager, descriptor, DP sync) dispatches
+    dispatched: threading.local = field(default_factory=threading.local)
 
     def describe(self) -> str:
         return f"vllm {self.version} from {self.location}"
@@ -157,7 +159,6 @@ def load(target: Optional[Path], deps: list[Path]) -> VllmEngine:
             for key in ("config", "cg"):
                 mods[key] = _import_first(MODULES[key])
             api = capture_api(mods["config"].VllmConfig, getattr(mods["cg"], "CudaGraphManager", None), version, path)
-            _require_reused_dp_agreement(version, path)
             for key, names in MODULES.items():
                 mods[key] = _import_first(names)
         except ModuleNotFoundError as e:
@@ -186,19 +187,6 @@ def _require_graph_path(version: str) -> str:
     if not found:
         raise ReleaseNotCovered(f"vllm {version} has no model-runner-v2 EAGLE speculator graph path (none of {', '.join(GRAPH_PATH)})")
     return found[0]
-
-
-def _require_reused_dp_agreement(version: str, path: str) -> None:
-    """From 0.30 the draft decode reuses the target's DP agreement (DraftModelSpeculator.
-    _build_uniform_batch_dp_sync over DPSyncState.num_reqs): propose() runs no collective, so each
-    rank's proposer is driven on its own. Before, each draft decode ran its own DP collective from
-    inside propose(), and the configuration had no uniform_decode_query_len (up to 0.28)."""
-    name = MODULES["spec"][0]
-    speculator_cls = getattr(importlib.import_module(name), "DraftModelSpeculator", None) if _spec_exists(name) else None
-    if not hasattr(speculator_cls, "_build_uniform_batch_dp_sync"):
-        raise ReleaseNotCovered(f"vllm {version} carries model runner v2's EAGLE speculator graph path ({path}), but its draft decode "
-                                "runs its own DP collective inside propose() (no DraftModelSpeculator._build_uniform_batch_dp_sync "
-                                "reusing the target's agreement); the adapter drives the reused agreement (from 0.30)")
 
 
 def _spec_exists(name: str) -> bool:
@@ -230,7 +218,6 @@ def _install_shims(engine: VllmEngine) -> None:
         if hasattr(engine.modules[key], "build_slot_mappings_by_layer"):
             engine.modules[key].build_slot_mappings_by_layer = lambda slot_mappings, kv_cache_config: slot_mappings
     engine.attr("dp", "get_dp_group")
-    engine.attr("dp", "should_skip_dp_coordination")
 
     def get_dp_group() -> Any:
         if engine.world is None:
@@ -238,7 +225,8 @@ def _install_shims(engine: VllmEngine) -> None:
         return engine.world.group()
 
     dp.get_dp_group = get_dp_group
-    dp.should_skip_dp_coordination = lambda: False
+    if hasattr(dp, "should_skip_dp_coordination"):  # from 0.30; before, the agreement always ran its collective
+        dp.should_skip_dp_coordination = lambda: False
     if hasattr(dp, "dist"):
         dp.dist = dist_standin()
     for key in ("ar", "propose"):
@@ -253,8 +241,9 @@ def _note_dispatches(engine: VllmEngine, key: str) -> None:
 
     def dispatch_cg_and_sync_dp(cudagraph_manager: Any, *args: Any, **kwargs: Any) -> Any:
         desc, sync = real(cudagraph_manager, *args, **kwargs)
-        if engine.dispatched is not None:
-            engine.dispatched.append((cudagraph_manager, desc, sync))
+        log = getattr(engine.dispatched, "log", None)
+        if log is not None:
+            log.append((cudagraph_manager, desc, sync))
         return desc, sync
 
     dispatch_cg_and_sync_dp.engine_check_noted = True  # type: ignore[attr-defined]

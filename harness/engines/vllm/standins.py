@@ -20,7 +20,7 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 
 from harness.engines.drive import Strict as BaseStrict
-from harness.engines.sglang.errors import MissingEngineAttribute
+from harness.engines.sglang.errors import EngineAdapterError, MissingEngineAttribute
 
 
 class Strict(BaseStrict):
@@ -105,13 +105,20 @@ def null_pool(pool: Any, vllm_config: Any) -> Iterator[Any]:
 
 
 class DPWorld:
-    """dp_size ranks, one thread each; `group()` is the calling thread's DP group."""
+    """dp_size ranks, one thread each; `group()` is the calling thread's DP group.
 
-    def __init__(self, dp_size: int) -> None:
+    One rank runs at a time (it holds the turn) except inside a collective, where it gives the turn
+    up until every rank has voted: the engine's code outside collectives (the Triton interpreter's
+    global patching of triton.language among it) is not safe to run from several threads at once,
+    and the collectives are the only points where ranks must meet."""
+
+    def __init__(self, dp_size: int, meet_timeout_s: float = 120.0) -> None:
         self.dp_size = dp_size
-        self._barrier = threading.Barrier(dp_size)
+        self.meet_timeout_s = meet_timeout_s  # a rank waiting longer at a collective: the ranks diverged (an error, not a hang)
+        self._barrier = threading.Barrier(dp_size, timeout=meet_timeout_s)
         self._slots: list[Optional[torch.Tensor]] = [None] * dp_size
         self._local = threading.local()
+        self._turn = threading.Lock()
 
     def group(self) -> "DPGroup":
         rank = getattr(self._local, "rank", None)
@@ -121,9 +128,13 @@ class DPWorld:
 
     def cpu_all_reduce_(self, rank: int, t: torch.Tensor) -> None:
         self._slots[rank] = t.clone()
-        self._barrier.wait()
-        total = sum(self._slots)  # type: ignore[arg-type]
-        self._barrier.wait()
+        self._turn.release()
+        try:
+            self._barrier.wait()
+            total = sum(self._slots)  # type: ignore[arg-type]
+            self._barrier.wait()
+        finally:
+            self._turn.acquire()
         t.copy_(total)
 
     def run(self, fn: Callable[[int], Any]) -> list[Any]:
@@ -133,11 +144,14 @@ class DPWorld:
 
         def body(rank: int) -> None:
             self._local.rank = rank
+            self._turn.acquire()
             try:
                 out[rank] = fn(rank)
             except BaseException as e:  # re-raised on the caller's thread
                 errors.append(e)
                 self._barrier.abort()
+            finally:
+                self._turn.release()
 
         threads = [threading.Thread(target=body, args=(r,)) for r in range(self.dp_size)]
         for t in threads:
@@ -146,7 +160,11 @@ class DPWorld:
             t.join()
         if errors:
             self._barrier.reset()
-            raise next((e for e in errors if not isinstance(e, threading.BrokenBarrierError)), errors[0])
+            real = next((e for e in errors if not isinstance(e, threading.BrokenBarrierError)), None)
+            if real is not None:
+                raise real
+            raise EngineAdapterError(f"the DP ranks did not all reach the same collective within {self.meet_timeout_s} s: "
+                                     "a rank the others waited for finished or ran a different number of collectives")
         return out
 
 
