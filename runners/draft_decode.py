@@ -107,11 +107,10 @@ class EagleProposer:
     def model(self):
         return self.worker.model
 
-    def capture(self, graphs: Optional[GraphBackend] = None) -> None:
-        """Build and capture the graph runners (after any weight change: a graph bakes nothing else), into the pool of
-        `graphs`, the rank's (GraphBackend.sibling), or one of their own."""
+    def capture(self, graphs: Optional[GraphBackend]) -> None:
+        """Build and capture the graph runners (after any weight change: a graph bakes nothing else) into the pool of
+        `graphs`, the rank's backend (GraphBackend.sibling); None when the runner is eager."""
         if self.runner == "graph":
-            graphs = graphs or GraphBackend("auto", self.device)
             self.driver = DraftExtendGraphDriver(self.worker, graphs.sibling(), single_layer=self.single_layer)
             self.driver.capture()
             if self.single_layer and self.spec.num_steps > 1:
@@ -204,7 +203,7 @@ class TargetProposer:
         self.target, self.spec = target, spec
         self.model = None  # no draft model of its own
 
-    def capture(self, graphs: Optional[GraphBackend] = None) -> None:
+    def capture(self, graphs: Optional[GraphBackend]) -> None:
         pass  # no graphs: the target's own decode steps run eagerly
 
     def prefill(self, reqs: Sequence[Request], hiddens: Sequence[torch.Tensor]) -> list[Proposal]:
