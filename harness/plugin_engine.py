@@ -28,7 +28,7 @@ import pytest
 
 from harness.engines.command import add_arguments
 from harness.engines.releases import json_document
-from harness.verdict import Failure
+from harness.verdict import Failure, Verdict
 
 NODE = "engine-check"
 # one check of the slowest engine to import (vLLM: 15-30 s of import, seconds of checks) on a 2-core machine, with room
@@ -130,12 +130,9 @@ class LinesItem(pytest.Item):
         failed = [ln for ln in self.lines if not ln["ok"]]
         if not failed:
             return
-        failures = [Failure(**f) for ln in failed for f in ln["failures"]]
-        checked = sum(ln["checked"] for ln in self.lines)
-        shown = "\n".join("  " + f.message() for f in failures[:5])
-        more = f"\n  ... and {len(failures) - 5} more" if len(failures) > 5 else ""
-        raise EngineCheckError(f"{self.what}: {len(failed)} of {len(self.lines)} lines failed, {len(failures)} failure(s) in "
-                               f"{checked} checks\n{shown}{more}")
+        v = Verdict(f"{self.what} ({len(failed)} of {len(self.lines)} lines failed)", sum(ln["checked"] for ln in self.lines),
+                    [Failure(**f) for ln in failed for f in ln["failures"]])
+        raise EngineCheckError(v.report())  # the failures as a verdict prints them, the first five then the count
 
     def repr_failure(self, excinfo):  # type: ignore[override]
         return str(excinfo.value) if isinstance(excinfo.value, EngineCheckError) else super().repr_failure(excinfo)
