@@ -59,14 +59,15 @@ class SpecSession:
 
     def __init__(self, layout: ParallelLayout, spec: SpecConfig, model: ModelConfig = DEFAULT_MODEL, runner: str = "eager",
                  proposer: str = "eagle", alignment: Alignment = DEFAULT_ALIGNMENT, tree: Optional[bool] = None,
-                 timeout_s: float = 60.0, hook: Optional[Callable[[SpecEngine], None]] = None, attention_backend: str = "torch"):
+                 timeout_s: float = 60.0, hook: Optional[Callable[[SpecEngine], None]] = None, attention_backend: str = "torch",
+                 device: str = "cpu"):
         self.layout, self.spec, self.model, self.alignment = layout, spec, model, alignment
         self.runner, self.proposer, self.attention_backend = runner, proposer, attention_backend
         self.world = SimulatedWorld(layout, timeout_s=timeout_s)
 
         def build(comm):
             e = SpecEngine(RankContext(layout, comm.rank, comm), model, spec, proposer=proposer, runner=runner, tree=tree, alignment=alignment,
-                           attention_backend=attention_backend)
+                           attention_backend=attention_backend, device=device)
             observer = LoopObserver(e)
             if hook is not None:
                 hook(e)
@@ -221,7 +222,9 @@ def check_graph_replayed(v: Verdict, s: SpecSession, where: dict) -> None:
         v.expect_equal("replayed", field, where, True, n > 0, "every batch of this runner fell back to eager")
 
 
-def case_session(case: Case, runner: str, proposer: str = "eagle", hook=None, rounds_per_phase: int = 3) -> SpecSession:
+def case_session(case: Case, runner: str, proposer: str = "eagle", hook=None, rounds_per_phase: int = 3, device: str = "cpu") -> SpecSession:
+    """On a CUDA device the graph runner captures real CUDA graphs (GraphBackend "auto")."""
     sc = case.scenario
-    s = SpecSession(sc.layout, sc.spec, sc.model, runner=runner, proposer=proposer, hook=hook, attention_backend=sc.attention_backend)
+    s = SpecSession(sc.layout, sc.spec, sc.model, runner=runner, proposer=proposer, hook=hook, attention_backend=sc.attention_backend,
+                    device=device)
     return run_workload(s, Workload.from_case(case, rounds_per_phase))

@@ -71,14 +71,14 @@ def _need(backend: str) -> None:
         pytest.skip(f"backend {backend}: {unavailable_reason(backend)}")
 
 
-def make_case(layout: str, backend: str, dtype: str, model: str, batches=([3], [5], [1]), num_steps: int = 3):
+def make_case(layout: str, backend: str, dtype: str, model: str, batches=([3], [5], [1]), num_steps: int = 3, **spec):
     from harness.case import parse_case
 
     data = tomllib.loads((CASES / "tp1_neither.toml").read_text())
     data.update(name=f"gpu_{layout}_{backend}_{dtype}_{model}", backend=backend, dtype=dtype, layout=dict(LAYOUTS[layout]))
     if MODELS[model]:
         data["model"] = dict(MODELS[model])
-    data["spec"].update(num_steps=num_steps)
+    data["spec"].update(num_steps=num_steps, **spec)
     data["schedule"]["batches"] = [list(b) for b in batches]
     return parse_case(data)
 

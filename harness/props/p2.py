@@ -163,7 +163,7 @@ class LanePoison(RunnerPoison):
                     return
 
 
-def check_padded_lanes(case: Case, rounds_per_phase: int = 2) -> dict[str, Verdict]:
+def check_padded_lanes(case: Case, rounds_per_phase: int = 2, device: str = "cpu") -> dict[str, Verdict]:
     poisons: list[LanePoison] = []  # one per rank, each with its own verdict (ranks are threads)
     verify: list[verify_props.VerifyPoison] = []  # the TARGET_VERIFY runner's, likewise
     decode: list[DecodePoison] = []  # the single-layer draft's draft-decode runner's, likewise
@@ -171,7 +171,7 @@ def check_padded_lanes(case: Case, rounds_per_phase: int = 2) -> dict[str, Verdi
     hook = lambda e: (poisons.append(LanePoison(e, Verdict("P2"))), verify_props.install_poison(verify)(e),  # noqa: E731
                       install_decode_poison(decode)(e))
     try:
-        case_session(case, "graph", hook=hook, rounds_per_phase=rounds_per_phase)
+        case_session(case, "graph", hook=hook, rounds_per_phase=rounds_per_phase, device=device)
     except RankFailure as err:
         crash = {"run": crash_verdict("run", where, err)}
     v = Verdict("P2")

@@ -84,7 +84,8 @@ def compare_acceptance(v: Verdict, golden: dict, session: SpecSession, where: di
                f"draft positions {changed or 'none'} changed; accept lengths first differ at verify round {rnd} (golden {ea}, got {ga})")
 
 
-def check_spec_case(case: Case, runners: Sequence[str] = ("eager", "graph"), props: Sequence[str] = ("P5", "P6")) -> dict[str, Verdict]:
+def check_spec_case(case: Case, runners: Sequence[str] = ("eager", "graph"), props: Sequence[str] = ("P5", "P6"),
+                    device: str = "cpu") -> dict[str, Verdict]:
     """P5 and P6 on one case's workload, one run per runner; the graph run also gives the
     TARGET_VERIFY runner's P3 and P1 (harness.verify_props)."""
     out = {p: Verdict(p) for p in props}
@@ -98,7 +99,7 @@ def check_spec_case(case: Case, runners: Sequence[str] = ("eager", "graph"), pro
         where = {"case": case.name, "layout": case.layout.describe(), "runner": runner}
         shadows: list[verify_props.VerifyShadow] = []  # graph: P3 / P1 on every TARGET_VERIFY replay
         try:
-            s = case_session(case, runner, hook=verify_props.install(shadows) if runner == "graph" else None)
+            s = case_session(case, runner, hook=verify_props.install(shadows) if runner == "graph" else None, device=device)
         except RankFailure as err:
             out["run"] = out.get("run", Verdict("run")).merge(crash_verdict("run", where, err))
             continue
