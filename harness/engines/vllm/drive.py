@@ -56,6 +56,10 @@ DECODE_RUNS = (("_multi_step_decode",), ("_run_fused_multi_step_decode", "_fused
 DRAFT_STEP_BODIES = ("_decode", "_generate_draft")
 # How the draft decode builds its attention metadata: _build_uniform_attn_metadata from 0.30, _build_draft_attn_metadata before
 UNIFORM_ATTN_BUILDERS = ("_build_uniform_attn_metadata", "_build_draft_attn_metadata")
+# propose()'s argument taking the target's DP agreement (newest first); up to 0.28 propose() has UNPASSED_DP_ARG, which
+# GPUModelRunner never passes: each of its dispatches runs its own collective
+DP_ARGS = ("dp_sync_state", "dp_sync")
+UNPASSED_DP_ARG = "num_tokens_across_dp"
 LANE_BUFFERS = ("input_ids", "positions", "query_start_loc", "seq_lens")
 KV_BLOCK_SIZE = 16
 
@@ -125,11 +129,14 @@ class RankDriver:
         cgm = engine.attr("cg", "CudaGraphManager")
         self.target = cgm(self.vcfg, torch.device("cpu"), self.mode.FULL_AND_PIECEWISE, **engine.api.target_manager_kwargs(self.vcfg))
         self.decode_calls: list[tuple] = []
-        # propose()'s DP agreement argument: dp_sync up to 0.31, dp_sync_state after
-        names = [n for n in ("dp_sync_state", "dp_sync") if n in inspect.signature(self.spec.propose).parameters]
-        if not names:
-            raise EngineAdapterError(f"vllm {engine.version}: propose() takes neither dp_sync_state nor dp_sync; teach drive.py its DP argument")
-        self.sync_arg = names[0]
+        # propose()'s DP agreement argument: dp_sync up to 0.31, dp_sync_state after; up to 0.28 none the model runner passes
+        # (its num_tokens_across_dp is left None and overwritten by the draft prefill's own collective)
+        params = inspect.signature(self.spec.propose).parameters
+        names = [n for n in DP_ARGS if n in params]
+        if not names and UNPASSED_DP_ARG not in params:
+            raise EngineAdapterError(f"vllm {engine.version}: propose() takes none of {', '.join(DP_ARGS)} nor {UNPASSED_DP_ARG}; "
+                                     "teach drive.py its DP argument")
+        self.sync_arg: Optional[str] = names[0] if names else None
 
     def _speculator(self) -> Any:
         eagle = self.engine.attr("eagle", "EagleSpeculator")
@@ -282,7 +289,7 @@ class RankDriver:
         self.steps = []
         log = self.engine.dispatched.log = []
         try:
-            self.spec.propose(*args, **{self.sync_arg: tsync})
+            self.spec.propose(*args, **({} if self.sync_arg is None else {self.sync_arg: tsync}))
         finally:
             self.engine.dispatched.log, self.live = None, None
         prefill = [(d, sync) for mgr, d, sync in log if mgr is self.spec.prefill_cudagraph_manager]
@@ -317,7 +324,8 @@ class RankDriver:
 
     def _record(self, runner: str, it: int, dp_raw: list[int], desc: Any, sync: Any, mgr: Any,
                 raw: Optional[int] = None) -> VllmReplay:
-        across = sync if isinstance(sync, list) or sync is None else sync.num_tokens_across_dp.tolist()
+        # the agreement: a list (noted by the decode run), a DPSyncState (from 0.29) or the bare tensor (up to 0.28)
+        across = sync if isinstance(sync, list) or sync is None else getattr(sync, "num_tokens_across_dp", sync).tolist()
         graph = mgr.graphs.get(desc) if desc.cg_mode == self.mode.FULL else None
         baked = graph.baked if graph is not None else None
         q = desc.uniform_token_count or (self.q if runner not in DECODE_RUNNERS else 1)

@@ -23,7 +23,7 @@ What is swapped, process-wide (one engine per process), each for its reason:
                                   the call made inside the capture is the graph's body, re-run at replay
   graph_capture, capture_pool     device streams and memory pools (set_graph_pool_id up to 0.31)
   get_pp_group, current_platform  one pipeline stage; no graph pool
-  get_offloader, current_stream   weight offload and streams sync on a device
+  get_offloader, current_stream   weight offload and streams sync on a device (current_stream from 0.29)
   is_global_first_rank            False: no progress bars
   build_slot_mappings_by_layer    per-layer views of the KV cache config (no layers here), in the decode
                                   loops' modules and prepare_inputs_to_capture's
@@ -200,8 +200,7 @@ def _spec_exists(name: str) -> bool:
 
 def _install_shims(engine: VllmEngine) -> None:
     cg, dp = engine.modules["cg"], engine.modules["dp"]
-    for name in ("torch", "graph_capture", "get_pp_group", "current_platform", "get_offloader", "current_stream",
-                 "is_global_first_rank"):
+    for name in ("torch", "graph_capture", "get_pp_group", "current_platform", "get_offloader", "is_global_first_rank"):
         engine.attr("cg", name)
     engine.attr("cg", "capture_pool" if hasattr(cg, "capture_pool") else "set_graph_pool_id")  # the pool API up to 0.31
     cg.torch = torch_proxy(engine.capture)
@@ -211,7 +210,8 @@ def _install_shims(engine: VllmEngine) -> None:
     cg.get_pp_group = lambda: Strict("pp_group", is_first_rank=True, is_last_rank=True)
     cg.current_platform = Strict("current_platform", get_global_graph_pool=lambda: None, graph_pool_handle=lambda: None)
     cg.get_offloader = lambda: Strict("offloader", sync_prev_onload=lambda: None, join_after_forward=lambda: None)
-    cg.current_stream = lambda: None
+    if hasattr(cg, "current_stream"):  # from 0.29: graphs are captured on it
+        cg.current_stream = lambda: None
     cg.is_global_first_rank = lambda: False
     engine.attr("ar", "build_slot_mappings_by_layer")
     for key in ("ar", "propose", "cg"):  # the decode loops, and prepare_inputs_to_capture
