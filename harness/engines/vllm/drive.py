@@ -153,7 +153,11 @@ class RankDriver:
         if attn is None:
             raise EngineAdapterError(f"vllm {self.engine.version}: the speculator has none of {', '.join(UNIFORM_ATTN_BUILDERS)}; "
                                      "teach drive.py how its draft decode builds attention metadata")
-        cls = type("EngineCheckEagleSpeculator", (eagle,), {"_prefill": _recorder(self.engine), body: step, "_run_model": _next_id_model,
+        # the draft prefill's outputs are written when the release's on_prefill_end hook fires (from 0.28), else when its
+        # forward runs (eager, or inside a replayed graph)
+        hooked = hasattr(eagle, "on_prefill_end")
+        prefill = _recorder(self.engine, None if hooked else self._prefill_outputs)
+        cls = type("EngineCheckEagleSpeculator", (eagle,), {"_prefill": prefill, body: step, "_run_model": _next_id_model,
                                                             "sample_draft": _next_id_sampler, attn: self._uniform_attn_metadata})
         s = object.__new__(cls)  # the engine's __init__ builds the draft model's state; the fields the paths read are set here
         s.__dict__.update(
@@ -172,7 +176,8 @@ class RankDriver:
         )
         if not isinstance(getattr(cls, "max_model_len", None), property):  # a plain field before 0.33's property
             s.max_model_len = self.cfg.max_model_len
-        s.on_prefill_end = self._prefill_outputs
+        if hooked:
+            s.on_prefill_end = self._prefill_outputs
         name = next(n for n in DECODE_RUNS[self.fused] if hasattr(s, n))
         inner = getattr(s, name)
 
@@ -184,7 +189,10 @@ class RankDriver:
         return s
 
     def _choose_decode_path(self) -> None:
-        """The release's own choice (set_attn calls it once the attention groups exist), checked to be the path asked for."""
+        """The release's own choice (set_attn calls it once the attention groups exist), checked to be the path asked for;
+        a release with only the per-step loop (decode_paths) makes none."""
+        if decode_paths(self.engine) == (False,) and not self.fused:
+            return
         for configure, flag in DECODE_PATH_CHOICE:
             if hasattr(self.spec, configure):
                 getattr(self.spec, configure)()
@@ -221,13 +229,14 @@ class RankDriver:
         self.steps.append({"step": int(spec.current_draft_step), "num_tokens": num_tokens, "lanes": lanes,
                            "metadata": None if derived is None else dict(derived)})
 
-    def _prefill_outputs(self, num_reqs: int) -> None:
+    def _prefill_outputs(self, _count: int) -> None:
         """What the draft model's prefill leaves for the decode steps (its graph or its eager call, both
-        stand-ins here): each request's position at its last accepted token, gathered by the
-        last_token_indices the engine's prefill-input kernel computed, and its first draft token."""
+        stand-ins here): each live request's position at its last accepted token, gathered by the
+        last_token_indices the engine's prefill-input kernel computed, and its first draft token. Called
+        with the hook's request count or the forward's token count: the live batch's is what counts."""
         if self.live is None:
             return  # capture() fires the hook too
-        spec = self.spec
+        spec, num_reqs = self.spec, len(self.live["draft_tokens"])
         idx = spec.last_token_indices[:num_reqs]
         spec.input_buffers.positions[:num_reqs] = spec.input_buffers.positions[idx].clone()
         spec.draft_tokens[:num_reqs, 0] = torch.tensor(self.live["draft_tokens"])
@@ -276,9 +285,12 @@ class RankDriver:
     def target_dispatch(self, raw: int) -> tuple[Any, Any]:
         """The target's dispatch and DP agreement for a uniform decode of raw requests (collective)."""
         fn = self.engine.attr("dp", "dispatch_cg_and_sync_dp")
-        # parallel_config (from 0.30) decides microbatching, which these batches never allow
-        extra = {"parallel_config": self.vcfg.parallel_config} if "parallel_config" in inspect.signature(fn).parameters else {}
-        return fn(self.target, raw, raw * self.q, self.q, dp_size=self.dp_size, dp_rank=self.rank, max_query_len=self.q, **extra)
+        # parallel_config (from 0.30) decides microbatching, which these batches never allow; max_query_len (from 0.28) selects
+        # varlen decode graphs, which only adaptive verification captures
+        extra = {"parallel_config": self.vcfg.parallel_config, "max_query_len": self.q}
+        params = inspect.signature(fn).parameters
+        return fn(self.target, raw, raw * self.q, self.q, dp_size=self.dp_size, dp_rank=self.rank,
+                  **{k: v for k, v in extra.items() if k in params})
 
     def proposer(self, it: int, dp_raw: list[int], tdesc: Any, tsync: Any) -> list[VllmReplay]:
         raw = dp_raw[self.rank]
@@ -336,6 +348,13 @@ class RankDriver:
                            gpu_shape=None if across is None else (len(across),), padded_seq_lens=[], seq_lens_sum=0, seq_lens_sum_actual=0,
                            captured_bs=sorted({d.num_reqs for d in mgr.graphs if d.uniform_token_count == q}))
         return VllmReplay(rec, desc.cg_mode.name, self.rank, it, list(dp_raw))
+
+
+def decode_paths(engine: VllmEngine) -> tuple[bool, ...]:
+    """The draft decode paths the release has (fused or not, as RankDriver takes them): the per-step loop always, the fused
+    multi-step graph where the speculator has its run (from 0.28)."""
+    eagle = engine.attr("eagle", "EagleSpeculator")
+    return (False, True) if any(hasattr(eagle, n) for n in DECODE_RUNS[1]) else (False,)
 
 
 def _next_id_model(spec: Any, num_tokens: int, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
