@@ -12,8 +12,10 @@ DraftAttnGroup says whether it can update draft-decode metadata in place, which 
 release picks the decode path), and so are the model state's prepare_attn and the proposer's
 _build_uniform_attn_metadata, which build through that group (drive.py).
 
-Which releases it claims: those with the EAGLE speculator's graph managers (GRAPH_PATH) and a
-capture API that api.py speaks (token-keyed from 0.29 up to 0.33, request-keyed from 0.34). Others are
+Which releases it claims: those with the EAGLE speculator's graph managers (GRAPH_PATH), each
+captured on its own (0.27.0 on; up to 0.24 the draft prefill's capture takes the target's
+captured attention states), and a capture API that api.py speaks (token-keyed up to 0.33, the
+target's decode query length the model runner's up to 0.28; request-keyed from 0.34). Others are
 imported as far as vllm.config and the graph manager and then said n/a with the reason
 (errors.ReleaseNotCovered), so a release table tells the path's absence, an older API and an
 adapter that fell behind apart.
@@ -37,6 +39,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import inspect
 import logging
 import os
 import sys
@@ -159,6 +162,7 @@ def load(target: Optional[Path], deps: list[Path]) -> VllmEngine:
             for key in ("config", "cg"):
                 mods[key] = _import_first(MODULES[key])
             api = capture_api(mods["config"].VllmConfig, getattr(mods["cg"], "CudaGraphManager", None), version, path)
+            _require_own_capture(importlib.import_module(path), version)
             for key, names in MODULES.items():
                 mods[key] = _import_first(names)
         except ModuleNotFoundError as e:
@@ -187,6 +191,22 @@ def _require_graph_path(version: str) -> str:
     if not found:
         raise ReleaseNotCovered(f"vllm {version} has no model-runner-v2 EAGLE speculator graph path (none of {', '.join(GRAPH_PATH)})")
     return found[0]
+
+
+def _require_own_capture(graph_module: types.ModuleType, version: str) -> None:
+    """Up to 0.24 the speculator's prefill graphs are captured from the attention states the target's capture
+    returned (its manager's capture takes them): the adapter captures the speculator's graphs on their own, each
+    manager building its capture batch and metadata (prepare_inputs_to_capture), as 0.27.0 and later do."""
+    for name, cls in sorted(vars(graph_module).items()):
+        if not isinstance(cls, type) or cls.__module__ != graph_module.__name__ or "capture" not in vars(cls):
+            continue
+        taken = [p for p in inspect.signature(cls.capture).parameters if p.endswith("attn_states")]
+        if taken:
+            raise ReleaseNotCovered(f"vllm {version} carries model runner v2's EAGLE speculator graph path ({graph_module.__name__}), "
+                                    f"but its draft prefill graphs are captured from the target's captured attention states "
+                                    f"({name}.capture({taken[0]}=...), which the target's CudaGraphManager.capture returns): a capture "
+                                    "protocol the adapter does not drive (it captures each speculator manager on its own, as 0.27.0 "
+                                    "and later do)")
 
 
 def _spec_exists(name: str) -> bool:
