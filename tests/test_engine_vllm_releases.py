@@ -103,7 +103,7 @@ def test_release_table_verdicts_follow_the_sources():
     assert rows["0.24.0"]["verdict"] == "N/A" and rows["0.24.0"]["exit_code"] == 3
     assert "PrefillSpeculatorCudaGraphManager.capture(attn_states=...)" in rows["0.24.0"]["first_failure"]
     for v in ("0.27.0", "0.28.0"):
-        assert rows[v]["verdict"] == "FAIL" and rows[v]["api"] == "mrv2-tok-runner-q"
+        assert rows[v]["verdict"] == "FAIL" and rows[v]["api"] == "mrv2-tkr"
         assert rows[v]["first_failure"].startswith("P1/padding graph (mode, requests): expected ['FULL', 6], got ['PIECEWISE', '16 tokens']")
         assert "runner=target_verify" in rows[v]["first_failure"]
     assert rows["0.29.0"]["verdict"] == "PASS" and rows["0.29.0"]["failures"] == 0 and rows["0.29.0"]["api"] == "mrv2-tok"

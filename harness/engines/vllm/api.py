@@ -133,7 +133,7 @@ class RunnerQueryLenApi(TokenKeyedApi):
     """The token-keyed API before VllmConfig.uniform_decode_query_len: the target manager's decode_query_len is
     GPUModelRunner's, the release's own assignment evaluated here (module docstring)."""
 
-    name = "mrv2-tok-runner-q"
+    name = "mrv2-tkr"
     bound = ()
     # the model state a causal LM target (an EAGLE deployment's) gets from init_model_state: none of its special cases
     MODEL_STATE = ("vllm.v1.worker.gpu.model_states.default", "DefaultModelState")
