@@ -41,6 +41,8 @@ from harness.engines.vllm.standins import (
     build_metadata,
     config_standin,
     graph_body,
+    next_id_model,
+    next_id_sampler,
 )
 from harness.records import CaptureRecord, ReplayRecord
 
@@ -129,8 +131,7 @@ class RankDriver:
         cgm = engine.attr("cg", "CudaGraphManager")
         self.target = cgm(self.vcfg, torch.device("cpu"), self.mode.FULL_AND_PIECEWISE, **engine.api.target_manager_kwargs(self.vcfg))
         self.decode_calls: list[tuple] = []
-        # propose()'s DP agreement argument: dp_sync up to 0.31, dp_sync_state after; up to 0.28 none the model runner passes
-        # (its num_tokens_across_dp is left None and overwritten by the draft prefill's own collective)
+        # propose()'s DP agreement argument: dp_sync up to 0.31, dp_sync_state after; none up to 0.28 (UNPASSED_DP_ARG)
         params = inspect.signature(self.spec.propose).parameters
         names = [n for n in DP_ARGS if n in params]
         if not names and UNPASSED_DP_ARG not in params:
@@ -157,8 +158,8 @@ class RankDriver:
         # forward runs (eager, or inside a replayed graph)
         hooked = hasattr(eagle, "on_prefill_end")
         prefill = _recorder(self.engine, None if hooked else self._prefill_outputs)
-        cls = type("EngineCheckEagleSpeculator", (eagle,), {"_prefill": prefill, body: step, "_run_model": _next_id_model,
-                                                            "sample_draft": _next_id_sampler, attn: self._uniform_attn_metadata})
+        cls = type("EngineCheckEagleSpeculator", (eagle,), {"_prefill": prefill, body: step, "_run_model": next_id_model,
+                                                            "sample_draft": next_id_sampler, attn: self._uniform_attn_metadata})
         s = object.__new__(cls)  # the engine's __init__ builds the draft model's state; the fields the paths read are set here
         s.__dict__.update(
             vllm_config=self.vcfg, device=torch.device("cpu"), speculative_config=self.vcfg.speculative_config, method="eagle",
@@ -231,9 +232,8 @@ class RankDriver:
 
     def _prefill_outputs(self, _count: int) -> None:
         """What the draft model's prefill leaves for the decode steps (its graph or its eager call, both
-        stand-ins here): each live request's position at its last accepted token, gathered by the
-        last_token_indices the engine's prefill-input kernel computed, and its first draft token. Called
-        with the hook's request count or the forward's token count: the live batch's is what counts."""
+        stand-ins here): each live request's position at its last accepted token, gathered by the last_token_indices
+        the engine's prefill-input kernel computed, and its first draft token (whatever count the caller passes)."""
         if self.live is None:
             return  # capture() fires the hook too
         spec, num_reqs = self.spec, len(self.live["draft_tokens"])
@@ -288,9 +288,8 @@ class RankDriver:
         # parallel_config (from 0.30) decides microbatching, which these batches never allow; max_query_len (from 0.28) selects
         # varlen decode graphs, which only adaptive verification captures
         extra = {"parallel_config": self.vcfg.parallel_config, "max_query_len": self.q}
-        params = inspect.signature(fn).parameters
         return fn(self.target, raw, raw * self.q, self.q, dp_size=self.dp_size, dp_rank=self.rank,
-                  **{k: v for k, v in extra.items() if k in params})
+                  **{k: v for k, v in extra.items() if k in inspect.signature(fn).parameters})
 
     def proposer(self, it: int, dp_raw: list[int], tdesc: Any, tsync: Any) -> list[VllmReplay]:
         raw = dp_raw[self.rank]
@@ -357,18 +356,6 @@ def decode_paths(engine: VllmEngine) -> tuple[bool, ...]:
     return (False, True) if any(hasattr(eagle, n) for n in DECODE_RUNS[1]) else (False,)
 
 
-def _next_id_model(spec: Any, num_tokens: int, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
-    """The draft model's forward inside the engine's draft step: its hidden state is the input id each token read, so what
-    a step samples tells which ids that step's forward was given."""
-    hidden = spec.input_buffers.input_ids[:num_tokens].to(spec.hidden_states.dtype).unsqueeze(1)
-    return hidden, hidden
-
-
-def _next_id_sampler(spec: Any, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-    """sample_draft: the id after the one each request's forward read (a prediction a check writes without running it)."""
-    return hidden_states[:, 0].round().to(torch.int64) + 1
-
-
 def _recorder(engine: VllmEngine, on_run: Optional[Callable[[int], None]] = None, body: Optional[Callable[..., Any]] = None):
     """The draft model's forward (and the target's, for its capture): a graph capture pass's call is its bake (with the
     draft step of each forward the graph holds: all K - 1 in a fused graph); a PIECEWISE capture pass (no graph object) is
@@ -395,12 +382,6 @@ def _recorder(engine: VllmEngine, on_run: Optional[Callable[[int], None]] = None
     return forward
 
 
-def schedule(cfg: VllmCheckConfig, dp_size: int) -> list[list[int]]:
-    """Growing then shrinking: each (per-rank sizes) tuple runs once after smaller batches and once after larger ones."""
-    up = [[max(1, s - 3 * r) for r in range(dp_size)] for s in cfg.schedule]
-    return up + up[::-1][1:]
-
-
 def drive_world(engine: VllmEngine, cfg: VllmCheckConfig, dp_size: int,
                 fused: bool) -> tuple[list[RankCapture], list[VllmReplay], list[RankDriver]]:
     world = DPWorld(dp_size)
@@ -408,7 +389,7 @@ def drive_world(engine: VllmEngine, cfg: VllmCheckConfig, dp_size: int,
     ranks = [RankDriver(engine, cfg, dp_size, r, fused) for r in range(dp_size)]
     captures = [rk.capture() for rk in ranks]
     replays: list[VllmReplay] = []
-    for it, dp_raw in enumerate(schedule(cfg, dp_size)):
+    for it, dp_raw in enumerate(cfg.dp_schedule(dp_size)):
         agreed = world.run(lambda r, dp_raw=dp_raw: ranks[r].target_dispatch(dp_raw[r]))
         # every rank's propose() at once: a release whose draft decode agrees its own padding (up to 0.29) runs that
         # collective inside propose(), over the other ranks' real votes

@@ -255,3 +255,15 @@ def build_metadata(attn_groups: list, num_reqs: int, query_start_loc: torch.Tens
         for g in groups:
             out.update(g.build(num_reqs, query_start_loc, seq_lens))
     return out
+
+
+def next_id_model(spec: Any, num_tokens: int, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """The draft model's forward inside the engine's draft step: its hidden state is the input id each token read, so what
+    a step samples tells which ids that step's forward was given."""
+    hidden = spec.input_buffers.input_ids[:num_tokens].to(spec.hidden_states.dtype).unsqueeze(1)
+    return hidden, hidden
+
+
+def next_id_sampler(spec: Any, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    """sample_draft: the id after the one each request's forward read (a prediction a check writes without running it)."""
+    return hidden_states[:, 0].round().to(torch.int64) + 1
