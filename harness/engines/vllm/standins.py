@@ -1,5 +1,7 @@
 """Stand-ins for what vLLM's proposer reads but a CPU cannot give: the config object, the CUDA
-graph, the pipeline and DP process groups, the draft's attention backend.
+graph, the pipeline and DP process groups, the draft's attention backend, the draft model's
+forward and its sampler (next_id_model / next_id_sampler: the id a step samples says which
+step's output the next one read).
 
 The config stand-in is strict (reading an attribute it lacks names the attribute: a release
 that moved something ends with exit 2, not a silent default), and its derived values are the
