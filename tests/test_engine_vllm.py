@@ -24,8 +24,9 @@ from prewarmed import Started
 from harness.engines.command import main as engine_check_main
 from harness.engines.install import InstallError, engines_root
 from harness.engines.sglang.errors import EngineAdapterError
+from harness.engines.vllm.api import RunnerQueryLenApi
 from harness.engines.vllm.install import ensure_vllm_installed
-from harness.engines.vllm.standins import DPWorld
+from harness.engines.vllm.standins import DPWorld, Strict
 
 REPO = Path(__file__).resolve().parent.parent
 VERSION = os.environ.get("SPECHARNESS_VLLM_NEWEST", "0.34.0")
@@ -356,3 +357,26 @@ def test_dp_world_ranks_that_diverge_at_a_collective_raise_instead_of_hanging():
     with pytest.raises(EngineAdapterError, match="did not all reach the same collective"):
         world.run(only_rank_0_votes)
 
+
+
+_MODEL_RUNNER = """
+class GPUModelRunner:
+    def __init__(self, vllm_config):
+        self.num_speculative_steps = vllm_config.num_speculative_tokens
+
+    def load_model(self):
+        self.decode_query_len = {expr}
+"""
+
+
+def test_model_runner_query_length_is_its_own_assignment_evaluated(tmp_path):
+    """Before VllmConfig.uniform_decode_query_len the target's query length is the model runner's assignment, evaluated
+    over the configuration (its line is in the reason); an expression api.py cannot evaluate is an adapter error."""
+    runner = tmp_path / "model_runner.py"
+    runner.write_text(_MODEL_RUNNER.format(expr="self.num_speculative_steps + 1"))
+    api = RunnerQueryLenApi(runner, "x")
+    assert api.target_manager_kwargs(Strict("vllm_config", num_speculative_tokens=3)) == {"decode_query_len": 4}
+    assert "model_runner.py:7: self.decode_query_len = self.num_speculative_steps + 1" in api.query_len_reason()
+    runner.write_text(_MODEL_RUNNER.format(expr="max(self.num_speculative_steps, 1)"))
+    with pytest.raises(EngineAdapterError, match=r"reads max\(self.num_speculative_steps, 1\)"):
+        RunnerQueryLenApi(runner, "x").target_manager_kwargs(Strict("vllm_config", num_speculative_tokens=3))

@@ -2,7 +2,17 @@
 the one the release's source calls for.
 
 Expected rows, read from the wheels: 0.11.2 has no model runner v2 EAGLE speculator
-(vllm/v1/worker/gpu/ has no spec_decode/eagle*): N/A, no path. 0.29.0 is driven and passes: its
+(vllm/v1/worker/gpu/ has no spec_decode/eagle*): N/A, no path. 0.24.0 has the path but captures the
+draft prefill graphs from the target's captured attention states
+(PrefillSpeculatorCudaGraphManager.capture(attn_states=...)): N/A, an older capture protocol.
+0.27.0 and 0.28.0 are driven (token-keyed, the target's decode query length GPUModelRunner's
+own) and fail the padding check on the verify-width runners only: their CudaGraphManager keys
+its dispatch candidates by the smallest captured token count holding the batch, whatever its
+mode (cudagraph_utils.py _init_candidates: descs_by_token_lora), so 4 requests at 3 tokens (12)
+take the 16-token PIECEWISE graph while a FULL 6-request (18-token) one is captured; 0.29.0 keys
+them per mode, FULL first. Copies of 0.28.0 with a one-line bug each (the model runner's decode
+query length one too large; the draft prefill skipping its own DP collective) fail the checks
+that own them, beyond those padding lines. 0.29.0 is driven and passes: its
 draft decode runs its own DP collective inside propose() (dispatch_cg_and_sync_dp with no dp_sync:
 every rank votes its real request count, the agreement takes the largest), so the ranks' propose()
 calls run at once and the one-token decode takes the smallest graph holding the largest rank's
@@ -27,6 +37,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Optional
 
 import pytest
 
@@ -37,7 +48,9 @@ from harness.engines.vllm.install import ensure_vllm_installed, installed_vllm_v
 from harness.engines.vllm.stubs import StubDistributionFinder
 
 REPO = Path(__file__).resolve().parent.parent
-TABLE_RELEASES = ("0.11.2", "0.29.0", "0.32.0", "0.33.0", "0.34.0")
+TABLE_RELEASES = ("0.11.2", "0.24.0", "0.27.0", "0.28.0", "0.29.0", "0.32.0", "0.33.0", "0.34.0")
+# what 0.27.0 and 0.28.0 fail, from the source (the module docstring): FULL 6 requests expected, the 16-token PIECEWISE graph taken
+OWN_DISPATCH_ORDER = {("padding", "graph (mode, requests)", "target_verify"), ("padding", "graph (mode, requests)", "draft_prefill")}
 
 
 def test_vllm_all_starts_at_the_first_release_with_the_speculator_graphs():
@@ -71,7 +84,8 @@ def test_stubbed_transformers_reports_the_version_old_releases_require():
 
 @pytest.mark.timeout(900)
 @pytest.mark.skipif(bool(os.environ.get("CI")) and not os.environ.get("SPECHARNESS_VLLM_TABLE"),
-                    reason="downloads three more vLLM wheels (0.11.2, 0.29.0, 0.32.0: about 2.7 GB installed) that CI does not need: "
+                    reason="downloads six more vLLM wheels (0.11.2, 0.24.0, 0.27.0, 0.28.0, 0.29.0, 0.32.0: about 5.4 GB installed) "
+                           "that CI does not need: "
                            "0.34.0's and 0.33.0's verdicts are checked by tests/test_engine_vllm.py; set SPECHARNESS_VLLM_TABLE=1 to run "
                            "the release table in CI")
 def test_release_table_verdicts_follow_the_sources():
@@ -86,6 +100,12 @@ def test_release_table_verdicts_follow_the_sources():
     assert proc.returncode == 1, proc.stderr[-2000:]  # 0.32.0 fails; N/A rows do not count against the table
     assert rows["0.11.2"]["verdict"] == "N/A" and rows["0.11.2"]["exit_code"] == 3
     assert "has no model-runner-v2 EAGLE speculator graph path" in rows["0.11.2"]["first_failure"]
+    assert rows["0.24.0"]["verdict"] == "N/A" and rows["0.24.0"]["exit_code"] == 3
+    assert "PrefillSpeculatorCudaGraphManager.capture(attn_states=...)" in rows["0.24.0"]["first_failure"]
+    for v in ("0.27.0", "0.28.0"):
+        assert rows[v]["verdict"] == "FAIL" and rows[v]["api"] == "mrv2-tkr"
+        assert rows[v]["first_failure"].startswith("P1/padding graph (mode, requests): expected ['FULL', 6], got ['PIECEWISE', '16 tokens']")
+        assert "runner=target_verify" in rows[v]["first_failure"]
     assert rows["0.29.0"]["verdict"] == "PASS" and rows["0.29.0"]["failures"] == 0 and rows["0.29.0"]["api"] == "mrv2-tok"
     assert rows["0.32.0"]["verdict"] == "FAIL" and rows["0.32.0"]["api"] == "mrv2-tok"
     assert rows["0.32.0"]["first_failure"].startswith("P1/padding graph (mode, requests): expected ['FULL', 4], got ['FULL', 8]")
@@ -97,7 +117,7 @@ def test_release_table_verdicts_follow_the_sources():
 # 0.29.0's draft decode dispatch in propose(), as released and with its own DP collective skipped (each rank pads alone)
 OWN_AGREEMENT = "uniform_token_count=1,\n            dp_size=self.dp_size,"
 OWN_AGREEMENT_SKIPPED = "uniform_token_count=1,\n            dp_size=1,"
-_PLANTED_029 = """
+_PLANTED = """
 from pathlib import Path
 import json, sys
 from harness.engines.install import deps_dir
@@ -110,25 +130,71 @@ print(json.dumps(rep.to_json(), default=str))
 """
 
 
+AR_SPECULATOR = "vllm/v1/worker/gpu/spec_decode/autoregressive/speculator.py"
+# 0.28.0: GPUModelRunner's decode query length one too large (the target's graphs keyed at 1 + K + 1 tokens per request)
+RUNNER_Q = ("vllm/v1/worker/gpu/model_runner.py", "+ self.model_state.num_new_sampled_tokens_per_step\n",
+            "+ self.model_state.num_new_sampled_tokens_per_step + 1\n")
+# 0.28.0: the draft prefill dispatch skipping its own DP collective (each rank dispatches its own padded count alone)
+PREFILL_OWN_AGREEMENT = "num_tokens_padded,\n            uniform_token_count,\n            dp_size=self.dp_size,"
+PREFILL_SKIPS_AGREEMENT = (AR_SPECULATOR, PREFILL_OWN_AGREEMENT, PREFILL_OWN_AGREEMENT.replace("self.dp_size", "1"))
+
+
+def _installed(version: str) -> Path:
+    try:
+        return ensure_vllm_installed(version, log=lambda m: print(m, file=sys.stderr))
+    except InstallError as e:
+        pytest.skip(f"cannot install vllm=={version} here: {e}")
+
+
+def _planted_failures(release: Path, copies: dict[str, Optional[tuple[str, str, str]]],
+                      tmp_path: Path) -> dict[str, set[tuple[str, str, str]]]:
+    """Per copy of `release` with one line replaced (exactly once; None: the release as installed), the (check, field,
+    runner) its check failed; the copies are checked at once (one DP 2 world, per-step path), each in its own process."""
+    procs = {}
+    for name, edit in copies.items():
+        planted = release
+        if edit is not None:
+            rel, old, new = edit
+            text = (release / rel).read_text()
+            assert text.count(old) == 1, name
+            planted = tmp_path / name / release.name
+            shutil.copytree(release, planted, symlinks=True, copy_function=os.symlink)
+            (planted / rel).unlink()
+            (planted / rel).write_text(text.replace(old, new))
+        procs[name] = subprocess.Popen([sys.executable, "-c", _PLANTED, str(planted)], cwd=REPO, stdout=subprocess.PIPE,
+                                       stderr=subprocess.PIPE, text=True)
+    out = {}
+    for name, proc in procs.items():
+        stdout, stderr = proc.communicate()
+        assert proc.returncode == 0, stderr[-2000:]
+        out[name] = {(f["check"], f["field"], f["where"]["runner"]) for ln in json.loads(stdout)["lines"] for f in ln["failures"]}
+    return out
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.skipif(bool(os.environ.get("CI")) and not os.environ.get("SPECHARNESS_VLLM_TABLE"),
+                    reason="needs the vLLM 0.28.0 wheel, which only the release table installs; set SPECHARNESS_VLLM_TABLE=1")
+def test_planted_028_bugs_are_caught_beyond_its_own_dispatch_order(tmp_path):
+    failed = _planted_failures(_installed("0.28.0"), {"release": None, "runner_q": RUNNER_Q, "prefill_dp": PREFILL_SKIPS_AGREEMENT},
+                               tmp_path)
+    assert failed["release"] == OWN_DISPATCH_ORDER  # what the source calls for, and nothing else
+    # the target's graphs hold 4 tokens per request while its batches hold 3: captured wrong, and none of them fits a batch
+    assert failed["runner_q"] - OWN_DISPATCH_ORDER == {("capture sizes", "uniform_token_count", "target_verify"),
+                                                       ("capture sizes", "num_tokens", "target_verify"),
+                                                       ("capture sizes", "request sizes at 1 + K", "target_verify")}
+    # each rank dispatches the draft prefill alone: no count across DP, and where one rank's batch fits a graph and the
+    # other's does not, the ranks run different shapes
+    assert failed["prefill_dp"] - OWN_DISPATCH_ORDER == {("DP", "num_tokens_across_dp", "draft_prefill"),
+                                                         ("DP", "(mode, num_tokens) on every rank", "draft_prefill"),
+                                                         ("I1", "num_tokens_across_dp", "draft_prefill")}
+
+
 @pytest.mark.timeout(900)
 @pytest.mark.skipif(bool(os.environ.get("CI")) and not os.environ.get("SPECHARNESS_VLLM_TABLE"),
                     reason="needs the vLLM 0.29.0 wheel, which only the release table installs; set SPECHARNESS_VLLM_TABLE=1")
 def test_planted_029_draft_decode_skipping_its_own_agreement_is_caught(tmp_path):
-    try:
-        release = ensure_vllm_installed("0.29.0", log=lambda m: print(m, file=sys.stderr))
-    except InstallError as e:
-        pytest.skip(f"cannot install vllm==0.29.0 here: {e}")
-    rel = "vllm/v1/worker/gpu/spec_decode/autoregressive/speculator.py"
-    text = (release / rel).read_text()
-    assert text.count(OWN_AGREEMENT) == 1
-    planted = tmp_path / "vllm-0.29.0"
-    shutil.copytree(release, planted, symlinks=True, copy_function=os.symlink)
-    (planted / rel).unlink()
-    (planted / rel).write_text(text.replace(OWN_AGREEMENT, OWN_AGREEMENT_SKIPPED))
-    proc = subprocess.run([sys.executable, "-c", _PLANTED_029, str(planted)], cwd=REPO, capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    rep = json.loads(proc.stdout)
-    failed = {(f["check"], f["field"], f["where"]["runner"]) for ln in rep["lines"] for f in ln["failures"]}
+    copy = {"decode_dp": (AR_SPECULATOR, OWN_AGREEMENT, OWN_AGREEMENT_SKIPPED)}
+    failed = _planted_failures(_installed("0.29.0"), copy, tmp_path)["decode_dp"]
     # each rank takes the graph of its own count: the ranks run different shapes, with no count across DP
     assert ("DP", "(mode, num_tokens) on every rank", "draft_decode") in failed
     assert ("DP", "num_tokens_across_dp", "draft_decode") in failed

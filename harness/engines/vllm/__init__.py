@@ -10,7 +10,7 @@ invariants that do not apply to vLLM's design instead of passing them.
   stubs.py     third-party imports never exercised; what is installed for real (pydantic)
   install.py   pip --no-deps installs beside the SGLang ones, cached, locked
   loader.py    import once per process; the module globals swapped, each with its reason
-  api.py       the release's capture API (token- or request-keyed): its flags and capture-size rules
+  api.py       the release's capture API (token- or request-keyed; the target's query length): its flags and capture-size rules
   standins.py  the config, the CUDA graph, the DP world (threads, a summing all-reduce)
   config.py    the serving flags the proposer runs under
   drive.py     one DP world: capture, then every rank's replays, as records

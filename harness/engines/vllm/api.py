@@ -7,16 +7,25 @@ uniform-decode graph of round_up(size, q) / q requests. From 0.34 they are reque
 the user gives `decode_cudagraph_capture_request_sizes`, managers take a query-length map and
 the draft decode has its own grid (VllmConfig.get_draft_decode_cudagraph_request_sizes).
 
+Before VllmConfig.uniform_decode_query_len (up to 0.28) the token-keyed target manager's
+`decode_query_len` is GPUModelRunner's own attribute, set in the model runner that the adapter
+does not drive: its value is computed by evaluating that assignment as the release wrote it
+(model_runner.py, parsed, never imported), so a release that derives it otherwise is noticed.
+
 One object per API, chosen once by what the release's VllmConfig has (never by version
 string): it builds the configuration the engine reads and states the rule each capture table
 must follow, written from the release's rule, so the engine's tables are checked against it.
 """
 from __future__ import annotations
 
+import ast
+import importlib
+import importlib.util
 import inspect
+from pathlib import Path
 from typing import Any, Optional
 
-from harness.engines.sglang.errors import ReleaseNotCovered
+from harness.engines.sglang.errors import EngineAdapterError, ReleaseNotCovered
 from harness.engines.vllm.config import VllmCheckConfig
 from harness.engines.vllm.standins import Strict
 
@@ -47,6 +56,10 @@ class CaptureApi:
 
     def target_manager_kwargs(self, vcfg: Strict) -> dict[str, Any]:
         return {"decode_query_lens": vcfg.get_decode_cudagraph_query_lens(vcfg.uniform_decode_query_len)}
+
+    def query_len_reason(self) -> str:
+        """Where the target's decode query length, which its uniform-decode graphs are keyed by, comes from."""
+        return "VllmConfig.uniform_decode_query_len"
 
     def max_capture_tokens(self, cfg: VllmCheckConfig) -> int:
         """The user's max_cudagraph_capture_size."""
@@ -116,18 +129,91 @@ class TokenKeyedApi(CaptureApi):
                               f"max_cudagraph_capture_size {cap} and max_num_seqs {cfg.max_num_seqs}")]
 
 
+class RunnerQueryLenApi(TokenKeyedApi):
+    """The token-keyed API before VllmConfig.uniform_decode_query_len: the target manager's decode_query_len is
+    GPUModelRunner's, the release's own assignment evaluated here (module docstring)."""
+
+    name = "mrv2-tkr"
+    bound = ()
+    # the model state a causal LM target (an EAGLE deployment's) gets from init_model_state: none of its special cases
+    MODEL_STATE = ("vllm.v1.worker.gpu.model_states.default", "DefaultModelState")
+
+    def __init__(self, runner_file: Path, version: str) -> None:
+        self.version = version
+        tree = ast.parse(runner_file.read_text())
+        runner = next((n for n in ast.walk(tree) if isinstance(n, ast.ClassDef) and n.name == "GPUModelRunner"), None)
+        if runner is None:
+            raise EngineAdapterError(f"vllm {version}: {runner_file} has no GPUModelRunner; teach api.py its decode query length")
+        # every `self.X = expr` of the model runner, X assigned once (the attributes the query length's assignment reads)
+        assigned: dict[str, list[ast.Assign]] = {}
+        for n in ast.walk(runner):
+            if isinstance(n, ast.Assign) and len(n.targets) == 1 and _dotted(n.targets[0]).startswith("self."):
+                assigned.setdefault(_dotted(n.targets[0]), []).append(n)
+        self.assigned = {k: v[0] for k, v in assigned.items() if len(v) == 1}
+        if "self.decode_query_len" not in self.assigned:
+            raise EngineAdapterError(f"vllm {version}: GPUModelRunner assigns self.decode_query_len {len(assigned.get('self.decode_query_len', []))} "
+                                     "times; teach api.py its decode query length")
+        node = self.assigned["self.decode_query_len"]
+        self.where = f"vllm/v1/worker/gpu/model_runner.py:{node.lineno}: self.decode_query_len = {ast.unparse(node.value)}"
+        self.model_state_cls: Optional[type] = None
+
+    def decode_query_len(self, vcfg: Strict) -> int:
+        return self._eval(self.assigned["self.decode_query_len"].value, vcfg)
+
+    def _eval(self, node: ast.expr, vcfg: Strict) -> int:
+        """The model runner's expression over what it reads: its own attributes (their assignments), its vllm_config (the
+        stand-in) and its model state's class attributes. Anything else is a derivation not taught here."""
+        if isinstance(node, ast.Constant) and isinstance(node.value, int):
+            return node.value
+        if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Sub, ast.Mult)):
+            a, b = self._eval(node.left, vcfg), self._eval(node.right, vcfg)
+            return a + b if isinstance(node.op, ast.Add) else a - b if isinstance(node.op, ast.Sub) else a * b
+        name = _dotted(node)
+        head, _, attr = name.rpartition(".")
+        if head == "vllm_config":
+            return getattr(vcfg, attr)
+        if head == "self.model_state":
+            return getattr(self._model_state(), attr)
+        if name in self.assigned and name != "self.decode_query_len":
+            return self._eval(self.assigned[name].value, vcfg)
+        raise EngineAdapterError(f"vllm {self.version}: GPUModelRunner's decode query length ({self.where}) reads "
+                                 f"{ast.unparse(node)}, which api.py cannot evaluate; teach it")
+
+    def _model_state(self) -> type:
+        if self.model_state_cls is None:
+            module, cls = self.MODEL_STATE
+            self.model_state_cls = getattr(importlib.import_module(module), cls)
+        return self.model_state_cls
+
+    def target_manager_kwargs(self, vcfg: Strict) -> dict[str, Any]:
+        return {"decode_query_len": self.decode_query_len(vcfg)}
+
+    def query_len_reason(self) -> str:
+        return f"GPUModelRunner's own ({self.where}), evaluated over the configuration and {self.MODEL_STATE[1]}"
+
+
+def _dotted(node: ast.expr) -> str:
+    """`self.a.b` for an attribute chain; "" for anything else."""
+    parts = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    return ".".join([node.id, *reversed(parts)]) if isinstance(node, ast.Name) else ""
+
+
 def capture_api(vllm_config_cls: type, manager_cls: Optional[type], version: str, graph_path: str) -> CaptureApi:
     """The API this release's configuration and managers speak; n/a when neither."""
     if hasattr(vllm_config_cls, "get_draft_decode_cudagraph_request_sizes"):
         return CaptureApi()
     params = inspect.signature(manager_cls.__init__).parameters if manager_cls is not None else {}
     if hasattr(vllm_config_cls, "_set_cudagraph_sizes") and "decode_query_len" in params:
-        if not hasattr(vllm_config_cls, "uniform_decode_query_len"):
-            raise ReleaseNotCovered(f"vllm {version} carries model runner v2's EAGLE speculator graph path ({graph_path}) with token-keyed "
-                                    "capture sizes, but the target's decode query length its graphs are keyed by is GPUModelRunner's own "
-                                    "(model_runner.py: decode_query_len=self.decode_query_len), not VllmConfig.uniform_decode_query_len, "
-                                    "and the adapter drives no model runner")
-        return TokenKeyedApi()
+        if hasattr(vllm_config_cls, "uniform_decode_query_len"):
+            return TokenKeyedApi()
+        spec = importlib.util.find_spec("vllm.v1.worker.gpu.model_runner")
+        if spec is None or spec.origin is None:
+            raise EngineAdapterError(f"vllm {version}: no vllm/v1/worker/gpu/model_runner.py, whose GPUModelRunner sets the target's "
+                                     "decode query length; teach api.py where it went")
+        return RunnerQueryLenApi(Path(spec.origin), version)
     raise ReleaseNotCovered(f"vllm {version} carries model runner v2's EAGLE speculator graph path ({graph_path}) with neither "
                             "request-keyed capture sizes (VllmConfig.get_draft_decode_cudagraph_request_sizes) nor the token-keyed "
                             "CudaGraphManager(decode_query_len=...) over VllmConfig._set_cudagraph_sizes")

@@ -72,7 +72,9 @@ def check_capture(ln: VLine, runner: str, cap: RankCapture, cfg: VllmCheckConfig
     ln.captured = reqs
     for d, g in full:
         w = {"dp": dp, "rank": rank, "runner": runner, "num_reqs": d.num_reqs}
-        v.expect_equal("capture sizes", "uniform_token_count", w, q, d.uniform_token_count, "1 + K for verify-width graphs, 1 for draft decode")
+        v.expect_equal("capture sizes", "uniform_token_count", w, q, d.uniform_token_count,
+                       f"1 + K for the target (its manager's query length: {api.query_len_reason()}) and the draft prefill, "
+                       "1 for draft decode" if runner == "target_verify" else "1 + K for verify-width graphs, 1 for draft decode")
         v.expect_equal("capture sizes", "num_tokens", w, d.num_reqs * q, d.num_tokens, "num_reqs * q")
         v.expect_equal("capture sizes", "num_reqs <= max_num_seqs", w, True, d.num_reqs <= cfg.max_num_seqs)
         v.expect_equal("capture sizes", "num_tokens <= cap", w, True, d.num_tokens <= cap_tokens, f"max_cudagraph_capture_size {cap_tokens}")
@@ -120,7 +122,8 @@ def check_iteration(lines: dict, seen: dict, reps: list[VllmReplay], caps: list[
                f"holding its {needed * q} tokens; eager when none does")
         if fits or not tokens:
             want = ("FULL", min(fits)) if fits else ("NONE", rec.raw_bs)
-            v.expect_equal("padding", "graph (mode, requests)", w, want, (r.cg_mode, rec.bs), why)
+            got = (r.cg_mode, f"{rec.capture.num_tokens} tokens") if r.cg_mode == "PIECEWISE" else (r.cg_mode, rec.bs)  # no request count
+            v.expect_equal("padding", "graph (mode, requests)", w, want, got, why)
         else:
             v.expect_equal("padding", "graph (mode, tokens)", w, ("PIECEWISE", min(tokens)), (r.cg_mode, rec.capture.num_tokens), why)
         if dp > 1:

@@ -16,7 +16,7 @@ from harness.engines.drive import cannot_check, drive_engine
 from harness.engines.install import EngineSpec, InstallError, deps_dir, engines_root, release_dir
 from harness.engines.vllm.checks import NOT_APPLICABLE, check_capture, check_iteration, line_for
 from harness.engines.vllm.config import VllmCheckConfig
-from harness.engines.vllm.drive import DECODE_RUNNERS, RUNNERS, drive_world
+from harness.engines.vllm.drive import DECODE_RUNNERS, DECODE_RUNS, RUNNERS, decode_paths, drive_world
 from harness.engines.vllm.install import ensure_vllm_installed, installed_vllm_versions, vllm_deps_dir, vllm_dir
 from harness.engines.vllm.loader import VllmEngine, load
 from harness.engines.vllm.report import VllmReport, format_report
@@ -26,7 +26,12 @@ def check_vllm(engine: VllmEngine, cfg: Optional[VllmCheckConfig] = None, progre
     cfg = cfg or VllmCheckConfig()
     t0 = time.perf_counter()
     lines: dict = {}
-    for world_cfg, fused, dp, runners in worlds(cfg):
+    paths = decode_paths(engine)
+    not_applicable = list(NOT_APPLICABLE)
+    if any(f not in paths for f in cfg.fused_decode):
+        not_applicable.append(f"{DECODE_RUNNERS[1]}: n/a: vllm {engine.version}'s speculator has no fused multi-step draft decode "
+                              f"(none of {', '.join(DECODE_RUNS[1])}): every draft step replays its own graph ({DECODE_RUNNERS[0]})")
+    for world_cfg, fused, dp, runners in worlds(replace(cfg, fused_decode=tuple(f for f in cfg.fused_decode if f in paths))):
         if progress:
             progress(f"dp={dp} K={world_cfg.num_speculative_tokens} {DECODE_RUNNERS[fused]}")
         caps, replays, ranks = drive_world(engine, world_cfg, dp, fused)
@@ -41,7 +46,7 @@ def check_vllm(engine: VllmEngine, cfg: Optional[VllmCheckConfig] = None, progre
         for (_, _), reps in sorted(by_iter.items(), key=lambda kv: (kv[0][0], RUNNERS.index(kv[0][1]))):
             check_iteration(lines, seen, reps, caps, world_cfg, dp)
     ordered = sorted(lines.values(), key=lambda ln: (ln.dp, RUNNERS.index(ln.runner), ln.bucket != "capture", _bucket_key(ln.bucket)))
-    return VllmReport(engine.version, engine.location, asdict(cfg), ordered, list(NOT_APPLICABLE), engine.stubbed, time.perf_counter() - t0,
+    return VllmReport(engine.version, engine.location, asdict(cfg), ordered, not_applicable, engine.stubbed, time.perf_counter() - t0,
                       engine.api.name, engine.api.flags(cfg))
 
 

@@ -37,3 +37,9 @@ class VllmCheckConfig:
     # token-keyed target to its 6-request graph while a 4-request draft decode graph exists: a draft decode that
     # pads from the target's padded count instead of the ranks' real one takes the larger graph.
     schedule: tuple[int, ...] = (1, 3, 4, 6, 9, 13, 16, 19, 23)
+
+    def dp_schedule(self, dp_size: int) -> list[list[int]]:
+        """Per iteration, each rank's raw requests, growing then shrinking: each (per-rank sizes) tuple runs once after
+        smaller batches and once after larger ones."""
+        up = [[max(1, s - 3 * r) for r in range(dp_size)] for s in self.schedule]
+        return up + up[::-1][1:]

@@ -41,6 +41,8 @@ from harness.engines.vllm.standins import (
     build_metadata,
     config_standin,
     graph_body,
+    next_id_model,
+    next_id_sampler,
 )
 from harness.records import CaptureRecord, ReplayRecord
 
@@ -56,6 +58,10 @@ DECODE_RUNS = (("_multi_step_decode",), ("_run_fused_multi_step_decode", "_fused
 DRAFT_STEP_BODIES = ("_decode", "_generate_draft")
 # How the draft decode builds its attention metadata: _build_uniform_attn_metadata from 0.30, _build_draft_attn_metadata before
 UNIFORM_ATTN_BUILDERS = ("_build_uniform_attn_metadata", "_build_draft_attn_metadata")
+# propose()'s argument taking the target's DP agreement (newest first); up to 0.28 propose() has UNPASSED_DP_ARG, which
+# GPUModelRunner never passes: each of its dispatches runs its own collective
+DP_ARGS = ("dp_sync_state", "dp_sync")
+UNPASSED_DP_ARG = "num_tokens_across_dp"
 LANE_BUFFERS = ("input_ids", "positions", "query_start_loc", "seq_lens")
 KV_BLOCK_SIZE = 16
 
@@ -125,11 +131,13 @@ class RankDriver:
         cgm = engine.attr("cg", "CudaGraphManager")
         self.target = cgm(self.vcfg, torch.device("cpu"), self.mode.FULL_AND_PIECEWISE, **engine.api.target_manager_kwargs(self.vcfg))
         self.decode_calls: list[tuple] = []
-        # propose()'s DP agreement argument: dp_sync up to 0.31, dp_sync_state after
-        names = [n for n in ("dp_sync_state", "dp_sync") if n in inspect.signature(self.spec.propose).parameters]
-        if not names:
-            raise EngineAdapterError(f"vllm {engine.version}: propose() takes neither dp_sync_state nor dp_sync; teach drive.py its DP argument")
-        self.sync_arg = names[0]
+        # propose()'s DP agreement argument: dp_sync up to 0.31, dp_sync_state after; none up to 0.28 (UNPASSED_DP_ARG)
+        params = inspect.signature(self.spec.propose).parameters
+        names = [n for n in DP_ARGS if n in params]
+        if not names and UNPASSED_DP_ARG not in params:
+            raise EngineAdapterError(f"vllm {engine.version}: propose() takes none of {', '.join(DP_ARGS)} nor {UNPASSED_DP_ARG}; "
+                                     "teach drive.py its DP argument")
+        self.sync_arg: Optional[str] = names[0] if names else None
 
     def _speculator(self) -> Any:
         eagle = self.engine.attr("eagle", "EagleSpeculator")
@@ -146,8 +154,12 @@ class RankDriver:
         if attn is None:
             raise EngineAdapterError(f"vllm {self.engine.version}: the speculator has none of {', '.join(UNIFORM_ATTN_BUILDERS)}; "
                                      "teach drive.py how its draft decode builds attention metadata")
-        cls = type("EngineCheckEagleSpeculator", (eagle,), {"_prefill": _recorder(self.engine), body: step, "_run_model": _next_id_model,
-                                                            "sample_draft": _next_id_sampler, attn: self._uniform_attn_metadata})
+        # the draft prefill's outputs are written when the release's on_prefill_end hook fires (from 0.28), else when its
+        # forward runs (eager, or inside a replayed graph)
+        hooked = hasattr(eagle, "on_prefill_end")
+        prefill = _recorder(self.engine, None if hooked else self._prefill_outputs)
+        cls = type("EngineCheckEagleSpeculator", (eagle,), {"_prefill": prefill, body: step, "_run_model": next_id_model,
+                                                            "sample_draft": next_id_sampler, attn: self._uniform_attn_metadata})
         s = object.__new__(cls)  # the engine's __init__ builds the draft model's state; the fields the paths read are set here
         s.__dict__.update(
             vllm_config=self.vcfg, device=torch.device("cpu"), speculative_config=self.vcfg.speculative_config, method="eagle",
@@ -165,7 +177,8 @@ class RankDriver:
         )
         if not isinstance(getattr(cls, "max_model_len", None), property):  # a plain field before 0.33's property
             s.max_model_len = self.cfg.max_model_len
-        s.on_prefill_end = self._prefill_outputs
+        if hooked:
+            s.on_prefill_end = self._prefill_outputs
         name = next(n for n in DECODE_RUNS[self.fused] if hasattr(s, n))
         inner = getattr(s, name)
 
@@ -177,7 +190,10 @@ class RankDriver:
         return s
 
     def _choose_decode_path(self) -> None:
-        """The release's own choice (set_attn calls it once the attention groups exist), checked to be the path asked for."""
+        """The release's own choice (set_attn calls it once the attention groups exist), checked to be the path asked for;
+        a release with only the per-step loop (decode_paths) makes none."""
+        if decode_paths(self.engine) == (False,) and not self.fused:
+            return
         for configure, flag in DECODE_PATH_CHOICE:
             if hasattr(self.spec, configure):
                 getattr(self.spec, configure)()
@@ -214,13 +230,13 @@ class RankDriver:
         self.steps.append({"step": int(spec.current_draft_step), "num_tokens": num_tokens, "lanes": lanes,
                            "metadata": None if derived is None else dict(derived)})
 
-    def _prefill_outputs(self, num_reqs: int) -> None:
+    def _prefill_outputs(self, _count: int) -> None:
         """What the draft model's prefill leaves for the decode steps (its graph or its eager call, both
-        stand-ins here): each request's position at its last accepted token, gathered by the
-        last_token_indices the engine's prefill-input kernel computed, and its first draft token."""
+        stand-ins here): each live request's position at its last accepted token, gathered by the last_token_indices
+        the engine's prefill-input kernel computed, and its first draft token (whatever count the caller passes)."""
         if self.live is None:
             return  # capture() fires the hook too
-        spec = self.spec
+        spec, num_reqs = self.spec, len(self.live["draft_tokens"])
         idx = spec.last_token_indices[:num_reqs]
         spec.input_buffers.positions[:num_reqs] = spec.input_buffers.positions[idx].clone()
         spec.draft_tokens[:num_reqs, 0] = torch.tensor(self.live["draft_tokens"])
@@ -269,9 +285,11 @@ class RankDriver:
     def target_dispatch(self, raw: int) -> tuple[Any, Any]:
         """The target's dispatch and DP agreement for a uniform decode of raw requests (collective)."""
         fn = self.engine.attr("dp", "dispatch_cg_and_sync_dp")
-        # parallel_config (from 0.30) decides microbatching, which these batches never allow
-        extra = {"parallel_config": self.vcfg.parallel_config} if "parallel_config" in inspect.signature(fn).parameters else {}
-        return fn(self.target, raw, raw * self.q, self.q, dp_size=self.dp_size, dp_rank=self.rank, max_query_len=self.q, **extra)
+        # parallel_config (from 0.30) decides microbatching, which these batches never allow; max_query_len (from 0.28) selects
+        # varlen decode graphs, which only adaptive verification captures
+        extra = {"parallel_config": self.vcfg.parallel_config, "max_query_len": self.q}
+        return fn(self.target, raw, raw * self.q, self.q, dp_size=self.dp_size, dp_rank=self.rank,
+                  **{k: v for k, v in extra.items() if k in inspect.signature(fn).parameters})
 
     def proposer(self, it: int, dp_raw: list[int], tdesc: Any, tsync: Any) -> list[VllmReplay]:
         raw = dp_raw[self.rank]
@@ -282,7 +300,7 @@ class RankDriver:
         self.steps = []
         log = self.engine.dispatched.log = []
         try:
-            self.spec.propose(*args, **{self.sync_arg: tsync})
+            self.spec.propose(*args, **({} if self.sync_arg is None else {self.sync_arg: tsync}))
         finally:
             self.engine.dispatched.log, self.live = None, None
         prefill = [(d, sync) for mgr, d, sync in log if mgr is self.spec.prefill_cudagraph_manager]
@@ -317,7 +335,8 @@ class RankDriver:
 
     def _record(self, runner: str, it: int, dp_raw: list[int], desc: Any, sync: Any, mgr: Any,
                 raw: Optional[int] = None) -> VllmReplay:
-        across = sync if isinstance(sync, list) or sync is None else sync.num_tokens_across_dp.tolist()
+        # the agreement: a list (noted by the decode run), a DPSyncState (from 0.29) or the bare tensor (up to 0.28)
+        across = sync if isinstance(sync, list) or sync is None else getattr(sync, "num_tokens_across_dp", sync).tolist()
         graph = mgr.graphs.get(desc) if desc.cg_mode == self.mode.FULL else None
         baked = graph.baked if graph is not None else None
         q = desc.uniform_token_count or (self.q if runner not in DECODE_RUNNERS else 1)
@@ -330,16 +349,11 @@ class RankDriver:
         return VllmReplay(rec, desc.cg_mode.name, self.rank, it, list(dp_raw))
 
 
-def _next_id_model(spec: Any, num_tokens: int, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
-    """The draft model's forward inside the engine's draft step: its hidden state is the input id each token read, so what
-    a step samples tells which ids that step's forward was given."""
-    hidden = spec.input_buffers.input_ids[:num_tokens].to(spec.hidden_states.dtype).unsqueeze(1)
-    return hidden, hidden
-
-
-def _next_id_sampler(spec: Any, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-    """sample_draft: the id after the one each request's forward read (a prediction a check writes without running it)."""
-    return hidden_states[:, 0].round().to(torch.int64) + 1
+def decode_paths(engine: VllmEngine) -> tuple[bool, ...]:
+    """The draft decode paths the release has (fused or not, as RankDriver takes them): the per-step loop always, the fused
+    multi-step graph where the speculator has its run (from 0.28)."""
+    eagle = engine.attr("eagle", "EagleSpeculator")
+    return (False, True) if any(hasattr(eagle, n) for n in DECODE_RUNS[1]) else (False,)
 
 
 def _recorder(engine: VllmEngine, on_run: Optional[Callable[[int], None]] = None, body: Optional[Callable[..., Any]] = None):
@@ -368,12 +382,6 @@ def _recorder(engine: VllmEngine, on_run: Optional[Callable[[int], None]] = None
     return forward
 
 
-def schedule(cfg: VllmCheckConfig, dp_size: int) -> list[list[int]]:
-    """Growing then shrinking: each (per-rank sizes) tuple runs once after smaller batches and once after larger ones."""
-    up = [[max(1, s - 3 * r) for r in range(dp_size)] for s in cfg.schedule]
-    return up + up[::-1][1:]
-
-
 def drive_world(engine: VllmEngine, cfg: VllmCheckConfig, dp_size: int,
                 fused: bool) -> tuple[list[RankCapture], list[VllmReplay], list[RankDriver]]:
     world = DPWorld(dp_size)
@@ -381,7 +389,7 @@ def drive_world(engine: VllmEngine, cfg: VllmCheckConfig, dp_size: int,
     ranks = [RankDriver(engine, cfg, dp_size, r, fused) for r in range(dp_size)]
     captures = [rk.capture() for rk in ranks]
     replays: list[VllmReplay] = []
-    for it, dp_raw in enumerate(schedule(cfg, dp_size)):
+    for it, dp_raw in enumerate(cfg.dp_schedule(dp_size)):
         agreed = world.run(lambda r, dp_raw=dp_raw: ranks[r].target_dispatch(dp_raw[r]))
         # every rank's propose() at once: a release whose draft decode agrees its own padding (up to 0.29) runs that
         # collective inside propose(), over the other ranks' real votes

@@ -12,8 +12,10 @@ DraftAttnGroup says whether it can update draft-decode metadata in place, which 
 release picks the decode path), and so are the model state's prepare_attn and the proposer's
 _build_uniform_attn_metadata, which build through that group (drive.py).
 
-Which releases it claims: those with the EAGLE speculator's graph managers (GRAPH_PATH) and a
-capture API that api.py speaks (token-keyed from 0.29 up to 0.33, request-keyed from 0.34). Others are
+Which releases it claims: those with the EAGLE speculator's graph managers (GRAPH_PATH), each
+captured on its own (0.27.0 on; up to 0.24 the draft prefill's capture takes the target's
+captured attention states), and a capture API that api.py speaks (token-keyed up to 0.33, the
+target's decode query length the model runner's up to 0.28; request-keyed from 0.34). Others are
 imported as far as vllm.config and the graph manager and then said n/a with the reason
 (errors.ReleaseNotCovered), so a release table tells the path's absence, an older API and an
 adapter that fell behind apart.
@@ -23,7 +25,7 @@ What is swapped, process-wide (one engine per process), each for its reason:
                                   the call made inside the capture is the graph's body, re-run at replay
   graph_capture, capture_pool     device streams and memory pools (set_graph_pool_id up to 0.31)
   get_pp_group, current_platform  one pipeline stage; no graph pool
-  get_offloader, current_stream   weight offload and streams sync on a device
+  get_offloader, current_stream   weight offload and streams sync on a device (current_stream from 0.29)
   is_global_first_rank            False: no progress bars
   build_slot_mappings_by_layer    per-layer views of the KV cache config (no layers here), in the decode
                                   loops' modules and prepare_inputs_to_capture's
@@ -37,6 +39,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import inspect
 import logging
 import os
 import sys
@@ -159,6 +162,7 @@ def load(target: Optional[Path], deps: list[Path]) -> VllmEngine:
             for key in ("config", "cg"):
                 mods[key] = _import_first(MODULES[key])
             api = capture_api(mods["config"].VllmConfig, getattr(mods["cg"], "CudaGraphManager", None), version, path)
+            _require_own_capture(importlib.import_module(path), version)
             for key, names in MODULES.items():
                 mods[key] = _import_first(names)
         except ModuleNotFoundError as e:
@@ -189,6 +193,22 @@ def _require_graph_path(version: str) -> str:
     return found[0]
 
 
+def _require_own_capture(graph_module: types.ModuleType, version: str) -> None:
+    """Up to 0.24 the speculator's prefill graphs are captured from the attention states the target's capture
+    returned (its manager's capture takes them): the adapter captures the speculator's graphs on their own, each
+    manager building its capture batch and metadata (prepare_inputs_to_capture), as 0.27.0 and later do."""
+    for name, cls in sorted(vars(graph_module).items()):
+        if not isinstance(cls, type) or cls.__module__ != graph_module.__name__ or "capture" not in vars(cls):
+            continue
+        taken = [p for p in inspect.signature(cls.capture).parameters if p.endswith("attn_states")]
+        if taken:
+            raise ReleaseNotCovered(f"vllm {version} carries model runner v2's EAGLE speculator graph path ({graph_module.__name__}), "
+                                    f"but its draft prefill graphs are captured from the target's captured attention states "
+                                    f"({name}.capture({taken[0]}=...), which the target's CudaGraphManager.capture returns): a capture "
+                                    "protocol the adapter does not drive (it captures each speculator manager on its own, as 0.27.0 "
+                                    "and later do)")
+
+
 def _spec_exists(name: str) -> bool:
     try:
         return importlib.util.find_spec(name) is not None
@@ -200,8 +220,7 @@ def _spec_exists(name: str) -> bool:
 
 def _install_shims(engine: VllmEngine) -> None:
     cg, dp = engine.modules["cg"], engine.modules["dp"]
-    for name in ("torch", "graph_capture", "get_pp_group", "current_platform", "get_offloader", "current_stream",
-                 "is_global_first_rank"):
+    for name in ("torch", "graph_capture", "get_pp_group", "current_platform", "get_offloader", "is_global_first_rank"):
         engine.attr("cg", name)
     engine.attr("cg", "capture_pool" if hasattr(cg, "capture_pool") else "set_graph_pool_id")  # the pool API up to 0.31
     cg.torch = torch_proxy(engine.capture)
@@ -211,7 +230,8 @@ def _install_shims(engine: VllmEngine) -> None:
     cg.get_pp_group = lambda: Strict("pp_group", is_first_rank=True, is_last_rank=True)
     cg.current_platform = Strict("current_platform", get_global_graph_pool=lambda: None, graph_pool_handle=lambda: None)
     cg.get_offloader = lambda: Strict("offloader", sync_prev_onload=lambda: None, join_after_forward=lambda: None)
-    cg.current_stream = lambda: None
+    if hasattr(cg, "current_stream"):  # from 0.29: graphs are captured on it
+        cg.current_stream = lambda: None
     cg.is_global_first_rank = lambda: False
     engine.attr("ar", "build_slot_mappings_by_layer")
     for key in ("ar", "propose", "cg"):  # the decode loops, and prepare_inputs_to_capture

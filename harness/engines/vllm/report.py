@@ -36,7 +36,7 @@ class VllmReport(LineVerdicts):
     not_applicable: list[str]
     stubbed: list[str]
     seconds: float = 0.0
-    api: str = "mrv2"  # the capture API driven (api.py): mrv2 request-keyed, mrv2-tok token-keyed
+    api: str = "mrv2"  # the capture API driven (api.py): mrv2 request-keyed, mrv2-tok token-keyed, mrv2-tkr that with the model runner's q
     flags: str = ""  # the capture-size flags as that API takes them
 
     def to_json(self) -> dict:

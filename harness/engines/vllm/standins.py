@@ -1,5 +1,7 @@
 """Stand-ins for what vLLM's proposer reads but a CPU cannot give: the config object, the CUDA
-graph, the pipeline and DP process groups, the draft's attention backend.
+graph, the pipeline and DP process groups, the draft's attention backend, the draft model's
+forward and its sampler (next_id_model / next_id_sampler: the id a step samples says which
+step's output the next one read).
 
 The config stand-in is strict (reading an attribute it lacks names the attribute: a release
 that moved something ends with exit 2, not a silent default), and its derived values are the
@@ -255,3 +257,15 @@ def build_metadata(attn_groups: list, num_reqs: int, query_start_loc: torch.Tens
         for g in groups:
             out.update(g.build(num_reqs, query_start_loc, seq_lens))
     return out
+
+
+def next_id_model(spec: Any, num_tokens: int, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """The draft model's forward inside the engine's draft step: its hidden state is the input id each token read, so what
+    a step samples tells which ids that step's forward was given."""
+    hidden = spec.input_buffers.input_ids[:num_tokens].to(spec.hidden_states.dtype).unsqueeze(1)
+    return hidden, hidden
+
+
+def next_id_sampler(spec: Any, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    """sample_draft: the id after the one each request's forward read (a prediction a check writes without running it)."""
+    return hidden_states[:, 0].round().to(torch.int64) + 1
