@@ -24,7 +24,8 @@ from prewarmed import Started
 from harness.engines.command import main as engine_check_main
 from harness.engines.install import InstallError, engines_root
 from harness.engines.sglang.errors import EngineAdapterError
-from harness.engines.vllm.api import RunnerQueryLenApi
+from harness.engines.vllm.api import DispatchOrder, RunnerQueryLenApi
+from harness.engines.vllm.checks import expected_graph
 from harness.engines.vllm.install import ensure_vllm_installed
 from harness.engines.vllm.standins import DPWorld, Strict
 
@@ -380,3 +381,15 @@ def test_model_runner_query_length_is_its_own_assignment_evaluated(tmp_path):
     runner.write_text(_MODEL_RUNNER.format(expr="max(self.num_speculative_steps, 1)"))
     with pytest.raises(EngineAdapterError, match=r"reads max\(self.num_speculative_steps, 1\)"):
         RunnerQueryLenApi(runner, "x").target_manager_kwargs(Strict("vllm_config", num_speculative_tokens=3))
+
+
+@pytest.mark.parametrize("order,needed,want", [
+    (DispatchOrder.FULL_FIRST, 4, ("FULL", 6)), (DispatchOrder.SMALLEST_GRAPH, 4, ("PIECEWISE", 16)),  # 12 tokens
+    (DispatchOrder.FULL_FIRST, 2, ("FULL", 2)), (DispatchOrder.SMALLEST_GRAPH, 2, ("FULL", 2)),
+    (DispatchOrder.FULL_FIRST, 9, ("PIECEWISE", 32)), (DispatchOrder.SMALLEST_GRAPH, 9, ("PIECEWISE", 32)),  # past every FULL graph
+    (DispatchOrder.FULL_FIRST, 11, ("NONE", None)), (DispatchOrder.SMALLEST_GRAPH, 11, ("NONE", None)),  # 33 tokens: none holds it
+    (DispatchOrder.SMALLEST_GRAPH, 6, ("FULL", 6)),  # 18 tokens: FULL and PIECEWISE both at 18, FULL first
+])
+def test_expected_graph_follows_the_release_dispatch_order(order, needed, want):
+    """q = 3; FULL graphs of 2 and 6 requests (6 and 18 tokens); PIECEWISE at 8, 16, 18 and 32 tokens."""
+    assert expected_graph(order, {6: 2, 18: 6}, [8, 16, 18, 32], needed, 3) == want

@@ -19,6 +19,7 @@ must follow, written from the release's rule, so the engine's tables are checked
 from __future__ import annotations
 
 import ast
+import enum
 import importlib
 import importlib.util
 import inspect
@@ -35,6 +36,16 @@ Rule = tuple[str, Any, str]
 SMALLEST_LARGEST = "smallest / largest graph"
 
 
+class DispatchOrder(enum.Enum):
+    """Which captured graph a release's CudaGraphManager.dispatch hands a batch (its `_init_candidates` order); the value
+    is the rule as the check's message states it."""
+
+    FULL_FIRST = ("the smallest FULL graph holding the batch's requests, else the smallest PIECEWISE size holding its "
+                  "tokens, eager when none does (candidates grouped per mode, FULL first)")
+    SMALLEST_GRAPH = ("the graphs of the smallest captured token count holding the batch's tokens, whatever their mode, "
+                      "FULL first among them; eager when none does (candidates grouped by token count alone)")
+
+
 def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -44,6 +55,7 @@ class CaptureApi:
 
     name = "mrv2"
     bound = ("uniform_decode_query_len", "get_decode_cudagraph_query_lens", "get_draft_decode_cudagraph_request_sizes")
+    dispatch = DispatchOrder.FULL_FIRST
 
     def compilation(self, mode: Any, cfg: VllmCheckConfig) -> Strict:
         return Strict("compilation_config", cudagraph_mode=mode, prefill_cudagraph_capture_token_sizes=[],
@@ -135,6 +147,10 @@ class RunnerQueryLenApi(TokenKeyedApi):
 
     name = "mrv2-tkr"
     bound = ()
+    # CudaGraphManager._init_candidates keyed the candidates by token count alone up to 0.28 (vllm/v1/worker/gpu/
+    # cudagraph_utils.py, 0.28.0 lines 287-295): a 16-token PIECEWISE graph takes 12 tokens before an 18-token FULL
+    # one; 0.29 groups them per mode. Both releases of this API (0.27, 0.28) have the old order.
+    dispatch = DispatchOrder.SMALLEST_GRAPH
     # the model state a causal LM target (an EAGLE deployment's) gets from init_model_state: none of its special cases
     MODEL_STATE = ("vllm.v1.worker.gpu.model_states.default", "DefaultModelState")
 

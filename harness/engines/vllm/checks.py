@@ -10,9 +10,10 @@ reuses; the draft prefill graphs at 1 + K tokens per request; the draft decode g
 * capture = replay (I1): a replayed graph's bake (num_tokens, num_tokens_across_dp of its
   capture pass) equals what the replay agreed; every bake holds [num_tokens] * dp.
 * DP padding: every rank of an iteration runs the same mode and token count; with graphs,
-  num_tokens_across_dp is that count on every rank; the bucket is the smallest FULL graph
-  holding the largest rank's requests, else the smallest PIECEWISE one holding its tokens
-  (eager exactly when none does).
+  num_tokens_across_dp is that count on every rank; the graph is the one the release's own
+  dispatch order picks for the largest rank's batch (api.DispatchOrder: from 0.29 the smallest
+  FULL graph holding its requests, else the smallest PIECEWISE one holding its tokens; before,
+  the smallest captured token count whatever its mode), eager exactly when none holds it.
 * lanes and padded tail (draft decode, what every draft step's forward reads: after
   _prepare_decode_inputs, then after the step before, with compute_slot_mappings on the host
   for the per-step loop, inside the replayed graph for the fused one): real lanes hold the live
@@ -31,7 +32,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from harness.engines.vllm.api import SMALLEST_LARGEST, CaptureApi
+from harness.engines.vllm.api import SMALLEST_LARGEST, CaptureApi, DispatchOrder
 from harness.engines.vllm.config import VllmCheckConfig
 from harness.engines.vllm.drive import DECODE_RUNNERS, KV_BLOCK_SIZE, RankCapture, VllmReplay
 from harness.engines.vllm.report import VLine
@@ -101,7 +102,22 @@ def check_capture(ln: VLine, runner: str, cap: RankCapture, cfg: VllmCheckConfig
     v.expect_equal("capture sizes", "PIECEWISE token sizes", w, want_pw, cap.piecewise[runner], reason)
 
 
-def check_iteration(lines: dict, seen: dict, reps: list[VllmReplay], caps: list[RankCapture], cfg: VllmCheckConfig, dp: int) -> None:
+def expected_graph(order: DispatchOrder, full: dict[int, int], piecewise: list[int], needed: int, q: int) -> tuple[str, Optional[int]]:
+    """The graph a release dispatches `needed` requests of q tokens to: ("FULL", requests), ("PIECEWISE", tokens) or
+    ("NONE", None). `full` maps each FULL uniform-decode graph's token count to its request count."""
+    tokens = needed * q
+    if order is DispatchOrder.SMALLEST_GRAPH:
+        size = min((t for t in [*full, *piecewise] if t >= tokens), default=None)
+        return ("NONE", None) if size is None else ("FULL", full[size]) if size in full else ("PIECEWISE", size)
+    fits = [n for n in full.values() if n >= needed]
+    if fits:
+        return "FULL", min(fits)
+    pw = [t for t in piecewise if t >= tokens]
+    return ("PIECEWISE", min(pw)) if pw else ("NONE", None)
+
+
+def check_iteration(lines: dict, seen: dict, reps: list[VllmReplay], caps: list[RankCapture], cfg: VllmCheckConfig, dp: int,
+                    dispatch: DispatchOrder) -> None:
     """One iteration's replays of one runner, every rank."""
     runner = reps[0].rec.runner
     q = query_len(runner, cfg)
@@ -115,17 +131,15 @@ def check_iteration(lines: dict, seen: dict, reps: list[VllmReplay], caps: list[
         ln.ranks.add(r.rank)
         v = ln.verdict
         w = {"dp": dp, "runner": runner, "rank": r.rank, "iteration": r.iteration, "dp_raw": r.dp_raw, "raw_bs": rec.raw_bs, "bs": rec.bs}
-        captured = sorted(d.num_reqs for d, _ in caps[r.rank].graphs[runner] if d.cg_mode.name == "FULL")
-        fits = [n for n in captured if n >= needed]
-        tokens = [t for t in caps[r.rank].piecewise[runner] if t >= needed * q]
-        why = (f"the smallest captured graph holding the largest rank's {needed} requests; else the smallest PIECEWISE size "
-               f"holding its {needed * q} tokens; eager when none does")
-        if fits or not tokens:
-            want = ("FULL", min(fits)) if fits else ("NONE", rec.raw_bs)
+        full = {d.num_reqs * q: d.num_reqs for d, _ in caps[r.rank].graphs[runner] if d.cg_mode.name == "FULL"}
+        want = expected_graph(dispatch, full, caps[r.rank].piecewise[runner], needed, q)
+        why = f"{dispatch.value}; the largest rank's {needed} requests, {needed * q} tokens"
+        if want[0] == "PIECEWISE":
+            v.expect_equal("padding", "graph (mode, tokens)", w, want, (r.cg_mode, rec.capture.num_tokens), why)
+        else:
+            want = want if want[0] == "FULL" else ("NONE", rec.raw_bs)
             got = (r.cg_mode, f"{rec.capture.num_tokens} tokens") if r.cg_mode == "PIECEWISE" else (r.cg_mode, rec.bs)  # no request count
             v.expect_equal("padding", "graph (mode, requests)", w, want, got, why)
-        else:
-            v.expect_equal("padding", "graph (mode, tokens)", w, ("PIECEWISE", min(tokens)), (r.cg_mode, rec.capture.num_tokens), why)
         if dp > 1:
             v.expect_equal("DP", "(mode, num_tokens) on every rank", w, 1, len(agreed), f"the ranks ran {sorted(agreed, key=str)}")
         num_tokens = rec.capture.num_tokens

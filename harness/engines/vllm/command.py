@@ -44,7 +44,7 @@ def check_vllm(engine: VllmEngine, cfg: Optional[VllmCheckConfig] = None, progre
             if r.rec.runner in runners:
                 by_iter.setdefault((r.iteration, r.rec.runner), []).append(r)
         for (_, _), reps in sorted(by_iter.items(), key=lambda kv: (kv[0][0], RUNNERS.index(kv[0][1]))):
-            check_iteration(lines, seen, reps, caps, world_cfg, dp)
+            check_iteration(lines, seen, reps, caps, world_cfg, dp, engine.api.dispatch)
     ordered = sorted(lines.values(), key=lambda ln: (ln.dp, RUNNERS.index(ln.runner), ln.bucket != "capture", _bucket_key(ln.bucket)))
     return VllmReport(engine.version, engine.location, asdict(cfg), ordered, not_applicable, engine.stubbed, time.perf_counter() - t0,
                       engine.api.name, engine.api.flags(cfg))
