@@ -102,6 +102,8 @@ def load(target: Optional[Path], deps: Optional[Path]) -> Engine:
     runner_cls = require(ml, "MultiLayerEagleDraftExtendCudaGraphRunner", version)
     mods["parallel_state"] = importlib.import_module("sglang.srt.distributed.parallel_state")
     mods["dp_attention"] = importlib.import_module("sglang.srt.layers.dp_attention")
+    if importlib.util.find_spec("sglang.srt.environ") is not None:  # the flags the worker picks its composite by
+        mods["environ"] = importlib.import_module("sglang.srt.environ")
     if importlib.util.find_spec("sglang.srt.runtime_context") is not None:
         mods["runtime_context"] = importlib.import_module("sglang.srt.runtime_context")
     if hasattr(composite, "prepare"):
