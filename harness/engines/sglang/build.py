@@ -27,7 +27,7 @@ from harness.engines.sglang.graph import AttnRecorder, ModelProbe
 from harness.engines.sglang.handle import RunnerHandle
 from harness.engines.sglang.loader import Engine, attn_backend_class
 from harness.engines.sglang.one_graph import CLASS as ONE_GRAPH_CLASS
-from harness.engines.sglang.one_graph import OneGraph, available, selects_one_graph
+from harness.engines.sglang.one_graph import OneGraph, available, prepare, selects_one_graph
 from harness.engines.sglang.process import configure_process, make_server_args
 from harness.engines.sglang.standins import FakeGroup, Strict, noop, patched
 from harness.records import ReplayRecord
@@ -236,10 +236,7 @@ class EngineRunners:
         if eng.generation == "prepare":
             if not comp.can_run_graph(fb):
                 raise EngineAdapterError(f"sglang {eng.version}: the multi-layer composite refused a batch of {live.raw_bs} (can_run_graph)")
-            if "staged" in inspect.signature(comp.prepare).parameters:
-                comp.prepare(fb, staged=False)  # staged: a path where the worker stages shared reads first
-            else:
-                comp.prepare(fb)
+            prepare(comp, fb)
             rotate, rotated = self._worker_rotate(), False
             for step, h in enumerate(self.multi):
                 logits, _p, topk_index = comp.replay(step)

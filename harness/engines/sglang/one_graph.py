@@ -24,6 +24,7 @@ What differs from the per-step composite, and what stands in for it here:
 from __future__ import annotations
 
 import contextlib
+import inspect
 import types
 import warnings
 from typing import Any, Callable
@@ -67,6 +68,14 @@ def selects_one_graph(engine: Engine, backends: list[AttnRecorder]) -> bool:
     scheduler, so its rule is applied here to the release's own flag and the backends' own answers)."""
     return available(engine) and flag_on(engine) and all(
         b.draft_extend_metadata_captured_in_graph() or getattr(b, "supports_draft_extend_metadata_staging", False) for b in backends)
+
+
+def prepare(composite: Any, fb: Any) -> None:
+    """The composite's prepare() as the worker calls it when nothing was staged (the keyword exists from 0.5.20 on)."""
+    if "staged" in inspect.signature(composite.prepare).parameters:
+        composite.prepare(fb, staged=False)
+    else:
+        composite.prepare(fb)
 
 
 def _inputs(buffers: Any) -> dict[str, torch.Tensor]:
@@ -175,7 +184,7 @@ class OneGraph:
         comp = self.composite
         if not comp.can_run_graph(fb):
             raise EngineAdapterError(f"sglang {self.engine.version}: the one-graph composite refused a batch of {live.raw_bs} (can_run_graph)")
-        comp.prepare(fb, staged=False)
+        prepare(comp, fb)
         served = [comp.replay(step)[2] for step in range(len(self.handles))]
         self.served = [[int(x) for x in t[:, 0].tolist()] for t in served]  # read after the loop: the worker clones none of them
         out = []
