@@ -23,6 +23,7 @@ from harness.engines.after_model import BodyRecord
 from harness.engines.lanes import LaneRecord, LiveBatch
 from harness.engines.sglang.config import EngineConfig
 from harness.engines.sglang.errors import EngineAdapterError
+from harness.engines.sglang.fill import WORKER_ROTATE
 from harness.engines.sglang.graph import AttnRecorder, ModelProbe
 from harness.engines.sglang.handle import RunnerHandle
 from harness.engines.sglang.loader import Engine, attn_backend_class
@@ -32,9 +33,6 @@ from harness.engines.sglang.process import configure_process, make_server_args
 from harness.engines.sglang.standins import FakeGroup, Strict, noop, patched
 from harness.records import ReplayRecord
 from runners.parallel.layout import ParallelLayout
-
-# The function the worker advances the draft chain with between multi-layer steps, as 0.5.16 on / 0.5.15 name it.
-WORKER_ROTATE = ("rotate_input_ids", "rotate_input_ids_triton")
 
 # one runner's replay: our record, the logits rows it handed back, its lanes per fill path, its body past the model call
 Replayed = tuple[ReplayRecord, Optional[int], list[LaneRecord], Optional[BodyRecord]]
