@@ -7,7 +7,9 @@ Between multi-layer steps the draft chain advances: inside the graph where the s
 grow (assign_new_state, run where the step body is driven), or on the worker in the releases
 with one window for all steps (0.5.15 on): the worker's rotate_input_ids over the composite's
 shared buffers, run here as the worker calls it wherever the step body is driven (it needs the
-step's top-k). Elsewhere steps > 0 are replayed with step 0's token buffers.
+step's top-k). Elsewhere steps > 0 are replayed with step 0's token buffers. From 0.5.16 the
+worker builds one of two composites by its attention backend's answer; both are built here, the
+per-step one for backends planning out of graph and the one graph (one_graph.py) for the others.
 """
 from __future__ import annotations
 
@@ -262,8 +264,8 @@ class EngineRunners:
         return out
 
     def _worker_rotate(self) -> Optional[Callable]:
-        """The worker's chain advance between steps; None where the composite rotates inside its graph (0.5.16 on
-        ships such a composite beside the per-step one the adapter builds)."""
+        """The worker's chain advance between steps; None where the composite rotates inside its graph (the one graph,
+        one_graph.py, driven on its own)."""
         if getattr(self.composite, "rotates_in_graph", False):
             return None
         utils = self.engine.modules["mle_utils"]

@@ -55,7 +55,7 @@ class RunnerHandle:
         # past the model call: the captured step body per bucket, run again at replay where drive_body is set
         self.drive_body = False
         self._bodies: dict[int, Callable] = {}
-        self._replaying = False
+        self.replaying = False  # the body runs past the model call (a driven replay): the model answers with the stand-in
         self.base_width = 0  # step 0's window (set by the builder)
         self.last_body: Optional[tuple[Any, list[int]]] = None  # (the body's output, input_ids at launch)
         self.on_launch: Optional[Callable[["RunnerHandle", int], None]] = None  # called at each graph launch (logits_gather.py)
@@ -114,7 +114,7 @@ class RunnerHandle:
     def on_model_forward(self, fb: Any) -> Any:
         """The body called the model: at capture, the batch, the DP buffer and the gathered gpu tensors are
         what the graph bakes (and the body stops); at a replay that drives the body, the stand-in model's output."""
-        if self._replaying:
+        if self.replaying:
             return self._stand_in_output(fb)
         if self.kind == ONE_GRAPH:  # one capture runs every step's body: record this step's batch and go on
             self._body = baked_at_model(fb, self._buffers(), f"sglang {self.engine.version}: the {self.kind} step body")
@@ -188,12 +188,12 @@ class RunnerHandle:
         ctx = contextlib.nullcontext()
         if hasattr(mod, "forward_context") and hasattr(mod, "ForwardContext"):
             ctx = mod.forward_context(mod.ForwardContext(attn_backend=self.attn))  # get_req_to_token_pool() reads it
-        self._replaying = True
+        self.replaying = True
         try:
             with ctx:
                 ret = run_once()
         finally:
-            self._replaying = False
+            self.replaying = False  # the body runs past the model call (a driven replay): the model answers with the stand-in
             DP_CALLS.clear()
         if ret is None:
             raise EngineAdapterError(f"sglang {self.engine.version}: the {self.kind} runner's step body returned nothing")

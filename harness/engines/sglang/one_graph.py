@@ -112,12 +112,12 @@ class OneGraphBackend:
         before = [len(h.snapshots) for h in handles]
         for h in handles:
             h.attn.in_graph_hook = lambda fb, h=h: h.snapshot(bs)
-            h._replaying = True
+            h.replaying = True
         try:
             outs = self._bodies[bs]()
         finally:
             for h in handles:
-                h.attn.in_graph_hook, h._replaying = None, False
+                h.attn.in_graph_hook, h.replaying = None, False
             DP_CALLS.clear()
         for h, n, ret, out in zip(handles, before, outs, self.outputs[bs], strict=True):
             if len(h.snapshots) != n + 1:
