@@ -261,3 +261,23 @@ def test_one_graph_serving_the_padded_top_k_is_caught_as_padding(newest, tmp_pat
     fails = _one_graph_only(target)
     assert {(f["check"], f["field"]) for f in fails} == {("padding", "served top-k rows")}, _kinds(fails)
     assert {f["step"] for f in fails} == {0, 1, 2}
+
+
+def test_one_graph_flag_off_builds_the_per_step_composite_only(newest):
+    # SGLANG_ENABLE_SINGLE_CG_DRAFT off: the worker builds the per-step composite whatever the backend answers
+    code = f"""
+        import json, os
+        os.environ["SGLANG_ENABLE_SINGLE_CG_DRAFT"] = "0"
+        from pathlib import Path
+        from harness.engines.check import check_engine
+        from harness.engines.install import deps_dir
+        from harness.engines.sglang.loader import load
+        from runners.parallel.layout import ParallelLayout
+        rep = check_engine(load(Path({str(newest)!r}), deps_dir()), (ParallelLayout(4),), kernel_layouts=())
+        print(json.dumps({{"runners": sorted({{ln.runner for ln in rep.lines}}), "skipped": rep.skipped}}))
+    """
+    proc = run_python(textwrap.dedent(code), timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert "multi_layer" in out["runners"] and ONE_GRAPH not in out["runners"], out["runners"]
+    assert any(why.startswith(f"{ONE_GRAPH}: not built") for why in out["skipped"]), out["skipped"]
