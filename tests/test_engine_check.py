@@ -177,14 +177,28 @@ def test_newest_release_passes_on_the_gpu_path_and_fails_only_the_native_twins_t
     assert not rep["ok"] and rep["version"] == NEWEST
     fails = [f for ln in rep["lines"] for f in ln["failures"]]
     assert fails
-    assert {(f["check"], f["where"]["runner"], f["where"].get("path")) for f in fails} == {("canonical", "multi_layer", "npu"),
-                                                                                            ("pad value", "multi_layer", "npu")}
+    # both multi-layer composites fill through prepare(): the per-step one and the one graph (multi_layer_1g)
+    assert {(f["check"], f["where"]["runner"], f["where"].get("path")) for f in fails} == {
+        (c, r, "npu") for c in ("canonical", "pad value") for r in ("multi_layer", "multi_layer_1g")}
     assert {f["field"] for f in fails if f["check"] == "canonical"} == {"input_ids", "positions", "out_cache_loc"}
     assert {f["field"] for f in fails if f["check"] == "pad value"} == {"positions", "out_cache_loc"}  # index buffers only
     single = [ln for ln in rep["lines"] if ln["runner"] == "single_layer"]
     assert single and all(ln["ok"] for ln in single)
     # past the model call: what it cannot reach is said, as a skip, never as a pass
     assert any(why.startswith("I7 ") for why in rep["skipped"]), rep["skipped"]
+
+
+def test_newest_release_one_graph_composite_is_driven_beside_the_per_step_one(newest_run):
+    """The one-graph composite (FA3's default) gets its own lines: every layout, every step, the per-step composite's buckets,
+    the restore and served checks run (on step 0 / every step), and the logits it hands back but its worker never reads are said skipped."""
+    rep = newest_run["unmodified"]
+    one = [ln for ln in rep["lines"] if ln["runner"] == "multi_layer_1g"]
+    per_step = {(ln["layout"], ln["step"], ln["bucket"]) for ln in rep["lines"] if ln["runner"] == "multi_layer"}
+    assert {(ln["layout"], ln["step"], ln["bucket"]) for ln in one} == per_step and len({ln["layout"] for ln in one}) == 5
+    assert all(ln["checked"] > 0 and ln["raw_bs"] for ln in one)
+    # only the shared native fill twin's stale token tail fails there, as on the per-step lines
+    assert {(f["check"], f["where"].get("path")) for ln in one for f in ln["failures"]} == {("canonical", "npu"), ("pad value", "npu")}
+    assert any(why.startswith("multi_layer_1g: the logits replay(step) hands back") for why in rep["skipped"]), rep["skipped"]
 
 
 def test_newest_release_draft_decode_runner_is_driven_on_every_layout_and_passes(newest_run):
@@ -317,80 +331,3 @@ def _main_in_process(*args: str) -> tuple[int, str]:
         rc = main(parser.parse_args(list(args)))
     assert "sglang" not in sys.modules, "an error path loaded an engine into the test process"
     return rc, err.getvalue()
-
-
-def test_body_checks_hold_the_hand_written_row_rule():
-    """after_model's rules on hand-built records: request i's last accepted row at step s of a growing window
-    is i*(T+s) + num_correct_drafts + s, its top-1 the stand-in's next token of what that row holds, and the
-    next step's row holds it."""
-    from harness.engines.after_model import BodyRecord, check_body, next_token
-    from harness.verdict import Verdict
-
-    ncd, raw, T = [2, 0], 2, 4
-    ids0 = list(range(100, 100 + raw * T))
-    rows0 = [0 * T + 2, 1 * T + 0]  # by hand
-    top0 = [next_token(ids0[r]) for r in rows0]
-    step0 = BodyRecord("multi_layer", 0, raw, raw, T, T, False, [next_token(x) for x in ids0], top0, ids0)
-    v = Verdict("P1")
-    check_body(v, step0, ncd, None, {})
-    assert v.ok and v.checked == 2, v.report()
-
-    ids1 = [0] * (raw * (T + 1))
-    rows1 = [0 * 5 + 2 + 1, 1 * 5 + 0 + 1]  # by hand: the window grew by the one token step 0 drafted
-    for r, t in zip(rows1, top0, strict=True):
-        ids1[r] = t
-    top1 = [next_token(ids1[r]) for r in rows1]
-    step1 = BodyRecord("multi_layer", 1, raw, raw, T + 1, T, False, [next_token(x) for x in ids1], top1, ids1)
-    v = Verdict("P1")
-    check_body(v, step1, ncd, step0, {})
-    assert v.ok and v.checked == 3, v.report()
-
-    # select_index without the step: top-1 taken from the row before
-    wrong = BodyRecord("multi_layer", 1, raw, raw, T + 1, T, False, step1.returned_tokens, [next_token(ids1[r - 1]) for r in rows1], ids1)
-    v = Verdict("P1")
-    check_body(v, wrong, ncd, step0, {})
-    assert [(f.check, f.field) for f in v.failures] == [("select", "topk_index")], v.report()
-    # the chain wrote the drafted token one row late
-    late = list(ids1)
-    for r in rows1:
-        late[r], late[r + 1] = 0, late[r]
-    v = Verdict("P1")
-    check_body(v, BodyRecord("multi_layer", 1, raw, raw, T + 1, T, False, [next_token(x) for x in late],
-                             [next_token(late[r]) for r in rows1], late), ncd, step0, {})
-    assert ("chain", "input_ids") in [(f.check, f.field) for f in v.failures], v.report()
-    # a pruning runner hands back one row per request, from its last accepted row
-    v = Verdict("P1")
-    check_body(v, BodyRecord("single_layer", 0, raw, raw, T, T, True, [next_token(ids0[r + 1]) for r in rows0], None, ids0), ncd, None, {})
-    assert [(f.check, f.field) for f in v.failures] == [("select", "returned logits")], v.report()
-
-
-def test_rotated_chain_check_holds_the_hand_written_rotation():
-    """Where the worker rotates (one window for all steps), step 1's rows up to each request's last accepted one are
-    step 0's moved up a row, then the token step 0 drafted; rows after it are not checked. Written out by hand."""
-    from harness.engines.after_model import BodyRecord, check_body, next_token
-    from harness.verdict import Verdict
-
-    ncd, raw, T = [2, 0], 2, 4
-    ids0 = [10, 11, 12, 13, 20, 21, 22, 23]
-    top0 = [next_token(12), next_token(20)]  # rows 2 and 4: i*T + ncd
-    step0 = BodyRecord("multi_layer", 0, raw, raw, T, T, False, [next_token(x) for x in ids0], top0, ids0)
-    ids1 = [11, 12, top0[0], 99, top0[1], 98, 97, 96]  # request 0: 11, 12 moved up, then its draft; request 1: its draft at row 4
-    rows1 = [2, 4]
-    step1 = BodyRecord("multi_layer", 1, raw, raw, T, T, False, [next_token(x) for x in ids1], [next_token(ids1[r]) for r in rows1],
-                       ids1, rotated=True)
-    v = Verdict("P1")
-    check_body(v, step1, ncd, step0, {})
-    assert v.ok and v.checked == 4, v.report()  # returned logits, top-k, two windows
-
-    # request 1's drafted token at its window's end (row i*T + T - 1), not at its last accepted row (request 0's is right)
-    at_end = [11, 12, top0[0], 99, 21, 22, 23, top0[1]]
-    v = Verdict("P1")
-    check_body(v, BodyRecord("multi_layer", 1, raw, raw, T, T, False, [next_token(x) for x in at_end],
-                             [next_token(at_end[r]) for r in rows1], at_end, rotated=True), ncd, step0, {})
-    assert [(f.check, f.field, f.where["request"], f.where["row"]) for f in v.failures] == [("chain", "input_ids", 1, 4)], v.report()
-
-    # not rotated (the adapter did not run the worker's rotation): nothing about the chain is claimed
-    v = Verdict("P1")
-    check_body(v, BodyRecord("multi_layer", 1, raw, raw, T, T, False, [next_token(x) for x in at_end],
-                             [next_token(at_end[r]) for r in rows1], at_end), ncd, step0, {})
-    assert v.ok and v.checked == 2, v.report()

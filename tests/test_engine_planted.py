@@ -71,10 +71,12 @@ def _kinds(fails: list[dict]) -> set[tuple]:
     return {(f["check"], f["field"], f["runner"], f["path"]) for f in fails}
 
 
+ONE_GRAPH = "multi_layer_1g"  # the one-graph composite's lines (0.5.16 on): it shares prepare() and its fill with the per-step one
+COMPOSITES = {"multi_layer", ONE_GRAPH}
 # the unmodified NEWEST's only failures (tests/test_engine_check.py): its native fill twin leaves padded token rows stale,
 # so they depend on the history and, for the index buffers, point at a larger batch's slots and positions
-NATIVE_TAIL = ({("canonical", f, "multi_layer", "npu") for f in ("input_ids", "positions", "out_cache_loc")}
-               | {("pad value", f, "multi_layer", "npu") for f in ("positions", "out_cache_loc")})
+NATIVE_TAIL = ({("canonical", f, r, "npu") for f in ("input_ids", "positions", "out_cache_loc") for r in COMPOSITES}
+               | {("pad value", f, r, "npu") for f in ("positions", "out_cache_loc") for r in COMPOSITES})
 
 
 def _added(fails: list[dict]) -> set[tuple]:
@@ -99,8 +101,8 @@ def test_bug_in_the_triton_fill_kernel_is_caught_on_the_gpu_path(newest, tmp_pat
     target = _plant(newest, tmp_path / "sglang", KERNEL, "tl.store(seq_lens_ptr + i, sl.to(tl.int32))\n",
                     "tl.store(seq_lens_ptr + i, sl.to(tl.int32), mask=is_real)\n")
     new = _added(_failures(target, PLAIN, PLAIN))
-    assert ("canonical", "seq_lens", "multi_layer", "gpu") in new, new
-    assert {r for _c, _f, r, _p in new} == {"multi_layer"}, new
+    assert {("canonical", "seq_lens", r, "gpu") for r in COMPOSITES} <= new, new
+    assert {r for _c, _f, r, _p in new} == COMPOSITES, new  # both composites fill through it
     assert not any(p == "npu" for *_, p in new), new  # the twin, run beside it on the same inputs, is not blamed
 
 
@@ -111,15 +113,15 @@ def test_triton_fill_kernel_padding_with_a_live_slot_is_caught_by_the_pad_value(
                     "        tok = tl.load(src_out_cache_loc_ptr + tok_offs, mask=copy_mask, other=0).to(\n",
                     "        tok = tl.load(src_out_cache_loc_ptr + tok_offs, mask=copy_mask, other=1).to(\n")
     new = _added(_failures(target, PLAIN, PLAIN))
-    assert new == {("pad value", "out_cache_loc", "multi_layer", "gpu")}, new
+    assert new == {("pad value", "out_cache_loc", r, "gpu") for r in COMPOSITES}, new
 
 
 def test_bug_in_the_native_fill_twin_is_caught_on_the_npu_path(newest, tmp_path):
     # the twin stops resetting seq_lens[:bs] to the fill value
     target = _plant(newest, tmp_path / "sglang", KERNEL, "    seq_lens[:bs].fill_(seq_len_fill_value)\n", "    pass\n")
     new = _added(_failures(target, PLAIN, ""))
-    assert ("canonical", "seq_lens", "multi_layer", "npu") in new, new
-    assert {r for _c, _f, r, _p in new} == {"multi_layer"}, new
+    assert {("canonical", "seq_lens", r, "npu") for r in COMPOSITES} <= new, new
+    assert {r for _c, _f, r, _p in new} == COMPOSITES, new
     assert not any(p == "gpu" for *_, p in new), new
 
 
@@ -167,7 +169,8 @@ def test_worker_rotation_writing_the_draft_at_the_window_end_is_caught_on_the_la
     target = _plant(newest, tmp_path / "sglang", KERNEL, "            last_pos_ptr = input_ids_ptr + tl.load(select_index_ptr + pid)\n",
                     "            last_pos_ptr = input_ids_ptr + start_loc + seq_len - 1\n")
     fails = [f for f in _failures(target, PLAIN, PLAIN) if (f["check"], f["field"], f["runner"], f["path"]) not in NATIVE_TAIL]
-    assert {(f["check"], f["field"], f["runner"]) for f in fails} == {("chain", "input_ids", "multi_layer")}, _kinds(fails)
+    # the one graph rotates with the same kernel, inside the graph
+    assert {(f["check"], f["field"], f["runner"]) for f in fails} == {("chain", "input_ids", r) for r in COMPOSITES}, _kinds(fails)
     assert {f["step"] for f in fails} == {1, 2}  # step 0 reads the fill's window: nothing rotated yet
 
 
@@ -176,16 +179,16 @@ def test_select_index_bug_in_the_triton_fill_kernel_is_caught_after_the_model_ca
     target = _plant(newest, tmp_path / "sglang", KERNEL, "        si = i.to(tl.int64) * num_tokens_per_bs + num_front_tokens + ncd\n",
                     "        si = i.to(tl.int64) * num_tokens_per_bs + num_front_tokens\n")
     new = _added(_failures(target, ATTN_TP, ATTN_TP))
-    assert {r for _c, _f, r, _p in new} == {"multi_layer"}, new
-    assert {("lanes", "select_index", "multi_layer", "gpu"), ("select", "topk_index", "multi_layer", ""),
-            ("I6", "selected logits", "multi_layer", "")} <= new, new
+    assert {r for _c, _f, r, _p in new} == COMPOSITES, new
+    assert {(c, f, r, p) for r in COMPOSITES for c, f, p in (("lanes", "select_index", "gpu"), ("select", "topk_index", ""),
+                                                             ("I6", "selected logits", ""))} <= new, new
     assert not any(p == "npu" for *_, p in new), new
 
 
 def test_select_index_bug_in_the_native_fill_twin_is_caught_on_the_npu_path(newest, tmp_path):
     target = _plant(newest, tmp_path / "sglang", KERNEL, "    select_index[:bs] += num_correct_drafts[:bs].to(torch.int64)\n", "    pass\n")
     new = _added(_failures(target, PLAIN, ""))
-    assert new == {("lanes", "select_index", "multi_layer", "npu")}, new
+    assert new == {("lanes", "select_index", r, "npu") for r in COMPOSITES}, new
 
 
 def test_single_layer_select_index_bug_is_caught_and_attributed_to_it_though_it_prunes(newest, tmp_path):
@@ -216,3 +219,65 @@ def test_draft_decode_replay_fill_counting_requests_not_tokens_is_caught_on_its_
     new = _added(_failures(target, ATTN_TP, ""))
     assert {r for _c, _f, r, _p in new} == {"draft_decode"}, new
     assert {("fill", "global_num_tokens_gpu (replay fill)", "draft_decode", ""), ("I1", "global_num_tokens_gpu", "draft_decode", "")} <= new, new
+
+
+# ---- the one-graph composite (every step and the chain rotation in one graph per bucket) ----
+
+
+def _one_graph_only(target: Path) -> list[dict]:
+    """The plant's failures beyond the release's own; all of them on the one-graph composite's lines."""
+    fails = [f for f in _failures(target, PLAIN, PLAIN) if (f["check"], f["field"], f["runner"], f["path"]) not in NATIVE_TAIL]
+    assert {f["runner"] for f in fails} == {ONE_GRAPH}, _kinds(fails)
+    return fails
+
+
+def test_one_graph_capture_without_the_input_ids_restore_is_caught_by_the_restore_check(newest, tmp_path):
+    # the composite drops the restore of input_ids after the capture's warm-up, which rotated them
+    target = _plant(newest, tmp_path / "sglang", MULTI, "        buffers.input_ids.copy_(input_ids_orig)\n", "        pass\n")
+    fails = _one_graph_only(target)
+    assert {(f["check"], f["field"], f["step"]) for f in fails} == {("restore", "input_ids", 0)}, _kinds(fails)
+
+
+def test_one_graph_skipping_the_rotation_before_the_last_step_is_caught_on_that_step(newest, tmp_path):
+    # the in-graph rotation runs between steps 0 and 1 only: the last step drafts from step 1's window
+    target = _plant(newest, tmp_path / "sglang", MULTI, "                if i < n - 1:\n", "                if i < n - 2:\n")
+    fails = _one_graph_only(target)
+    assert {(f["check"], f["field"], f["step"]) for f in fails} == {("chain", "input_ids", 2)}, _kinds(fails)
+
+
+def test_one_graph_serving_another_steps_top_k_is_caught_on_the_steps_served(newest, tmp_path):
+    # the replay's cache pairs each step with the outputs in reverse: steps 0 and 2 are served each other's top-k
+    target = _plant(newest, tmp_path / "sglang", MULTI, "            for r, out in zip(non_null, outs):\n",
+                    "            for r, out in zip(non_null, outs[::-1]):\n")
+    fails = _one_graph_only(target)
+    assert {(f["check"], f["field"]) for f in fails} == {("served", "topk_index")}, _kinds(fails)
+    assert {f["step"] for f in fails} == {0, 2}  # step 1 is its own mirror
+
+
+def test_one_graph_serving_the_padded_top_k_is_caught_as_padding(newest, tmp_path):
+    # the cache keeps the bucket's rows: the worker would concatenate the padded requests' drafts with the real ones
+    target = _plant(newest, tmp_path / "sglang", MULTI, "                    out.topk_index[:raw_bs],\n",
+                    "                    out.topk_index[: self.bs],\n")
+    fails = _one_graph_only(target)
+    assert {(f["check"], f["field"]) for f in fails} == {("padding", "served top-k rows")}, _kinds(fails)
+    assert {f["step"] for f in fails} == {0, 1, 2}
+
+
+def test_one_graph_flag_off_builds_the_per_step_composite_only(newest):
+    # SGLANG_ENABLE_SINGLE_CG_DRAFT off: the worker builds the per-step composite whatever the backend answers
+    code = f"""
+        import json, os
+        os.environ["SGLANG_ENABLE_SINGLE_CG_DRAFT"] = "0"
+        from pathlib import Path
+        from harness.engines.check import check_engine
+        from harness.engines.install import deps_dir
+        from harness.engines.sglang.loader import load
+        from runners.parallel.layout import ParallelLayout
+        rep = check_engine(load(Path({str(newest)!r}), deps_dir()), (ParallelLayout(4),), kernel_layouts=())
+        print(json.dumps({{"runners": sorted({{ln.runner for ln in rep.lines}}), "skipped": rep.skipped}}))
+    """
+    proc = run_python(textwrap.dedent(code), timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert "multi_layer" in out["runners"] and ONE_GRAPH not in out["runners"], out["runners"]
+    assert any(why.startswith(f"{ONE_GRAPH}: not built") for why in out["skipped"]), out["skipped"]

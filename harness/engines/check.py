@@ -22,10 +22,10 @@ from harness.engines.after_model import check_body, next_token, selected_row, se
 from harness.engines.install import version_key
 from harness.engines.lanes import FILLED_SINCE, LiveBatch, check_lanes, live_batch
 from harness.engines.report import EngineReport, Line
-from harness.engines.sglang import draft_decode, eager_check, logits_gather, target_verify
+from harness.engines.sglang import draft_decode, eager_check, logits_gather, one_graph, target_verify
 from harness.engines.sglang.build import EngineRunners
 from harness.engines.sglang.config import EngineConfig
-from harness.engines.sglang.handle import RunnerHandle
+from harness.engines.sglang.handle import MULTI_LAYER, ONE_GRAPH, RunnerHandle
 from harness.engines.sglang.loader import Engine
 from harness.layout import branch_sibling
 from harness.props.p1_records import check_replay_record, check_replay_rows, verify_capture_bs
@@ -52,6 +52,11 @@ KERNEL_LAYOUTS: tuple[ParallelLayout, ...] = (ParallelLayout(4, 1, False, 1), Pa
 # What engine-check cannot reach on an engine, said in every report (never counted as a pass).
 SKIPPED: tuple[str, ...] = ()
 # I7 where check_engine is not asked for it (eager=False): said, never passed.
+ONE_GRAPH_LOGITS = (f"{ONE_GRAPH}: the logits replay(step) hands back: not checked: the one-graph composite serves each step's raw "
+                    "output, whose logits buffer every step shares (the last step's write wins), and its worker reads only the top-k "
+                    "(checked: `served`); each step's logits are checked where the model stand-in produced them (`select`)")
+ONE_GRAPH_OFF = (f"{ONE_GRAPH}: not built: {one_graph.FLAG} is off in this process, so the worker builds the per-step composite for every "
+                 "attention backend")
 I7_OFF = ("I7 (eager vs graph): not run (`harness engine-check --eager`, or check_engine(eager=True), runs it: the scheduler's MLP sync and the worker's eager "
           "draft-extend batch, harness/engines/sglang/eager.py; docs/engine-check.md, I7, says what it finds)")
 
@@ -94,6 +99,7 @@ def check_engine(engine: Engine, layouts: tuple[ParallelLayout, ...] = REPRESENT
     # the buffers whose padded lanes this release's fill writes, per runner (lanes.FILLED_SINCE)
     filled = {kind: frozenset(b for (k, b), since in FILLED_SINCE.items() if k == kind and version_key(since) <= version_key(engine.version))
               for kind in ("multi_layer", "single_layer", draft_decode.KIND, target_verify.KIND)}
+    filled[ONE_GRAPH] = filled["multi_layer"]  # the same prepare() fills both composites' buffers
 
     def line(layout: ParallelLayout, runner: str, step: int, bucket: int) -> Line:
         key = (layout, runner, step, bucket)
@@ -155,11 +161,20 @@ def check_engine(engine: Engine, layouts: tuple[ParallelLayout, ...] = REPRESENT
                     for lr in lane_recs:
                         check_lanes(ln.verdict, lr, live, seen_lanes, w, filled[lr.runner])
                     if body is not None:
-                        prev = bodies.get(("multi_layer", rec.step - 1))
+                        prev = bodies.get((rec.runner, rec.step - 1))
                         check_body(ln.verdict, body, live.num_correct_drafts, prev, w)
                         bodies[(rec.runner, rec.step)] = body
-                _check_selected_parity(bodies, live, functools.partial(line, layout),
-                                       {"layout": layout.describe(), "branch": layout.branch.value, "rank": tp_rank, "iteration": it})
+                w_it = {"layout": layout.describe(), "branch": layout.branch.value, "rank": tp_rank, "iteration": it}
+                _check_selected_parity(bodies, live, functools.partial(line, layout), w_it)
+                og = runners.one_graph
+                for step, served in enumerate(og.served if og else []):
+                    h = og.handles[step]
+                    one_graph.check_served(line(layout, ONE_GRAPH, step, h.snapshots[-1].bs).verdict, step, served,
+                                           bodies.get((ONE_GRAPH, step)), live.num_correct_drafts,
+                                           {**w_it, "runner": ONE_GRAPH, "step": step, "raw_bs": raw, "bs": h.snapshots[-1].bs})
+            if runners.one_graph is not None:
+                one_graph.check_restore(functools.partial(line, layout), runners.one_graph,
+                                        {"layout": layout.describe(), "branch": layout.branch.value, "runner": ONE_GRAPH, "step": 0, "rank": tp_rank})
             if dd_mod is not None:
                 _check_draft_decode(draft_decode.DraftDecodeHandle(dd_mod, runners), layout, d, tp_rank, functools.partial(line, layout),
                                     filled["draft_decode"])
@@ -176,6 +191,8 @@ def check_engine(engine: Engine, layouts: tuple[ParallelLayout, ...] = REPRESENT
             why = gather.check(functools.partial(line, layout), {"layout": layout.describe(), "branch": layout.branch.value})
             gather_na += [why] if why else []
     skipped += sorted(set(gather_na))
+    if one_graph.available(engine):
+        skipped.append(ONE_GRAPH_LOGITS if one_graph.flag_on(engine) else ONE_GRAPH_OFF)
     if no_gather:
         skipped.append(f"{logits_gather.CHECK} on {', '.join(no_gather)}: nothing to run: the engine's LogitsProcessor does not gather "
                        "logits rows across DP groups there (do_tensor_parallel_all_gather_dp_attn false: no DP attention, or dp lm_head), "
@@ -273,7 +290,11 @@ def _check_selected_parity(bodies: dict, live: LiveBatch, line, w: dict) -> None
     runner's step 0 take each request's logits from its last accepted token, whichever of them prunes. At one
     width both read the same live batch. A disagreement is put on the runner that departs from the row rule
     applied to the live batch (the multi-layer one when both or neither do): never blind to a pruning runner."""
-    single, multi = bodies.get(("single_layer", 0)), bodies.get(("multi_layer", 0))
+    for kind in MULTI_LAYER:
+        _check_selected_pair(bodies.get(("single_layer", 0)), bodies.get((kind, 0)), live, line, w)
+
+
+def _check_selected_pair(single, multi, live: LiveBatch, line, w: dict) -> None:
     if single is None or multi is None or single.tokens_per_bs != multi.tokens_per_bs:
         return
     W, ncd = single.tokens_per_bs, live.num_correct_drafts
@@ -304,6 +325,8 @@ def _check_record(ln: Line, layout: ParallelLayout, rec: ReplayRecord, returned:
     check_replay_rows(v, layout, rec, tp_rank, it, expected_rows=rec.bs if pruned else n)
     w = {"layout": layout.describe(), "branch": rec.branch, "runner": rec.runner, "step": rec.step, "rank": tp_rank, "iteration": it,
          "raw_bs": rec.raw_bs, "bs": rec.bs}
+    if returned is None:  # the one-graph composite's replay hands back its raw output (ONE_GRAPH_LOGITS)
+        return
     v.expect_equal("padding", "returned logits rows", w, rec.raw_bs if pruned else rec.raw_bs * rec.tokens_per_bs, returned,
                    "rows handed back after replay: the real lanes only")
 
@@ -331,7 +354,7 @@ def _check_parity(lines: dict, per_request: dict, layouts: tuple[ParallelLayout,
                 _compare(line(layout, kind, step, bs).verdict, "I3", w, (t_lp, t_rows, t_n), (lp, rows, n),
                          "for_logprob per padded token, MLP-TP gather sibling (expected) vs attn-TP gather")
         # I6, both ways: a disagreement belongs to the runner whose for_logprob is not the rows it feeds lm_head
-        if kind != "multi_layer":
+        if kind not in MULTI_LAYER:
             continue
         single = per_request.get((layout, rank, "single_layer", 0), {})
         for bs, (lp, rows, n) in buckets.items():

@@ -25,7 +25,7 @@ class Line:
 
     @property
     def label(self) -> str:
-        return f"{self.runner}[{self.step}]" if self.runner == "multi_layer" else self.runner
+        return f"{self.runner}[{self.step}]" if self.runner.startswith("multi_layer") else self.runner
 
     def to_json(self) -> dict:
         return {

@@ -29,6 +29,7 @@ What is not, each with its reason, in the module that stands in for it:
   process.py    ServerArgs and the parallel globals for one rank of a layout
   handle.py     one runner: capture, replay snapshot, conversion into our records
   build.py      all runners of one rank: construction and the replay drive
+  one_graph.py  the one-graph multi-layer composite (0.5.16 on), beside build.py's per-step one
   draft_decode.py  the graphed draft decode (EAGLEDraftCudaGraphRunner), with build.py's stand-ins
   target_verify.py the target's verify graphs (DecodeCudaGraphRunner in TARGET_VERIFY mode), likewise
 Errors (errors.py): EngineAdapterError / MissingEngineAttribute mean "cannot drive this

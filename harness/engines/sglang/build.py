@@ -7,7 +7,9 @@ Between multi-layer steps the draft chain advances: inside the graph where the s
 grow (assign_new_state, run where the step body is driven), or on the worker in the releases
 with one window for all steps (0.5.15 on): the worker's rotate_input_ids over the composite's
 shared buffers, run here as the worker calls it wherever the step body is driven (it needs the
-step's top-k). Elsewhere steps > 0 are replayed with step 0's token buffers.
+step's top-k). Elsewhere steps > 0 are replayed with step 0's token buffers. From 0.5.16 the
+worker builds one of two composites by its attention backend's answer; both are built here, the
+per-step one for backends planning out of graph and the one graph (one_graph.py) for the others.
 """
 from __future__ import annotations
 
@@ -23,16 +25,16 @@ from harness.engines.after_model import BodyRecord
 from harness.engines.lanes import LaneRecord, LiveBatch
 from harness.engines.sglang.config import EngineConfig
 from harness.engines.sglang.errors import EngineAdapterError
+from harness.engines.sglang.fill import WORKER_ROTATE
 from harness.engines.sglang.graph import AttnRecorder, ModelProbe
 from harness.engines.sglang.handle import RunnerHandle
 from harness.engines.sglang.loader import Engine, attn_backend_class
+from harness.engines.sglang.one_graph import CLASS as ONE_GRAPH_CLASS
+from harness.engines.sglang.one_graph import OneGraph, available, prepare, selects_one_graph
 from harness.engines.sglang.process import configure_process, make_server_args
 from harness.engines.sglang.standins import FakeGroup, Strict, noop, patched
 from harness.records import ReplayRecord
 from runners.parallel.layout import ParallelLayout
-
-# The function the worker advances the draft chain with between multi-layer steps, as 0.5.16 on / 0.5.15 name it.
-WORKER_ROTATE = ("rotate_input_ids", "rotate_input_ids_triton")
 
 # one runner's replay: our record, the logits rows it handed back, its lanes per fill path, its body past the model call
 Replayed = tuple[ReplayRecord, Optional[int], list[LaneRecord], Optional[BodyRecord]]
@@ -51,6 +53,7 @@ class EngineRunners:
         self._hidden_pool = torch.zeros(cfg.max_running_requests + 1, cfg.num_steps, cfg.hidden_size)
         self._req_to_token = 1000 + torch.arange((cfg.max_running_requests + 1) * 64, dtype=torch.int32).view(-1, 64)
         self.multi = self._build_multi_layer(sa)
+        self.one_graph = self._build_one_graph(sa)
         self.single = self._build_single_layer(sa)
 
     # ---- stand-ins ----
@@ -100,9 +103,11 @@ class EngineRunners:
             target_worker=Strict("target_worker", model_runner=runners[0]),
         )
 
-    def _attn(self) -> AttnRecorder:
-        """The release's attention backend, recording; its req_to_token_pool is what the chain's in-graph write reads."""
+    def _attn(self, in_graph: bool = False) -> AttnRecorder:
+        """The release's attention backend, recording; its req_to_token_pool is what the chain's in-graph write reads.
+        in_graph: it answers the worker's probe as FA3 does (draft-extend metadata captured in the graph)."""
         attn = self._attn_cls()
+        attn.captures_in_graph = in_graph
         attn.req_to_token_pool = types.SimpleNamespace(req_to_token=self._req_to_token)
         return attn
 
@@ -114,14 +119,12 @@ class EngineRunners:
         worker = self._worker(sa, backends, mrs)
         Composite = ml.MultiLayerEagleMultiStepDraftExtendCudaGraphRunner
         Runner = ml.MultiLayerEagleDraftExtendCudaGraphRunner
-        comp = object.__new__(Composite)
+        if available(eng) and selects_one_graph(eng, backends):
+            raise EngineAdapterError(f"sglang {eng.version}: the worker would build the one-graph composite for backends that plan out of graph")
         if eng.generation == "prepare":
-            # __init__'s fields, then _init_and_capture with the graph capture left out
-            vars(comp).update(eagle_worker=worker, device="cpu", gpu_id=0, speculative_num_steps=self.cfg.num_steps,
-                              draft_extend_attn_backend_list=backends, runners=[], seq_len_fill_value=1, max_bs=1,
-                              captured_req_width=1, num_front_tokens=0, prune_draft_extend_logits=False,
-                              _out_cache_loc_virtual=None, _kv_loc_plan=None, _kv_loc_cols=None)
+            comp = self._prepare_composite(Composite, worker, backends)
         else:
+            comp = object.__new__(Composite)
             vars(comp).update(eagle_worker=worker, device="cpu", gpu_id=0, speculative_num_steps=self.cfg.num_steps,
                               draft_extend_attn_backend_list=backends, runners=[], cuda_graph_buffers={}, seq_len_fill_value=1,
                               max_bs=1, offsets=[0])
@@ -147,6 +150,27 @@ class EngineRunners:
             h.capture_all()
         return handles
 
+    def _prepare_composite(self, cls: type, worker: Strict, backends: list[AttnRecorder]) -> Any:
+        """A composite of the prepare generation with __init__'s fields; its _init_and_capture is left to the caller."""
+        comp = object.__new__(cls)
+        vars(comp).update(eagle_worker=worker, device="cpu", gpu_id=0, speculative_num_steps=self.cfg.num_steps,
+                          draft_extend_attn_backend_list=backends, runners=[], seq_len_fill_value=1, max_bs=1,
+                          captured_req_width=1, num_front_tokens=0, prune_draft_extend_logits=False,
+                          _out_cache_loc_virtual=None, _kv_loc_plan=None, _kv_loc_cols=None)
+        return comp
+
+    def _build_one_graph(self, sa: Any) -> Optional[OneGraph]:
+        """The one-graph composite, where the worker would build it for backends that capture their metadata in the graph."""
+        eng = self.engine
+        if not available(eng):
+            return None
+        backends = [self._attn(in_graph=True) for _ in range(self.cfg.num_steps)]
+        if not selects_one_graph(eng, backends):
+            return None
+        worker = self._worker(sa, backends, [self._model_runner(sa, b) for b in backends])
+        comp = self._prepare_composite(getattr(eng.modules["ml"], ONE_GRAPH_CLASS), worker, backends)
+        return OneGraph(eng, self.layout, self.tp_rank, self.cfg, comp, backends)
+
     def _build_single_layer(self, sa: Any) -> RunnerHandle:
         eng, sl = self.engine, self.engine.modules["sl"]
         attn = self._attn()
@@ -170,7 +194,7 @@ class EngineRunners:
 
     @property
     def handles(self) -> list[RunnerHandle]:
-        return [*self.multi, self.single]
+        return [*self.multi, *(self.one_graph.handles if self.one_graph else []), self.single]
 
     # ---- live batches ----
     def _forward_batch(self, live: LiveBatch, T: int) -> Any:
@@ -212,10 +236,7 @@ class EngineRunners:
         if eng.generation == "prepare":
             if not comp.can_run_graph(fb):
                 raise EngineAdapterError(f"sglang {eng.version}: the multi-layer composite refused a batch of {live.raw_bs} (can_run_graph)")
-            if "staged" in inspect.signature(comp.prepare).parameters:
-                comp.prepare(fb, staged=False)  # staged: a path where the worker stages shared reads first
-            else:
-                comp.prepare(fb)
+            prepare(comp, fb)
             rotate, rotated = self._worker_rotate(), False
             for step, h in enumerate(self.multi):
                 logits, _p, topk_index = comp.replay(step)
@@ -228,6 +249,8 @@ class EngineRunners:
                     b = comp.buffers
                     rotate(b.input_ids[: comp.raw_num_tokens], b.extend_start_loc[: comp.raw_bs], b.extend_seq_lens[: comp.raw_bs],
                            topk_index, b.select_index[: comp.raw_bs])
+            if self.one_graph is not None:
+                out += self.one_graph.replay(live, self._forward_batch(live, self.one_graph.handles[0].tokens_per_bs))
             return out
         can_run = comp.can_run(fb) if eng.generation == "legacy" else comp.can_run_graph(fb)
         if not can_run:
@@ -241,8 +264,8 @@ class EngineRunners:
         return out
 
     def _worker_rotate(self) -> Optional[Callable]:
-        """The worker's chain advance between steps; None where the composite rotates inside its graph (0.5.16 on
-        ships such a composite beside the per-step one the adapter builds)."""
+        """The worker's chain advance between steps; None where the composite rotates inside its graph (the one graph,
+        one_graph.py, driven on its own)."""
         if getattr(self.composite, "rotates_in_graph", False):
             return None
         utils = self.engine.modules["mle_utils"]

@@ -120,6 +120,28 @@ class FillMemo:
         return ret
 
 
+# The function the worker (and, 0.5.16 on, the one graph) advances the draft chain with between multi-layer steps,
+# as 0.5.16 on / 0.5.15 name it.
+WORKER_ROTATE = ("rotate_input_ids", "rotate_input_ids_triton")
+
+
+@dataclass
+class InPlaceLauncher:
+    """A launcher that writes into its tensor arguments and hands back its first one (the draft chain's
+    rotate_input_ids): memoized as FillMemo is (the module docstring), where it did hand back its first argument."""
+
+    fn: Callable
+    memo: FillMemo = field(default_factory=FillMemo)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        def launch(*a: Any, **k: Any) -> Optional[tuple]:
+            ret = self.fn(*a, **k)
+            return None if a and ret is a[0] else (ret,)
+
+        ret = self.memo.call(launch, args, kwargs)
+        return args[0] if ret is None else ret[0]
+
+
 def fill_name(ml: Any) -> Optional[str]:
     """The module global prepare() calls for the fill (the name moved once), or None: a Python fill."""
     for name in ("fill_draft_extend_prepare_buffers", "fill_draft_extend_prepare_buffers_triton"):

@@ -54,8 +54,13 @@ class AttnRecorder:
     """Mixed into a subclass of the engine's own AttentionBackend (its defaults stay the engine's):
     plans nothing; records the batch view it is given at replay (its seq_lens_sum)."""
 
+    # the capability probe the worker selects its multi-layer composite by: True as FA3 answers (one graph for all
+    # steps, 0.5.16 on), False as flashinfer / triton do (a graph per step); set per instance by the builder
+    captures_in_graph = False
+
     def __init__(self) -> None:
         self.last_replay_view: Any = None
+        self.in_graph_hook: Optional[Callable[[Any], None]] = None  # called where a replayed graph refreshes this step's metadata
 
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int, *args: Any, **kwargs: Any) -> None:
         pass
@@ -64,14 +69,15 @@ class AttnRecorder:
         return 1  # as runners.draft_extend.SEQ_LEN_FILL_VALUE (flashinfer / triton / fa3 backends say 1 too)
 
     def draft_extend_metadata_captured_in_graph(self) -> bool:
-        return False  # so replay plans out of graph, where we can see what it is given
+        return self.captures_in_graph  # False: replay plans out of graph, where we can see what it is given
 
     def init_forward_metadata_out_graph(self, forward_batch: Any, in_capture: bool = False, *args: Any, **kwargs: Any) -> None:
         if not in_capture:
             self.last_replay_view = forward_batch
 
     def init_forward_metadata_in_graph(self, forward_batch: Any, *args: Any, **kwargs: Any) -> None:
-        pass
+        if self.in_graph_hook is not None:
+            self.in_graph_hook(forward_batch)
 
     # the hooks of releases up to 0.5.12 (keyword arguments, no forward batch)
     def init_forward_metadata_capture_cuda_graph(self, *args: Any, **kwargs: Any) -> None:
@@ -134,12 +140,16 @@ class StopBody(Exception):
     Carries what the body had set up by then (stop_at_model's tuple)."""
 
 
-def stop_at_model(fb: Any, gathered: Any, what: str) -> NoReturn:
+def baked_at_model(fb: Any, gathered: Any, what: str) -> tuple[Any, dict[str, Any], Optional[list[int]], Optional[list[int]]]:
     """The model call of a capture body: what the graph bakes is the batch, the DP buffer the body
     set and the gathered gpu tensors (held by `gathered`: the runner's buffers or the batch)."""
     if not DP_CALLS:
         raise EngineAdapterError(f"{what} called the model without set_dp_buffer_len")
-    raise StopBody((fb, dict(DP_CALLS[-1]), tolist(gathered.global_num_tokens_gpu), tolist(gathered.global_num_tokens_for_logprob_gpu)))
+    return fb, dict(DP_CALLS[-1]), tolist(gathered.global_num_tokens_gpu), tolist(gathered.global_num_tokens_for_logprob_gpu)
+
+
+def stop_at_model(fb: Any, gathered: Any, what: str) -> NoReturn:
+    raise StopBody(baked_at_model(fb, gathered, what))
 
 
 def run_until_model(run_once: Callable, what: str) -> tuple[Any, dict[str, Any], Optional[list[int]], Optional[list[int]]]:

@@ -24,6 +24,7 @@ from harness.engines.sglang.graph import (
     FakeGraphBackend,
     ModelProbe,
     Snapshot,
+    baked_at_model,
     run_until_model,
     stop_at_model,
     tolist,
@@ -36,6 +37,10 @@ from runners.parallel.layout import Branch, ParallelLayout
 # Older names of the same buffers: 0.5.11 says num_accepted_*, releases up to 0.5.10 accept_length (drafts + bonus).
 LANE_ALIASES = {"num_correct_drafts": ("num_correct_drafts", "num_accepted_drafts"),
                 "num_accept_tokens": ("num_accept_tokens", "num_accepted_tokens", "accept_length")}
+# The multi-layer draft-extend paths: the per-step composite (a graph per step) and, 0.5.16 on, the one-graph
+# composite (every step and the chain rotation in one graph per bucket): each its own report lines.
+ONE_GRAPH = "multi_layer_1g"
+MULTI_LAYER = ("multi_layer", ONE_GRAPH)
 
 
 class RunnerHandle:
@@ -50,10 +55,11 @@ class RunnerHandle:
         # past the model call: the captured step body per bucket, run again at replay where drive_body is set
         self.drive_body = False
         self._bodies: dict[int, Callable] = {}
-        self._replaying = False
+        self.replaying = False  # the body runs past the model call (a driven replay): the model answers with the stand-in
         self.base_width = 0  # step 0's window (set by the builder)
         self.last_body: Optional[tuple[Any, list[int]]] = None  # (the body's output, input_ids at launch)
         self.on_launch: Optional[Callable[["RunnerHandle", int], None]] = None  # called at each graph launch (logits_gather.py)
+        self.last_logits: Optional[torch.Tensor] = None  # the stand-in model's logits at this runner's last driven model call
 
     # ---- what the engine derived ----
     @property
@@ -108,7 +114,11 @@ class RunnerHandle:
     def on_model_forward(self, fb: Any) -> Any:
         """The body called the model: at capture, the batch, the DP buffer and the gathered gpu tensors are
         what the graph bakes (and the body stops); at a replay that drives the body, the stand-in model's output."""
-        if self._replaying:
+        if self.replaying:
+            return self._stand_in_output(fb)
+        if self.kind == ONE_GRAPH:  # one capture runs every step's body: record this step's batch and go on
+            self._body = baked_at_model(fb, self._buffers(), f"sglang {self.engine.version}: the {self.kind} step body")
+            self._record_capture(int(fb.batch_size))
             return self._stand_in_output(fb)
         stop_at_model(fb, self._buffers(), f"sglang {self.engine.version}: the {self.kind} step body")
 
@@ -166,6 +176,7 @@ class RunnerHandle:
         if buf is not None and tuple(buf.shape) == tuple(logits.shape):
             buf.copy_(logits)  # the logits processor writes into the graph's logits buffer
             logits = buf
+        self.last_logits = logits.clone()
         return self.engine.modules["logits"].LogitsProcessorOutput(next_token_logits=logits, hidden_states=hidden)
 
     def run_body(self, bs: int) -> Any:
@@ -173,16 +184,16 @@ class RunnerHandle:
         run_once = self._bodies.get(bs)
         if run_once is None:
             raise EngineAdapterError(f"sglang {self.engine.version}: the {self.kind} runner replayed bucket {bs} with no captured body")
-        mod = self.engine.modules["ml" if self.kind == "multi_layer" else "sl"]
+        mod = self.engine.modules["ml" if self.kind in MULTI_LAYER else "sl"]
         ctx = contextlib.nullcontext()
         if hasattr(mod, "forward_context") and hasattr(mod, "ForwardContext"):
             ctx = mod.forward_context(mod.ForwardContext(attn_backend=self.attn))  # get_req_to_token_pool() reads it
-        self._replaying = True
+        self.replaying = True
         try:
             with ctx:
                 ret = run_once()
         finally:
-            self._replaying = False
+            self.replaying = False  # the body runs past the model call (a driven replay): the model answers with the stand-in
             DP_CALLS.clear()
         if ret is None:
             raise EngineAdapterError(f"sglang {self.engine.version}: the {self.kind} runner's step body returned nothing")
@@ -216,20 +227,33 @@ class RunnerHandle:
                            _create_graph=lambda: FakeGraph(handle, handle._capturing_bs))
         else:
             r.backend = FakeGraphBackend(self)
-        model = r.model_runner.model
+        self.bind_model()
+
+    def bind_model(self) -> None:
+        """The runner's model stand-in calls this handle back."""
+        model = self.runner.model_runner.model
         if not isinstance(model, ModelProbe):
             raise EngineAdapterError(f"sglang {self.engine.version}: the {self.kind} runner's model_runner is not the adapter's")
         model.handle = self
 
     # ---- replay ----
     def on_replay(self, bs: int) -> None:
-        """At the graph launch: every buffer the graph reads, whole (the padded lanes are the point)."""
+        """At the graph launch: the snapshot, then the body where driven."""
+        lanes = self.snapshot(bs)
+        if self.drive_body:
+            ret = self.run_body(bs)
+            self.last_body = (ret, lanes["input_ids"])
+            out = self.runner.output_buffers[bs] if self.engine.generation == "legacy" else self.runner.backend.outputs[bs]
+            write_outputs(out, ret)
+
+    def snapshot(self, bs: int) -> dict[str, Optional[list[int]]]:
+        """Where this runner's graph (or its step of the one graph) starts: every buffer it reads, whole (the padded lanes are the point)."""
         buf = self._buffers()
         g = buf.global_num_tokens_gpu
         lanes = {name: tolist(next((getattr(buf, a) for a in LANE_ALIASES.get(name, (name,)) if hasattr(buf, a)), None))
                  for name in (*PER_REQUEST, *PER_TOKEN)}
         fill = self.engine.fill
-        if self.kind != "multi_layer" or fill is None:
+        if self.kind not in MULTI_LAYER or fill is None:
             path, native = "", None
         else:  # prepare()'s fused fill: the kernel ran (its twin beside it, on clones), or the twin alone
             path, native = ("gpu", fill.last_native) if fill.kernel or fill.native is None else ("npu", None)
@@ -239,11 +263,7 @@ class RunnerHandle:
         if self.on_launch is not None:
             self.on_launch(self, bs)
         self.last_body = None
-        if self.drive_body:
-            ret = self.run_body(bs)
-            self.last_body = (ret, lanes["input_ids"])
-            out = self.runner.output_buffers[bs] if self.engine.generation == "legacy" else self.runner.backend.outputs[bs]
-            _write_outputs(out, ret)
+        return lanes
 
     def record(self, live: LiveBatch, returned_rows: Optional[int]) -> tuple[ReplayRecord, Optional[int], list[LaneRecord]]:
         """Turn the last replay's snapshot into our ReplayRecord (plus the rows the engine handed back and its lanes, per fill path)."""
@@ -279,14 +299,14 @@ class RunnerHandle:
             return None
         ret, input_ids = self.last_body
         snap = self.snapshots[-1]
-        topk = getattr(ret, "topk_index", None) if self.kind == "multi_layer" else None
+        topk = getattr(ret, "topk_index", None) if self.kind in MULTI_LAYER else None
         returned = [int(x) for x in returned_logits.argmax(dim=-1).tolist()]
         return BodyRecord(self.kind, self.step, live.raw_bs, snap.bs, self.tokens_per_bs, self.base_width or self.tokens_per_bs,
                           len(returned) == live.raw_bs and self.tokens_per_bs != 1, returned,
                           None if topk is None else [int(x) for x in topk[:, 0].tolist()], input_ids or [])
 
 
-def _write_outputs(out: Any, ret: Any) -> None:
+def write_outputs(out: Any, ret: Any) -> None:
     """Where the graph would leave its results: the captured output buffers, written in place."""
     for name in ("next_token_logits", "hidden_states", "topk_p", "topk_index"):
         src, dst = getattr(ret, name, None), getattr(out, name, None)

@@ -31,7 +31,7 @@ from harness.engines import lazy_compile
 from harness.engines.install import write_engine_bytecode
 from harness.engines.interpreter import patch_interpreter_index
 from harness.engines.sglang.errors import EngineAdapterError, require
-from harness.engines.sglang.fill import FillObserver, fill_name
+from harness.engines.sglang.fill import WORKER_ROTATE, FillObserver, InPlaceLauncher, fill_name
 from harness.engines.sglang.graph import AttnRecorder, recording_set_dp_buffer_len
 from harness.engines.sglang.standins import noop
 from harness.engines.sglang.stubs import LATE_STUBBED_MODULES, REAL_MODULES, StubFinder
@@ -102,6 +102,8 @@ def load(target: Optional[Path], deps: Optional[Path]) -> Engine:
     runner_cls = require(ml, "MultiLayerEagleDraftExtendCudaGraphRunner", version)
     mods["parallel_state"] = importlib.import_module("sglang.srt.distributed.parallel_state")
     mods["dp_attention"] = importlib.import_module("sglang.srt.layers.dp_attention")
+    if importlib.util.find_spec("sglang.srt.environ") is not None:  # the flags the worker picks its composite by
+        mods["environ"] = importlib.import_module("sglang.srt.environ")
     if importlib.util.find_spec("sglang.srt.runtime_context") is not None:
         mods["runtime_context"] = importlib.import_module("sglang.srt.runtime_context")
     if hasattr(composite, "prepare"):
@@ -163,6 +165,13 @@ def _install_module_shims(engine: Engine) -> None:
             native = getattr(engine.modules["mle_utils"], "fill_draft_extend_prepare_buffers_native", None)
             engine.fill = FillObserver(getattr(ml, name), native)
             setattr(ml, name, engine.fill)
+        # the chain rotation's interpreted kernel, memoized (fill.py): every layout and rank captures the one graph on the same state
+        wrapped: dict[int, InPlaceLauncher] = {}
+        for mod in (ml, engine.modules["mle_utils"]):
+            for rot in WORKER_ROTATE:
+                fn = getattr(mod, rot, None)
+                if callable(fn):
+                    setattr(mod, rot, wrapped.setdefault(id(fn), InPlaceLauncher(fn)))
 
 
 def _version_of(sglang: types.ModuleType, location: str) -> str:
