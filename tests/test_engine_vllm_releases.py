@@ -174,15 +174,20 @@ def test_planted_028_bugs_are_caught(tmp_path):
     failed = _planted_failures(_installed("0.28.0"), {"release": None, "runner_q": RUNNER_Q, "prefill_dp": PREFILL_SKIPS_AGREEMENT},
                                tmp_path)
     assert failed["release"] == set()
-    # the target's graphs hold 4 tokens per request while its batches hold 3: captured wrong, and none of them fits a batch
+    # the target's graphs hold 4 tokens per request while its batches hold 3: captured wrong, and none of them fits a batch,
+    # so the verify-width batches (the target's, and the draft prefill's, which reuses its agreement) run other graphs than
+    # the release's rule gives for 3-token requests
     assert failed["runner_q"] == {("capture sizes", "uniform_token_count", "target_verify"),
-                                                       ("capture sizes", "num_tokens", "target_verify"),
-                                                       ("capture sizes", "request sizes at 1 + K", "target_verify")}
+                                  ("capture sizes", "num_tokens", "target_verify"),
+                                  ("capture sizes", "request sizes at 1 + K", "target_verify"),
+                                  ("padding", "graph (mode, requests)", "target_verify"),
+                                  ("padding", "graph (mode, requests)", "draft_prefill")}
     # each rank dispatches the draft prefill alone: no count across DP, and where one rank's batch fits a graph and the
     # other's does not, the ranks run different shapes
     assert failed["prefill_dp"] == {("DP", "num_tokens_across_dp", "draft_prefill"),
-                                                         ("DP", "(mode, num_tokens) on every rank", "draft_prefill"),
-                                                         ("I1", "num_tokens_across_dp", "draft_prefill")}
+                                    ("DP", "(mode, num_tokens) on every rank", "draft_prefill"),
+                                    ("I1", "num_tokens_across_dp", "draft_prefill"),
+                                    ("padding", "graph (mode, requests)", "draft_prefill")}  # a rank's own graph, not the agreed one
 
 
 @pytest.mark.timeout(900)

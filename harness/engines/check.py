@@ -55,6 +55,9 @@ SKIPPED: tuple[str, ...] = ()
 ONE_GRAPH_LOGITS = (f"{ONE_GRAPH}: the logits replay(step) hands back: not checked: the one-graph composite serves each step's raw "
                     "output, whose logits buffer every step shares (the last step's write wins), and its worker reads only the top-k "
                     "(checked: `served`); each step's logits are checked where the model stand-in produced them (`select`)")
+ONE_GRAPH_NATIVE = (f"{ONE_GRAPH}: prepare()'s native (NPU) fill twin: not run on this runner: the worker builds the one graph only "
+                    "off NPU (`if not _is_npu` in _capture_cuda_graphs), so its prepare() fills with the Triton kernel on every "
+                    "replay here; the twin is checked on the per-step composite")
 ONE_GRAPH_OFF = (f"{ONE_GRAPH}: not built: {one_graph.FLAG} is off in this process, so the worker builds the per-step composite for every "
                  "attention backend")
 I7_OFF = ("I7 (eager vs graph): not run (`harness engine-check --eager`, or check_engine(eager=True), runs it: the scheduler's MLP sync and the worker's eager "
@@ -193,6 +196,8 @@ def check_engine(engine: Engine, layouts: tuple[ParallelLayout, ...] = REPRESENT
     skipped += sorted(set(gather_na))
     if one_graph.available(engine):
         skipped.append(ONE_GRAPH_LOGITS if one_graph.flag_on(engine) else ONE_GRAPH_OFF)
+        if one_graph.flag_on(engine) and engine.fill is not None and engine.fill.native is not None:
+            skipped.append(ONE_GRAPH_NATIVE)
     if no_gather:
         skipped.append(f"{logits_gather.CHECK} on {', '.join(no_gather)}: nothing to run: the engine's LogitsProcessor does not gather "
                        "logits rows across DP groups there (do_tensor_parallel_all_gather_dp_attn false: no DP attention, or dp lm_head), "
