@@ -281,7 +281,7 @@ def parse_case(data: dict, path: Path | str = "<case>") -> Case:
         raise CaseError(path, "spec.draft", f"one of {', '.join(DRAFTS)} (the EAGLE draft: a layer per step, or one layer with a graphed draft decode)", spec_t["draft"])
     if "draft_extend_graph" in spec_t:
         graph = spec_t["draft_extend_graph"]
-        if graph not in set(DraftExtendGraph):
+        if not isinstance(graph, str) or graph not in set(DraftExtendGraph):
             raise CaseError(path, "spec.draft_extend_graph", f"one of {', '.join(DraftExtendGraph)} (a graph per draft step, or one for every step)", graph)
         if graph == DraftExtendGraph.ONE_GRAPH and spec_t.get("draft", "multi_layer") != "multi_layer":
             raise CaseError(path, "spec.draft_extend_graph", "per_step with draft = single_layer (its draft-extend is one step)", graph)

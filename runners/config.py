@@ -59,6 +59,10 @@ class DraftExtendGraph(StrEnum):
     PER_STEP = "per_step"
     ONE_GRAPH = "one_graph"
 
+    def __repr__(self) -> str:
+        """As code, so a config's repr (a failing example's @example line) rebuilds it."""
+        return f"{type(self).__name__}.{self.name}"
+
 
 @dataclass(frozen=True)
 class SpecConfig:
