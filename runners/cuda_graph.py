@@ -10,13 +10,14 @@ from typing import Optional
 
 from runners.config import DraftExtendGraph
 from runners.draft_extend import DraftExtendInputs, DraftWorker, StepOutputs, run_eager, with_step_inputs
-from runners.draft_extend_buffers import DraftExtendGraphRunner, DraftExtendInputBuffers
+from runners.draft_extend_buffers import DraftExtendGraphRunner
 from runners.eagle_draft_extend_graph import EagleDraftExtendCudaGraphRunner
 from runners.graph_backend import GraphBackend
 from runners.graph_runner import compute_capture_bs
 from runners.multi_layer_draft_extend_graph import (
     EagleDraftExtendCudaGraphRunnerBase,
     MultiLayerEagleDraftExtendCudaGraphRunner,
+    MultiStepDraftExtendComposite,
 )
 from runners.one_graph_draft_extend import OneGraphMultiLayerEagleMultiStepDraftExtendCudaGraphRunner
 
@@ -27,27 +28,17 @@ __all__ = [
 ]
 
 
-class MultiLayerEagleMultiStepDraftExtendCudaGraphRunner:
+class MultiLayerEagleMultiStepDraftExtendCudaGraphRunner(MultiStepDraftExtendComposite):
     """Owns the one buffer set and the per-step runners that read it: prepare once per iteration,
     then per step write the chain inputs and replay that step's graph."""
 
     def __init__(self, worker: DraftWorker, backend: GraphBackend):
-        self.worker = worker
-        self.buffers = DraftExtendInputBuffers.allocate(worker)
+        super().__init__(worker)
         self.runners = [MultiLayerEagleDraftExtendCudaGraphRunner(worker, k, backend, self.buffers) for k in range(worker.num_layers)]
-        self.raw_bs = self.bs = 0
 
     def capture(self) -> None:
         for r in reversed(self.runners):  # the engine captures the last step first
             r.capture()
-
-    def can_run(self, inp: DraftExtendInputs) -> bool:
-        return self.runners[0].can_run(inp)
-
-    def prepare(self, inp: DraftExtendInputs) -> int:
-        """Reset, copy-in and replay fill of the shared buffers, once per iteration; returns the bucket."""
-        self.raw_bs, self.bs = inp.bs, self.runners[0].prepare_replay(inp)
-        return self.bs
 
     def replay(self, step: int, inp: DraftExtendInputs) -> StepOutputs:
         """Step k > 0 reads the previous step's token ids and hidden states (`inp`, live rows):
@@ -59,8 +50,7 @@ class MultiLayerEagleMultiStepDraftExtendCudaGraphRunner:
         return self.runners[step].replay(inp)
 
 
-MultiStepComposite = MultiLayerEagleMultiStepDraftExtendCudaGraphRunner | OneGraphMultiLayerEagleMultiStepDraftExtendCudaGraphRunner
-COMPOSITES: dict[DraftExtendGraph, type[MultiStepComposite]] = {
+COMPOSITES: dict[DraftExtendGraph, type[MultiStepDraftExtendComposite]] = {
     DraftExtendGraph.PER_STEP: MultiLayerEagleMultiStepDraftExtendCudaGraphRunner,
     DraftExtendGraph.ONE_GRAPH: OneGraphMultiLayerEagleMultiStepDraftExtendCudaGraphRunner,
 }
@@ -78,7 +68,7 @@ class DraftExtendGraphDriver:
 
     def __init__(self, worker: DraftWorker, backend: GraphBackend, single_layer: bool = False):
         self.worker, self.backend = worker, backend
-        self.multi_step: Optional[MultiStepComposite] = None
+        self.multi_step: Optional[MultiStepDraftExtendComposite] = None
         if single_layer:
             self.runners: list[DraftExtendGraphRunner] = [EagleDraftExtendCudaGraphRunner(worker, backend)]
         else:

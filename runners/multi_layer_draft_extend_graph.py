@@ -141,3 +141,30 @@ class MultiLayerEagleDraftExtendCudaGraphRunner(EagleDraftExtendCudaGraphRunnerB
     """One draft layer (one speculative step) of the multi-layer EAGLE draft."""
 
     runner_kind = RunnerKind.MULTI_LAYER
+
+
+class MultiStepDraftExtendComposite:
+    """What both multi-layer composites do alike (the per-step one, runners.cuda_graph; the one-graph one,
+    runners.one_graph_draft_extend): one buffer set, a step runner per draft layer over it, prepared once per
+    iteration by the first step's runner. A subclass builds `runners` and says how the steps are captured and replayed."""
+
+    runners: list[MultiLayerEagleDraftExtendCudaGraphRunner]
+
+    def __init__(self, worker: DraftWorker):
+        self.worker = worker
+        self.buffers = DraftExtendInputBuffers.allocate(worker)
+        self.raw_bs = self.bs = 0
+
+    def capture(self) -> None:
+        raise NotImplementedError
+
+    def replay(self, step: int, inp: DraftExtendInputs) -> StepOutputs:
+        raise NotImplementedError
+
+    def can_run(self, inp: DraftExtendInputs) -> bool:
+        return self.runners[0].can_run(inp)
+
+    def prepare(self, inp: DraftExtendInputs) -> int:
+        """Reset, copy-in and replay fill of the shared buffers, once per iteration; returns the bucket."""
+        self.raw_bs, self.bs = inp.bs, self.runners[0].prepare_replay(inp)
+        return self.bs

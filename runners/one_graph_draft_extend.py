@@ -30,7 +30,10 @@ from runners.batch import ForwardBatch
 from runners.draft_extend import DraftExtendInputs, DraftWorker, StepOutputs, draft_extend_step
 from runners.draft_extend_buffers import DraftExtendInputBuffers
 from runners.graph_backend import GraphBackend
-from runners.multi_layer_draft_extend_graph import MultiLayerEagleDraftExtendCudaGraphRunner
+from runners.multi_layer_draft_extend_graph import (
+    MultiLayerEagleDraftExtendCudaGraphRunner,
+    MultiStepDraftExtendComposite,
+)
 from runners.parallel.comm import Group
 
 
@@ -54,17 +57,16 @@ class OneGraphDraftExtendStepRunner(MultiLayerEagleDraftExtendCudaGraphRunner):
         return self.composite.served[self.step]
 
 
-class OneGraphMultiLayerEagleMultiStepDraftExtendCudaGraphRunner:
+class OneGraphMultiLayerEagleMultiStepDraftExtendCudaGraphRunner(MultiStepDraftExtendComposite):
     """Owns the buffer set, a logits buffer per step and the step runners; one graph per bucket runs them all."""
 
     def __init__(self, worker: DraftWorker, backend: GraphBackend):
-        self.worker, self.backend = worker, backend
-        self.buffers = DraftExtendInputBuffers.allocate(worker)
+        super().__init__(worker)
+        self.backend = backend
         self.runners = [OneGraphDraftExtendStepRunner(worker, k, backend, self.buffers, self) for k in range(worker.num_layers)]
         shared = self.buffers.next_token_logits_buffer
         self.step_logits = [shared] + [torch.zeros_like(shared) for _ in self.runners[1:]]
         self.served: list[StepOutputs] = []
-        self.raw_bs = self.bs = 0
 
     @property
     def graphs(self) -> dict[int, Any]:
@@ -102,14 +104,6 @@ class OneGraphMultiLayerEagleMultiStepDraftExtendCudaGraphRunner:
                 self.backend.warmup(lambda bs=bs, batches=batches: self._body(bs, batches))
                 first.comm.barrier(Group.WORLD)
             first.graphs[bs] = self.backend.capture(lambda bs=bs, batches=batches: self._body(bs, batches))
-
-    def can_run(self, inp: DraftExtendInputs) -> bool:
-        return self.runners[0].can_run(inp)
-
-    def prepare(self, inp: DraftExtendInputs) -> int:
-        """Reset, copy-in and replay fill of the buffers, once per iteration; returns the bucket."""
-        self.raw_bs, self.bs = inp.bs, self.runners[0].prepare_replay(inp)
-        return self.bs
 
     def replay(self, step: int, inp: DraftExtendInputs) -> StepOutputs:
         """Step 0 replays the one graph; a later step is served from that replay. `inp` carries the previous step's
