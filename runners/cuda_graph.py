@@ -109,5 +109,7 @@ class DraftExtendGraphDriver:
         buffer (DraftExtendInputBuffers), and their graphs one graph pool, captured last step first, so a step's
         outputs may sit in memory a later step's graph frees at capture and rewrites at every replay
         (runners.graph_pool). The engine's worker clones each step's top-k before the next step for that reason;
-        the caller here keeps every output of every step (the proposal, the loop's report)."""
+        the caller here keeps every output of every step (the proposal, the loop's report). Under the one-graph
+        composite nothing replays between its steps' outputs, each in memory of its own, so the copies guard
+        nothing there; they keep one loop for both composites."""
         return out.cloned()
