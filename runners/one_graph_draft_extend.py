@@ -14,11 +14,12 @@ first step's runner; each step's get_forward_batch. What differs, and why each p
 - the replay runs at step 0; every step's outputs come from that replay (the composite's `served`), sliced to the
   raw batch by the step's runner as a per-step replay's are (mutant one-graph-served-unsliced, P3).
 
-SGLang snapshots the buffers the chain writes (input ids, hidden states) before capture and restores them after it,
-outside the graph: the warm-ups ran the chain for real. Our prepare needs no restore, so there is none: the reset
-zeroes every input id before the live ones are copied in, and the hidden states the chain leaves are padded lanes
-only after that copy-in, which are stale by design (any earlier larger batch leaves them so; P2's poisoned lanes and
-P3 show they reach no live row), so no mutant that drops a restore can change an output.
+SGLang snapshots the chain's buffers (token ids, hidden states) before capture and restores them after it, outside
+the graph, because the warm-ups ran the chain for real. There is no restore here because our prepare leaves nothing for
+one to guard: the reset zeroes every token id and the copy-in rewrites every live hidden state, so what the warm-ups'
+chain leaves survives only in the padded lanes' hidden states, stale by design (an earlier larger batch leaves them so)
+and read by no live row (P2 poisons them; tests/test_one_graph_draft_extend.py poisons the chain buffers after capture
+and no output changes).
 """
 from __future__ import annotations
 
@@ -67,10 +68,6 @@ class OneGraphMultiLayerEagleMultiStepDraftExtendCudaGraphRunner(MultiStepDraftE
         shared = self.buffers.next_token_logits_buffer
         self.step_logits = [shared] + [torch.zeros_like(shared) for _ in self.runners[1:]]
         self.served: list[StepOutputs] = []
-
-    @property
-    def graphs(self) -> dict[int, Any]:
-        return self.runners[0].graphs
 
     def _logits_buffer(self, step: int) -> torch.Tensor:
         return self.step_logits[step]
