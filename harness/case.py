@@ -22,7 +22,7 @@ from harness.scenario import Iteration, RequestSpec, Scenario
 from harness.tolerances import Tol
 from runners.attention import BACKENDS
 from runners.attention.kinds import AttentionBackend
-from runners.config import DTYPES, ModelConfig, SpecConfig
+from runners.config import DTYPES, DraftExtendGraph, ModelConfig, SpecConfig
 from runners.draft_decode import DRAFTS
 from runners.model import check_model_fits_layout
 from runners.parallel.layout import LayoutError, ParallelLayout
@@ -74,7 +74,7 @@ _TOP = {"name": str, "description": str, "seed": int, "dtype": str, "backend": s
 _REQUIRED = ("name", "description", "layout", "schedule")
 _LAYOUT = {"tp_size": int, "dp_size": int, "enable_dp_attention": bool, "moe_dense_tp_size": int, "enable_dp_lm_head": bool, "moe_a2a_backend": str,
            "enable_two_batch_overlap": bool}
-_SPEC = {"num_steps": int, "topk": int, "num_tokens_per_bs": int, "capture_bs": list, "max_running_requests": int, "page_size": int, "draft": str}
+_SPEC = {"num_steps": int, "topk": int, "num_tokens_per_bs": int, "capture_bs": list, "max_running_requests": int, "page_size": int, "draft": str, "draft_extend_graph": str}
 PAGE_SIZES = (1, 2, 4, 8, 16, 32, 64)  # KV slots per page: a power of two (runners.memory.check_page_size), at most 64
 _MODEL = {f.name: f.type for f in fields(ModelConfig) if f.name not in ("dtype",)}
 _SCHEDULE = {"batches": list, "max_prefix_len": int, "prefix_lens": list, "accept_lens": list, "rids": list}
@@ -279,6 +279,12 @@ def parse_case(data: dict, path: Path | str = "<case>") -> Case:
         raise CaseError(path, "spec.page_size", f"one of {', '.join(map(str, PAGE_SIZES))} (KV slots per page, a power of two)", spec_t["page_size"])
     if "draft" in spec_t and spec_t["draft"] not in DRAFTS:
         raise CaseError(path, "spec.draft", f"one of {', '.join(DRAFTS)} (the EAGLE draft: a layer per step, or one layer with a graphed draft decode)", spec_t["draft"])
+    if "draft_extend_graph" in spec_t:
+        graph = spec_t["draft_extend_graph"]
+        if not isinstance(graph, str) or graph not in set(DraftExtendGraph):
+            raise CaseError(path, "spec.draft_extend_graph", f"one of {', '.join(DraftExtendGraph)} (a graph per draft step, or one for every step)", graph)
+        if graph == DraftExtendGraph.ONE_GRAPH and spec_t.get("draft", "multi_layer") != "multi_layer":
+            raise CaseError(path, "spec.draft_extend_graph", "per_step with draft = single_layer (its draft-extend is one step)", graph)
     if "num_tokens_per_bs" in spec_t:
         spec_t["num_draft_tokens"] = spec_t.pop("num_tokens_per_bs")
     spec = SpecConfig(**spec_t)

@@ -26,7 +26,7 @@ from harness.case import (
     PAGE_SIZES,
 )
 from runners.attention.kinds import AttentionBackend
-from runners.config import DTYPES
+from runners.config import DTYPES, DraftExtendGraph
 from runners.draft_decode import DRAFTS
 
 _JSON_TYPE = {int: "integer", float: "number", str: "string", bool: "boolean", list: "array", dict: "object"}
@@ -54,7 +54,8 @@ def case_json_schema() -> dict:
                    | {"rope_theta": {"exclusiveMinimum": 0}, "rms_eps": {"exclusiveMinimum": 0}})
     spec = _table(_SPEC, {k: {"minimum": 1, "maximum": hi} for k, hi in _SPEC_MAX.items()}
                   | {"capture_bs": {"minItems": 1, "items": {"type": "integer", "minimum": 1, "maximum": 1024}},
-                     "page_size": {"enum": list(PAGE_SIZES)}, "draft": {"enum": list(DRAFTS)}})
+                     "page_size": {"enum": list(PAGE_SIZES)}, "draft": {"enum": list(DRAFTS)},
+                     "draft_extend_graph": {"enum": [g.value for g in DraftExtendGraph]}})
     layout = _table(_LAYOUT, {"tp_size": {"minimum": 1, "maximum": 64}, "dp_size": {"minimum": 1, "maximum": 64},
                               "moe_a2a_backend": {"enum": ["none", "deepep", "mooncake", "flashinfer"]}}, required=("tp_size",))
     schedule = _table(_SCHEDULE, {"batches": {"minItems": 1, "maxItems": MAX_ITERATIONS,

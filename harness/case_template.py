@@ -18,7 +18,7 @@ from typing import Any, Optional, Sequence
 from harness.case import CASES_DIR, Case, CaseError, parse_case
 from harness.scenario import Scenario
 from harness.tolerances import Tol
-from runners.config import ModelConfig, SpecConfig
+from runners.config import DraftExtendGraph, ModelConfig, SpecConfig
 from runners.cuda_graph import compute_capture_bs
 from runners.parallel.layout import ParallelLayout
 
@@ -84,6 +84,8 @@ def _spec_table(spec: SpecConfig) -> dict:
         out["page_size"] = spec.page_size
     if spec.draft != "multi_layer":
         out["draft"] = spec.draft
+    if spec.draft_extend_graph is not DraftExtendGraph.PER_STEP:
+        out["draft_extend_graph"] = spec.draft_extend_graph.value
     return out
 
 

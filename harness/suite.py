@@ -55,6 +55,11 @@ def probe_case_tp1() -> dict[str, Verdict]:
     return check_case(load_case("tp1_neither")).verdicts
 
 
+def probe_case_one_graph() -> dict[str, Verdict]:
+    """P1, P3 and P4 over the one-graph composite's case (a shrink: padded lanes in every bucket but the first)."""
+    return check_case(load_case("tp2_shrink_one_graph")).verdicts
+
+
 # The cases probe's cases: one per branch family plus the shrink and idle-rank
 # schedules, world sizes 1..8, DP attention in every branch. `harness check` runs all shipped cases (world 16 and 32 too);
 # the mutant run takes this subset: it is the costliest probe, so mutants list it last.
@@ -91,6 +96,7 @@ PROBES: list[tuple[str, Probe]] = [
     ("metadata-dp", probe_metadata_dp),
     ("case-tp1", probe_case_tp1),
     *FILL_PROBES,
+    ("case-one-graph", probe_case_one_graph),
 ]
 if len({n for n, _ in PROBES}) != len(PROBES):
     raise ImportError("two probes share an id: " + ", ".join(n for n, _ in PROBES))

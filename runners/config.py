@@ -4,6 +4,7 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import asdict, dataclass, field
+from enum import StrEnum
 
 import torch
 
@@ -47,6 +48,22 @@ def default_capture_bs() -> list[int]:
 DEFAULT_MODEL = ModelConfig()  # frozen: one shared instance serves as every default
 
 
+class DraftExtendGraph(StrEnum):
+    """How the multi-layer draft-extend is graphed: SGLang's two composites (the single-layer draft has one step).
+
+    PER_STEP: a graph per step per bucket; between steps the driver writes the chain (token ids, hidden states) into
+    the shared buffers on the host. ONE_GRAPH: one graph per bucket holds every step and the chain between them
+    (SGLang's default on FA3 from 0.5.16, SGLANG_ENABLE_SINGLE_CG_DRAFT): one replay per iteration.
+    """
+
+    PER_STEP = "per_step"
+    ONE_GRAPH = "one_graph"
+
+    def __repr__(self) -> str:
+        """As code, so a config's repr (a failing example's @example line) rebuilds it."""
+        return f"{type(self).__name__}.{self.name}"
+
+
 @dataclass(frozen=True)
 class SpecConfig:
     """EAGLE/MTP speculative config: one draft layer per step (multi-layer EAGLE), or one layer run num_steps times."""
@@ -58,6 +75,17 @@ class SpecConfig:
     max_running_requests: int = 32
     page_size: int = 1  # KV slots per page of every rank's KV pools (a server arg, not part of the weights)
     draft: str = "multi_layer"  # EAGLE draft: "multi_layer" (MTP: a layer per step) or "single_layer" (one layer, graphed draft decode)
+    draft_extend_graph: DraftExtendGraph = DraftExtendGraph.PER_STEP  # the multi-layer draft-extend's graph composite
+
+    def __post_init__(self) -> None:
+        """A config written by hand or read from a file names the composite by its value; a frozen dataclass keeps the enum."""
+        try:
+            graph = DraftExtendGraph(self.draft_extend_graph)
+        except ValueError:
+            raise ValueError(f"draft_extend_graph must be one of {', '.join(DraftExtendGraph)}, got {self.draft_extend_graph!r}") from None
+        if graph is DraftExtendGraph.ONE_GRAPH and self.draft != "multi_layer":
+            raise ValueError(f"draft_extend_graph {graph.value!r} needs the multi-layer draft (the single-layer draft-extend is one step)")
+        object.__setattr__(self, "draft_extend_graph", graph)
 
     @property
     def num_tokens_per_bs(self) -> int:

@@ -1,184 +1,44 @@
-"""EAGLE draft-extend CUDA-graph runners: the multi-layer one (a runner per step over one shared
-buffer set) and the driver that runs either kind.
+"""EAGLE draft-extend CUDA-graph composites: the multi-layer one with a graph per step (runners over one shared buffer
+set, chained on the host between steps), and the driver that runs any kind: that one, SGLang's one graph per bucket
+(runners.one_graph_draft_extend, chosen by SpecConfig.draft_extend_graph) or the single-layer runner.
 
-Mirrors the engine's structure (DESIGN.md §6.2-6.4): static buffers sized for the largest
-bucket; one graph per capture_bs bucket; `get_forward_batch(bs)` bakes the per-branch
-metadata; the replay fill copies only the live lanes in and writes the gathered gpu
-tensors; each step replays and slices the raw rows out. Padded lanes keep their reset or
-stale values on purpose: that is what the engine does, and what the harness must prove
-harmless. The single-layer runner is runners.eagle_draft_extend_graph.
-
-The multi-layer fill has two paths, as the engine's: on a CUDA worker one fused Triton launch
-(runners.draft_extend_fill) in place of the fill's many small torch launches; on any other
-device the torch methods below, its native twin,
-which the CPU suite and the built-in mutants exercise. Both leave the device buffers bitwise
-alike. The runner picks its path once, at construction, from the worker's device.
+The step runner itself (get_forward_batch, the replay fill) is runners.multi_layer_draft_extend_graph; DESIGN.md §6.2-6.4.
 """
 from __future__ import annotations
 
-import importlib
-from typing import Callable, Optional
+from typing import Optional
 
-import torch
-
-from runners.batch import EagleDraftInput, ForwardBatch, ForwardMode, host_copy
-from runners.dp_metadata import GatheredMetadata
-from runners.draft_extend import (
-    SEQ_LEN_FILL_VALUE,
-    DraftExtendInputs,
-    DraftWorker,
-    StepOutputs,
-    run_eager,
-    with_step_inputs,
-)
-from runners.draft_extend_buffers import DraftExtendGraphRunner, DraftExtendInputBuffers, PrepareFill
+from runners.config import DraftExtendGraph
+from runners.draft_extend import DraftExtendInputs, DraftWorker, StepOutputs, run_eager, with_step_inputs
+from runners.draft_extend_buffers import DraftExtendGraphRunner
 from runners.eagle_draft_extend_graph import EagleDraftExtendCudaGraphRunner
 from runners.graph_backend import GraphBackend
-from runners.graph_runner import RunnerKind, compute_capture_bs
-from runners.memory import PADDING_ROW, PADDING_SLOT
+from runners.graph_runner import compute_capture_bs
+from runners.multi_layer_draft_extend_graph import (
+    EagleDraftExtendCudaGraphRunnerBase,
+    MultiLayerEagleDraftExtendCudaGraphRunner,
+    MultiStepDraftExtendComposite,
+)
+from runners.one_graph_draft_extend import OneGraphMultiLayerEagleMultiStepDraftExtendCudaGraphRunner
 
 __all__ = [
     "DraftExtendGraphDriver", "EagleDraftExtendCudaGraphRunner", "EagleDraftExtendCudaGraphRunnerBase",
-    "MultiLayerEagleDraftExtendCudaGraphRunner", "MultiLayerEagleMultiStepDraftExtendCudaGraphRunner", "compute_capture_bs",
+    "MultiLayerEagleDraftExtendCudaGraphRunner", "MultiLayerEagleMultiStepDraftExtendCudaGraphRunner",
+    "OneGraphMultiLayerEagleMultiStepDraftExtendCudaGraphRunner", "compute_capture_bs",
 ]
 
 
-def _fused_fill() -> Callable[[DraftExtendInputBuffers, DraftExtendInputs, int, int], None]:
-    """The fused fill's launcher, imported on the fused path only: its module imports triton, an optional package
-    (runners.attention imports its backends the same way), and a CPU process must not pay for it or have it set
-    TRITON_INTERPRET."""
-    return importlib.import_module("runners.draft_extend_fill").fill_prepare_buffers
-
-
-class EagleDraftExtendCudaGraphRunnerBase(DraftExtendGraphRunner):
-    """One step of the multi-layer draft: its get_forward_batch and the fill of the (shared) buffers.
-
-    A runner made alone (buffers=None) owns its buffers and fills them itself through
-    prepare_replay; inside MultiLayerEagleMultiStepDraftExtendCudaGraphRunner the first
-    step's runner fills the shared set once per iteration and every step replays over it.
-    `prepare_fill` says how the fill is written (runners.draft_extend_fill); a test may pin it.
-    """
-
-    def __init__(self, worker: DraftWorker, step: int, backend: GraphBackend, buffers: Optional[DraftExtendInputBuffers] = None):
-        super().__init__(worker, step, backend, buffers)
-        self.prepare_fill = PrepareFill.for_device(worker.device)
-
-    # ---- metadata, per branch (§6.3) ----
-    def get_forward_batch(self, bs: int) -> ForwardBatch:
-        num_tokens = bs * self.T
-        if self.layout.require_mlp_tp_gather:
-            global_num_tokens_cpu = [num_tokens] * self.layout.attn_dp_size
-            global_num_tokens_for_logprob_cpu = [num_tokens] * self.layout.attn_dp_size
-        elif self.layout.require_attn_tp_gather:
-            global_num_tokens_cpu = [num_tokens]
-            # DRAFT_EXTEND_V2 emits logits for every token, so the logprob count is tokens, not bs
-            global_num_tokens_for_logprob_cpu = [num_tokens]
-        else:
-            global_num_tokens_cpu = global_num_tokens_for_logprob_cpu = None
-        global_dp_buffer_len = None if global_num_tokens_cpu is None else sum(global_num_tokens_cpu)
-        self._bake_gathered(GatheredMetadata(global_num_tokens_cpu, global_num_tokens_for_logprob_cpu, global_dp_buffer_len))
-        buffers = self.buffers
-        fb = ForwardBatch(
-            forward_mode=ForwardMode.DRAFT_EXTEND_V2,
-            batch_size=bs,
-            input_ids=buffers.input_ids[:num_tokens],
-            positions=buffers.positions[:num_tokens],
-            seq_lens=buffers.seq_lens[:bs],
-            seq_lens_cpu=buffers.seq_lens_cpu[:bs],
-            req_pool_indices=buffers.req_pool_indices[:bs],
-            out_cache_loc=buffers.out_cache_loc[:num_tokens],
-            extend_seq_lens=buffers.extend_seq_lens[:bs],
-            extend_start_loc=buffers.extend_start_loc[:bs],
-            spec_info=EagleDraftInput(buffers.hidden_states[:num_tokens], buffers.num_correct_drafts[:bs],
-                                      buffers.num_accept_tokens[:bs], self.worker.spec.topk),
-            extend_seq_lens_cpu=[self.T] * bs,
-            extend_num_tokens=num_tokens,
-            num_token_non_padded=num_tokens,
-            seq_lens_sum=bs * SEQ_LEN_FILL_VALUE,
-            global_num_tokens_cpu=global_num_tokens_cpu,
-            global_num_tokens_gpu=buffers.global_num_tokens_gpu,
-            global_num_tokens_for_logprob_cpu=global_num_tokens_for_logprob_cpu,
-            global_num_tokens_for_logprob_gpu=buffers.global_num_tokens_for_logprob_gpu,
-            global_dp_buffer_len=global_dp_buffer_len,
-        )
-        return fb
-
-    # ---- the replay fill (§6.4) ----
-    def reset_for_iteration(self, raw_bs: int, accept_lens: torch.Tensor) -> None:
-        """Once per decode iteration, before the first step: reset token buffers, seq lens and request rows.
-
-        The step body looks each token's KV write location up as
-        req_to_token[req_pool_indices[lane], position] and gathers its rotary row by position,
-        so a padded lane must hold request row 0 (the padding row) and position 0: a stale row
-        or position would write KV into a live request's slot. out_cache_loc is written by the
-        body for the whole bucket; its fill only keeps the rows past the bucket canonical.
-        """
-        self.input_ids.zero_()
-        self.positions.zero_()
-        self.out_cache_loc.fill_(PADDING_SLOT)
-        self.seq_lens.fill_(SEQ_LEN_FILL_VALUE)
-        self.seq_lens_cpu.fill_(SEQ_LEN_FILL_VALUE)
-        self.req_pool_indices.fill_(PADDING_ROW)
-        self.num_correct_drafts[:raw_bs].copy_(accept_lens - 1)
-        self.num_accept_tokens[:raw_bs].copy_(accept_lens)  # unread here (the body selects by num_correct_drafts); the engine's backends read it
-
-    def _copy_live_inputs(self, inp: DraftExtendInputs) -> None:
-        """Real lanes only; padded lanes keep reset or stale values (§6.4)."""
-        raw_n = inp.bs * self.T
-        self.input_ids[:raw_n].copy_(inp.input_ids)
-        self.positions[:raw_n].copy_(inp.positions)
-        self.hidden_states[:raw_n].copy_(inp.hidden_states)
-        self.seq_lens[: inp.bs].copy_(inp.seq_lens)
-        self.seq_lens_cpu[: inp.bs].copy_(host_copy(inp.seq_lens_cpu, inp.seq_lens))
-        self.req_pool_indices[: inp.bs].copy_(inp.req_pool_indices)
-
-    def _fill_for_replay(self, inp: DraftExtendInputs) -> int:
-        """Reset, copy-in and replay fill; returns the bucket. Device work and host copies only: no device sync when inp carries its host lengths."""
-        bs = self._choose_bucket(self._needed_bs(inp))
-        if self.prepare_fill is PrepareFill.TRITON:
-            _fused_fill()(self.buffers, inp, bs, self.T)  # every device buffer the two methods below write
-            self.seq_lens_cpu.fill_(SEQ_LEN_FILL_VALUE)  # the host mirror, as reset_for_iteration and _copy_live_inputs
-            self.seq_lens_cpu[: inp.bs].copy_(host_copy(inp.seq_lens_cpu, inp.seq_lens))
-            return bs
-        self.reset_for_iteration(inp.bs, inp.accept_lens)
-        self._copy_live_inputs(inp)
-        if self.global_num_tokens_gpu is not None:
-            self.global_num_tokens_gpu.fill_(bs * self.T)
-            self.global_num_tokens_for_logprob_gpu.fill_(bs * self.T)
-        return bs
-
-    def replay(self, inp: DraftExtendInputs) -> StepOutputs:
-        """Replays this step over the buffers as filled (prepare, then the chain inputs of earlier steps)."""
-        return self._replay_filled(inp, self._choose_bucket(self._needed_bs(inp)))
-
-
-class MultiLayerEagleDraftExtendCudaGraphRunner(EagleDraftExtendCudaGraphRunnerBase):
-    """One draft layer (one speculative step) of the multi-layer EAGLE draft."""
-
-    runner_kind = RunnerKind.MULTI_LAYER
-
-
-class MultiLayerEagleMultiStepDraftExtendCudaGraphRunner:
+class MultiLayerEagleMultiStepDraftExtendCudaGraphRunner(MultiStepDraftExtendComposite):
     """Owns the one buffer set and the per-step runners that read it: prepare once per iteration,
     then per step write the chain inputs and replay that step's graph."""
 
     def __init__(self, worker: DraftWorker, backend: GraphBackend):
-        self.worker = worker
-        self.buffers = DraftExtendInputBuffers.allocate(worker)
+        super().__init__(worker)
         self.runners = [MultiLayerEagleDraftExtendCudaGraphRunner(worker, k, backend, self.buffers) for k in range(worker.num_layers)]
-        self.raw_bs = self.bs = 0
 
     def capture(self) -> None:
         for r in reversed(self.runners):  # the engine captures the last step first
             r.capture()
-
-    def can_run(self, inp: DraftExtendInputs) -> bool:
-        return self.runners[0].can_run(inp)
-
-    def prepare(self, inp: DraftExtendInputs) -> int:
-        """Reset, copy-in and replay fill of the shared buffers, once per iteration; returns the bucket."""
-        self.raw_bs, self.bs = inp.bs, self.runners[0].prepare_replay(inp)
-        return self.bs
 
     def replay(self, step: int, inp: DraftExtendInputs) -> StepOutputs:
         """Step k > 0 reads the previous step's token ids and hidden states (`inp`, live rows):
@@ -190,21 +50,30 @@ class MultiLayerEagleMultiStepDraftExtendCudaGraphRunner:
         return self.runners[step].replay(inp)
 
 
+COMPOSITES: dict[DraftExtendGraph, type[MultiStepDraftExtendComposite]] = {
+    DraftExtendGraph.PER_STEP: MultiLayerEagleMultiStepDraftExtendCudaGraphRunner,
+    DraftExtendGraph.ONE_GRAPH: OneGraphMultiLayerEagleMultiStepDraftExtendCudaGraphRunner,
+}
+
+
 class DraftExtendGraphDriver:
     """Runs a worker's draft-extend through its graph runners, with eager fallback.
 
-    The multi-layer driver holds a MultiLayerEagleMultiStepDraftExtendCudaGraphRunner (num_steps
-    per-step runners over one buffer set, as the engine's); the single-layer one holds one
-    EagleDraftExtendCudaGraphRunner. `runners` lists the per-step runners either way.
+    The multi-layer driver holds the composite the spec names (SpecConfig.draft_extend_graph): a
+    MultiLayerEagleMultiStepDraftExtendCudaGraphRunner (num_steps per-step graphs over one buffer set,
+    chained here) or a OneGraphMultiLayerEagleMultiStepDraftExtendCudaGraphRunner (one graph, chained in
+    it); the single-layer one holds one EagleDraftExtendCudaGraphRunner. `runners` lists the step
+    runners either way.
     """
 
     def __init__(self, worker: DraftWorker, backend: GraphBackend, single_layer: bool = False):
         self.worker, self.backend = worker, backend
-        self.multi_step: Optional[MultiLayerEagleMultiStepDraftExtendCudaGraphRunner] = None
+        self.multi_step: Optional[MultiStepDraftExtendComposite] = None
         if single_layer:
             self.runners: list[DraftExtendGraphRunner] = [EagleDraftExtendCudaGraphRunner(worker, backend)]
         else:
-            self.multi_step = MultiLayerEagleMultiStepDraftExtendCudaGraphRunner(worker, backend)
+            composite = COMPOSITES[worker.spec.draft_extend_graph]
+            self.multi_step = composite(worker, backend)
             self.runners = list(self.multi_step.runners)
 
     @property
@@ -240,5 +109,7 @@ class DraftExtendGraphDriver:
         buffer (DraftExtendInputBuffers), and their graphs one graph pool, captured last step first, so a step's
         outputs may sit in memory a later step's graph frees at capture and rewrites at every replay
         (runners.graph_pool). The engine's worker clones each step's top-k before the next step for that reason;
-        the caller here keeps every output of every step (the proposal, the loop's report)."""
+        the caller here keeps every output of every step (the proposal, the loop's report). Under the one-graph
+        composite nothing replays between its steps' outputs, each in memory of its own, so the copies guard
+        nothing there; they keep one loop for both composites."""
         return out.cloned()

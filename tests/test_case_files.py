@@ -124,7 +124,7 @@ TYPES = {
          "tolerances": dict},
     "layout": {"tp_size": int, "dp_size": int, "enable_dp_attention": bool, "moe_dense_tp_size": int, "enable_dp_lm_head": bool,
                "moe_a2a_backend": str, "enable_two_batch_overlap": bool},
-    "spec": {"num_steps": int, "topk": int, "num_tokens_per_bs": int, "capture_bs": list, "max_running_requests": int},
+    "spec": {"num_steps": int, "topk": int, "num_tokens_per_bs": int, "capture_bs": list, "max_running_requests": int, "draft_extend_graph": str},
     "schedule": {"batches": list, "max_prefix_len": int, "prefix_lens": list, "accept_lens": list, "rids": list},
     "model": {"hidden_size": int, "num_heads": int, "vocab_size": int, "max_context_len": int, "rope_theta": float, "rms_eps": float, "seed": int},
 }
@@ -136,6 +136,7 @@ OUT_OF_RANGE = [  # (table, key, bad values): the loader must name exactly this 
     ("spec", "num_tokens_per_bs", [0, 500]),
     ("spec", "max_running_requests", [0, 10**9]),
     ("spec", "capture_bs", [[], [0], [2, -4], [10**6], ["x"]]),
+    ("spec", "draft_extend_graph", ["one", "ONE_GRAPH", ""]),
     ("schedule", "max_prefix_len", [0, -3, 100000]),
     ("model", "hidden_size", [0, 1, 60, 10**7]),
     ("model", "num_heads", [0, 3, 1000]),

@@ -37,6 +37,7 @@ from harness.scenario import Scenario
 from harness.tolerances import attn_vs_reference, cross_device, eager_vs_graph
 from harness.verdict import Verdict
 from runners.attention import BACKENDS, unavailable_reason
+from runners.config import DraftExtendGraph
 
 CASES = Path(__file__).resolve().parent.parent / "cases"
 GPU_BACKENDS = ("torch", "triton", "flashinfer")
@@ -118,15 +119,17 @@ GRID = [(lay, be, dt, mo) for lay in LAYOUTS for be in GPU_BACKENDS for dt in DT
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("graph", list(DraftExtendGraph), ids=str)
 @pytest.mark.parametrize("layout,backend,dtype,model", GRID, ids=["-".join(g) for g in GRID])
-def test_properties_with_real_cuda_graphs(layout, backend, dtype, model):
+def test_properties_with_real_cuda_graphs(layout, backend, dtype, model, graph):
     _need(backend)
-    case = make_case(layout, backend, dtype, model)
+    case = make_case(layout, backend, dtype, model, draft_extend_graph=graph.value)
     sc = case.scenario
     runs = run_world(sc, "cuda", "cuda")
-    assert runs[0].stats.replays == sum(len(r) for r in runs[0].records) > 0
+    per_iteration = 1 if graph is DraftExtendGraph.ONE_GRAPH else sc.spec.num_steps  # one graph replays once for every step
+    assert runs[0].stats.replays == per_iteration * len(runs[0].records) > 0
     oracle = run_world(sc.as_tp1(), "cuda", "cuda", runner="eager")
-    _report("eager_vs_graph", case, model=model, tol=eager_vs_graph("cuda", dtype, backend), diffs=_max_diffs(runs[0].eager, runs[0].graph))
+    _report("eager_vs_graph", case, model=model, graph=graph.value, tol=eager_vs_graph("cuda", dtype, backend), diffs=_max_diffs(runs[0].eager, runs[0].graph))
     _assert_ok(
         check_metadata(sc.layout, sc.spec, case.schedule, sc.model, sc.seed),
         check_run_metadata(sc, runs),
@@ -154,13 +157,14 @@ SIM_GRID = [(lay, be, dt) for lay in LAYOUTS for be in GPU_BACKENDS for dt in DT
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("graph", list(DraftExtendGraph), ids=str)
 @pytest.mark.parametrize("layout,backend,dtype", SIM_GRID, ids=["-".join(g) for g in SIM_GRID])
-def test_cpu_simulation_agrees_with_real_graph(layout, backend, dtype):
+def test_cpu_simulation_agrees_with_real_graph(layout, backend, dtype, graph):
     """Same case three ways: real CUDA graph on the GPU, simulated graph on the GPU, simulated
     graph on CPU (torch backend there: the CPU reference). Metadata exactly; outputs within bounds."""
     _need(backend)
     model = "hd64" if backend == "flashinfer" else "default"
-    case = make_case(layout, backend, dtype, model)
+    case = make_case(layout, backend, dtype, model, draft_extend_graph=graph.value)
     sc = case.scenario
     real = run_world(sc, "cuda", "cuda", runner="graph")[0]
     sim_cpu = run_world(replace(sc, attention_backend="torch"), "sim", "cpu", runner="graph")[0]
@@ -177,7 +181,7 @@ def test_cpu_simulation_agrees_with_real_graph(layout, backend, dtype):
                 if not compare_outputs(v, "sim-vs-real", {**where, "iteration": it, "step": step}, b.tensors, a.tensors, tol,
                                        lambda r: f"row {r} (token {r % T})"):
                     break
-        _report("sim_vs_real", case, against=name, tol=tol, diffs=_max_diffs(real.graph, other.graph))
+        _report("sim_vs_real", case, against=name, graph=graph.value, tol=tol, diffs=_max_diffs(real.graph, other.graph))
     _assert_ok(v)
 
 

@@ -14,7 +14,11 @@ from harness.props.p2 import check_padded_lanes
 from harness.props.p5_p6 import check_spec_case
 
 GRID = [("torch", "default"), ("triton", "default"), ("flashinfer", "hd64")]  # flashinfer: no head_dim-8 kernels
-DRAFTS = ("multi_layer", "single_layer")  # single_layer adds the graphed draft decode
+DRAFTS = {  # the spec keys of each draft; single_layer adds the graphed draft decode, one_graph SGLang's one-graph draft-extend
+    "multi_layer": {"draft": "multi_layer"},
+    "one_graph": {"draft": "multi_layer", "draft_extend_graph": "one_graph"},
+    "single_layer": {"draft": "single_layer"},
+}
 SHRINK = ([5], [3], [1])  # buckets 8 -> 4 -> 1: padded lanes in every phase, and lanes a larger batch left
 
 
@@ -23,7 +27,7 @@ SHRINK = ([5], [3], [1])  # buckets 8 -> 4 -> 1: padded lanes in every phase, an
 @pytest.mark.parametrize("backend,model", GRID, ids=[b for b, _ in GRID])
 def test_padded_lanes_and_lossless_loop_with_real_cuda_graphs(backend, model, draft):
     _need(backend)
-    case = make_case("tp1", backend, "float32", model, batches=SHRINK, draft=draft)
+    case = make_case("tp1", backend, "float32", model, batches=SHRINK, **DRAFTS[draft])
     v = check_padded_lanes(case, device="cuda")
     _assert_ok(*v.values())
     _assert_ok(*check_spec_case(case, props=("P5",), device="cuda").values())

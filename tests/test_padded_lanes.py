@@ -14,7 +14,7 @@ from runners.parallel.layout import ParallelLayout as PL
 SHRINK = Workload(((6,), (3,), (1,)), rounds_per_phase=2)  # buckets 8 -> 4 -> 1: stale lanes from a larger batch
 
 
-@pytest.mark.parametrize("name", ["tp2_shrink", "tp4_dp2_mlp_tp_gather", "tp4_neither_topk2"])
+@pytest.mark.parametrize("name", ["tp2_shrink", "tp4_dp2_mlp_tp_gather", "tp4_neither_topk2", "tp2_shrink_one_graph"])
 def test_p2_holds_on_shipped_cases(name):
     v = check_padded_lanes(load_case(name))
     assert set(v) == {"P2"} and v["P2"], v["P2"].report()

@@ -8,11 +8,12 @@ from harness.case import load_case, seeded_requests
 from harness.checks import check_case, run_spmd
 from harness.layout import all_layouts, deployed_layouts
 from harness.props.p1_metadata import check_metadata
+from harness.props.p1_run import check_run_metadata
 from harness.props.p3 import check_eager_vs_graph
 from harness.props.p4 import check_cross_layout
 from harness.scenario import Scenario
 from harness.strategies import failure_case, layouts, schedules, specs
-from runners.config import ModelConfig, SpecConfig
+from runners.config import DraftExtendGraph, ModelConfig, SpecConfig
 from runners.parallel.layout import Branch
 from runners.parallel.layout import ParallelLayout as PL
 
@@ -63,19 +64,23 @@ def _scenario(layout: PL, spec: SpecConfig, schedule, seed: int) -> Scenario:
 
 
 @st.composite
-def run_examples(draw, max_world=4):
+def run_examples(draw, graph: DraftExtendGraph, max_world=4):
     layout = draw(layouts(max_world))
-    spec = SpecConfig(num_steps=draw(st.integers(1, 3)), topk=draw(st.integers(1, 3)), capture_bs=(1, 2, 4), max_running_requests=4)
+    spec = SpecConfig(num_steps=draw(st.integers(1, 3)), topk=draw(st.integers(1, 3)), capture_bs=(1, 2, 4), max_running_requests=4,
+                      draft_extend_graph=graph)
     return _scenario(layout, spec, draw(schedules(layout, max_bs=4, max_iterations=2)), draw(st.integers(0, 3)))
 
 
+@pytest.mark.parametrize("graph", list(DraftExtendGraph), ids=str)  # SGLang's two multi-layer draft-extend composites
 @settings(max_examples=max(5, settings().max_examples // 2))  # each example runs every rank of a layout
-@given(run_examples())
-def test_p3_p4_eager_graph_and_cross_layout(sc):
-    with failure_case(scenario=sc, prop="P3/P4"):
+@given(data=st.data())
+def test_p1_p3_p4_eager_graph_and_cross_layout(graph, data):
+    sc = data.draw(run_examples(graph))
+    with failure_case(scenario=sc, prop="P1/P3/P4"):
         runs = run_spmd(sc)
         oracle = run_spmd(sc.as_tp1(), runner="eager")
-        for v in (check_eager_vs_graph(sc, runs), check_cross_layout(sc, runs, oracle, "eager"), check_cross_layout(sc, runs, oracle, "graph")):
+        for v in (check_run_metadata(sc, runs), check_eager_vs_graph(sc, runs), check_cross_layout(sc, runs, oracle, "eager"),
+                  check_cross_layout(sc, runs, oracle, "graph")):
             assert v, v.report()
 
 

@@ -13,7 +13,10 @@ from harness.spec_decode import (
     case_session,
 )
 from harness.verdict import Verdict
-from runners.cuda_graph import EagleDraftExtendCudaGraphRunnerBase
+from runners.cuda_graph import (
+    EagleDraftExtendCudaGraphRunnerBase,
+    OneGraphMultiLayerEagleMultiStepDraftExtendCudaGraphRunner,
+)
 from runners.draft_extend import SEQ_LEN_FILL_VALUE, DraftExtendInputs, StepOutputs
 from runners.graph_runner import RunnerKind
 from runners.memory import PADDING_SLOT, TokenToKVPool
@@ -55,7 +58,11 @@ class LanePoison(RunnerPoison):
         driver = engine.draft.driver
         if driver is None:
             raise ValueError("LanePoison needs the graph runner (runner='graph')")
-        super().__init__(engine, verdict, *driver.runners)
+        # the one-graph composite replays once, at step 0, and serves the later steps from it: poisoning step 0's replay
+        # poisons every step's, and each step is compared (`_compare_served`)
+        self.one_graph = driver.multi_step if isinstance(driver.multi_step, OneGraphMultiLayerEagleMultiStepDraftExtendCudaGraphRunner) else None
+        self.clean_served: list[StepOutputs] = []
+        super().__init__(engine, verdict, *(driver.runners[:1] if self.one_graph is not None else driver.runners))
 
     def _where(self, r: EagleDraftExtendCudaGraphRunnerBase, raw_bs: int, bs: int) -> dict:
         e = self.engine
@@ -66,12 +73,25 @@ class LanePoison(RunnerPoison):
 
     def after_clean(self, r: EagleDraftExtendCudaGraphRunnerBase, inp: DraftExtendInputs, rec) -> None:
         self._check_canonical(r, inp.bs, rec.bs)
+        if self.one_graph is not None:
+            self.clean_served = [out.sliced(inp.bs, r.T).cloned() for out in self.one_graph.served[1:]]
 
     def poison(self, r: EagleDraftExtendCudaGraphRunnerBase, raw_bs: int) -> None:
         self._poison(r, raw_bs)
 
     def compare(self, r: EagleDraftExtendCudaGraphRunnerBase, raw_bs: int, bs: int, clean, poisoned, s1: dict) -> None:
         self._compare(r, raw_bs, bs, clean, poisoned, s1)
+        if self.one_graph is not None:
+            self._compare_served(raw_bs, bs, s1)
+
+    def _compare_served(self, raw_bs: int, bs: int, s1: dict) -> None:
+        """The later steps of the poisoned one-graph replay against the clean one's; then the clean outputs are put back
+        where the composite serves them from, so the loop continues with the clean run."""
+        for r, clean, out in zip(self.one_graph.runners[1:], self.clean_served, self.one_graph.served[1:], strict=True):
+            served = out.sliced(raw_bs, r.T)
+            self._compare(r, raw_bs, bs, clean, served, s1)
+            for name, t in served.tensors().items():
+                t.copy_(getattr(clean, name))
 
     def _check_canonical(self, r, raw_bs: int, bs: int) -> None:
         T, w = r.T, self._where(r, raw_bs, bs)
@@ -79,8 +99,10 @@ class LanePoison(RunnerPoison):
         if r.runner_kind is RunnerKind.SINGLE_LAYER and bs == raw_bs:
             self._check_gathered(r, bs, w)  # the single-layer fill resets nothing without padding, as the engine's
             return
+        # the one graph writes the chain into every lane of the bucket as it runs: its fill is read from before the replay
+        filled = self.before_replay["buf"] if self.one_graph is not None else {name: getattr(r, name) for name in self.buffers}
         for name, want in (("input_ids", 0), ("positions", 0), ("out_cache_loc", PADDING_SLOT)):
-            tail = getattr(r, name)[raw_n:]
+            tail = filled[name][raw_n:]
             self.v.checked += 1
             bad = (tail != want).nonzero()
             if bad.numel():
@@ -92,7 +114,7 @@ class LanePoison(RunnerPoison):
                  ("num_accept_tokens", lambda x: (x >= 1) & (x <= T), f"in [1, {T}]"),
                  ("req_pool_indices", lambda x: (x >= 0) & (x < r.worker.req_pool.req_to_token.shape[0]), "a request row"))
         for name, ok, want in lanes:
-            tail = getattr(r, name)[raw_bs:bs] if name != "seq_lens" else getattr(r, name)[raw_bs:]
+            tail = filled[name][raw_bs:bs] if name != "seq_lens" else filled[name][raw_bs:]
             self.v.checked += 1
             bad = (~ok(tail)).nonzero()
             if bad.numel():

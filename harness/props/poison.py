@@ -33,6 +33,7 @@ class RunnerPoison:
         self.engine, self.v = engine, verdict
         self.replays = 0
         self.clean = False  # True while the clean replay runs
+        self.before_replay: dict = {}  # the snapshot of the replay being checked, taken before it ran
         self.observers: dict[int, RunnerObserver] = {}  # per runner: its replay records name the bucket each replay used
         for g in runners:
             self.observers[id(g)] = RunnerObserver(g).attach()
@@ -76,7 +77,7 @@ class RunnerPoison:
 
     def _wrap(self, g, replay: Callable):
         def poisoned_replay(inp):
-            s0 = self._snap(g)
+            s0 = self.before_replay = self._snap(g)
             self.clean = True
             out_c = replay(inp).cloned()  # the poisoned replay below overwrites the graph's outputs (runners.outputs)
             rec = self.observers[id(g)].replays[-1]
