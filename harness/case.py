@@ -21,7 +21,7 @@ from harness.data import shipped_dir
 from harness.scenario import Iteration, RequestSpec, Scenario
 from harness.tolerances import Tol
 from runners.attention import BACKENDS
-from runners.attention.kinds import AttentionBackend
+from runners.attention.kinds import METADATA_IN_GRAPH, ONE_GRAPH_UNSUPPORTED, AttentionBackend
 from runners.config import DTYPES, DraftExtendGraph, ModelConfig, SpecConfig
 from runners.draft_decode import DRAFTS
 from runners.model import check_model_fits_layout
@@ -285,6 +285,8 @@ def parse_case(data: dict, path: Path | str = "<case>") -> Case:
             raise CaseError(path, "spec.draft_extend_graph", f"one of {', '.join(DraftExtendGraph)} (a graph per draft step, or one for every step)", graph)
         if graph == DraftExtendGraph.ONE_GRAPH and spec_t.get("draft", "multi_layer") != "multi_layer":
             raise CaseError(path, "spec.draft_extend_graph", "per_step with draft = single_layer (its draft-extend is one step)", graph)
+        if graph == DraftExtendGraph.ONE_GRAPH and backend not in METADATA_IN_GRAPH:
+            raise CaseError(path, "spec.draft_extend_graph", f"per_step with backend = {backend} ({ONE_GRAPH_UNSUPPORTED})", graph)
     if "num_tokens_per_bs" in spec_t:
         spec_t["num_draft_tokens"] = spec_t.pop("num_tokens_per_bs")
     spec = SpecConfig(**spec_t)

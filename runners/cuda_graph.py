@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Optional
 
+from runners.attention.kinds import METADATA_IN_GRAPH, ONE_GRAPH_UNSUPPORTED
 from runners.config import DraftExtendGraph
 from runners.draft_extend import DraftExtendInputs, DraftWorker, StepOutputs, run_eager, with_step_inputs
 from runners.draft_extend_buffers import DraftExtendGraphRunner
@@ -72,6 +73,8 @@ class DraftExtendGraphDriver:
         if single_layer:
             self.runners: list[DraftExtendGraphRunner] = [EagleDraftExtendCudaGraphRunner(worker, backend)]
         else:
+            if worker.spec.draft_extend_graph is DraftExtendGraph.ONE_GRAPH and worker.attn.name not in METADATA_IN_GRAPH:
+                raise ValueError(f"attention backend {worker.attn.name}: {ONE_GRAPH_UNSUPPORTED}")
             composite = COMPOSITES[worker.spec.draft_extend_graph]
             self.multi_step = composite(worker, backend)
             self.runners = list(self.multi_step.runners)

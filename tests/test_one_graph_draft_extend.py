@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import replace
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -14,6 +15,7 @@ from harness.golden.base import GOLDEN_DIR
 from harness.ranks.simulated import SimulatedWorld
 from harness.scenario import Scenario
 from runners.config import DraftExtendGraph, SpecConfig
+from runners.cuda_graph import DraftExtendGraphDriver
 from runners.one_graph_draft_extend import OneGraphMultiLayerEagleMultiStepDraftExtendCudaGraphRunner
 
 
@@ -90,3 +92,11 @@ def test_a_case_file_names_the_field(spec, rule):
     with pytest.raises(CaseError) as e:
         parse_case(data)
     assert e.value.field == "spec.draft_extend_graph" and rule in str(e.value)
+
+
+def test_the_one_graph_is_refused_with_a_backend_that_plans_on_the_host():
+    """flashinfer plans each step's metadata on the host before its replay, which one replay for every step cannot do
+    (SGLang's worker builds the per-step composite for such a backend): the driver says so instead of building it."""
+    worker = SimpleNamespace(spec=SpecConfig(draft_extend_graph="one_graph"), attn=SimpleNamespace(name="flashinfer"))
+    with pytest.raises(ValueError, match="attention backend flashinfer: the one-graph draft-extend composite needs"):
+        DraftExtendGraphDriver(worker, backend=None)

@@ -14,3 +14,12 @@ class AttentionBackend(StrEnum):
 # the backend, which (like every backend but the reference) is imported only when one is built.
 TREE_MASK_UNSUPPORTED = ("the flashinfer backend does not apply the verify tree mask (a TARGET_VERIFY batch's custom_mask): "
                          "the speculative loop verifies with the torch or triton backend")
+
+# The backends whose draft-extend attention metadata is built inside the graph (device tensors the body computes), so
+# one graph can run every draft step: flashinfer plans each replay on the host, per step. SGLang's worker builds its
+# one-graph composite only for backends that refresh that metadata in the graph or stage it (FA3), and the per-step
+# one for the others (flashinfer, triton: ours computes it on the device).
+METADATA_IN_GRAPH = frozenset({AttentionBackend.TORCH, AttentionBackend.TRITON})
+ONE_GRAPH_UNSUPPORTED = ("the one-graph draft-extend composite needs an attention backend whose metadata is built inside the "
+                         "graph (torch, triton): flashinfer plans each step on the host before its replay, and SGLang's worker "
+                         "builds the per-step composite for such a backend")
