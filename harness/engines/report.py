@@ -98,11 +98,12 @@ def format_report(rep: EngineReport, cfg: Any) -> str:
            f"capture_bs={list(cfg.capture_bs)} max_running_requests={cfg.max_running_requests}; no model, no GPU",
            f"  stubbed imports: {', '.join(rep.stubbed)}"]
     lw = max(len(_layout_name(ln.layout)) for ln in rep.lines)
+    nw = max(15, *(len(ln.label) for ln in rep.lines))  # multi_layer_1g[k] is 17
     for ln in rep.lines:
         v = ln.verdict
         raw = sorted(ln.raw_bs)
         raws = f"{raw[0]}..{raw[-1]}" if raw else "-"
-        head = (f"{'ok  ' if v.ok else 'FAIL'} {ln.label:<15} {ln.layout.branch.value:<14} {_layout_name(ln.layout):<{lw}} bs={ln.bucket:<3} "
+        head = (f"{'ok  ' if v.ok else 'FAIL'} {ln.label:<{nw}} {ln.layout.branch.value:<14} {_layout_name(ln.layout):<{lw}} bs={ln.bucket:<3} "
                 f"T={ln.tokens_per_bs} raw_bs {raws:<6} ranks {','.join(map(str, sorted(ln.ranks))):<8}")
         if v.ok:
             tail = f"{v.checked} checks" + (" (pruned logits)" if ln.pruned else "") + (f"; {len(v.notes)} note(s)" if v.notes else "")
