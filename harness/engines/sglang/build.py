@@ -250,8 +250,7 @@ class EngineRunners:
                     rotate(b.input_ids[: comp.raw_num_tokens], b.extend_start_loc[: comp.raw_bs], b.extend_seq_lens[: comp.raw_bs],
                            topk_index, b.select_index[: comp.raw_bs])
             if self.one_graph is not None:
-                with eng.fill.kernel_alone() if eng.fill is not None else contextlib.nullcontext():
-                    out += self.one_graph.replay(live, self._forward_batch(live, self.one_graph.handles[0].tokens_per_bs))
+                out += self.one_graph.replay(live, self._forward_batch(live, self.one_graph.handles[0].tokens_per_bs))
             return out
         can_run = comp.can_run(fb) if eng.generation == "legacy" else comp.can_run_graph(fb)
         if not can_run:

@@ -193,7 +193,7 @@ class RunnerHandle:
             with ctx:
                 ret = run_once()
         finally:
-            self.replaying = False  # the body runs past the model call (a driven replay): the model answers with the stand-in
+            self.replaying = False
             DP_CALLS.clear()
         if ret is None:
             raise EngineAdapterError(f"sglang {self.engine.version}: the {self.kind} runner's step body returned nothing")

@@ -184,8 +184,11 @@ class OneGraph:
         comp = self.composite
         if not comp.can_run_graph(fb):
             raise EngineAdapterError(f"sglang {self.engine.version}: the one-graph composite refused a batch of {live.raw_bs} (can_run_graph)")
-        prepare(comp, fb)
-        served = [comp.replay(step)[2] for step in range(len(self.handles))]
+        # built only off NPU (`if not _is_npu`), so prepare() fills with the Triton kernel here, never the native twin;
+        # the replays' snapshots name that path
+        with self.engine.fill.kernel_alone() if self.engine.fill is not None else contextlib.nullcontext():
+            prepare(comp, fb)
+            served = [comp.replay(step)[2] for step in range(len(self.handles))]
         self.served = [[int(x) for x in t[:, 0].tolist()] for t in served]  # read after the loop: the worker clones none of them
         out = []
         for h in self.handles:
