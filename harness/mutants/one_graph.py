@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from harness.mutants.base import Mutant
 from runners.draft_extend import DraftExtendInputs, StepOutputs
+from runners.multi_layer_draft_extend_graph import MultiLayerEagleDraftExtendCudaGraphRunner
 from runners.one_graph_draft_extend import OneGraphDraftExtendStepRunner
 from runners.one_graph_draft_extend import OneGraphMultiLayerEagleMultiStepDraftExtendCudaGraphRunner as OneGraph
 
@@ -26,6 +27,12 @@ def _chain_on_host(self: OneGraph, step: int, inp: DraftExtendInputs) -> StepOut
 
 def _one_logits_buffer(self: OneGraph, step: int):
     return self.buffers.next_token_logits_buffer
+
+
+def _replays_every_step(self: OneGraphDraftExtendStepRunner, bs: int, attn) -> StepOutputs:
+    first = self.composite.runners[0]  # the one graph, kept by the first step's runner
+    self.composite.served = MultiLayerEagleDraftExtendCudaGraphRunner._replay_graph(first, bs, attn)
+    return self.composite.served[self.step]
 
 
 def _served_unsliced(self: OneGraphDraftExtendStepRunner, inp: DraftExtendInputs, bs: int) -> StepOutputs:
@@ -49,6 +56,14 @@ MUTANTS: tuple[Mutant, ...] = (
         "graph output overwritten inside one replay",
         ((OneGraph, "_logits_buffer", _one_logits_buffer),),
         (PROBE,),  # P3, P4
+    ),
+    Mutant(
+        "one-graph-replays-every-step",
+        "every step replays the one graph instead of being served from step 0's replay: the later replays start from the "
+        "buffers the first one's in-graph chain rotated, so step k is the first step of a chain that began past step 0",
+        "one graph replayed per step",
+        ((OneGraphDraftExtendStepRunner, "_replay_graph", _replays_every_step),),
+        (PROBE,),
     ),
     Mutant(
         "one-graph-served-unsliced",
