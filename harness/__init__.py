@@ -3,7 +3,7 @@
 The public API is what this module exports (`__all__`); everything else is internal and may
 move. An engine's own test suite uses it directly, or through the pytest plugin
 (harness.plugin, enabled by a conftest line; the wheel's pytest11 entry point loads only its
-options, harness.plugin_options).
+options, harness.plugin.options).
 
 The names are resolved on first use (PEP 562): importing any harness module imports this
 package first, and the entry point above is imported by every pytest session of an environment

@@ -16,7 +16,7 @@ from engine_releases import installed_release
 from prewarmed import run_module
 from test_plugin import PROJECT, counts, pytest_in
 
-from harness import plugin_engine
+from harness.plugin import engine as plugin_engine
 
 pytestmark = pytest.mark.timeout(900)
 

@@ -1,19 +1,13 @@
-"""The pytest plugin: every (case x property) of specharness as a test item of an engine's own suite.
+"""The plugin's case items (harness.plugin enables them): every (case x property) as a test item.
 
-Enable it with one line in the project's top-level conftest.py:
-
-    pytest_plugins = ["harness.plugin"]
-
-(the wheel registers only harness.plugin_options, the options, as its pytest11 entry point: an
-entry point loads into every pytest session of the environment, and this module imports torch). Items live under the
-conftest's directory as `<dir>::specharness::<case>::<property>`, so `pytest -k tp4_attn_tp_gather`
+Items live under the conftest's directory as `<dir>::specharness::<case>::<property>`, so `pytest -k tp4_attn_tp_gather`
 selects one case, `-k P3` one property, and `--lf` reruns what failed. Each case also gets a
 `golden` item: its graph run against golden/<case>.npz. `--specharness-force-regen` rewrites the
 goldens and fails those items (as pytest-regressions' --force-regen does); it is refused under
 pytest-xdist, whose workers would race on the files.
 
 With `--specharness-engine-check="ARGS"` it also checks an engine build (engine-check ARGS) and collects its
-lines as items under `<dir>::specharness::engine-check` (harness.plugin_engine).
+lines as items under `<dir>::specharness::engine-check` (harness.plugin.engine).
 
 Fixtures: `specharness_cases` (the configured cases), `specharness_check` (run properties on a
 case, optionally with a mutant planted) and `specharness_golden_dir`.
@@ -31,11 +25,10 @@ from harness.case import CASES_DIR, Case, CaseError, default_cases, load_case
 from harness.checks import CASE_PROPS, FAST_PROPS, CaseReport, check_case, parse_props
 from harness.golden import GOLDEN_DIR, GoldenError, check_golden, record_golden
 from harness.mutants import get as get_mutant
-from harness.plugin_engine import NODE as ENGINE_NODE
-from harness.plugin_engine import EngineCheckNode, engine_check_args
+from harness.plugin.engine import NODE as ENGINE_NODE
+from harness.plugin.engine import EngineCheckNode, engine_check_args
 
 PLUGIN = "harness.plugin"
-pytest_plugins = ["harness.plugin_options"]  # the options: also the entry point, light so every session can load it
 GOLDEN_ITEM = "golden"
 
 

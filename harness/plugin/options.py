@@ -3,7 +3,7 @@
 An entry point is loaded by every pytest run in the environment, also in projects that never use
 specharness, so it stays light (no torch, no model): it only declares the options and ini keys.
 harness.plugin, which a project's conftest enables, brings the items and fixtures and pulls this
-module in through its own `pytest_plugins`, so the options exist however the plugin was loaded.
+module in through its `pytest_plugins`, so the options exist however the plugin was loaded.
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     g.addoption("--specharness-mutant", metavar="ID", help="plant a mutant of the catalog for the whole session (see `harness mutants`)")
     g.addoption("--specharness-engine-check", metavar="ARGS",
                 help="an engine-check command line (e.g. \"--engine sglang --target python\"): check that engine build and "
-                     "collect one item per (runner, layout) it drove (harness.plugin_engine)")
+                     "collect one item per (runner, layout) it drove (harness.plugin.engine)")
     parser.addini("specharness_engine_check", "engine-check arguments, as --specharness-engine-check", default="")
     parser.addini("specharness_cases_dir", "directory of case files (relative to the ini file)", type="paths", default=[])
     parser.addini("specharness_golden_dir", "directory of goldens (relative to the ini file)", type="paths", default=[])

@@ -14,9 +14,9 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from harness.case import Case, load_case
-from harness.cli_cases import add_cases_dir, cases_dir, named_cases
-from harness.cli_options import enum_option
-from harness.cli_ranks import mutant_ctx
+from harness.cli.cases import add_cases_dir, cases_dir, named_cases
+from harness.cli.options import enum_option
+from harness.cli.ranks import mutant_ctx
 from harness.errors import UsageError
 from harness.golden.acceptance import GOLDEN_CASES, record_acceptance
 from harness.golden.base import GOLDEN_DIR, GoldenError, GoldenFormatError, GoldenKind
