@@ -9,10 +9,15 @@ from typing import Sequence
 
 from harness.case import CASES_DIR, CaseError, default_cases, load_case
 from harness.errors import UsageError
+from harness.golden.base import GOLDEN_DIR
 
 
 def cases_dir(args) -> Path:
     return Path(getattr(args, "cases_dir", None) or CASES_DIR)
+
+
+def golden_dir(args) -> Path:
+    return Path(getattr(args, "golden_dir", None) or GOLDEN_DIR)
 
 
 def named_cases(names: Sequence[str], args=None):
@@ -70,7 +75,6 @@ def cmd_new_case(args) -> int:
     print(f"  schedule {[list(b) for b in case.schedule]}  (per iteration, each DP group's raw bs; 0 = idle)")
     print(f"  same branch and tp/dp already in: {', '.join(others) if others else 'none: this is new coverage'}")
     if args.record:
-        from harness.cli.golden import golden_dir
         from harness.golden.lifecycle import record_golden
 
         print(record_golden(case, golden_dir(args)).format())

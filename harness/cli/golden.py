@@ -14,12 +14,12 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from harness.case import Case, load_case
-from harness.cli.cases import add_cases_dir, cases_dir, named_cases
+from harness.cli.cases import add_cases_dir, cases_dir, golden_dir, named_cases
 from harness.cli.options import enum_option
 from harness.cli.ranks import mutant_ctx
 from harness.errors import UsageError
 from harness.golden.acceptance import GOLDEN_CASES, record_acceptance
-from harness.golden.base import GOLDEN_DIR, GoldenError, GoldenFormatError, GoldenKind
+from harness.golden.base import GoldenError, GoldenFormatError, GoldenKind
 from harness.golden.draft_tree import TREE_CASES, check_tree_case, record_tree_goldens
 from harness.golden.lifecycle import check_golden, iter_cases, record_golden, refuse_under_xdist
 from harness.props.p5_p6 import check_acceptance_case
@@ -30,10 +30,6 @@ LOOP_KINDS: dict[GoldenKind, tuple[tuple[str, ...], Callable[[Case], Verdict]]] 
     GoldenKind.DRAFT_TREE: (TREE_CASES, check_tree_case),
 }
 KIND_OPTION = enum_option(GoldenKind)
-
-
-def golden_dir(args):
-    return args.golden_dir or GOLDEN_DIR
 
 
 def _accept_dir(args) -> Optional[Path]:

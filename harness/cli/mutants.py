@@ -6,7 +6,6 @@ import sys
 import time
 
 
-
 def cmd_mutants(args) -> int:
     from harness.mutant_run import run_catalog  # torch: only when mutants run
     from harness.mutants import CATALOG
