@@ -4,7 +4,7 @@ The GPU suite once failed with cudaErrorStreamCaptureInvalidated during a captur
 alone. Every graph runner is a reference cycle that owns CUDAGraphs (graph -> body -> runner ->
 graphs), so dead runners of earlier tests wait for the cyclic collector, and torch >= 2.5 no
 longer gc.collect()s before capture. This script plants such dead cycles and captures with the
-collector forced to run during the capture, with and without runners.graph_backend's guard:
+collector forced to run during the capture, with and without runners.graph.backend's guard:
 
   python benchmarks/capture_gc_probe.py [--trials 20] [--json out.json]
 
@@ -22,7 +22,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from runners.graph_backend import CudaGraph, GraphBackend  # noqa: E402
+from runners.graph.backend import (
+    CudaGraph,  # noqa: E402
+    GraphBackend,  # noqa: E402
+)
 
 
 class DeadRunner:

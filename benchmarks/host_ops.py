@@ -25,7 +25,7 @@ from harness.bench import _model
 from harness.bench_runners import RUNNERS, _runner_calls, build_rig, rig_spec
 from harness.ranks.simulated import SimulatedWorld
 from harness.scenario import release
-from runners import graph_backend
+from runners.graph import backend as graph_backend
 from runners.parallel.layout import ParallelLayout
 
 

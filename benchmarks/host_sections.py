@@ -18,7 +18,13 @@ import torch
 from harness.bench import _model, _Timer
 from harness.bench_runners import _runner_calls, build_rig, rig_spec
 from harness.scenario import release
-from runners import cuda_graph, eagle_draft_graph, graph_backend, verify_graph
+from runners import (
+    decode_cuda_graph_runner,
+    draft_extend_graph_driver,
+    eagle_draft_cuda_graph_runner,
+    eagle_draft_extend_cuda_graph_runner,
+)
+from runners.graph import backend as graph_backend
 
 _SPENT: dict[str, float] = defaultdict(float)
 _CALLS: dict[str, int] = defaultdict(int)
@@ -39,11 +45,12 @@ def _timed(owner: Any, name: str, label: str) -> None:
 
 
 def instrument(flashinfer: bool) -> None:
-    _timed(cuda_graph.DraftExtendGraphDriver, "run", "extend")
-    _timed(eagle_draft_graph.EAGLEDraftCudaGraphRunner, "replay", "decode")
-    _timed(verify_graph.TargetVerifyCudaGraphRunner, "replay", "verify")
-    for cls, label in ((cuda_graph.EagleDraftExtendCudaGraphRunner, "extend"), (eagle_draft_graph.EAGLEDraftCudaGraphRunner, "decode"),
-                       (verify_graph.TargetVerifyCudaGraphRunner, "verify")):
+    _timed(draft_extend_graph_driver.DraftExtendGraphDriver, "run", "extend")
+    _timed(eagle_draft_cuda_graph_runner.EAGLEDraftCudaGraphRunner, "replay", "decode")
+    _timed(decode_cuda_graph_runner.DecodeCudaGraphRunner, "replay", "verify")
+    for cls, label in ((eagle_draft_extend_cuda_graph_runner.EAGLEDraftExtendCudaGraphRunner, "extend"),
+                       (eagle_draft_cuda_graph_runner.EAGLEDraftCudaGraphRunner, "decode"),
+                       (decode_cuda_graph_runner.DecodeCudaGraphRunner, "verify")):
         _timed(cls, "_fill_for_replay", f"  {label} fill")
     _timed(graph_backend.CudaGraph, "replay", "  graph launch (all runners)")
     if flashinfer:

@@ -142,9 +142,9 @@ class _Timer:
 
 def _bench_backend(comm, backend: str, args, device: torch.device, bs_list: list[int]) -> dict:
     from runners.config import SpecConfig
-    from runners.cuda_graph import DraftExtendGraphDriver
     from runners.draft_extend import DraftWorker, draft_extend_step, eager_forward_batch, run_eager
-    from runners.graph_backend import GraphBackend
+    from runners.draft_extend_graph_driver import DraftExtendGraphDriver
+    from runners.graph.backend import GraphBackend
     from runners.parallel.dp_attention import RankContext
     from runners.parallel.layout import ParallelLayout
 

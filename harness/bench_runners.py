@@ -3,7 +3,7 @@ the whole speculative iteration, eager vs graph.
 
 A rig is one world-size-1 rank of a single-layer EAGLE engine: a DraftWorker (one draft layer:
 the single-layer draft-extend driver and the EAGLEDraftCudaGraphRunner) and a TargetRunner on the
-worker's request map (the TargetVerifyCudaGraphRunner), its requests written by
+worker's request map (the DecodeCudaGraphRunner), its requests written by
 harness.scenario.materialize. Each runner gets the inputs it gets in the loop for the same
 requests: the draft-extend the materialized batch; the draft decode a top-k and hidden state per
 request, its lanes starting at the prefix end (its topk * (num_steps - 1) draft slots lie inside
@@ -22,15 +22,15 @@ import torch
 
 from harness.scenario import Iteration, MaterializedBatch, RequestSpec, Scenario, materialize, release
 from runners.config import ModelConfig, SpecConfig
-from runners.cuda_graph import DraftExtendGraphDriver
+from runners.decode_cuda_graph_runner import DecodeCudaGraphRunner, VerifyInputs, verify_inputs
 from runners.draft_extend import DraftWorker, run_eager
+from runners.draft_extend_graph_driver import DraftExtendGraphDriver
 from runners.eagle_draft import DraftDecodeInputs, run_eager_decode
-from runners.eagle_draft_graph import EAGLEDraftCudaGraphRunner
-from runners.graph_backend import GraphBackend
+from runners.eagle_draft_cuda_graph_runner import EAGLEDraftCudaGraphRunner
+from runners.graph.backend import GraphBackend
 from runners.parallel.dp_attention import RankContext
 from runners.parallel.layout import ParallelLayout
 from runners.target import Lane, TargetRunner
-from runners.verify_graph import TargetVerifyCudaGraphRunner, VerifyInputs, verify_inputs
 
 RUNNERS = ("extend", "decode", "verify")
 PREFIX = 24  # prefix tokens per request; + T stays inside max_context_len (64) for num_steps <= 7
@@ -46,7 +46,7 @@ class RunnerRig:
     target: TargetRunner
     extend: Optional[DraftExtendGraphDriver]  # None: not built (a test that needs only some runners skips their captures)
     decode: Optional[EAGLEDraftCudaGraphRunner]
-    verify: Optional[TargetVerifyCudaGraphRunner]
+    verify: Optional[DecodeCudaGraphRunner]
     scenario_of: Callable[[int, int], Scenario]
 
     def batch(self, bs: int, base_rid: int) -> MaterializedBatch:
@@ -102,7 +102,7 @@ def build_rig(comm, model: ModelConfig, spec: SpecConfig, backend: str, device: 
     graphs = GraphBackend(graph_kind, worker.device)  # one graph pool for the rank's runners, as runners.spec_decode
     extend = DraftExtendGraphDriver(worker, graphs.sibling(), single_layer=True) if "extend" in runners else None
     decode = EAGLEDraftCudaGraphRunner(worker, graphs.sibling()) if "decode" in runners else None
-    verify = TargetVerifyCudaGraphRunner(ctx, model, spec, target, graphs.sibling(), worker.device) if "verify" in runners else None
+    verify = DecodeCudaGraphRunner(ctx, model, spec, target, graphs.sibling(), worker.device) if "verify" in runners else None
     for r in (verify, extend, decode):  # the target's graphs first, as the engine captures them
         if r is not None:
             r.capture()

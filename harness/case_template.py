@@ -18,8 +18,8 @@ from typing import Any, Optional, Sequence
 from harness.case import CASES_DIR, Case, CaseError, parse_case
 from harness.scenario import Scenario
 from harness.tolerances import Tol
+from runners.base_cuda_graph_runner import compute_capture_bs
 from runners.config import DraftExtendGraph, ModelConfig, SpecConfig
-from runners.cuda_graph import compute_capture_bs
 from runners.parallel.layout import ParallelLayout
 
 REPO = Path(__file__).resolve().parent.parent

@@ -1,4 +1,4 @@
-"""P1, P2, P3 and P6 over the single-layer EAGLE draft decode (runners.eagle_draft_graph.EAGLEDraftCudaGraphRunner).
+"""P1, P2, P3 and P6 over the single-layer EAGLE draft decode (runners.eagle_draft_cuda_graph_runner.EAGLEDraftCudaGraphRunner).
 
 P1 (fast): the runner's get_forward_batch and replay fill on every layout, metadata only: the
 baked counts equal the replay fill (I1), count bs * topk lanes (I5, DECODE gives every lane
@@ -30,8 +30,8 @@ from harness.verdict import Verdict, merge_verdicts
 from runners.config import DEFAULT_MODEL, ModelConfig, SpecConfig
 from runners.draft_extend import SEQ_LEN_FILL_VALUE, DraftWorker
 from runners.eagle_draft import DraftDecodeInputs, run_eager_decode
-from runners.eagle_draft_graph import EAGLEDraftCudaGraphRunner
-from runners.graph_backend import GraphBackend
+from runners.eagle_draft_cuda_graph_runner import EAGLEDraftCudaGraphRunner
+from runners.graph.backend import GraphBackend
 from runners.memory import PADDING_ROW
 from runners.parallel.dp_attention import RankContext
 from runners.parallel.layout import ParallelLayout

@@ -35,9 +35,9 @@ from harness.ranks import run as ranks_run
 from harness.ranks.simulated import RankFailure
 from harness.records import ReplayRecord
 from harness.scenario import release
-from runners.cuda_graph import DraftExtendGraphDriver
 from runners.draft_extend import run_eager
-from runners.graph_backend import GraphBackend
+from runners.draft_extend_graph_driver import DraftExtendGraphDriver
+from runners.graph.backend import GraphBackend
 
 BUFFERS = ("input_ids", "positions", "out_cache_loc", "seq_lens", "req_pool_indices", "num_correct_drafts", "num_accept_tokens",
            "extend_seq_lens", "extend_start_loc", "hidden_states", "next_token_logits_buffer", "global_num_tokens_gpu",

@@ -13,9 +13,9 @@ import torch
 from harness.observe import observe_all
 from harness.records import ReplayRecord
 from harness.scenario import MaterializedBatch, Scenario, materialize, release
-from runners.cuda_graph import DraftExtendGraphDriver
 from runners.draft_extend import DraftWorker, run_eager
-from runners.graph_backend import GraphBackend, GraphStats
+from runners.draft_extend_graph_driver import DraftExtendGraphDriver
+from runners.graph.backend import GraphBackend, GraphStats
 from runners.parallel.comm import Communicator
 from runners.parallel.dp_attention import RankContext, mlp_sync_batch_sizes
 

@@ -24,10 +24,10 @@ from typing import Any, Callable, Iterable, Optional, Protocol
 import torch
 
 from harness.records import CaptureRecord, ReplayRecord, tensor_values
+from runners.base_cuda_graph_runner import RunnerKind
 from runners.batch import ForwardBatch
 from runners.draft_decode import EagleProposer
 from runners.draft_extend import SEQ_LEN_FILL_VALUE
-from runners.graph_runner import RunnerKind
 from runners.parallel.layout import ParallelLayout
 from runners.spec_decode import SpecEngine
 
@@ -40,7 +40,7 @@ class LiveBatch(Protocol):
 
 
 class ObservedRunner(Protocol):
-    """What the observer reads of a graph runner: the engine-shaped names of runners.graph_runner."""
+    """What the observer reads of a graph runner: the engine-shaped names of runners.base_cuda_graph_runner."""
 
     runner_kind: RunnerKind
     step: int

@@ -30,7 +30,7 @@ class ReplayRecord:
     """One replay: its bucket's capture record, the static buffers after the replay fill, and what
     the graph fed lm_head (None when no graph ran: the metadata-only path)."""
 
-    runner: str  # a runners.graph_runner.RunnerKind for ours; an engine's runner name for theirs
+    runner: str  # a runners.base_cuda_graph_runner.RunnerKind for ours; an engine's runner name for theirs
     step: int
     branch: str
     raw_bs: int

@@ -23,11 +23,11 @@ from harness.props.p1_records import check_replay_rows
 from harness.props.poison import NAN, RunnerPoison
 from harness.tolerances import eager_vs_graph
 from harness.verdict import Verdict
+from runners.decode_cuda_graph_runner import DecodeCudaGraphRunner, VerifyInputs
 from runners.draft_extend import SEQ_LEN_FILL_VALUE
 from runners.memory import PADDING_ROW, PADDING_SLOT
 from runners.spec_decode import SpecEngine
 from runners.target import Lane, TargetOutput
-from runners.verify_graph import TargetVerifyCudaGraphRunner, VerifyInputs
 
 
 def lanes_of(inp: VerifyInputs, T: int) -> list[Lane]:
@@ -77,7 +77,7 @@ class VerifyShadow:
     def _live_slots(self) -> list[int]:
         return sorted({s for r in self.engine.sched.running if r.has_kv for s in r.slots})
 
-    def _wrap(self, g: TargetVerifyCudaGraphRunner, replay):
+    def _wrap(self, g: DecodeCudaGraphRunner, replay):
         def shadowed(inp: VerifyInputs) -> TargetOutput:
             e, T = self.engine, g.T
             kv = e.target.kv_pool
@@ -194,10 +194,10 @@ class VerifyPoison(RunnerPoison):
             raise ValueError("VerifyPoison needs the graph runner (runner='graph')")
         super().__init__(engine, verdict, engine.verify_graph)
 
-    def kv_pool(self, g: TargetVerifyCudaGraphRunner):
+    def kv_pool(self, g: DecodeCudaGraphRunner):
         return self.engine.target.kv_pool
 
-    def after_clean(self, g: TargetVerifyCudaGraphRunner, inp: VerifyInputs, rec) -> None:
+    def after_clean(self, g: DecodeCudaGraphRunner, inp: VerifyInputs, rec) -> None:
         raw_bs, bs = inp.bs, rec.bs
         T, w = g.T, self.where(raw_bs, bs)
         raw_n = raw_bs * T
@@ -222,7 +222,7 @@ class VerifyPoison(RunnerPoison):
             self.v.expect_equal("canonical", "global_num_tokens_gpu (replay fill)", w, [bs * T] * g.global_num_tokens_gpu.shape[0],
                                 g.global_num_tokens_gpu.tolist())
 
-    def poison(self, g: TargetVerifyCudaGraphRunner, raw_bs: int) -> None:
+    def poison(self, g: DecodeCudaGraphRunner, raw_bs: int) -> None:
         T, cfg = g.T, g.cfg
         raw_n = raw_bs * T
         poison_slot = self.poison_stale(g)
@@ -235,7 +235,7 @@ class VerifyPoison(RunnerPoison):
         g.hidden_buffer.fill_(NAN)
         g.logits_buffer.fill_(NAN)
 
-    def compare(self, g: TargetVerifyCudaGraphRunner, raw_bs: int, bs: int, clean: TargetOutput, poisoned: TargetOutput, s1: dict) -> None:
+    def compare(self, g: DecodeCudaGraphRunner, raw_bs: int, bs: int, clean: TargetOutput, poisoned: TargetOutput, s1: dict) -> None:
         w, T = self.where(raw_bs, bs), g.T
         for name in ("logits", "hidden"):
             self.v.checked += 1

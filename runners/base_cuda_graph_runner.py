@@ -1,12 +1,14 @@
-"""What every CUDA-graph runner of the engine does the same way: capture per bucket, choose a bucket.
+"""BaseCudaGraphRunner: what every CUDA-graph runner of the engine does the same way: capture per bucket, choose a
+bucket.
 
-Draft-extend and target verify differ in their buffers, their `get_forward_batch(bs)` and
-their replay fill; they share the capture loop (two warm-ups with the capture-time
-metadata, a barrier after each, then the capture, largest bucket first, DESIGN.md §6.2) and
-the bucket rule (the smallest captured bs >= the batch; in the MLP-TP gather branch every
-DP group replays the same bucket, so the largest group's batch decides, §6.4), the gathered
-token-count tensors with their capture-time bake, and the replay itself (a host re-plan for
-backends that plan outside the graph, then the graph).
+The four runners differ in their buffers, their `get_forward_batch(bs)` and their replay fill; they share the capture
+loop (two warm-ups with the capture-time metadata, a barrier after each, then the capture, largest bucket first,
+DESIGN.md §6.2) and the bucket rule (the smallest captured bs >= the batch; in the MLP-TP gather branch every DP group
+replays the same bucket, so the largest group's batch decides, §6.4), the gathered token-count tensors with their
+capture-time bake, and the replay itself (a host re-plan for backends that plan outside the graph, then the graph).
+SGLang splits this between BaseCudaGraphRunner (the capture sizes, the bucket rule) and DecodeCudaGraphRunner, which
+the draft runners there subclass; ours subclass this class alone, since our DecodeCudaGraphRunner
+(runners.decode_cuda_graph_runner) is the target's TARGET_VERIFY runner only, its buffers its own.
 """
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ import torch
 
 from runners.batch import ForwardBatch
 from runners.dp_metadata import GatheredMetadata
-from runners.graph_backend import GraphBackend
+from runners.graph.backend import GraphBackend
 from runners.parallel.comm import Group
 from runners.parallel.layout import Branch, ParallelLayout
 
@@ -56,7 +58,7 @@ class RunnerKind(StrEnum):
     MULTI_LAYER = "multi_layer"  # a step of MultiLayerEagleMultiStepDraftExtendCudaGraphRunner
     SINGLE_LAYER = "single_layer"  # EAGLEDraftExtendCudaGraphRunner
     DRAFT_DECODE = "draft_decode"  # EAGLEDraftCudaGraphRunner
-    TARGET_VERIFY = "target_verify"  # the target's CudaGraphRunner in TARGET_VERIFY mode
+    TARGET_VERIFY = "target_verify"  # the target's DecodeCudaGraphRunner in TARGET_VERIFY mode
 
 
 class LiveBatch(Protocol):
@@ -67,7 +69,7 @@ class LiveBatch(Protocol):
     def bs(self) -> int: ...
 
 
-class BucketedGraphRunner:
+class BaseCudaGraphRunner:
     """Subclasses set layout, backend, T, capture_bs, max_bs, seq_lens, graphs, capture_batches
     and define `comm`, `get_forward_batch(bs)`, `_fill_for_replay(inp)` and `_body(fb)`;
     `_init_gathered` sets the gathered tensors."""

@@ -1,6 +1,12 @@
-"""The TARGET_VERIFY CUDA-graph runner: the target model over num_draft_tokens tokens per request.
+"""DecodeCudaGraphRunner: the target's CUDA-graph runner, in TARGET_VERIFY mode: the target model over
+num_draft_tokens tokens per request.
 
-As the engine's cuda_graph_runner in TARGET_VERIFY mode (DESIGN.md §6.2-6.4): static
+SGLang's DecodeCudaGraphRunner (cuda_graph_runner.CudaGraphRunner in older releases) captures the target's graphs in
+TARGET_VERIFY mode when speculative decoding is on, and DECODE otherwise; this engine always decodes speculatively, so
+ours has the TARGET_VERIFY mode only, and its own buffers (the tree masks, the output rows). The draft runners, which
+subclass SGLang's, subclass runners.base_cuda_graph_runner here.
+
+As the engine's runner in TARGET_VERIFY mode (DESIGN.md §6.2-6.4): static
 buffers sized for the largest bucket; one graph per capture_bs bucket; `get_forward_batch(bs)`
 bakes the per-branch gathered metadata, counting tokens (bs * num_draft_tokens) with
 logits for every token; replay copies the live lanes in, writes the replay fill into the
@@ -19,12 +25,12 @@ from typing import Optional, Sequence
 
 import torch
 
+from runners.base_cuda_graph_runner import BaseCudaGraphRunner, RunnerKind, compute_capture_bs
 from runners.batch import EagleVerifyInput, ForwardBatch, ForwardMode, host_copy
 from runners.config import ModelConfig, SpecConfig
 from runners.dp_metadata import gathered_metadata
 from runners.draft_extend import SEQ_LEN_FILL_VALUE
-from runners.graph_backend import GraphBackend
-from runners.graph_runner import BucketedGraphRunner, RunnerKind, compute_capture_bs
+from runners.graph.backend import GraphBackend
 from runners.memory import PADDING_SLOT
 from runners.parallel.dp_attention import RankContext
 from runners.replay_copy import grouped_foreach_copy_
@@ -73,8 +79,8 @@ def verify_inputs(lanes: Sequence[Lane], dp_batch_sizes: list[int], device: torc
     )
 
 
-class TargetVerifyCudaGraphRunner(BucketedGraphRunner):
-    """One rank's TARGET_VERIFY graphs. `target=None` gives a metadata-only runner (no model:
+class DecodeCudaGraphRunner(BaseCudaGraphRunner):
+    """One rank's TARGET_VERIFY graphs of the target. `target=None` gives a metadata-only runner (no model:
     get_forward_batch and prepare_replay only), which the fast P1 path drives."""
 
     runner_kind = RunnerKind.TARGET_VERIFY

@@ -19,7 +19,7 @@ a proposal. A last partial chunk selects its last real row; its junk rows sit at
 verify's positions and are overwritten by the first draft-extend.
 
 Single-layer EAGLE (`draft="single_layer"`): one draft layer; the draft-extend (the same body,
-eager or EagleDraftExtendCudaGraphRunner) gives depth 1's top-k and the selected row's hidden
+eager or EAGLEDraftExtendCudaGraphRunner) gives depth 1's top-k and the selected row's hidden
 state, then the draft decode (runners.eagle_draft, eager or EAGLEDraftCudaGraphRunner) runs the
 layer num_steps - 1 more times over topk lanes per request and expands the tree; the proposal
 is the tree's best path with its parents' other children as siblings.
@@ -36,7 +36,6 @@ import torch
 
 from runners.attention import make_backend
 from runners.config import ModelConfig, SpecConfig
-from runners.cuda_graph import DraftExtendGraphDriver
 from runners.draft_extend import (
     DraftExtendInputs,
     DraftWorker,
@@ -45,6 +44,7 @@ from runners.draft_extend import (
     eager_forward_batch,
     run_eager,
 )
+from runners.draft_extend_graph_driver import DraftExtendGraphDriver
 from runners.eagle_draft import (
     DraftDecodeInputs,
     DraftDecodeOutputs,
@@ -53,9 +53,9 @@ from runners.eagle_draft import (
     run_eager_decode,
     tree_proposals,
 )
-from runners.eagle_draft_graph import EAGLEDraftCudaGraphRunner
-from runners.graph_backend import GraphBackend
-from runners.graph_mode import GraphMode
+from runners.eagle_draft_cuda_graph_runner import EAGLEDraftCudaGraphRunner
+from runners.graph.backend import GraphBackend
+from runners.graph.mode import GraphMode
 from runners.memory import ReqToTokenPool
 from runners.parallel.dp_attention import RankContext, mlp_sync_batch_sizes
 from runners.scheduler import Proposal, Request

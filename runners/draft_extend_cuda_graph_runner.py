@@ -1,39 +1,30 @@
-"""The draft-extend graph runners' static input buffers, and what both runner kinds do alike.
+"""What the two draft-extend graph runners share: the static input buffers and the runner around them (construction,
+the step body, the replay of a filled bucket), under which each writes its own `get_forward_batch` and replay fill
+(runners.multi_layer_eagle_draft_extend_cuda_graph_runner, runners.eagle_draft_extend_cuda_graph_runner; DESIGN.md
+§6.2-6.4).
 
-Every draft step extends each request by the same num_tokens_per_bs tokens, so the
-multi-layer runner's steps can read one buffer set (as the engine's
-MultiLayerEagleMultiStepDraftExtendCudaGraphRunner shares one across its per-step
-runners): it is filled once per iteration, and only the chain inputs (token ids, hidden
-states) change between steps. The single-layer runner owns a set of its own. What the two
-runner kinds share is the buffer layout, the step body and the replay itself; each writes
-its own `get_forward_batch` and replay fill (DESIGN.md §6.2-6.4).
+SGLang's two runners each subclass DecodeCudaGraphRunner and each declare a buffer set of their own
+(MultiLayerEagleDraftExtendInputBuffers, EagleDraftExtendInputBuffers). Ours hold one layout, DraftExtendInputBuffers,
+and share this base, so what each writes apart is its get_forward_batch and replay fill: the code invariant I6
+compares between them.
+
+Every draft step extends each request by the same num_tokens_per_bs tokens, so the multi-layer runner's steps can read
+one buffer set (as the engine's MultiLayerEagleMultiStepDraftExtendCudaGraphRunner shares one across its per-step
+runners): it is filled once per iteration, and only the chain inputs (token ids, hidden states) change between steps.
+The single-layer runner owns a set of its own.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from enum import Enum
 from typing import Optional
 
 import torch
 
+from runners.base_cuda_graph_runner import BaseCudaGraphRunner, compute_capture_bs, gathered_buffers
 from runners.batch import ForwardBatch
 from runners.draft_extend import SEQ_LEN_FILL_VALUE, DraftExtendInputs, DraftWorker, StepOutputs, draft_extend_step
-from runners.graph_backend import GraphBackend
-from runners.graph_runner import BucketedGraphRunner, compute_capture_bs, gathered_buffers
+from runners.graph.backend import GraphBackend
 from runners.memory import PADDING_SLOT
-
-
-class PrepareFill(Enum):
-    """How a multi-layer runner writes its per-iteration fill: torch ops, or the one fused launch
-    (runners.draft_extend_fill, whose module imports triton: the runner imports it on the fused path only)."""
-
-    NATIVE = "native"
-    TRITON = "triton"
-
-    @classmethod
-    def for_device(cls, device: torch.device | str) -> "PrepareFill":
-        """The engine's choice: the kernel where it is compiled for the device (CUDA), the torch ops elsewhere."""
-        return cls.TRITON if torch.device(device).type == "cuda" else cls.NATIVE
 
 
 @dataclass
@@ -87,7 +78,7 @@ def _buffer(name: str) -> property:
     return property(lambda self: getattr(self.buffers, name), doc=f"the runner's view of buffers.{name}")
 
 
-class DraftExtendGraphRunner(BucketedGraphRunner):
+class DraftExtendCudaGraphRunner(BaseCudaGraphRunner):
     """What both draft-extend runner kinds share. `buffers=None` gives the runner a set of its own."""
 
     def __init__(self, worker: DraftWorker, step: int, backend: GraphBackend, buffers: Optional[DraftExtendInputBuffers] = None):
@@ -118,4 +109,4 @@ class DraftExtendGraphRunner(BucketedGraphRunner):
 
 
 for _f in fields(DraftExtendInputBuffers):
-    setattr(DraftExtendGraphRunner, _f.name, _buffer(_f.name))
+    setattr(DraftExtendCudaGraphRunner, _f.name, _buffer(_f.name))

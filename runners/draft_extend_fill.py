@@ -6,14 +6,14 @@ copy-ins, the gathered counts), each a host launch before the replays can start.
 (SGLang 0.5.16 on) writes the whole fill with one Triton launch on CUDA, and keeps a native torch
 twin for devices where the kernel cannot run; the engine under test has the same two paths, so a
 bug in either (the engine's native twin has had one: padded token rows left stale) has its place here.
-We do the same: `PrepareFill.TRITON` (runners.draft_extend_buffers) on a CUDA worker launches
+We do the same: `PrepareFill.TRITON` (runners.multi_layer_eagle_draft_extend_cuda_graph_runner) on a CUDA worker launches
 `fill_prepare_buffers`; `PrepareFill.NATIVE` everywhere else keeps the runner's torch methods
 (reset_for_iteration, _copy_live_inputs), which the CPU suite and the built-in mutants exercise.
 This module imports triton, an optional package: the runner imports it on the fused path only. The kernel must leave
 every device buffer bitwise as the native path does; tests/test_draft_extend_fill.py holds it to
 that (in Triton's interpreter on CPU, and on CUDA).
 
-What it writes, and what it leaves (the native path's values, runners.cuda_graph):
+What it writes, and what it leaves (the native path's values, runners.multi_layer_eagle_draft_extend_cuda_graph_runner):
   input_ids, positions       live rows from the batch, every other row 0
   out_cache_loc              PADDING_SLOT in every row (the body writes the bucket's rows itself)
   seq_lens                   live lanes from the batch, every other lane SEQ_LEN_FILL_VALUE
@@ -30,7 +30,7 @@ import torch
 
 from runners.attention.triton_launch import run_kernel, tl, triton
 from runners.draft_extend import SEQ_LEN_FILL_VALUE, DraftExtendInputs
-from runners.draft_extend_buffers import DraftExtendInputBuffers
+from runners.draft_extend_cuda_graph_runner import DraftExtendInputBuffers
 from runners.memory import PADDING_ROW, PADDING_SLOT
 
 __all__ = ["fill_prepare_buffers"]

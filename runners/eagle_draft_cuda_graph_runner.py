@@ -7,12 +7,13 @@ capture_bs and `get_forward_batch(bs)`, whose gathered metadata counts bs * topk
 every lane gets logits); a replay that copies the live requests in, fills the padded lanes,
 writes the gathered counts and replays. The step body is runners.eagle_draft's, shared with
 the eager reference, and attends with the worker's backend; a backend that plans on the host
-re-plans its per-step metadata before every replay (BucketedGraphRunner._replay_graph).
+re-plans its per-step metadata before every replay (BaseCudaGraphRunner._replay_graph).
 """
 from __future__ import annotations
 
 import torch
 
+from runners.base_cuda_graph_runner import BaseCudaGraphRunner, RunnerKind, compute_capture_bs
 from runners.batch import ForwardBatch, ForwardMode, host_copy
 from runners.dp_metadata import gathered_metadata
 from runners.draft_extend import SEQ_LEN_FILL_VALUE, DraftWorker
@@ -23,13 +24,12 @@ from runners.eagle_draft import (
     draft_decode_forward,
     require_draft_decode,
 )
-from runners.graph_backend import GraphBackend
-from runners.graph_runner import BucketedGraphRunner, RunnerKind, compute_capture_bs
+from runners.graph.backend import GraphBackend
 from runners.memory import PADDING_ROW, PADDING_SLOT
 from runners.replay_copy import grouped_foreach_copy_
 
 
-class EAGLEDraftCudaGraphRunner(BucketedGraphRunner):
+class EAGLEDraftCudaGraphRunner(BaseCudaGraphRunner):
     """One rank's draft-decode graphs (num_steps - 1 forwards of the one draft layer each)."""
 
     runner_kind = RunnerKind.DRAFT_DECODE

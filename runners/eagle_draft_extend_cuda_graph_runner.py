@@ -1,27 +1,27 @@
-"""The single-layer EAGLE draft-extend CUDA-graph runner (step 0 only), as the engine's
-EAGLEDraftExtendCudaGraphRunner: its own buffers, its own get_forward_batch and replay fill.
+"""EAGLEDraftExtendCudaGraphRunner: the single-layer EAGLE draft-extend CUDA-graph runner (step 0 only): its own
+buffers, its own get_forward_batch and replay fill (the buffer layout, body and replay it shares with the multi-layer
+runner are runners.draft_extend_cuda_graph_runner's).
 
-It is written apart from the multi-layer runner (runners.cuda_graph) on purpose: invariant I6
-(the two runners agree on the metadata of the same batches) then compares two codes, as in
-the engine, where the two runners live in separate files and a fix to one has missed the
-other (sglang#26416). Its padded-lane reset differs from the multi-layer one where the engine's
-does: it runs only when the bucket is padded. A padded lane selects its own last token
-(num_correct_drafts = T - 1), because this body selects rows in the graph.
+It is written apart from the multi-layer runner (runners.multi_layer_eagle_draft_extend_cuda_graph_runner) on purpose:
+invariant I6 (the two runners agree on the metadata of the same batches) then compares two codes, as in the engine,
+where the two runners live in separate files and a fix to one has missed the other (sglang#26416). Its padded-lane
+reset differs from the multi-layer one where the engine's does: it runs only when the bucket is padded. A padded lane
+selects its own last token (num_correct_drafts = T - 1), because this body selects rows in the graph.
 """
 from __future__ import annotations
 
 import torch
 
+from runners.base_cuda_graph_runner import RunnerKind
 from runners.batch import EagleDraftInput, ForwardBatch, ForwardMode, host_copy
 from runners.draft_extend import SEQ_LEN_FILL_VALUE, DraftExtendInputs, DraftWorker, StepOutputs
-from runners.draft_extend_buffers import DraftExtendGraphRunner
-from runners.graph_backend import GraphBackend
-from runners.graph_runner import RunnerKind
+from runners.draft_extend_cuda_graph_runner import DraftExtendCudaGraphRunner
+from runners.graph.backend import GraphBackend
 from runners.memory import PADDING_ROW, PADDING_SLOT
 from runners.replay_copy import grouped_foreach_copy_
 
 
-class EagleDraftExtendCudaGraphRunner(DraftExtendGraphRunner):
+class EAGLEDraftExtendCudaGraphRunner(DraftExtendCudaGraphRunner):
     """The single-layer EAGLE draft-extend runner: one graph per bucket over its own buffers."""
 
     runner_kind = RunnerKind.SINGLE_LAYER

@@ -1,11 +1,18 @@
-"""One step of the multi-layer EAGLE draft-extend as a CUDA-graph runner: its get_forward_batch and the fill of
-the buffers the steps share (DESIGN.md §6.2-6.4). The composites that own the steps are runners.cuda_graph (a graph
-per step) and runners.one_graph_draft_extend (one graph per bucket for every step).
+"""The multi-layer EAGLE draft-extend CUDA-graph runners, as SGLang's file of the same name holds them: the per-step
+runner (MultiLayerEagleDraftExtendCudaGraphRunner: one draft layer, its get_forward_batch and the replay fill), the
+composite that owns one buffer set and a runner per step (MultiLayerEagleMultiStepDraftExtendCudaGraphRunner: a graph
+per step, chained on the host) and its one-graph variant (OneGraphMultiLayerEagleMultiStepDraftExtendCudaGraphRunner:
+one graph per bucket runs every step). DESIGN.md §6.2-6.4.
 
 Static buffers sized for the largest bucket; one graph per capture_bs bucket; `get_forward_batch(bs)` bakes the
 per-branch metadata; the replay fill copies only the live lanes in and writes the gathered gpu tensors; each step
 replays and slices the raw rows out. Padded lanes keep their reset or stale values on purpose: that is what the engine
-does, and what the harness must prove harmless. The single-layer runner is runners.eagle_draft_extend_graph.
+does, and what the harness must prove harmless.
+
+Where ours differs in shape from the engine's: the fill is the step runner's, not the composite's `prepare`, so that a
+step runner made alone (as P1's metadata path drives one) fills its own buffers; inside a composite the first step's
+runner fills the shared set. The buffer layout and what the single-layer runner
+(runners.eagle_draft_extend_cuda_graph_runner) does alike are runners.draft_extend_cuda_graph_runner's.
 
 The fill has two paths, as the engine's: on a CUDA worker one fused Triton launch (runners.draft_extend_fill) in
 place of the fill's many small torch launches; on any other device the torch methods below, its native twin, which
@@ -15,17 +22,32 @@ path once, at construction, from the worker's device.
 from __future__ import annotations
 
 import importlib
-from typing import Callable, Optional
+from enum import Enum
+from typing import Any, Callable, Optional
 
 import torch
 
+from runners.base_cuda_graph_runner import RunnerKind
 from runners.batch import EagleDraftInput, ForwardBatch, ForwardMode, host_copy
 from runners.dp_metadata import GatheredMetadata
-from runners.draft_extend import SEQ_LEN_FILL_VALUE, DraftExtendInputs, DraftWorker, StepOutputs
-from runners.draft_extend_buffers import DraftExtendGraphRunner, DraftExtendInputBuffers, PrepareFill
-from runners.graph_backend import GraphBackend
-from runners.graph_runner import RunnerKind
+from runners.draft_extend import SEQ_LEN_FILL_VALUE, DraftExtendInputs, DraftWorker, StepOutputs, draft_extend_step
+from runners.draft_extend_cuda_graph_runner import DraftExtendCudaGraphRunner, DraftExtendInputBuffers
+from runners.graph.backend import GraphBackend
 from runners.memory import PADDING_ROW, PADDING_SLOT
+from runners.parallel.comm import Group
+
+
+class PrepareFill(Enum):
+    """How a multi-layer runner writes its per-iteration fill: torch ops, or the one fused launch
+    (runners.draft_extend_fill, whose module imports triton: the runner imports it on the fused path only)."""
+
+    NATIVE = "native"
+    TRITON = "triton"
+
+    @classmethod
+    def for_device(cls, device: torch.device | str) -> "PrepareFill":
+        """The engine's choice: the kernel where it is compiled for the device (CUDA), the torch ops elsewhere."""
+        return cls.TRITON if torch.device(device).type == "cuda" else cls.NATIVE
 
 
 def _fused_fill() -> Callable[[DraftExtendInputBuffers, DraftExtendInputs, int, int], None]:
@@ -35,14 +57,17 @@ def _fused_fill() -> Callable[[DraftExtendInputBuffers, DraftExtendInputs, int, 
     return importlib.import_module("runners.draft_extend_fill").fill_prepare_buffers
 
 
-class EagleDraftExtendCudaGraphRunnerBase(DraftExtendGraphRunner):
-    """One step of the multi-layer draft: its get_forward_batch and the fill of the (shared) buffers.
+class MultiLayerEagleDraftExtendCudaGraphRunner(DraftExtendCudaGraphRunner):
+    """One draft layer (one speculative step) of the multi-layer EAGLE draft: its get_forward_batch and the fill of
+    the (shared) buffers.
 
     A runner made alone (buffers=None) owns its buffers and fills them itself through
     prepare_replay; inside MultiLayerEagleMultiStepDraftExtendCudaGraphRunner the first
     step's runner fills the shared set once per iteration and every step replays over it.
     `prepare_fill` says how the fill is written (runners.draft_extend_fill); a test may pin it.
     """
+
+    runner_kind = RunnerKind.MULTI_LAYER
 
     def __init__(self, worker: DraftWorker, step: int, backend: GraphBackend, buffers: Optional[DraftExtendInputBuffers] = None):
         super().__init__(worker, step, backend, buffers)
@@ -137,29 +162,22 @@ class EagleDraftExtendCudaGraphRunnerBase(DraftExtendGraphRunner):
         return self._replay_filled(inp, self._choose_bucket(self._needed_bs(inp)))
 
 
-class MultiLayerEagleDraftExtendCudaGraphRunner(EagleDraftExtendCudaGraphRunnerBase):
-    """One draft layer (one speculative step) of the multi-layer EAGLE draft."""
+class MultiLayerEagleMultiStepDraftExtendCudaGraphRunner:
+    """Owns the one buffer set and the per-step runners that read it: prepare once per iteration (the first step's
+    runner fills the set), then per step write the chain inputs and replay that step's graph."""
 
-    runner_kind = RunnerKind.MULTI_LAYER
-
-
-class MultiStepDraftExtendComposite:
-    """What both multi-layer composites do alike (the per-step one, runners.cuda_graph; the one-graph one,
-    runners.one_graph_draft_extend): one buffer set, a step runner per draft layer over it, prepared once per
-    iteration by the first step's runner. A subclass builds `runners` and says how the steps are captured and replayed."""
-
-    runners: list[MultiLayerEagleDraftExtendCudaGraphRunner]
-
-    def __init__(self, worker: DraftWorker):
-        self.worker = worker
+    def __init__(self, worker: DraftWorker, backend: GraphBackend):
+        self.worker, self.backend = worker, backend
         self.buffers = DraftExtendInputBuffers.allocate(worker)
         self.raw_bs = self.bs = 0
+        self.runners = [self._create_runner(k) for k in range(worker.num_layers)]
+
+    def _create_runner(self, step: int) -> MultiLayerEagleDraftExtendCudaGraphRunner:
+        return MultiLayerEagleDraftExtendCudaGraphRunner(self.worker, step, self.backend, self.buffers)
 
     def capture(self) -> None:
-        raise NotImplementedError
-
-    def replay(self, step: int, inp: DraftExtendInputs) -> StepOutputs:
-        raise NotImplementedError
+        for r in reversed(self.runners):  # the engine captures the last step first
+            r.capture()
 
     def can_run(self, inp: DraftExtendInputs) -> bool:
         return self.runners[0].can_run(inp)
@@ -168,3 +186,107 @@ class MultiStepDraftExtendComposite:
         """Reset, copy-in and replay fill of the shared buffers, once per iteration; returns the bucket."""
         self.raw_bs, self.bs = inp.bs, self.runners[0].prepare_replay(inp)
         return self.bs
+
+    def replay(self, step: int, inp: DraftExtendInputs) -> StepOutputs:
+        """Step k > 0 reads the previous step's token ids and hidden states (`inp`, live rows):
+        written outside the graph, as the engine's worker rotates the input ids between steps."""
+        if step:
+            raw_n = inp.bs * self.runners[0].T
+            self.buffers.input_ids[:raw_n].copy_(inp.input_ids)
+            self.buffers.hidden_states[:raw_n].copy_(inp.hidden_states)
+        return self.runners[step].replay(inp)
+
+
+class OneGraphDraftExtendStepRunner(MultiLayerEagleDraftExtendCudaGraphRunner):
+    """One step of the one-graph composite: its metadata and fill are a per-step runner's; its graph is the composite's
+    (kept by the first step's runner, as SGLang's first runner's backend keeps it), and a later step's replay is served
+    from step 0's. SGLang serves the steps in the composite's replay; here the step runner's replay does, so that a
+    step's outputs are sliced by the same `_replay_filled` as a per-step replay's."""
+
+    def __init__(self, worker: DraftWorker, step: int, backend: GraphBackend, buffers: DraftExtendInputBuffers,
+                 composite: "OneGraphMultiLayerEagleMultiStepDraftExtendCudaGraphRunner"):
+        super().__init__(worker, step, backend, buffers)
+        self.composite = composite
+
+    def capture(self) -> None:
+        raise RuntimeError("a step of the one-graph composite is captured by the composite, with every other step")
+
+    def _replay_graph(self, bs: int, attn: Any) -> StepOutputs:
+        """This step's (unsliced) outputs of the iteration's one replay: step 0 runs it."""
+        if self.step == 0:
+            self.composite.served = super()._replay_graph(bs, attn)
+        return self.composite.served[self.step]
+
+
+class OneGraphMultiLayerEagleMultiStepDraftExtendCudaGraphRunner(MultiLayerEagleMultiStepDraftExtendCudaGraphRunner):
+    """SGLang's one-graph composite (SGLANG_ENABLE_SINGLE_CG_DRAFT, its default on FA3 from 0.5.16): ONE graph per
+    bucket captures every step's body and the chain between the steps, so an iteration replays once. It owns the
+    buffer set, a logits buffer per step and the step runners.
+
+    What it keeps of the per-step composite: one buffer set, prepared once per iteration by the first step's runner;
+    each step's get_forward_batch. What differs, and why each piece is here:
+
+    - the chain (step k+1 reads step k's next token ids and hidden states) is written INSIDE the graph, after each
+      step's body. Written on the host between steps, as the per-step composite does, it would come too late: the
+      replay has run every step by then, each later step over the inputs step 0 read (mutant
+      one-graph-chain-on-host, P3).
+    - each step writes its logits into a buffer of its own. The per-step runners share one logits buffer, which is
+      right for them (the driver copies a step's outputs before the next replay); inside one graph step k+1 would
+      overwrite step k's logits before anyone reads them (mutant one-graph-steps-share-logits, P3).
+    - the replay runs at step 0; every step's outputs come from that replay (`served`), sliced to the raw batch by
+      the step's runner as a per-step replay's are (mutant one-graph-served-unsliced, P3).
+
+    SGLang snapshots the chain's buffers (token ids, hidden states) before capture and restores them after it, outside
+    the graph, because the warm-ups ran the chain for real. There is no restore here because our prepare leaves nothing
+    for one to guard: the reset zeroes every token id and the copy-in rewrites every live hidden state, so what the
+    warm-ups' chain leaves survives only in the padded lanes' hidden states, stale by design (an earlier larger batch
+    leaves them so) and read by no live row (P2 poisons them; tests/test_one_graph_draft_extend.py poisons the chain
+    buffers after capture and no output changes).
+    """
+
+    def __init__(self, worker: DraftWorker, backend: GraphBackend):
+        super().__init__(worker, backend)
+        shared = self.buffers.next_token_logits_buffer
+        self.step_logits = [shared] + [torch.zeros_like(shared) for _ in self.runners[1:]]
+        self.served: list[StepOutputs] = []
+
+    def _create_runner(self, step: int) -> OneGraphDraftExtendStepRunner:
+        return OneGraphDraftExtendStepRunner(self.worker, step, self.backend, self.buffers, self)
+
+    def _logits_buffer(self, step: int) -> torch.Tensor:
+        return self.step_logits[step]
+
+    def _chain(self, num_tokens: int, out: StepOutputs) -> None:
+        """The next step's inputs, in the graph: every lane of the bucket (the graph cannot know the raw batch)."""
+        self.buffers.input_ids[:num_tokens].copy_(out.next_input_ids)
+        self.buffers.hidden_states[:num_tokens].copy_(out.hidden)
+
+    def _body(self, bs: int, batches: list[ForwardBatch]) -> list[StepOutputs]:
+        n, last = bs * self.runners[0].T, len(batches) - 1
+        outs = []
+        for step, fb in enumerate(batches):
+            out = draft_extend_step(self.worker, step, fb)
+            logits = self._logits_buffer(step)[:n]
+            logits.copy_(out.logits)
+            out.logits = logits
+            outs.append(out)
+            if step < last:
+                self._chain(n, out)
+        return outs
+
+    def capture(self) -> None:
+        """Largest bucket first, as the engine; two warm-ups with the capture-time metadata, a barrier after each."""
+        first = self.runners[0]
+        for bs in reversed(first.capture_bs):
+            batches = [r.get_forward_batch(bs).frozen() for r in self.runners]
+            for r, fb in zip(self.runners, batches, strict=True):
+                r.capture_batches[bs] = fb
+            for _ in range(2):
+                self.backend.warmup(lambda bs=bs, batches=batches: self._body(bs, batches))
+                first.comm.barrier(Group.WORLD)
+            first.graphs[bs] = self.backend.capture(lambda bs=bs, batches=batches: self._body(bs, batches))
+
+    def replay(self, step: int, inp: DraftExtendInputs) -> StepOutputs:
+        """Step 0 replays the one graph; a later step is served from that replay. `inp` carries the previous step's
+        outputs for a host chain; this composite chains in the graph and writes nothing here."""
+        return self.runners[step].replay(inp)

@@ -2,8 +2,8 @@
 
 Under a graph the outputs are views of the graph's static output buffers, sliced to the raw
 batch: the engine's replay returns them so, without a copy, and the next replay of the same
-graph overwrites them (the CPU graph writes its outputs in place too: runners.graph_record), as
-may a replay of a graph of the same pool captured before it (runners.graph_pool). A consumer
+graph overwrites them (the CPU graph writes its outputs in place too: runners.graph.record), as
+may a replay of a graph of the same pool captured before it (runners.graph.pool). A consumer
 that reads them before the next replay needs nothing; one that keeps them past it (a loop
 step's report, a property comparing two replays) takes `cloned()`.
 """

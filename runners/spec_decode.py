@@ -9,7 +9,7 @@ of its DP attention group (`Request.dp_rank`) and ignores the others' commands. 
    nodes (the last token and T - 1 drafts: the chain, and with topk > 1 the top-k siblings;
    runners.verify), greedy acceptance along the tree, the accepted nodes' KV moved to their
    chain positions, commit (never past max_new_tokens), finish the requests that are done.
-   With runner="graph" the verify replays the TARGET_VERIFY graph (runners.verify_graph); a
+   With runner="graph" the verify replays the TARGET_VERIFY graph (runners.decode_cuda_graph_runner); a
    batch no bucket fits runs the eager pass (the same step body);
 3. draft-extend over the verified tokens (eager or graph runner) -> the next proposals;
    free the rejected positions' slots; allocate the next verify's.
@@ -29,17 +29,17 @@ import torch
 
 from runners import draft_decode
 from runners.config import ModelConfig, SpecConfig
+from runners.decode_cuda_graph_runner import DecodeCudaGraphRunner, verify_inputs
 from runners.draft_decode import EagleProposer, TargetProposer
 from runners.draft_extend import DraftExtendInputs, StepOutputs
 from runners.eagle_draft import DraftDecodeOutputs
-from runners.graph_backend import GraphBackend
+from runners.graph.backend import GraphBackend
 from runners.memory import ReqToTokenPool
 from runners.model import DraftModel, TargetModel
 from runners.parallel.dp_attention import RankContext, mlp_sync_batch_sizes
 from runners.scheduler import KVBook, Request, Scheduler
 from runners.target import Lane, TargetOutput, TargetRunner
 from runners.verify import DraftTree, accept, kv_moves, tree_of
-from runners.verify_graph import TargetVerifyCudaGraphRunner, verify_inputs
 
 
 @dataclass(frozen=True)
@@ -139,9 +139,9 @@ class SpecEngine:
         # one graph pool per rank, as SGLang's global graph pool: the target's graphs first (its model runner captures at
         # init), then the draft's; all after the alignment (a graph bakes the weights it was captured with)
         graphs = GraphBackend("auto", self.device) if runner == "graph" else None
-        self.verify_graph: Optional[TargetVerifyCudaGraphRunner] = None
+        self.verify_graph: Optional[DecodeCudaGraphRunner] = None
         if graphs is not None:
-            self.verify_graph = TargetVerifyCudaGraphRunner(ctx, cfg, spec, self.target, graphs.sibling(), self.device)
+            self.verify_graph = DecodeCudaGraphRunner(ctx, cfg, spec, self.target, graphs.sibling(), self.device)
             self.verify_graph.capture()
         self.draft.capture(graphs)
         self.steps = 0

@@ -2,9 +2,9 @@
 from __future__ import annotations
 
 from harness.scenario import Scenario
-from runners.cuda_graph import DraftExtendGraphDriver
 from runners.draft_extend import DraftWorker
-from runners.graph_backend import GraphBackend
+from runners.draft_extend_graph_driver import DraftExtendGraphDriver
+from runners.graph.backend import GraphBackend
 from runners.parallel.dp_attention import RankContext
 
 

@@ -25,8 +25,8 @@ from prewarmed import run_module
 from harness.case import CASES_DIR, CaseError, default_cases, load_case, parse_case
 from harness.case_template import case_toml, default_batches, new_case, toml_value
 from harness.cli import main
+from runners.base_cuda_graph_runner import compute_capture_bs
 from runners.config import SpecConfig
-from runners.cuda_graph import compute_capture_bs
 from runners.parallel.layout import Branch, ParallelLayout
 
 SHIPPED = default_cases()

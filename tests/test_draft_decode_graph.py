@@ -18,8 +18,8 @@ from runners.eagle_draft import (
     select_top_k_tokens,
     tree_proposals,
 )
-from runners.eagle_draft_graph import EAGLEDraftCudaGraphRunner
-from runners.graph_backend import GraphBackend
+from runners.eagle_draft_cuda_graph_runner import EAGLEDraftCudaGraphRunner
+from runners.graph.backend import GraphBackend
 from runners.parallel.dp_attention import RankContext
 from runners.parallel.layout import ParallelLayout as PL
 

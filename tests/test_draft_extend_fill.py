@@ -21,14 +21,14 @@ if "triton" not in sys.modules and not torch.cuda.is_available():  # before trit
 
 from runners.attention.triton_launch import interpreter_error  # noqa: E402
 from runners.config import ModelConfig, SpecConfig  # noqa: E402
-from runners.cuda_graph import MultiLayerEagleDraftExtendCudaGraphRunner  # noqa: E402
 from runners.draft_extend import DraftExtendInputs, DraftWorker  # noqa: E402
-from runners.draft_extend_buffers import (
-    DraftExtendInputBuffers,  # noqa: E402
+from runners.draft_extend_cuda_graph_runner import DraftExtendInputBuffers  # noqa: E402
+from runners.draft_extend_fill import fill_prepare_buffers  # noqa: E402
+from runners.graph.backend import GraphBackend  # noqa: E402
+from runners.multi_layer_eagle_draft_extend_cuda_graph_runner import (
+    MultiLayerEagleDraftExtendCudaGraphRunner,  # noqa: E402
     PrepareFill,  # noqa: E402
 )
-from runners.draft_extend_fill import fill_prepare_buffers  # noqa: E402
-from runners.graph_backend import GraphBackend  # noqa: E402
 from runners.parallel.dp_attention import RankContext  # noqa: E402
 from runners.parallel.layout import ParallelLayout as PL  # noqa: E402
 

@@ -277,7 +277,7 @@ def test_capture_survives_the_collector_freeing_dead_graphs():
 
     The collector is made to run inside the capture (threshold 1 once capture has begun) with dead
     graph-owning cycles waiting in generation 0; benchmarks/capture_gc_probe.py runs the same
-    capture without runners.graph_backend.no_gc_during_capture and shows it failing.
+    capture without runners.graph.backend.no_gc_during_capture and shows it failing.
     """
     import gc
 

@@ -83,9 +83,9 @@ def test_flashinfer_plans_once_per_multi_layer_iteration():
     the other two steps' plans; the next iteration's fill plans again."""
     _need_flashinfer()
     from runners.config import ModelConfig, SpecConfig
-    from runners.cuda_graph import DraftExtendGraphDriver
     from runners.draft_extend import DraftWorker
-    from runners.graph_backend import GraphBackend
+    from runners.draft_extend_graph_driver import DraftExtendGraphDriver
+    from runners.graph.backend import GraphBackend
     from runners.parallel.dp_attention import RankContext
     from runners.parallel.layout import ParallelLayout
 

@@ -1,4 +1,4 @@
-"""The draft decode (EAGLEDraftCudaGraphRunner) and target verify (TargetVerifyCudaGraphRunner) runners
+"""The draft decode (EAGLEDraftCudaGraphRunner) and target verify (DecodeCudaGraphRunner) runners
 under real CUDA graphs (marker `gpu`), on the world-size-1 layouts (a simulated multi-rank world cannot
 sit inside one CUDA graph): P1 (every replay's record against its capture record: I1 / I4 / I5, the
 padding rules, I2 rows fed), P3 (eager vs graph at raw_bs below, at and after a shrink to a bucket),

@@ -1,11 +1,12 @@
-"""The CPU graphs of one GraphBackend share a pool as CUDA graphs of one graph pool do (runners/graph_pool.py):
+"""The CPU graphs of one GraphBackend share a pool as CUDA graphs of one graph pool do (runners/graph/pool.py):
 what a capture made, its outputs aside, is free for the next capture, so replaying an earlier-captured graph
 overwrites a later graph's output placed there. Values below are worked out by hand."""
 import torch
 
 from runners.draft_extend import StepOutputs
-from runners.graph_backend import GraphBackend, RecordedGraph
-from runners.graph_pool import RecordedPool, tensors_in
+from runners.graph.backend import GraphBackend
+from runners.graph.pool import RecordedPool, tensors_in
+from runners.graph.record import RecordedGraph
 
 
 def _two_graphs(pool_a: RecordedPool, pool_b: RecordedPool):

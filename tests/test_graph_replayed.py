@@ -10,11 +10,12 @@ import pytest
 from harness.case import load_case
 from harness.golden.draft_tree import check_tree_case
 from harness.props.p5_p6 import check_acceptance_case
-from runners.cuda_graph import EagleDraftExtendCudaGraphRunner, MultiLayerEagleDraftExtendCudaGraphRunner
-from runners.eagle_draft_graph import EAGLEDraftCudaGraphRunner
-from runners.verify_graph import TargetVerifyCudaGraphRunner
+from runners.decode_cuda_graph_runner import DecodeCudaGraphRunner
+from runners.eagle_draft_cuda_graph_runner import EAGLEDraftCudaGraphRunner
+from runners.eagle_draft_extend_cuda_graph_runner import EAGLEDraftExtendCudaGraphRunner
+from runners.multi_layer_eagle_draft_extend_cuda_graph_runner import MultiLayerEagleDraftExtendCudaGraphRunner
 
-RUNNERS = (MultiLayerEagleDraftExtendCudaGraphRunner, EagleDraftExtendCudaGraphRunner, EAGLEDraftCudaGraphRunner, TargetVerifyCudaGraphRunner)
+RUNNERS = (MultiLayerEagleDraftExtendCudaGraphRunner, EAGLEDraftExtendCudaGraphRunner, EAGLEDraftCudaGraphRunner, DecodeCudaGraphRunner)
 
 
 @pytest.fixture

@@ -7,14 +7,12 @@ from case_driver import captured_driver
 from harness.case import load_case
 from harness.checks import run_spmd
 from harness.observe import RunnerObserver, observe_all
+from runners.base_cuda_graph_runner import compute_capture_bs
 from runners.config import ModelConfig, SpecConfig
-from runners.cuda_graph import (
-    EagleDraftExtendCudaGraphRunner,
-    MultiLayerEagleDraftExtendCudaGraphRunner,
-    compute_capture_bs,
-)
 from runners.draft_extend import SEQ_LEN_FILL_VALUE, DraftExtendInputs, DraftWorker
-from runners.graph_backend import GraphBackend
+from runners.eagle_draft_extend_cuda_graph_runner import EAGLEDraftExtendCudaGraphRunner
+from runners.graph.backend import GraphBackend
+from runners.multi_layer_eagle_draft_extend_cuda_graph_runner import MultiLayerEagleDraftExtendCudaGraphRunner
 from runners.parallel.dp_attention import RankContext
 from runners.parallel.layout import ParallelLayout as PL
 
@@ -24,7 +22,7 @@ SPEC = SpecConfig(num_steps=3, capture_bs=(1, 2, 4, 8), max_running_requests=8) 
 def runner(layout, tp_rank=0, single=False, spec=SPEC):
     ctx = RankContext(layout, tp_rank, comm=None)
     w = DraftWorker(ctx, ModelConfig(), spec, num_layers=1 if single else None, build_model=False)
-    return EagleDraftExtendCudaGraphRunner(w, GraphBackend("sim")) if single else MultiLayerEagleDraftExtendCudaGraphRunner(w, 0, GraphBackend("sim"))
+    return EAGLEDraftExtendCudaGraphRunner(w, GraphBackend("sim")) if single else MultiLayerEagleDraftExtendCudaGraphRunner(w, 0, GraphBackend("sim"))
 
 
 def inputs(raw_bs, T=4, dp_sizes=None, seq=10):
@@ -149,11 +147,11 @@ def test_tp1_graph_is_bitwise_equal_to_eager():
 
 def test_no_gc_during_capture_nests_across_threads_and_restores_the_collector():
     """Two overlapping captures (threads) keep the collector off until the last one ends; a
-    collector that was already off stays off (runners/graph_backend.py's capture guard)."""
+    collector that was already off stays off (runners/graph/backend.py's capture guard)."""
     import gc
     import threading
 
-    from runners.graph_backend import no_gc_during_capture
+    from runners.graph.backend import no_gc_during_capture
 
     assert gc.isenabled()
     inside, release = threading.Event(), threading.Event()
@@ -217,11 +215,10 @@ def test_multi_layer_steps_share_one_buffer_set_filled_once_per_iteration():
 
     from harness.ranks.simulated import SimulatedWorld
     from harness.scenario import materialize, release
-    from runners.cuda_graph import EagleDraftExtendCudaGraphRunnerBase
 
     sc = load_case("tp1_neither").scenario
     fills = []
-    real_fill = EagleDraftExtendCudaGraphRunnerBase._fill_for_replay
+    real_fill = MultiLayerEagleDraftExtendCudaGraphRunner._fill_for_replay
 
     def counting_fill(self, inp):
         fills.append(self.step)
@@ -230,7 +227,7 @@ def test_multi_layer_steps_share_one_buffer_set_filled_once_per_iteration():
     def rank(comm):
         driver = captured_driver(comm, sc)
         batch = materialize(driver.worker, sc, sc.iterations[1])
-        with mock.patch.object(EagleDraftExtendCudaGraphRunnerBase, "_fill_for_replay", counting_fill):
+        with mock.patch.object(MultiLayerEagleDraftExtendCudaGraphRunner, "_fill_for_replay", counting_fill):
             outs = driver.run(batch.inputs)
         raw_n = batch.inputs.bs * driver.worker.tokens_per_bs
         last_chain = driver.runners[0].input_ids[:raw_n].clone()
@@ -246,11 +243,9 @@ def test_multi_layer_steps_share_one_buffer_set_filled_once_per_iteration():
 
 def test_single_layer_runner_is_its_own_code():
     """I6 compares two implementations: the single-layer runner shares no get_forward_batch or fill with the multi-layer one."""
-    from runners.cuda_graph import EagleDraftExtendCudaGraphRunnerBase
-
-    assert not issubclass(EagleDraftExtendCudaGraphRunner, EagleDraftExtendCudaGraphRunnerBase)
+    assert not issubclass(EAGLEDraftExtendCudaGraphRunner, MultiLayerEagleDraftExtendCudaGraphRunner)
     for name in ("get_forward_batch", "_fill_for_replay", "replay"):
-        assert getattr(EagleDraftExtendCudaGraphRunner, name) is not getattr(MultiLayerEagleDraftExtendCudaGraphRunner, name), name
+        assert getattr(EAGLEDraftExtendCudaGraphRunner, name) is not getattr(MultiLayerEagleDraftExtendCudaGraphRunner, name), name
 
 
 def test_single_layer_padded_lanes_select_their_own_last_token():

@@ -1,5 +1,8 @@
 """The mutant runner: verdicts independent of --jobs, a dead or hung child is an error and never a kill,
-stop-at-first-kill says what it did not run, every catalog mutant names registered probes."""
+stop-at-first-kill says what it did not run, every catalog mutant names registered probes and plants cleanly."""
+import pkgutil
+from inspect import getattr_static
+
 import pytest
 
 from harness.mutant_run import load_catalog, probes_for, run_catalog
@@ -53,6 +56,17 @@ def test_every_catalog_mutant_names_registered_probes():
         assert probes_for(m), m.id
     with pytest.raises(KeyError, match="no-such-probe"):
         probes_for(Mutant("x", "d", "k", (), ("metadata-grid", "no-such-probe")))
+
+
+def test_every_catalog_mutant_plants_and_unplants_where_its_code_is():
+    """Every patch target resolves (a runner moved or renamed without its mutants fails here, not in a child process),
+    the planted attribute is the mutant's, and unplanting gives back the real one."""
+    for m in CATALOG:
+        spots = [(pkgutil.resolve_name(t) if isinstance(t, str) else t, attr) for t, attr, _ in m.patches]
+        real = [getattr_static(t, attr) for t, attr in spots]  # static: a classmethod binds anew at every getattr
+        with m.planted():
+            assert all(getattr_static(t, attr) is not r for (t, attr), r in zip(spots, real, strict=True)), m.id
+        assert all(getattr_static(t, attr) is r for (t, attr), r in zip(spots, real, strict=True)), m.id
 
 
 def test_a_mutant_without_probes_gets_every_probe_whole_cases_last():

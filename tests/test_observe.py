@@ -3,9 +3,9 @@ import torch
 
 from harness.observe import RunnerObserver
 from runners.config import ModelConfig, SpecConfig
-from runners.cuda_graph import MultiLayerEagleDraftExtendCudaGraphRunner
 from runners.draft_extend import DraftExtendInputs, DraftWorker
-from runners.graph_backend import GraphBackend
+from runners.graph.backend import GraphBackend
+from runners.multi_layer_eagle_draft_extend_cuda_graph_runner import MultiLayerEagleDraftExtendCudaGraphRunner
 from runners.parallel.dp_attention import RankContext
 from runners.parallel.layout import ParallelLayout as PL
 

@@ -1,4 +1,4 @@
-"""The one-graph draft-extend composite (runners.one_graph_draft_extend) against the per-step one, and its config."""
+"""The one-graph draft-extend composite (runners.multi_layer_eagle_draft_extend_cuda_graph_runner) against the per-step one, and its config."""
 from __future__ import annotations
 
 from dataclasses import replace
@@ -15,8 +15,10 @@ from harness.golden.base import GOLDEN_DIR
 from harness.ranks.simulated import SimulatedWorld
 from harness.scenario import Scenario
 from runners.config import DraftExtendGraph, SpecConfig
-from runners.cuda_graph import DraftExtendGraphDriver
-from runners.one_graph_draft_extend import OneGraphMultiLayerEagleMultiStepDraftExtendCudaGraphRunner
+from runners.draft_extend_graph_driver import DraftExtendGraphDriver
+from runners.multi_layer_eagle_draft_extend_cuda_graph_runner import (
+    OneGraphMultiLayerEagleMultiStepDraftExtendCudaGraphRunner,
+)
 
 
 def _with(sc: Scenario, graph: DraftExtendGraph) -> Scenario:

@@ -20,8 +20,8 @@ from harness.p7 import (
 )
 from harness.ranks.trace import CollectiveCall
 from harness.suite import PROBES
-from runners.cuda_graph import DraftExtendGraphDriver
 from runners.draft_extend import run_eager
+from runners.draft_extend_graph_driver import DraftExtendGraphDriver
 
 MUTANT = "idle-rank-skips-mlp-sync"
 

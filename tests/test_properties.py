@@ -125,7 +125,7 @@ def test_each_mutant_is_killed(mutant_id, case_name, prop):
 
 
 def test_mutant_patches_are_reverted():
-    from runners.cuda_graph import MultiLayerEagleDraftExtendCudaGraphRunner as R
+    from runners.multi_layer_eagle_draft_extend_cuda_graph_runner import MultiLayerEagleDraftExtendCudaGraphRunner as R
 
     before = R.get_forward_batch
     with mutants.get("sglang-26416").planted():

@@ -1,4 +1,4 @@
-"""The CPU graph records ops at capture and replays the record (runners/graph_record.py, DESIGN.md §2, §7):
+"""The CPU graph records ops at capture and replays the record (runners/graph/record.py, DESIGN.md §2, §7):
 capture refuses host reads as a CUDA capture does, replay runs no Python of the body, outputs
 are overwritten in place, views of static buffers alias them, host values are frozen, and
 collectives and Triton launches are recorded like any other op."""
@@ -17,7 +17,11 @@ from harness.props.outputs import compare_outputs  # noqa: E402
 from harness.ranks.simulated import SimulatedWorld  # noqa: E402
 from harness.tolerances import cross_device  # noqa: E402
 from harness.verdict import Verdict  # noqa: E402
-from runners.graph_backend import GraphBackend, GraphCaptureError, RecordedGraph  # noqa: E402
+from runners.graph.backend import GraphBackend  # noqa: E402
+from runners.graph.record import (
+    GraphCaptureError,  # noqa: E402
+    RecordedGraph,  # noqa: E402
+)
 from runners.parallel.comm import Group  # noqa: E402
 from runners.parallel.layout import ParallelLayout  # noqa: E402
 
@@ -224,8 +228,8 @@ def test_triton_launch_is_a_recorded_op():
         pytest.skip(interpreter_error(torch.device("cpu")))
     from harness.scenario import Iteration, RequestSpec, Scenario
     from runners.config import ModelConfig, SpecConfig
-    from runners.cuda_graph import DraftExtendGraphDriver
     from runners.draft_extend import DraftWorker
+    from runners.draft_extend_graph_driver import DraftExtendGraphDriver
     from runners.parallel.dp_attention import RankContext
 
     spec = SpecConfig(num_steps=1, capture_bs=(2,), max_running_requests=2)
@@ -269,7 +273,7 @@ def test_recorded_cpu_graph_agrees_with_the_real_cuda_graph():
 
 
 def test_recording_is_true_only_inside_a_capture_on_this_thread():
-    from runners.graph_record import recording
+    from runners.graph.record import recording
 
     seen = []
     g = _capture(lambda: seen.append(recording()) or torch.ones(1) + 1)

@@ -2,7 +2,7 @@
 
 Every identifier of runners/ (classes, functions, parameters, attributes, names, keywords) is
 checked for a record hook: a class named *Record, or a name with a `record` / `records` word
-(`_record`, `capture_records`, `last_decode_records`, `record=`). runners/graph_record.py is
+(`_record`, `capture_records`, `last_decode_records`, `record=`). runners/graph/record.py is
 exempt: its recorder is the CPU graph itself (it records the ops a CUDA graph would), part of
 the system under test, not a window for the harness. A CUDA event's own `record()` (torch.cuda.Event,
 called on a name ending in `event`) is the device API, not a hook.
@@ -14,8 +14,8 @@ import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-CPU_GRAPH = Path("runners/graph_record.py")
-CPU_GRAPH_MODULE = "graph_record"  # its module name, where another runner imports it
+CPU_GRAPH = Path("runners/graph/record.py")
+CPU_GRAPH_MODULE = "graph_record"  # the name other runners import it under (`from runners.graph import record as graph_record`)
 HOOK = re.compile(r"(Record$|(^|_)records?($|_))")
 
 
@@ -69,7 +69,8 @@ def test_the_rule_sees_a_hook(tmp_path):
         "    def replay(self, inp, record=True):\n        return self.last_decode_records\n"
         "def f(r):\n    return r.replay(1, record=False)\n"
     )
-    (tmp_path / "runners" / "graph_record.py").write_text("def _record(op):\n    return op\n")
-    (tmp_path / "runners" / "backend.py").write_text("from runners import graph_record\nok = graph_record.recording\n")
+    (tmp_path / "runners" / "graph").mkdir()
+    (tmp_path / "runners" / "graph" / "record.py").write_text("def _record(op):\n    return op\n")
+    (tmp_path / "runners" / "backend.py").write_text("from runners.graph import record as graph_record\nok = graph_record.recording\n")
     found = {h.split(" ")[1] for h in record_hooks(tmp_path)}
     assert found == {"CaptureRecord", "_record", "capture_records", "record", "last_decode_records"}

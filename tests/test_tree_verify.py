@@ -22,7 +22,8 @@ from harness.ranks.simulated import RankFailure, SimulatedWorld  # noqa: E402
 from runners.attention import BACKENDS  # noqa: E402
 from runners.attention.flashinfer_backend import TREE_MASK_UNSUPPORTED  # noqa: E402
 from runners.config import ModelConfig, SpecConfig  # noqa: E402
-from runners.graph_backend import GraphBackend  # noqa: E402
+from runners.decode_cuda_graph_runner import DecodeCudaGraphRunner, verify_inputs  # noqa: E402
+from runners.graph.backend import GraphBackend  # noqa: E402
 from runners.memory import PADDING_SLOT, ReqToTokenPool  # noqa: E402
 from runners.parallel.dp_attention import RankContext  # noqa: E402
 from runners.parallel.layout import ParallelLayout  # noqa: E402
@@ -30,7 +31,6 @@ from runners.scheduler import Proposal  # noqa: E402
 from runners.spec_decode import loop_unsupported_reason  # noqa: E402
 from runners.target import Lane, TargetRunner, extend_batch, target_step  # noqa: E402
 from runners.verify import DraftTree, accept, accept_path, kv_moves, tree_depths, tree_mask, tree_of  # noqa: E402
-from runners.verify_graph import TargetVerifyCudaGraphRunner, verify_inputs  # noqa: E402
 
 # x = 1 (root); chain d1=5, d2=6, d3=7; top-2 siblings 50 (depth 1), 60 (depth 2), 70 (depth 3)
 PROPOSAL = Proposal([5, 6, 7], [[5, 50], [6, 60], [7, 70]])
@@ -174,7 +174,7 @@ def _graph_over_trees(comm):
     spec = SpecConfig(num_steps=3, topk=2, num_draft_tokens=T, capture_bs=(1, 2, 4), max_running_requests=4)
     t, row = runner(comm=comm)
     t.forward_synced([Lane(row, 0, [7, 8, 9])], [3])
-    g = TargetVerifyCudaGraphRunner(t.ctx, CFG, spec, t, GraphBackend("sim"))
+    g = DecodeCudaGraphRunner(t.ctx, CFG, spec, t, GraphBackend("sim"))
     observer = RunnerObserver(g).attach()
     g.capture()
     lanes = [Lane(row, ROOT, LANE_TOKENS, LANE_PARENTS)]

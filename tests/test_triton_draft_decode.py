@@ -35,8 +35,8 @@ from runners.eagle_draft import (  # noqa: E402
     require_draft_decode,
     run_eager_decode,
 )
-from runners.eagle_draft_graph import EAGLEDraftCudaGraphRunner  # noqa: E402
-from runners.graph_backend import GraphBackend  # noqa: E402
+from runners.eagle_draft_cuda_graph_runner import EAGLEDraftCudaGraphRunner  # noqa: E402
+from runners.graph.backend import GraphBackend  # noqa: E402
 from runners.memory import PADDING_ROW, ReqToTokenPool, TokenToKVPool  # noqa: E402
 from runners.parallel.dp_attention import RankContext  # noqa: E402
 from runners.parallel.layout import ParallelLayout  # noqa: E402
@@ -185,7 +185,7 @@ class _ReplanSpy(TorchAttnBackend):
 
 
 def test_decode_runner_replans_its_backend_before_each_replay():
-    """The decode runner replays through BucketedGraphRunner._replay_graph with the worker's backend: a host-planned
+    """The decode runner replays through BaseCudaGraphRunner._replay_graph with the worker's backend: a host-planned
     backend gets init_forward_metadata_replay_cuda_graph with the bucket's capture batch (its buffers hold the live lanes)."""
     def fn(comm):
         _, w = _workers(comm, "torch", 2, capture_bs=(2, 4))

@@ -14,19 +14,19 @@ from harness.spec_decode import SpecSession, Workload, run_workload
 from harness.verdict import Verdict
 from harness.verify_props import VerifyShadow
 from runners.config import ModelConfig, SpecConfig
-from runners.graph_backend import GraphBackend
+from runners.decode_cuda_graph_runner import DecodeCudaGraphRunner, VerifyInputs, verify_inputs
+from runners.graph.backend import GraphBackend
 from runners.memory import PADDING_SLOT, ReqToTokenPool
 from runners.parallel.dp_attention import RankContext
 from runners.parallel.layout import ParallelLayout as PL
 from runners.target import Lane, TargetRunner
-from runners.verify_graph import TargetVerifyCudaGraphRunner, VerifyInputs, verify_inputs
 
 SPEC = SpecConfig(num_steps=3, capture_bs=(1, 2, 4, 8), max_running_requests=8)  # T = 4
 MODEL = ModelConfig()
 
 
 def metadata_runner(layout, tp_rank=0, spec=SPEC):
-    return TargetVerifyCudaGraphRunner(RankContext(layout, tp_rank, comm=None), MODEL, spec, None, GraphBackend("sim"))
+    return DecodeCudaGraphRunner(RankContext(layout, tp_rank, comm=None), MODEL, spec, None, GraphBackend("sim"))
 
 
 def inputs(raw_bs, T=4, dp_sizes=None, seq=10):
@@ -72,7 +72,7 @@ def test_replay_fill_after_a_shrink():
     assert r.req_pool_indices.tolist() == [1, 0, 0, 0, 5, 6, 0, 0]
     assert r.positions[4:16].tolist() == [0] * 12 and r.input_ids[4:16].tolist() == [0] * 12
     assert r.input_ids[16:].tolist() == list(range(116, 124)) + [0] * 8 and r.positions[16:24].tolist() == list(range(16, 24))
-    # out_cache_loc has no replay fill: the body writes every row of the bucket before a KV write (runners.verify_graph)
+    # out_cache_loc has no replay fill: the body writes every row of the bucket before a KV write (runners.decode_cuda_graph_runner)
     assert r.global_num_tokens_gpu.tolist() == [16, 16]
     assert rec.padded_seq_lens == [1, 1, 1] and rec.seq_lens_sum == rec.seq_lens_sum_actual == 13
 
@@ -111,7 +111,7 @@ def _one_rank_pass(raw_bs: int):
             target.forward([Lane(idx, 0, toks[:L])])
             lanes.append(Lane(idx, L, toks[L:]))
             at += L + T
-        runner = TargetVerifyCudaGraphRunner(ctx, cfg, SPEC, target, GraphBackend("sim"))
+        runner = DecodeCudaGraphRunner(ctx, cfg, SPEC, target, GraphBackend("sim"))
         observer = RunnerObserver(runner).attach()
         runner.capture()
         kv = target.kv_pool
@@ -186,7 +186,7 @@ def test_the_graph_body_has_no_host_sync(layout):
     def fn(comm):
         ctx, dev = RankContext(layout, comm.rank, comm), torch.device("cpu")
         target = TargetRunner(ctx, MODEL, ReqToTokenPool(8, MODEL.max_context_len, dev), 64, dev)
-        runner = TargetVerifyCudaGraphRunner(ctx, MODEL, SPEC, target, GraphBackend("sim"))
+        runner = DecodeCudaGraphRunner(ctx, MODEL, SPEC, target, GraphBackend("sim"))
         fb = runner.get_forward_batch(4).frozen()
         with HostSyncs() as seen:
             runner._body(fb)

@@ -7,7 +7,7 @@ from enum import StrEnum
 from typing import Callable
 
 from harness.ranks.kinds import RanksKind
-from runners.graph_mode import GraphMode
+from runners.graph.mode import GraphMode
 
 
 def enum_option(cls: type[StrEnum], *extra: str) -> Callable[[str], object]:

@@ -31,7 +31,7 @@ from harness.layout import branch_sibling
 from harness.props.p1_records import check_replay_record, check_replay_rows, verify_capture_bs
 from harness.records import ReplayRecord
 from harness.verdict import Verdict
-from runners.cuda_graph import compute_capture_bs
+from runners.base_cuda_graph_runner import compute_capture_bs
 from runners.parallel.layout import Branch, ParallelLayout
 
 # One or two representative layouts per branch (DESIGN.md §6.1, "which layouts reach which branch").
@@ -273,7 +273,7 @@ def _check_target_verify(tv: target_verify.TargetVerify, layout: ParallelLayout,
 
 def _check_draft_decode(dd: draft_decode.DraftDecodeHandle, layout: ParallelLayout, d: int, tp_rank: int, line, filled: frozenset[str]) -> None:
     """P1 and the padded lanes of the engine's graphed draft decode: DECODE counts bs * topk tokens, a logits row each
-    (as runners.eagle_draft_graph, harness.props.p1_metadata's draft-decode check), so for_logprob == num_tokens."""
+    (as runners.eagle_draft_cuda_graph_runner, harness.props.p1_metadata's draft-decode check), so for_logprob == num_tokens."""
     k, cfg, seen = dd.tokens_per_bs, dd.cfg, {}
     for it, dp_sizes in enumerate(_schedule(layout, dd.capture_bs)):
         raw = dp_sizes[d]

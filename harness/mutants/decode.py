@@ -1,4 +1,4 @@
-"""Mutants of the single-layer EAGLE draft decode (runners.eagle_draft, runners.eagle_draft_graph).
+"""Mutants of the single-layer EAGLE draft decode (runners.eagle_draft, runners.eagle_draft_cuda_graph_runner).
 
 Each is one deviation from the real code, killed on CPU by the draft-decode probe
 (harness.decode_props.probe_draft_decode): P1 for metadata and fill values it records, P2 where a
@@ -12,7 +12,7 @@ import torch
 
 from harness.mutants.base import Mutant, keeps
 from runners import eagle_draft
-from runners.eagle_draft_graph import EAGLEDraftCudaGraphRunner
+from runners.eagle_draft_cuda_graph_runner import EAGLEDraftCudaGraphRunner
 
 _REAL_SELECT = eagle_draft.select_top_k_tokens
 

@@ -8,7 +8,7 @@ import torch
 from harness import execute
 from harness.mutants.base import Mutant, keeps
 from runners import draft_extend, model
-from runners.cuda_graph import EagleDraftExtendCudaGraphRunnerBase, MultiLayerEagleDraftExtendCudaGraphRunner
+from runners.multi_layer_eagle_draft_extend_cuda_graph_runner import MultiLayerEagleDraftExtendCudaGraphRunner
 from runners.parallel.comm import Group
 from runners.parallel.layout import Branch
 
@@ -20,8 +20,8 @@ def _eager_logprob_requests(dp_batch_sizes: list[int], T: int) -> tuple[list[int
     return [b * T for b in dp_batch_sizes], list(dp_batch_sizes)
 
 
-def _seed_get_forward_batch(self: EagleDraftExtendCudaGraphRunnerBase, bs: int):
-    fb = _REAL_ML_GET_FORWARD_BATCH(self, bs)
+def _seed_get_forward_batch(self: MultiLayerEagleDraftExtendCudaGraphRunner, bs: int):
+    fb = REAL_GET_FORWARD_BATCH(self, bs)
     if self.layout.branch is not Branch.ATTN_TP_GATHER:
         return fb
     # sglang#26416: the attn-TP-gather branch of the multi-layer runner counted requests
@@ -30,30 +30,28 @@ def _seed_get_forward_batch(self: EagleDraftExtendCudaGraphRunnerBase, bs: int):
     return fb
 
 
-_REAL_ML_GET_FORWARD_BATCH = MultiLayerEagleDraftExtendCudaGraphRunner.get_forward_batch
 
-
-def _capture_num_tokens_gpu_requests(self: EagleDraftExtendCudaGraphRunnerBase, bs: int) -> torch.Tensor:
+def _capture_num_tokens_gpu_requests(self: MultiLayerEagleDraftExtendCudaGraphRunner, bs: int) -> torch.Tensor:
     fb = REAL_GET_FORWARD_BATCH(self, bs)
     if self.layout.branch is Branch.MLP_TP_GATHER:
         self.global_num_tokens_gpu.fill_(bs)  # fixed in the replay fill, not at capture
     return fb
 
 
-REAL_GET_FORWARD_BATCH = EagleDraftExtendCudaGraphRunnerBase.get_forward_batch
-REAL_RESET = EagleDraftExtendCudaGraphRunnerBase.reset_for_iteration
+REAL_GET_FORWARD_BATCH = MultiLayerEagleDraftExtendCudaGraphRunner.get_forward_batch
+REAL_RESET = MultiLayerEagleDraftExtendCudaGraphRunner.reset_for_iteration
 
 
-def _copy_positions_off_by_one(self: EagleDraftExtendCudaGraphRunnerBase, inp) -> None:
+def _copy_positions_off_by_one(self: MultiLayerEagleDraftExtendCudaGraphRunner, inp) -> None:
     REAL_COPY(self, inp)
     raw_n = inp.bs * self.T
     self.positions[:raw_n].copy_(inp.positions + 1)
 
 
-REAL_COPY = EagleDraftExtendCudaGraphRunnerBase._copy_live_inputs
+REAL_COPY = MultiLayerEagleDraftExtendCudaGraphRunner._copy_live_inputs
 
 
-def _bucket_floor(self: EagleDraftExtendCudaGraphRunnerBase, needed: int) -> int:
+def _bucket_floor(self: MultiLayerEagleDraftExtendCudaGraphRunner, needed: int) -> int:
     import bisect
 
     i = bisect.bisect_right(self.capture_bs, needed) - 1  # largest bucket <= needed
@@ -108,28 +106,28 @@ MUTANTS: tuple[Mutant, ...] = (
         "capture-num-tokens-gpu-requests",
         "MLP-TP-gather branch: global_num_tokens_gpu baked as [bs] per DP rank at capture; only the replay fill writes bs * num_tokens_per_bs",
         "fixed in replay, not in capture",
-        ((EagleDraftExtendCudaGraphRunnerBase, "get_forward_batch", _capture_num_tokens_gpu_requests),),
+        ((MultiLayerEagleDraftExtendCudaGraphRunner, "get_forward_batch", _capture_num_tokens_gpu_requests),),
         ("metadata-dp", "metadata-grid", "cases"),  # P1 only: the replay fill rewrites the value before any forward
     ),
     Mutant(
         "stale-padded-seq-lens",
         "replay reset skips seq_lens = fill: after the batch shrinks, padded lanes keep the seq_lens of the earlier, larger batch",
         "stale padded lane after shrink",
-        ((EagleDraftExtendCudaGraphRunnerBase, "reset_for_iteration", keeps(REAL_RESET, "seq_lens")),),
+        ((MultiLayerEagleDraftExtendCudaGraphRunner, "reset_for_iteration", keeps(REAL_RESET, "seq_lens")),),
         ("metadata-dp", "metadata-grid", "padded-lanes", "cases"),  # P1 (grid, cases), P2
     ),
     Mutant(
         "replay-positions-off-by-one",
         "replay copies the live positions shifted by one into the static positions buffer",
         "position off by one",
-        ((EagleDraftExtendCudaGraphRunnerBase, "_copy_live_inputs", _copy_positions_off_by_one),),
+        ((MultiLayerEagleDraftExtendCudaGraphRunner, "_copy_live_inputs", _copy_positions_off_by_one),),
         ("batch-churn", "cases"),  # P8, P3/P4 (cases); the grid runs no model
     ),
     Mutant(
         "bucket-floor",
         "replay picks the largest captured bs <= raw_bs instead of the smallest >= raw_bs",
         "padding rule",
-        ((EagleDraftExtendCudaGraphRunnerBase, "_choose_bucket", _bucket_floor),),
+        ((MultiLayerEagleDraftExtendCudaGraphRunner, "_choose_bucket", _bucket_floor),),
         ("metadata-dp", "metadata-grid", "p7-idle-ranks", "padded-lanes", "batch-churn", "spec-cases", "cases"),  # every probe replays buckets: P1, P7, and a crash (run) in the others
     ),
     Mutant(

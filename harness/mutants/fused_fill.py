@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from harness.mutants.base import Mutant
-from runners.draft_extend_buffers import PrepareFill
+from runners.multi_layer_eagle_draft_extend_cuda_graph_runner import PrepareFill
 
 
 def _always_fused(cls: type[PrepareFill], device: torch.device | str) -> PrepareFill:

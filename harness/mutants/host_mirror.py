@@ -5,10 +5,10 @@ stale mirror is a plan for other lengths than the graph reads (P3)."""
 from __future__ import annotations
 
 from harness.mutants.base import Mutant, keeps
-from runners.cuda_graph import EagleDraftExtendCudaGraphRunnerBase
-from runners.eagle_draft_extend_graph import EagleDraftExtendCudaGraphRunner
-from runners.eagle_draft_graph import EAGLEDraftCudaGraphRunner
-from runners.verify_graph import TargetVerifyCudaGraphRunner
+from runners.decode_cuda_graph_runner import DecodeCudaGraphRunner
+from runners.eagle_draft_cuda_graph_runner import EAGLEDraftCudaGraphRunner
+from runners.eagle_draft_extend_cuda_graph_runner import EAGLEDraftExtendCudaGraphRunner
+from runners.multi_layer_eagle_draft_extend_cuda_graph_runner import MultiLayerEagleDraftExtendCudaGraphRunner
 
 
 def _keeps_host(runner: type, method: str, mirror: str = "seq_lens_cpu"):
@@ -22,21 +22,21 @@ MUTANTS: tuple[Mutant, ...] = (
         "draft-extend-host-seq-lens-not-copied",
         "draft-extend replay copy-in writes the live seq_lens to the device buffer but not to its host mirror: a host-planned backend plans every live lane with the fill length",
         "host metadata out of step with the device",
-        (_keeps_host(EagleDraftExtendCudaGraphRunnerBase, "_copy_live_inputs"),),
+        (_keeps_host(MultiLayerEagleDraftExtendCudaGraphRunner, "_copy_live_inputs"),),
         ("metadata-dp", "metadata-grid"),  # P1 (host mirror)
     ),
     Mutant(
         "verify-host-seq-lens-stale-padded",
         "TARGET_VERIFY replay fill resets the padded lanes' seq_lens on the device but not in the host mirror: after the batch shrinks, a host-planned backend plans them with the larger batch's lengths",
         "stale padded lane after shrink",
-        (_keeps_host(TargetVerifyCudaGraphRunner, "_fill_padded_lanes"),),
+        (_keeps_host(DecodeCudaGraphRunner, "_fill_padded_lanes"),),
         ("metadata-dp", "metadata-grid"),  # P1 (host mirror)
     ),
     Mutant(
         "single-layer-host-seq-lens-not-copied",
         "the single-layer draft-extend runner's replay fill writes seq_lens to the device buffer but not to its host mirror",
         "host metadata out of step with the device",
-        (_keeps_host(EagleDraftExtendCudaGraphRunner, "_fill_for_replay"),),
+        (_keeps_host(EAGLEDraftExtendCudaGraphRunner, "_fill_for_replay"),),
         ("metadata-dp", "metadata-grid"),  # P1 (host mirror)
     ),
     Mutant(
@@ -57,21 +57,21 @@ MUTANTS: tuple[Mutant, ...] = (
         "verify-host-seq-lens-not-copied",
         "the TARGET_VERIFY replay copy-in writes seq_lens to the device buffer but not to its host mirror",
         "host metadata out of step with the device",
-        (_keeps_host(TargetVerifyCudaGraphRunner, "_copy_live_inputs"),),
+        (_keeps_host(DecodeCudaGraphRunner, "_copy_live_inputs"),),
         ("metadata-dp", "metadata-grid"),  # P1 (host mirror)
     ),
     Mutant(
         "verify-host-mask-stale-padded",
         "TARGET_VERIFY replay fill resets the padded lanes' tree masks to the chain mask on the device but not in the host mirror: after a tree batch shrinks within its bucket, a host-planned backend plans them with the larger batch's trees",
         "stale padded lane after shrink",
-        (_keeps_host(TargetVerifyCudaGraphRunner, "_fill_padded_lanes", "custom_mask_cpu"),),
+        (_keeps_host(DecodeCudaGraphRunner, "_fill_padded_lanes", "custom_mask_cpu"),),
         ("metadata-dp", "metadata-grid"),  # P1 (host mirror): both probes shrink a tree batch within its bucket
     ),
     Mutant(
         "draft-extend-host-seq-lens-stale-padded",
         "the multi-layer draft-extend reset fills seq_lens of the padded lanes on the device but not in the host mirror",
         "stale padded lane after shrink",
-        (_keeps_host(EagleDraftExtendCudaGraphRunnerBase, "reset_for_iteration"),),
+        (_keeps_host(MultiLayerEagleDraftExtendCudaGraphRunner, "reset_for_iteration"),),
         ("metadata-dp", "metadata-grid"),  # P1 (host mirror)
     ),
 )

@@ -10,8 +10,8 @@ from harness.mutants.draft_extend import REAL_RESET
 from runners import memory as _memory
 from runners import scheduler as _scheduler
 from runners.attention.torch_ref import AttnMetadata, TorchAttnBackend, token_to_request
-from runners.cuda_graph import EagleDraftExtendCudaGraphRunnerBase
 from runners.model import TargetModel
+from runners.multi_layer_eagle_draft_extend_cuda_graph_runner import MultiLayerEagleDraftExtendCudaGraphRunner
 
 
 def _target_hands_on_normed_hidden(self: TargetModel, fb, attn, meta):
@@ -47,14 +47,14 @@ MUTANTS: tuple[Mutant, ...] = (
         "stale-padded-req-pool-indices",
         "replay reset leaves req_pool_indices alone (the fill SGLang 0.5.23 added): after the batch shrinks, padded lanes keep the larger batch's request rows and the in-graph slot lookup writes their KV into slots those rows point at",
         "in-graph slot lookup through a stale row",
-        ((EagleDraftExtendCudaGraphRunnerBase, "reset_for_iteration", keeps(REAL_RESET, "req_pool_indices")),),
+        ((MultiLayerEagleDraftExtendCudaGraphRunner, "reset_for_iteration", keeps(REAL_RESET, "req_pool_indices")),),
         ("padded-lanes-multi-layer", "padded-lanes"),  # P2: the stale rows route the padded lanes' KV writes (out_cache_loc) off the padding slot
     ),
     Mutant(
         "stale-padded-positions",
         "replay reset leaves positions alone: after the batch shrinks, padded lanes gather rotary rows and look write slots up at the larger batch's positions (harmless while their row is the padding row: only the fill check sees it)",
         "stale padded position",
-        ((EagleDraftExtendCudaGraphRunnerBase, "reset_for_iteration", keeps(REAL_RESET, "positions")),),
+        ((MultiLayerEagleDraftExtendCudaGraphRunner, "reset_for_iteration", keeps(REAL_RESET, "positions")),),
         ("padded-lanes-multi-layer", "padded-lanes"),  # P2 (canonical fill)
     ),
     Mutant(

@@ -1,14 +1,19 @@
-"""Mutants of the one-graph draft-extend composite (runners.one_graph_draft_extend): one per mechanism it adds to the
-per-step composite. Each is killed by P3 (eager vs graph, per step) on the one-graph case; the snapshot and restore
-around SGLang's capture has no mutant, because our prepare leaves nothing for it to guard (the module says why).
+"""Mutants of the one-graph draft-extend composite (OneGraphMultiLayerEagleMultiStepDraftExtendCudaGraphRunner, in
+runners.multi_layer_eagle_draft_extend_cuda_graph_runner): one per mechanism it adds to the per-step composite. Each is
+killed by P3 (eager vs graph, per step) on the one-graph case; the snapshot and restore around SGLang's capture has no
+mutant, because our prepare leaves nothing for it to guard (the class docstring says why).
 """
 from __future__ import annotations
 
 from harness.mutants.base import Mutant
 from runners.draft_extend import DraftExtendInputs, StepOutputs
-from runners.multi_layer_draft_extend_graph import MultiLayerEagleDraftExtendCudaGraphRunner
-from runners.one_graph_draft_extend import OneGraphDraftExtendStepRunner
-from runners.one_graph_draft_extend import OneGraphMultiLayerEagleMultiStepDraftExtendCudaGraphRunner as OneGraph
+from runners.multi_layer_eagle_draft_extend_cuda_graph_runner import (
+    MultiLayerEagleDraftExtendCudaGraphRunner,
+    OneGraphDraftExtendStepRunner,
+)
+from runners.multi_layer_eagle_draft_extend_cuda_graph_runner import (
+    OneGraphMultiLayerEagleMultiStepDraftExtendCudaGraphRunner as OneGraph,
+)
 
 PROBE = "case-one-graph"  # harness.suite: P1, P3 and P4 over cases/tp2_shrink_one_graph.toml
 

@@ -11,9 +11,9 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from harness.mutants.base import Mutant, Wrap
-from runners.eagle_draft_extend_graph import EagleDraftExtendCudaGraphRunner
-from runners.eagle_draft_graph import EAGLEDraftCudaGraphRunner
-from runners.verify_graph import TargetVerifyCudaGraphRunner
+from runners.decode_cuda_graph_runner import DecodeCudaGraphRunner
+from runners.eagle_draft_cuda_graph_runner import EAGLEDraftCudaGraphRunner
+from runners.eagle_draft_extend_cuda_graph_runner import EAGLEDraftExtendCudaGraphRunner
 
 _KIND = "padding judged by the rank's own batch"
 
@@ -42,8 +42,8 @@ MUTANTS: tuple[Mutant, ...] = tuple(
         ("metadata-dp",),  # P1 (padded seq_lens)
     )
     for name, what, runner, wrap in (
-        ("single-layer", "single-layer draft-extend", EagleDraftExtendCudaGraphRunner, _own_bucket_by_tokens),
+        ("single-layer", "single-layer draft-extend", EAGLEDraftExtendCudaGraphRunner, _own_bucket_by_tokens),
         ("decode", "draft-decode", EAGLEDraftCudaGraphRunner, _own_bucket_by_requests),
-        ("verify", "target-verify", TargetVerifyCudaGraphRunner, _own_bucket_by_requests),
+        ("verify", "target-verify", DecodeCudaGraphRunner, _own_bucket_by_requests),
     )
 )

@@ -1,4 +1,4 @@
-"""Mutants only a graph that replays kernels, not Python, shows (runners.graph_record)."""
+"""Mutants only a graph that replays kernels, not Python, shows (runners.graph.record)."""
 from __future__ import annotations
 
 from dataclasses import replace
@@ -7,16 +7,17 @@ from unittest import mock
 from harness.mutants.base import Mutant
 from harness.mutants.draft_extend import REAL_COPY, REAL_GET_FORWARD_BATCH
 from runners.attention.torch_ref import AttnMetadata, TorchAttnBackend
-from runners.cuda_graph import DraftExtendGraphDriver, EagleDraftExtendCudaGraphRunnerBase
 
 # ---- issue 15: bugs only a graph that replays kernels, not Python, shows ----
 # Each body is correct whenever its Python runs with live host state, so a CPU graph that
-# re-ran the body at replay passed them all; the recorded graph (runners.graph_record)
+# re-ran the body at replay passed them all; the recorded graph (runners.graph.record)
 # freezes host values at capture and refuses host reads, as a CUDA graph does.
 from runners.draft_extend import SEQ_LEN_FILL_VALUE
+from runners.draft_extend_graph_driver import DraftExtendGraphDriver
 from runners.memory import ReqToTokenPool
+from runners.multi_layer_eagle_draft_extend_cuda_graph_runner import MultiLayerEagleDraftExtendCudaGraphRunner
 
-_REAL_BODY = EagleDraftExtendCudaGraphRunnerBase._body
+_REAL_BODY = MultiLayerEagleDraftExtendCudaGraphRunner._body
 _REAL_TORCH_METADATA = TorchAttnBackend.init_forward_metadata
 _REAL_REQ_ALLOC = ReqToTokenPool.alloc
 
@@ -26,17 +27,17 @@ def _keys_below(meta: AttnMetadata, kv_len: int) -> AttnMetadata:
     return AttnMetadata(meta.token_to_req, meta.kv_slots[:, :kv_len], meta.key_mask[:, :kv_len])
 
 
-def _forward_batch_sets_host_max_seq_len(self: EagleDraftExtendCudaGraphRunnerBase, bs: int):
+def _forward_batch_sets_host_max_seq_len(self: MultiLayerEagleDraftExtendCudaGraphRunner, bs: int):
     self.host_max_seq_len = SEQ_LEN_FILL_VALUE  # the bucket's batch: every seq_len is the fill value
     return REAL_GET_FORWARD_BATCH(self, bs)
 
 
-def _copy_sets_host_max_seq_len(self: EagleDraftExtendCudaGraphRunnerBase, inp) -> None:
+def _copy_sets_host_max_seq_len(self: MultiLayerEagleDraftExtendCudaGraphRunner, inp) -> None:
     REAL_COPY(self, inp)
     self.host_max_seq_len = int(inp.seq_lens.max()) if inp.bs else SEQ_LEN_FILL_VALUE  # outside the graph: a legal host read
 
 
-def _body_keys_below_host_max_seq_len(self: EagleDraftExtendCudaGraphRunnerBase, fb):
+def _body_keys_below_host_max_seq_len(self: MultiLayerEagleDraftExtendCudaGraphRunner, fb):
     attn, kv_len = self.worker.attn, self.host_max_seq_len  # a runner attribute the body reads on the host
 
     def metadata(fb):
@@ -65,9 +66,9 @@ MUTANTS: tuple[Mutant, ...] = (
         "the capture-time value (the fill seq_len), so replays attend one key. A CPU graph that re-ran the body passed it",
         "host value frozen at capture",
         (
-            (EagleDraftExtendCudaGraphRunnerBase, "get_forward_batch", _forward_batch_sets_host_max_seq_len),
-            (EagleDraftExtendCudaGraphRunnerBase, "_copy_live_inputs", _copy_sets_host_max_seq_len),
-            (EagleDraftExtendCudaGraphRunnerBase, "_body", _body_keys_below_host_max_seq_len),
+            (MultiLayerEagleDraftExtendCudaGraphRunner, "get_forward_batch", _forward_batch_sets_host_max_seq_len),
+            (MultiLayerEagleDraftExtendCudaGraphRunner, "_copy_live_inputs", _copy_sets_host_max_seq_len),
+            (MultiLayerEagleDraftExtendCudaGraphRunner, "_body", _body_keys_below_host_max_seq_len),
         ),
         ("case-tp1", "spec-cases"),  # P3, P4; P6
     ),
@@ -103,7 +104,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "the multi-layer driver copies each step's logits (the buffer the steps share) and keeps the rest of its outputs "
         "as views: they sit in graph-pool memory that the later steps' graphs freed at capture (captured last step first) "
         "and rewrite at every replay, so an earlier step's top-k and hidden states read the later steps' intermediates; "
-        "killed only because the CPU graphs of one backend share a pool, as CUDA graphs do (runners.graph_pool)",
+        "killed only because the CPU graphs of one backend share a pool, as CUDA graphs do (runners.graph.pool)",
         "graph output read after another graph's replay",
         ((DraftExtendGraphDriver, "kept", staticmethod(lambda out: replace(out, logits=out.logits.clone()))),),
         ("case-tp1",),  # P3 (eager vs graph, every step but the last)

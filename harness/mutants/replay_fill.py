@@ -13,11 +13,14 @@ table line -> mutant -> killer is docs/replay-fill.md.
 from __future__ import annotations
 
 from harness.mutants.base import Mutant, keeps
-from runners.cuda_graph import EagleDraftExtendCudaGraphRunnerBase, MultiLayerEagleMultiStepDraftExtendCudaGraphRunner
+from runners.decode_cuda_graph_runner import DecodeCudaGraphRunner
 from runners.draft_extend import DraftExtendInputs, StepOutputs, with_step_inputs
-from runners.eagle_draft_extend_graph import EagleDraftExtendCudaGraphRunner
-from runners.eagle_draft_graph import EAGLEDraftCudaGraphRunner
-from runners.verify_graph import TargetVerifyCudaGraphRunner
+from runners.eagle_draft_cuda_graph_runner import EAGLEDraftCudaGraphRunner
+from runners.eagle_draft_extend_cuda_graph_runner import EAGLEDraftExtendCudaGraphRunner
+from runners.multi_layer_eagle_draft_extend_cuda_graph_runner import (
+    MultiLayerEagleDraftExtendCudaGraphRunner,
+    MultiLayerEagleMultiStepDraftExtendCudaGraphRunner,
+)
 
 LIVE = "live lane not copied in"
 STALE = "stale padded lane after shrink"
@@ -38,11 +41,11 @@ def _step_keeps_hidden(self: MultiLayerEagleMultiStepDraftExtendCudaGraphRunner,
     return _MULTI_STEP_REPLAY(self, step, inp)
 
 
-_ML, _SL, _DD, _TV = EagleDraftExtendCudaGraphRunnerBase, EagleDraftExtendCudaGraphRunner, EAGLEDraftCudaGraphRunner, TargetVerifyCudaGraphRunner
+_ML, _SL, _DD, _TV = MultiLayerEagleDraftExtendCudaGraphRunner, EAGLEDraftExtendCudaGraphRunner, EAGLEDraftCudaGraphRunner, DecodeCudaGraphRunner
 
 # (id, what the skipped write breaks, kind, runner, method, buffer whose write is undone, the probe that kills it: property)
 _SKIPPED_WRITES = (
-    # ---- the multi-layer draft-extend runner (runners.cuda_graph) ----
+    # ---- the multi-layer draft-extend runner (runners.multi_layer_eagle_draft_extend_cuda_graph_runner) ----
     ("draft-extend-input-ids-not-copied", "the graph embeds the reset's token 0", LIVE, _ML, "_copy_live_inputs", "input_ids", "case-tp1"),  # P3
     ("draft-extend-hidden-not-copied", "the draft reads the last batch's target hidden states", LIVE, _ML, "_copy_live_inputs", "hidden_states", "case-tp1"),  # P3
     ("draft-extend-seq-lens-not-copied", "the live lanes keep the reset's fill length", LIVE, _ML, "_copy_live_inputs", "seq_lens", "metadata-dp"),  # P1 (seq_lens_sum)
@@ -52,7 +55,7 @@ _SKIPPED_WRITES = (
     ("draft-extend-logprob-fill-skipped", "the logits gather reads the last bucket's row counts", GATHERED, _ML, "_fill_for_replay", "global_num_tokens_for_logprob_gpu", "metadata-dp"),  # P1 (fill)
     ("draft-extend-padded-input-ids-stale", "padded lanes keep a larger batch's tokens", STALE, _ML, "reset_for_iteration", "input_ids", "padded-lanes-multi-layer"),  # P2 (canonical)
     ("draft-extend-padded-out-cache-loc-stale", "rows past the live batch keep a larger batch's KV slots", STALE, _ML, "reset_for_iteration", "out_cache_loc", "padded-lanes-multi-layer"),  # P2 (canonical)
-    # ---- the single-layer draft-extend runner (runners.eagle_draft_extend_graph) ----
+    # ---- the single-layer draft-extend runner (runners.eagle_draft_extend_cuda_graph_runner) ----
     ("single-layer-input-ids-not-copied", "the graph embeds the reset's token 0", LIVE, _SL, "_fill_for_replay", "input_ids", "churn-single-layer"),  # P8
     ("single-layer-positions-not-copied", "every token reads the rotary row of position 0", LIVE, _SL, "_fill_for_replay", "positions", "churn-single-layer"),  # P8
     ("single-layer-req-rows-not-copied", "every live lane reads and writes KV through the padding row", LIVE, _SL, "_fill_for_replay", "req_pool_indices", "churn-single-layer"),  # P8
@@ -66,7 +69,7 @@ _SKIPPED_WRITES = (
     ("single-layer-padded-input-ids-stale", "padded lanes keep a larger batch's tokens", STALE, _SL, "_fill_padded_lanes", "input_ids", "padded-lanes-single-layer"),  # P2 (canonical)
     ("single-layer-padded-positions-stale", "padded lanes keep a larger batch's positions", STALE, _SL, "_fill_padded_lanes", "positions", "padded-lanes-single-layer"),  # P2 (canonical)
     ("single-layer-padded-out-cache-loc-stale", "rows past the live batch keep a larger batch's KV slots", STALE, _SL, "_fill_padded_lanes", "out_cache_loc", "padded-lanes-single-layer"),  # P2 (canonical)
-    # ---- the draft-decode runner (runners.eagle_draft_graph) ----
+    # ---- the draft-decode runner (runners.eagle_draft_cuda_graph_runner) ----
     ("decode-topk-p-not-copied", "the tree is scored with a stale batch's probabilities (zeros when the padded fill ran)", LIVE, _DD, "_copy_live_inputs", "topk_p", "churn-single-layer"),  # P8
     ("decode-topk-index-not-copied", "the tree grows from a stale batch's tokens", LIVE, _DD, "_copy_live_inputs", "topk_index", "churn-single-layer"),  # run: the loop meets a token no lane proposed
     ("decode-hidden-not-copied", "the draft steps read a stale batch's hidden states", LIVE, _DD, "_copy_live_inputs", "hidden_states", "churn-single-layer"),  # P8
@@ -75,7 +78,7 @@ _SKIPPED_WRITES = (
     ("decode-seq-lens-not-copied", "the live lanes keep stale lengths (or the fill value)", LIVE, _DD, "_copy_live_inputs", "seq_lens", "metadata-dp"),  # P1 (seq_lens_sum)
     ("decode-gathered-fill-skipped", "the DP gather reads the last bucket's token counts", GATHERED, _DD, "_fill_for_replay", "global_num_tokens_gpu", "metadata-dp"),  # P1 (fill)
     ("decode-logprob-fill-skipped", "the logits gather reads the last bucket's row counts", GATHERED, _DD, "_fill_for_replay", "global_num_tokens_for_logprob_gpu", "metadata-dp"),  # P1 (fill)
-    # ---- the TARGET_VERIFY runner (runners.verify_graph) ----
+    # ---- the TARGET_VERIFY runner (runners.decode_cuda_graph_runner) ----
     ("verify-input-ids-not-copied", "the target verifies the last batch's tokens", LIVE, _TV, "_copy_live_inputs", "input_ids", "churn-single-layer"),  # P8
     ("verify-positions-not-copied", "every node reads the rotary row of the last batch's positions", LIVE, _TV, "_copy_live_inputs", "positions", "churn-single-layer"),  # P8
     ("verify-req-rows-not-copied", "every lane reads and writes KV through the last batch's request rows", LIVE, _TV, "_copy_live_inputs", "req_pool_indices", "churn-single-layer"),  # P8

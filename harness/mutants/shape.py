@@ -3,19 +3,19 @@ from __future__ import annotations
 
 from harness.mutants.base import Mutant
 from runners import mlp_sync
-from runners.eagle_draft_extend_graph import EagleDraftExtendCudaGraphRunner
+from runners.eagle_draft_extend_cuda_graph_runner import EAGLEDraftExtendCudaGraphRunner
 
 
-def _single_fill_logprob_requests(self: EagleDraftExtendCudaGraphRunner, bs: int) -> None:
+def _single_fill_logprob_requests(self: EAGLEDraftExtendCudaGraphRunner, bs: int) -> None:
     if self.buffers.global_num_tokens_gpu is not None:
         self.buffers.global_num_tokens_gpu.fill_(bs * self.T)
         self.buffers.global_num_tokens_for_logprob_gpu.fill_(bs)  # requests: the pruned count of a runner that selects rows
 
 
-_REAL_SINGLE_FORWARD_BATCH = EagleDraftExtendCudaGraphRunner.get_forward_batch
+_REAL_SINGLE_FORWARD_BATCH = EAGLEDraftExtendCudaGraphRunner.get_forward_batch
 
 
-def _single_forward_batch_logprob_requests(self: EagleDraftExtendCudaGraphRunner, bs: int):
+def _single_forward_batch_logprob_requests(self: EAGLEDraftExtendCudaGraphRunner, bs: int):
     fb = _REAL_SINGLE_FORWARD_BATCH(self, bs)
     if fb.global_num_tokens_for_logprob_cpu is None:
         return fb
@@ -47,7 +47,7 @@ MUTANTS: list[Mutant] = [
         "single-layer draft-extend runner's own replay fill writes bs (requests) into global_num_tokens_for_logprob_gpu "
         "instead of bs * num_tokens_per_bs; the multi-layer runner's fill is right",
         "unit: requests vs tokens",
-        ((EagleDraftExtendCudaGraphRunner, "_fill_gathered", _single_fill_logprob_requests),),
+        ((EAGLEDraftExtendCudaGraphRunner, "_fill_gathered", _single_fill_logprob_requests),),
         ("metadata-dp", "metadata-grid"),  # P1 (fill, I1): only the metadata probes drive the single-layer runner
     ),
     Mutant(
@@ -55,7 +55,7 @@ MUTANTS: list[Mutant] = [
         "single-layer draft-extend runner's own get_forward_batch bakes global_num_tokens_for_logprob = bs (requests, the "
         "engine's pruned single-layer count) instead of bs * num_tokens_per_bs, in every gathered branch; the multi-layer one is right",
         "one runner of two diverged",
-        ((EagleDraftExtendCudaGraphRunner, "get_forward_batch", _single_forward_batch_logprob_requests),),
+        ((EAGLEDraftExtendCudaGraphRunner, "get_forward_batch", _single_forward_batch_logprob_requests),),
         ("metadata-dp", "metadata-grid"),  # P1: I6 (single vs multi-layer), I1, I5
     ),
     Mutant(

@@ -9,14 +9,14 @@ from harness.mutants.draft_extend import REAL_COPY, REAL_RESET
 # ---- issue 8: the speculative decoding loop (runners.spec_decode); P2 / P5 / P6 / P8 kill these ----
 from runners import draft_decode, verify
 from runners.attention.torch_ref import TorchAttnBackend
-from runners.cuda_graph import EagleDraftExtendCudaGraphRunnerBase, MultiLayerEagleDraftExtendCudaGraphRunner
+from runners.multi_layer_eagle_draft_extend_cuda_graph_runner import MultiLayerEagleDraftExtendCudaGraphRunner
 
 
 def _accept_per_request(parents, tokens, argmax) -> list[int]:
     return list(range(len(tokens) if list(tokens[1:2]) == [argmax[0]] else 1))  # the first verdict applied to all its tokens
 
 
-def _copy_advances_padded_seq_lens(self: EagleDraftExtendCudaGraphRunnerBase, inp) -> None:
+def _copy_advances_padded_seq_lens(self: MultiLayerEagleDraftExtendCudaGraphRunner, inp) -> None:
     REAL_COPY(self, inp)
     self.seq_lens[inp.bs :] += self.T  # padded rows advanced as if they had extended T tokens too
 
@@ -25,13 +25,13 @@ def _eagle_pairs_next_step_hidden(tokens_after: torch.Tensor, hidden: torch.Tens
     return tokens_after, torch.cat([hidden[1:], hidden[-1:]])  # row j: the hidden state of position j + 1
 
 
-def _copy_pads_with_last_live_slot(self: EagleDraftExtendCudaGraphRunnerBase, inp) -> None:
+def _copy_pads_with_last_live_slot(self: MultiLayerEagleDraftExtendCudaGraphRunner, inp) -> None:
     REAL_COPY(self, inp)
     if inp.bs:  # the step body looks write slots up through the request row: pad rows with the last live one
         self.req_pool_indices[inp.bs :] = inp.req_pool_indices[-1]
 
 
-def _reset_marks_padded_lanes_unaccepted(self: EagleDraftExtendCudaGraphRunnerBase, raw_bs: int, accept_lens: torch.Tensor) -> None:
+def _reset_marks_padded_lanes_unaccepted(self: MultiLayerEagleDraftExtendCudaGraphRunner, raw_bs: int, accept_lens: torch.Tensor) -> None:
     REAL_RESET(self, raw_bs, accept_lens)
     self.num_accept_tokens[raw_bs:].fill_(0)  # padded lanes "accepted nothing" ...
     self.num_correct_drafts[raw_bs:].fill_(-1)  # ... so their select index, lane * T - 1, is the previous lane's last token
@@ -47,7 +47,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "stale-padded-tokens-after-shrink",
         "replay reset leaves input_ids, positions and out_cache_loc alone: after the batch shrinks, padded lanes replay the larger batch's tokens and write their KV into its slots",
         "stale padded lane after shrink",
-        ((EagleDraftExtendCudaGraphRunnerBase, "reset_for_iteration", keeps(REAL_RESET, "input_ids", "positions", "out_cache_loc")),),
+        ((MultiLayerEagleDraftExtendCudaGraphRunner, "reset_for_iteration", keeps(REAL_RESET, "input_ids", "positions", "out_cache_loc")),),
         ("padded-lanes", "batch-churn"),  # P2, P8; harmless to outputs here unless poisoned or churned
     ),
     Mutant(
@@ -61,7 +61,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "seq-len-advanced-for-padded-rows",
         "replay copy-in advances the seq_lens of the padded lanes by num_tokens_per_bs, as if padded rows had extended too (they should stay at the fill value)",
         "seq_len advanced for padded rows",
-        ((EagleDraftExtendCudaGraphRunnerBase, "_copy_live_inputs", _copy_advances_padded_seq_lens),),
+        ((MultiLayerEagleDraftExtendCudaGraphRunner, "_copy_live_inputs", _copy_advances_padded_seq_lens),),
         ("metadata-dp", "metadata-grid", "padded-lanes", "cases"),  # P1 (grid, cases), P2
     ),
     Mutant(
@@ -75,7 +75,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "padded-kv-write-live-slot",
         "replay pads req_pool_indices by repeating the last live request row: the step body looks the padded rows' KV write slots up through it, so they land in that request's slots",
         "KV write for padded rows lands in a live slot",
-        ((EagleDraftExtendCudaGraphRunnerBase, "_copy_live_inputs", _copy_pads_with_last_live_slot),),
+        ((MultiLayerEagleDraftExtendCudaGraphRunner, "_copy_live_inputs", _copy_pads_with_last_live_slot),),
         ("padded-lanes", "batch-churn", "cases"),  # P2, P8, P3/P4
     ),
     Mutant(
@@ -89,7 +89,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "padded-accept-len-zero",
         "replay reset gives padded lanes accept length 0 (num_correct_drafts -1) instead of keeping an in-range value: a padded lane's select index is the last token of the lane before it, so the first padded lane overwrites the last real lane's next input id",
         "padded lane writes into a real lane",
-        ((EagleDraftExtendCudaGraphRunnerBase, "reset_for_iteration", _reset_marks_padded_lanes_unaccepted),),
+        ((MultiLayerEagleDraftExtendCudaGraphRunner, "reset_for_iteration", _reset_marks_padded_lanes_unaccepted),),
         ("padded-lanes", "batch-churn", "cases"),  # P2, P8, P3/P4
     ),
     Mutant(

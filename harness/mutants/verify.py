@@ -15,12 +15,12 @@ from typing import Sequence
 import torch
 
 from harness.mutants.base import Mutant, keeps
-from runners import spec_decode, target, verify_graph
+from runners import decode_cuda_graph_runner, spec_decode, target
 from runners.batch import ForwardBatch
-from runners.verify_graph import TargetVerifyCudaGraphRunner
+from runners.decode_cuda_graph_runner import DecodeCudaGraphRunner
 
-_REAL_FILL = TargetVerifyCudaGraphRunner._fill_padded_lanes
-_REAL_CAPTURE_BS = verify_graph.compute_capture_bs
+_REAL_FILL = DecodeCudaGraphRunner._fill_padded_lanes
+_REAL_CAPTURE_BS = decode_cuda_graph_runner.compute_capture_bs
 
 
 def _mask_sees_siblings(parents: Sequence[int]) -> torch.Tensor:
@@ -56,7 +56,7 @@ MUTANTS: list[Mutant] = [
         "the verify tree mask is lower-triangular over the lane's nodes: a node attends every earlier node, its "
         "siblings and their subtrees included, not only its ancestors (right for a chain, wrong for a tree)",
         "verify tree mask",
-        ((target, "tree_mask", _mask_sees_siblings), (verify_graph, "tree_mask", _mask_sees_siblings)),
+        ((target, "tree_mask", _mask_sees_siblings), (decode_cuda_graph_runner, "tree_mask", _mask_sees_siblings)),
         ("spec-cases",),  # P5: the bonus after an accepted sibling is computed over a wrong context
     ),
     Mutant(
@@ -88,7 +88,7 @@ MUTANTS: list[Mutant] = [
         "TARGET_VERIFY replay fill leaves the padded lanes' tree masks alone: after the batch shrinks they keep the "
         "larger batch's trees instead of the canonical chain mask",
         "stale padded lane after shrink",
-        ((TargetVerifyCudaGraphRunner, "_fill_padded_lanes", keeps(_REAL_FILL, "custom_mask")),),
+        ((DecodeCudaGraphRunner, "_fill_padded_lanes", keeps(_REAL_FILL, "custom_mask")),),
         ("padded-lanes",),  # P2 (canonical fill): harmless to real rows, every tree mask lets a node see its root
     ),
     Mutant(
@@ -97,7 +97,7 @@ MUTANTS: list[Mutant] = [
         "engine's (bs * T a multiple): on tp8 attn-TP gather with T = 4 it drops buckets 2 and 4 and a batch of 1 "
         "replays at 8",
         "verify buckets",
-        ((verify_graph, "compute_capture_bs", _request_aligned_buckets),),
+        ((decode_cuda_graph_runner, "compute_capture_bs", _request_aligned_buckets),),
         ("metadata-grid",),  # P1 (capture_bs, smallest bucket): only the buckets change, the metadata of each stays right
     ),
     Mutant(
@@ -105,7 +105,7 @@ MUTANTS: list[Mutant] = [
         "the TARGET_VERIFY runner keeps every configured bucket that fits the pool, also those whose bs * T tokens do "
         "not split over the attn-TP ranks (tp8 attn-TP gather, T = 4: bucket 1, 4 tokens over 8 ranks)",
         "verify buckets",
-        ((verify_graph, "compute_capture_bs", _unaligned_buckets),),
+        ((decode_cuda_graph_runner, "compute_capture_bs", _unaligned_buckets),),
         ("metadata-grid",),  # P1 (capture_bs, bs * T % attn_tp_size)
     ),
 ]

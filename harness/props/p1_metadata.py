@@ -9,32 +9,29 @@ from harness.layout import branch_sibling
 from harness.observe import RunnerObserver
 from harness.props.p1_records import check_replay_record, verify_capture_bs
 from harness.verdict import Verdict
+from runners.base_cuda_graph_runner import RunnerKind
 from runners.config import DEFAULT_MODEL, ModelConfig, SpecConfig
-from runners.cuda_graph import (
-    EagleDraftExtendCudaGraphRunner,
-    EagleDraftExtendCudaGraphRunnerBase,
-    MultiLayerEagleDraftExtendCudaGraphRunner,
-)
+from runners.decode_cuda_graph_runner import DecodeCudaGraphRunner, VerifyInputs, verify_inputs
 from runners.draft_extend import DraftExtendInputs, DraftWorker
 from runners.eagle_draft import DraftDecodeInputs
-from runners.eagle_draft_graph import EAGLEDraftCudaGraphRunner
-from runners.graph_backend import GraphBackend
-from runners.graph_runner import RunnerKind
+from runners.eagle_draft_cuda_graph_runner import EAGLEDraftCudaGraphRunner
+from runners.eagle_draft_extend_cuda_graph_runner import EAGLEDraftExtendCudaGraphRunner
+from runners.graph.backend import GraphBackend
+from runners.multi_layer_eagle_draft_extend_cuda_graph_runner import MultiLayerEagleDraftExtendCudaGraphRunner
 from runners.parallel.dp_attention import RankContext
 from runners.parallel.layout import ParallelLayout
 from runners.target import Lane
-from runners.verify_graph import TargetVerifyCudaGraphRunner, VerifyInputs, verify_inputs
 
 
-def _metadata_runners(layout: ParallelLayout, spec: SpecConfig, model: ModelConfig, tp_rank: int) -> list[EagleDraftExtendCudaGraphRunnerBase]:
+def _metadata_runners(layout: ParallelLayout, spec: SpecConfig, model: ModelConfig, tp_rank: int) -> list[MultiLayerEagleDraftExtendCudaGraphRunner]:
     ctx = RankContext(layout, tp_rank, comm=None)  # no collectives on this path
     backend = GraphBackend("sim")
     multi = DraftWorker(ctx, model, spec, build_model=False)
     single = DraftWorker(ctx, model, spec, num_layers=1, build_model=False)
-    runners: list[EagleDraftExtendCudaGraphRunnerBase] = [
+    runners: list[MultiLayerEagleDraftExtendCudaGraphRunner] = [
         MultiLayerEagleDraftExtendCudaGraphRunner(multi, k, backend) for k in range(spec.num_steps)
     ]
-    runners.append(EagleDraftExtendCudaGraphRunner(single, backend))
+    runners.append(EAGLEDraftExtendCudaGraphRunner(single, backend))
     return runners
 
 
@@ -101,7 +98,7 @@ def check_metadata(
 def _check_verify_metadata(v: Verdict, layout: ParallelLayout, spec: SpecConfig, schedule, model: ModelConfig, tp_rank: int, seed: int) -> None:
     """I1, I4, I5 and the padding rules for the TARGET_VERIFY runner of one rank: logits for every token, like DRAFT_EXTEND_V2."""
     d = layout.attn_dp_rank(tp_rank)
-    runner = TargetVerifyCudaGraphRunner(RankContext(layout, tp_rank, comm=None), model, spec, None, GraphBackend("sim"))
+    runner = DecodeCudaGraphRunner(RankContext(layout, tp_rank, comm=None), model, spec, None, GraphBackend("sim"))
     observer = RunnerObserver(runner)
     T = spec.num_tokens_per_bs
     trees = spec.topk > 1 and T >= 3  # fewer nodes make only chains
@@ -132,7 +129,7 @@ def _non_chain_tree(T: int, g: torch.Generator) -> list[int]:
 
 
 def _check_decode_metadata(v: Verdict, layout: ParallelLayout, spec: SpecConfig, schedule, model: ModelConfig, tp_rank: int, seed: int) -> None:
-    """I1, I4, I5 and the padding rules of one rank's draft-decode runner (runners.eagle_draft_graph): DECODE counts bs * topk lanes."""
+    """I1, I4, I5 and the padding rules of one rank's draft-decode runner (runners.eagle_draft_cuda_graph_runner): DECODE counts bs * topk lanes."""
     if spec.num_steps < 2:
         return  # one draft step is the draft-extend's own: the engine builds no draft-decode runner
     k = spec.topk

@@ -5,8 +5,8 @@ from typing import Optional, Sequence
 
 from harness.records import ReplayRecord
 from harness.verdict import Verdict
+from runners.base_cuda_graph_runner import RunnerKind
 from runners.draft_extend import SEQ_LEN_FILL_VALUE
-from runners.graph_runner import RunnerKind
 from runners.parallel.layout import ParallelLayout
 
 

@@ -13,13 +13,13 @@ from harness.spec_decode import (
     case_session,
 )
 from harness.verdict import Verdict
-from runners.cuda_graph import (
-    EagleDraftExtendCudaGraphRunnerBase,
+from runners.base_cuda_graph_runner import RunnerKind
+from runners.draft_extend import SEQ_LEN_FILL_VALUE, DraftExtendInputs, StepOutputs
+from runners.memory import PADDING_SLOT, TokenToKVPool
+from runners.multi_layer_eagle_draft_extend_cuda_graph_runner import (
+    MultiLayerEagleDraftExtendCudaGraphRunner,
     OneGraphMultiLayerEagleMultiStepDraftExtendCudaGraphRunner,
 )
-from runners.draft_extend import SEQ_LEN_FILL_VALUE, DraftExtendInputs, StepOutputs
-from runners.graph_runner import RunnerKind
-from runners.memory import PADDING_SLOT, TokenToKVPool
 from runners.spec_decode import SpecEngine
 
 # ----------------------------------------------------------------------------------------
@@ -64,22 +64,22 @@ class LanePoison(RunnerPoison):
         self.clean_served: list[StepOutputs] = []
         super().__init__(engine, verdict, *(driver.runners[:1] if self.one_graph is not None else driver.runners))
 
-    def _where(self, r: EagleDraftExtendCudaGraphRunnerBase, raw_bs: int, bs: int) -> dict:
+    def _where(self, r: MultiLayerEagleDraftExtendCudaGraphRunner, raw_bs: int, bs: int) -> dict:
         e = self.engine
         return {"layout": e.ctx.layout.describe(), "rank": e.ctx.tp_rank, "engine_step": e.steps, "draft_step": r.step, "raw_bs": raw_bs, "bs": bs}
 
-    def kv_pool(self, r: EagleDraftExtendCudaGraphRunnerBase) -> TokenToKVPool:
+    def kv_pool(self, r: MultiLayerEagleDraftExtendCudaGraphRunner) -> TokenToKVPool:
         return r.worker.kv_pool
 
-    def after_clean(self, r: EagleDraftExtendCudaGraphRunnerBase, inp: DraftExtendInputs, rec) -> None:
+    def after_clean(self, r: MultiLayerEagleDraftExtendCudaGraphRunner, inp: DraftExtendInputs, rec) -> None:
         self._check_canonical(r, inp.bs, rec.bs)
         if self.one_graph is not None:
             self.clean_served = [out.sliced(inp.bs, r.T).cloned() for out in self.one_graph.served[1:]]
 
-    def poison(self, r: EagleDraftExtendCudaGraphRunnerBase, raw_bs: int) -> None:
+    def poison(self, r: MultiLayerEagleDraftExtendCudaGraphRunner, raw_bs: int) -> None:
         self._poison(r, raw_bs)
 
-    def compare(self, r: EagleDraftExtendCudaGraphRunnerBase, raw_bs: int, bs: int, clean, poisoned, s1: dict) -> None:
+    def compare(self, r: MultiLayerEagleDraftExtendCudaGraphRunner, raw_bs: int, bs: int, clean, poisoned, s1: dict) -> None:
         self._compare(r, raw_bs, bs, clean, poisoned, s1)
         if self.one_graph is not None:
             self._compare_served(raw_bs, bs, s1)

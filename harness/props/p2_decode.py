@@ -16,7 +16,7 @@ from harness.props.poison import NAN, RunnerPoison
 from harness.verdict import Verdict
 from runners.draft_extend import SEQ_LEN_FILL_VALUE
 from runners.eagle_draft import DraftDecodeInputs, DraftDecodeOutputs
-from runners.eagle_draft_graph import EAGLEDraftCudaGraphRunner
+from runners.eagle_draft_cuda_graph_runner import EAGLEDraftCudaGraphRunner
 from runners.memory import PADDING_ROW
 from runners.spec_decode import SpecEngine
 

@@ -57,12 +57,12 @@ from typing import Any, Optional
 
 import torch
 
-from runners import graph_record
 from runners.attention.flashinfer_kv_indices import write_kv_indices
 from runners.attention.flashinfer_plan import KvIndexPlan, kv_index_plan, packed_len, plan_inputs_key, plan_sources
 from runners.attention.kinds import TREE_MASK_UNSUPPORTED
 from runners.batch import ForwardBatch, ForwardMode
 from runners.eagle_draft import DraftDecodeSpecInfo
+from runners.graph import record as graph_record
 from runners.memory import ReqToTokenPool, TokenToKVPool
 from runners.verify import chain_mask
 

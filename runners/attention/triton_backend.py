@@ -179,7 +179,7 @@ _KERNELS = {k.fn.__name__: k for k in (_extend_kernel, _decode_kernel)}
 
 def _triton_attention(kernel: str, grid: list[int], out: torch.Tensor, tensors: list[torch.Tensor], ints: list[int],
                       floats: list[float], kinds: str) -> None:
-    """One kernel launch as a dispatcher op, so a recording graph sees it (runners.graph_record).
+    """One kernel launch as a dispatcher op, so a recording graph sees it (runners.graph.record).
     `kinds` spells the kernel's positional arguments: o = out, t / i / f = the next tensor, int, float."""
     it = {"t": iter(tensors), "i": iter(ints), "f": iter(floats)}
     args = [out if k == "o" else next(it[k]) for k in kinds]

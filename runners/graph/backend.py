@@ -1,6 +1,6 @@
 """Graph capture/replay: torch.cuda.CUDAGraph on a GPU, a recording graph on CPU.
 
-The CPU graph (runners.graph_record.RecordedGraph) captures by recording the ops the body
+The CPU graph (runners.graph.record.RecordedGraph) captures by recording the ops the body
 launches and replays that record: host values are the ones baked at capture, tensors
 are the static buffers' current contents, and the captured outputs are overwritten in
 place, as a real graph leaves them. No Python of the body runs at replay, so nothing
@@ -18,10 +18,8 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from runners.graph_pool import RecordedPool
-from runners.graph_record import GraphCaptureError, RecordedGraph
-
-__all__ = ["CudaGraph", "GraphBackend", "GraphCaptureError", "GraphStats", "RecordedGraph", "no_gc_during_capture"]
+from runners.graph.pool import RecordedPool
+from runners.graph.record import RecordedGraph
 
 
 @dataclass
@@ -93,14 +91,14 @@ class GraphBackend:
             raise ValueError(f"unknown graph backend {kind!r}: expected auto, sim or cuda")
         self.kind = kind
         self.stats = GraphStats()
-        # one pool for every graph of this backend, on a GPU and (simulated: runners.graph_pool) on CPU
+        # one pool for every graph of this backend, on a GPU and (simulated: runners.graph.pool) on CPU
         self.pool = torch.cuda.graph_pool_handle() if kind == "cuda" else RecordedPool()
         self.stream = torch.cuda.Stream(device) if kind == "cuda" else None
 
     def sibling(self) -> "GraphBackend":
         """A backend for another graph runner of the same rank: stats of its own, this backend's pool and stream. SGLang's
         runners (the target's and the draft's) all capture into one global graph pool, so one runner's outputs may sit
-        in memory another runner's graphs freed at capture (runners.graph_pool)."""
+        in memory another runner's graphs freed at capture (runners.graph.pool)."""
         other = copy.copy(self)
         other.stats = GraphStats()
         return other

@@ -44,7 +44,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map_only
 
-from runners.graph_pool import RecordedPool
+from runners.graph.pool import RecordedPool
 
 
 class GraphCaptureError(RuntimeError):
@@ -52,7 +52,7 @@ class GraphCaptureError(RuntimeError):
 
 
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
-_GRAPH_FILES = {os.path.abspath(__file__), os.path.join(os.path.dirname(os.path.abspath(__file__)), "graph_backend.py")}
+_GRAPH_FILES = {os.path.abspath(__file__), os.path.join(os.path.dirname(os.path.abspath(__file__)), "backend.py")}
 _HOST_READ_METHODS = ("tolist", "numpy", "cpu")  # device-to-host reads that dispatch no op on a CPU tensor
 _MASK_DTYPES = (torch.bool, torch.uint8)
 
@@ -306,7 +306,7 @@ class RecordedGraph:
     """The CPU graph: `capture` runs the body once under the recorder, `replay` re-issues the recorded ops.
 
     The body is dropped after capture: a replay has no Python of the body to run. With a pool
-    (runners.graph_pool), the tensors a capture makes may sit in memory earlier captures of the
+    (runners.graph.pool), the tensors a capture makes may sit in memory earlier captures of the
     pool freed, as in a CUDA graph pool.
     """
 

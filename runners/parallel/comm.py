@@ -7,7 +7,7 @@ are functional (they return a new tensor) so that both back ends are trivially c
 and the simulated one can record and check every call.
 
 A collective is a Python call, invisible to the dispatcher; the CPU graph records only
-what reaches the dispatcher (runners.graph_record). `DispatchedCollectives` therefore
+what reaches the dispatcher (runners.graph.record). `DispatchedCollectives` therefore
 issues every collective as the torch custom op `specharness::collective`, whose kernel
 calls back into the communicator that issued it: a captured graph records the call and
 re-issues it at replay, in the same order on every rank, through the same rank's

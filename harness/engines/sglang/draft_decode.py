@@ -5,7 +5,7 @@ step body's set_dp_buffer_len) and execute (the bucket it picks, the replay fill
 engine's; the draft chain itself (eagle_worker.draft_forward) is never run: at capture it
 records what the body baked and stops it, and at a replay the graph launch snapshots the
 static buffers. DECODE mode counts bs * topk tokens (resolve_num_tokens_per_req's
-"draft_decode" width), every one of them a logits row, as our runners.eagle_draft_graph.
+"draft_decode" width), every one of them a logits row, as our runners.eagle_draft_cuda_graph_runner.
 
 Releases whose runner predates this API (no execute / capture_one_shape, or no
 captured_req_width) are not driven: `unsupported()` says why, and the report says n/a.
