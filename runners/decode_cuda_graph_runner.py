@@ -2,9 +2,9 @@
 num_draft_tokens tokens per request.
 
 SGLang's DecodeCudaGraphRunner (cuda_graph_runner.CudaGraphRunner in older releases) captures the target's graphs in
-TARGET_VERIFY mode when speculative decoding is on, and DECODE otherwise; this engine always decodes speculatively, so
-ours has the TARGET_VERIFY mode only, and its own buffers (the tree masks, the output rows). The draft runners, which
-subclass SGLang's, subclass runners.base_cuda_graph_runner here.
+TARGET_VERIFY mode when speculative decoding is on, and DECODE otherwise; this engine graphs the target only to verify
+(its other forwards run eagerly), so ours has the TARGET_VERIFY mode only, and buffers of its own (the tree masks, the
+output rows). The draft runners, which subclass SGLang's, subclass runners.base_cuda_graph_runner here.
 
 As the engine's runner in TARGET_VERIFY mode (DESIGN.md §6.2-6.4): static
 buffers sized for the largest bucket; one graph per capture_bs bucket; `get_forward_batch(bs)`
