@@ -205,7 +205,8 @@ def test_readme_runnable_blocks_run():
 
 
 def test_no_history_or_unshipped_design_file_in_what_users_read():
-    """The docs speak of versions and dates: no work-log sessions, and no design file the package does not ship."""
+    """The docs speak of versions and dates, not of how the project was built, and cite no design file the package
+    does not ship."""
     for doc in DOCS:
         text = _text(doc)
         prose = re.sub(r"`[^`\n]*`", "", text)  # identifiers in code spans (SpecSession) are names, not history
