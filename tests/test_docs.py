@@ -6,6 +6,10 @@ The site itself is built by `mkdocs build --strict` in CI (.ci/run), which fails
 missing page; these tests cover what mkdocs cannot see: names of files, commands and options in the text.
 """
 import argparse
+import ast
+import importlib
+import inspect
+import itertools
 import json
 import os
 import re
@@ -227,6 +231,27 @@ def test_api_page_renders_every_public_name_from_where_it_is_defined():
             continue
         module, attr = harness._EXPORTS[name]
         assert f"### `harness.{name}`\n\n::: {module}.{attr}\n" in text, name
+
+
+def _has_docstring(module: str, attr: str) -> bool:
+    """A function's or class's own docstring; for a module constant, the string literal right after its assignment
+    (the attribute docstring mkdocstrings renders), read from the source."""
+    obj = getattr(importlib.import_module(module), attr)
+    if inspect.isclass(obj) or inspect.isfunction(obj):
+        own = obj.__dict__.get("__doc__") if inspect.isclass(obj) else obj.__doc__
+        generated = inspect.isclass(obj) and own is not None and own.startswith(f"{obj.__name__}(")  # a dataclass's signature
+        return bool(own and own.strip()) and not generated
+    body = ast.parse(Path(importlib.import_module(module).__file__).read_text()).body
+    for stmt, nxt in itertools.pairwise(body):
+        targets = stmt.targets if isinstance(stmt, ast.Assign) else [stmt.target] if isinstance(stmt, ast.AnnAssign) else []
+        if any(isinstance(t, ast.Name) and t.id == attr for t in targets):
+            return isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant) and isinstance(nxt.value.value, str)
+    return False
+
+
+@pytest.mark.parametrize("name", [n for n in harness.__all__ if n != "__version__"])
+def test_every_public_name_has_a_docstring(name):
+    assert _has_docstring(*harness._EXPORTS[name]), f"harness.{name} ({'.'.join(harness._EXPORTS[name])}) has no docstring"
 
 
 def test_gen_mutants_renders_a_run_and_gates_on_it(tmp_path):
