@@ -25,7 +25,7 @@ from harness.cli import build_parser
 
 REPO = Path(__file__).resolve().parent.parent
 GENERATED = {"docs/mutants.md"}  # written by docs/gen_mutants.py (git-ignored), never hand-kept
-DOCS = sorted(p for p in [REPO / "README.md", REPO / "CHANGELOG.md", *(REPO / "docs").glob("*.md")]
+DOCS = sorted(p for p in [REPO / "README.md", REPO / "CHANGELOG.md", REPO / "harness" / "props" / "reference.md", *(REPO / "docs").glob("*.md")]
               if p.relative_to(REPO).as_posix() not in GENERATED)
 # Files the walk-throughs create as their example (a new case and its goldens): named, but absent by design.
 EXAMPLE_OUTPUTS = {
