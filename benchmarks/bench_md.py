@@ -1,6 +1,6 @@
 """Markdown tables from `harness bench --json` files, for docs/gpu.md and the README (no hand copying).
 
-  python benchmarks/bench_md.py benchmarks/results/h200_2026-12-02_fp32.json [more.json ...]
+  python benchmarks/bench_md.py benchmarks/results/h200_2026-12-05_bench_fp32.json [more.json ...]
 """
 from __future__ import annotations
 

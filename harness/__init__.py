@@ -14,7 +14,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 # public name -> (module, attribute there)
 _EXPORTS: dict[str, tuple[str, str]] = {

@@ -31,6 +31,7 @@ CASES_DIR = shipped_dir("cases")
 
 
 class CaseError(ValueError):
+    """A case file the loader refuses: one line naming the file, the field and what was expected (the CLI's exit 2)."""
     def __init__(self, path: Path | str, field: str, expected: str, got: Any = None):
         self.path, self.field, self.expected, self.got = str(path), field, expected, got
         got_s = "" if got is None else f", got {_short(got)}"
@@ -52,6 +53,8 @@ def _short(value: Any, limit: int = 120) -> str:
 
 @dataclass(frozen=True)
 class Case:
+    """One parallel config under test: layout, spec and model (`scenario`), each DP group's batch size per iteration
+    (`schedule`), tolerance overrides with reasons. Checks, goldens and plugin items are keyed by it; see load_case."""
     name: str
     description: str
     path: str
@@ -390,5 +393,6 @@ def load_case(path: Path | str, cases_dir: Optional[Path] = None) -> Case:
 
 
 def default_cases(cases_dir: Optional[Path] = None) -> list[Case]:
+    """Every case in `cases_dir` (default: the shipped ones), by name; none for a missing folder (the caller decides)."""
     d = Path(cases_dir or CASES_DIR)
     return [load_case(p) for p in sorted(d.glob("*.toml"))] if d.is_dir() else []

@@ -29,6 +29,10 @@ REPORT_ORDER = ("run", "P1", "P2", "P3", "P4", "P5", "P6")  # how a case reports
 
 @dataclass
 class CaseReport:
+    """What `check_case` found on one case: a Verdict per property that ran, and for each property that could not
+    run on this case the reason (a skip, never a pass). `ok` holds only when every verdict held; `first_failure()`
+    is what a one-line report shows.
+    """
     case: str
     layout: str
     branch: str
@@ -98,6 +102,13 @@ def require_sim_for_spec_props(props: Sequence[str], ranks: str) -> None:
 def check_case(
     case: Case, props: tuple[str, ...] = FAST_PROPS, on_progress: Optional[Callable[[str], None]] = None, ranks: str = "sim"
 ) -> CaseReport:
+    """Run `props` on one case and report each property's verdict.
+
+    P1, P3 and P4 share one run of the case on `ranks` ("sim", "gloo" or "nccl"), plus a TP1 eager run as P4's
+    oracle; P2, P5 and P6 drive the case's workload through the speculative decoding loop, on simulated ranks only.
+    A run that crashes or desyncs is reported under "run", since P3 and P4 cannot be judged on it; running out of
+    memory raises OutOfMemory rather than failing a property.
+    """
     t0 = time.perf_counter()
     sc = case.scenario
     rep = CaseReport(case.name, sc.layout.describe(), sc.layout.branch.value)

@@ -11,6 +11,9 @@ from enum import IntEnum
 
 
 class ExitCode(IntEnum):
+    """How every command ends, so a CI step can branch on the code alone: 0 every property held, 1 a property
+    failed (or a golden differs, a mutant survived), 2 bad input or usage, 3 the harness could not run.
+    """
     OK = 0
     PROPERTY_FAILED = 1
     BAD_INPUT = 2

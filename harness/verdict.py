@@ -7,6 +7,11 @@ from typing import Any
 
 @dataclass
 class Failure:
+    """One failed check, structured so that a person and a program read the same thing: the property and the check
+    inside it (`I3`, `padding`, `logits`), the field, `where` (layout, branch, runner, rank, iteration, step,
+    bucket) and expected vs got. `message()` is the line the CLI prints; `harness explain` says what its property
+    or invariant asserts.
+    """
     prop: str  # P1, P3, P4, ...
     check: str  # I1, I2, ..., padding, logits, ...
     field: str  # the metadata field or output tensor
@@ -23,6 +28,10 @@ class Failure:
 
 @dataclass
 class Verdict:
+    """What one property found: the failures, the notes (legal engine variants, reported with their evidence but not
+    failed), and `checked`, the number of comparisons made, so a verdict that held because nothing was compared
+    can be told apart from one that held on evidence.
+    """
     prop: str
     checked: int = 0
     failures: list[Failure] = field(default_factory=list)

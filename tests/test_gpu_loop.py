@@ -31,7 +31,7 @@ RUNS = [(b, m, d) for b, m in GRID for d in DRAFTS if d != "one_graph" or b in M
 # initialization 4". The runner rig and the bench run no eager prefill through flashinfer, so only the loop shows it.
 # Strict: once fixed these pass, and the mark must go.
 FLASHINFER_LOOP = pytest.mark.xfail(strict=True, raises=AssertionError,
-                                    reason="flashinfer: an eager pass plans a graph bucket's cuda-graph wrapper (docs/gpu.md, session 13)")
+                                    reason="flashinfer: an eager pass plans a graph bucket's cuda-graph wrapper (docs/gpu.md, known limitation)")
 
 
 @pytest.mark.gpu

@@ -59,6 +59,13 @@ def test_wheel_ships_cases_and_goldens_as_package_data(installed):
     for kind, pattern in (("cases", "*.toml"), ("golden", "*.npz"), ("golden", "*.json"), ("golden", "acceptance/*.json")):
         want = {f"harness/_data/{kind}/{p.relative_to(REPO / kind)}" for p in (REPO / kind).glob(pattern)}
         assert want and want <= set(names), sorted(want - set(names))[:5]
+    assert "harness/props/reference.md" in names  # what `harness explain` prints
+
+
+def test_installed_wheel_explains_from_its_own_reference_text(installed):
+    venv, purelib, env, work, _ = installed
+    rc, out, err = _sh(venv / "bin" / "harness", "explain", "I3", cwd=work, env=env)
+    assert rc == 0 and out.startswith("I3 — MLP-TP and attn-TP branches agree"), (out, err)
 
 
 # `harness check` over every shipped case runs in CI's first step (.ci/run), from the source tree; the wheel's copy

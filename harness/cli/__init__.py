@@ -11,7 +11,7 @@ import traceback
 from typing import Optional, Sequence
 
 from harness import __version__, bench, engine_check
-from harness.cli import cases, check, mutants, replay
+from harness.cli import cases, check, explain, mutants, replay
 from harness.cli import golden as golden_cli
 from harness.cli.ranks import finish, quiet, run_command
 from harness.errors import ExitCode, UsageError
@@ -37,6 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_parser(sub)
     golden_cli.add_parser(sub)
     engine_check.add_parser(sub)
+    explain.add_parser(sub)
     return p
 
 

@@ -93,6 +93,7 @@ def _schedule(layout: ParallelLayout, capture_bs: list[int]) -> list[list[int]]:
 
 def check_engine(engine: Engine, layouts: tuple[ParallelLayout, ...] = REPRESENTATIVE_LAYOUTS, cfg: Optional[EngineConfig] = None, progress=None,
                  kernel_layouts: tuple[ParallelLayout, ...] = KERNEL_LAYOUTS, eager: bool = False) -> EngineReport:
+    """P1's invariants and the padded-lane checks on a loaded engine's own graph runners, on a CPU (no model, no GPU)."""
     cfg = cfg or EngineConfig()
     t0 = time.perf_counter()
     lines: dict[tuple, Line] = {}

@@ -69,6 +69,10 @@ class LineVerdicts:
 
 @dataclass
 class EngineReport(LineVerdicts):
+    """What `check_engine` found on one engine release: a verdict per (runner, layout, bucket) line, the modules it
+    stubbed to import the engine, and what it did not check with the reason (`skipped`), so that a pass never
+    hides an unchecked runner.
+    """
     engine: str
     version: str
     generation: str

@@ -113,6 +113,12 @@ def refuse_under_xdist(golden_dir: Path = GOLDEN_DIR) -> None:
 
 
 def record_golden(case: Case, golden_dir: Path = GOLDEN_DIR, runs: Optional[Sequence[RankRun]] = None, ranks: str = "sim") -> RecordResult:
+    """Run the case's graph runner and write its golden (`<case>.npz` and `<case>.json` in `golden_dir`)
+    atomically, leaving a golden whose arrays are bitwise unchanged untouched. The JSON records what made it (the
+    model and weights fingerprints, the case config, the versions), so a later check refuses a golden made for
+    another config instead of comparing against it. Refused under pytest-xdist for the shipped folder, where
+    workers would race on the files.
+    """
     refuse_under_xdist(golden_dir)
     golden_dir = Path(golden_dir)
     arrays = collect(case, runs if runs is not None else run_for_golden(case, ranks))

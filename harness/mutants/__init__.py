@@ -37,12 +37,16 @@ CATALOG: tuple[Mutant, ...] = (
     *replay_fill.MUTANTS, *padding_rule.MUTANTS, *fused_fill.MUTANTS, *sharding.MUTANTS,
     *one_graph.MUTANTS,
 )
+"""Every built-in mutant, one module per family, in the order `harness mutants` reports them (`harness.MUTANTS`)."""
 BY_ID: dict[str, Mutant] = {m.id: m for m in CATALOG}
 if len(BY_ID) != len(CATALOG):
     raise ImportError("two mutants share an id: " + ", ".join(sorted({m.id for m in CATALOG if sum(x.id == m.id for x in CATALOG) > 1})))
 
 
 def get(mutant_id: str) -> Mutant:
+    """The catalog's mutant with this id. An unknown id raises KeyError naming the known ones (the CLI and the
+    plugin turn it into a usage error).
+    """
     if mutant_id not in BY_ID:
         raise KeyError(f"unknown mutant {mutant_id!r}; known: {', '.join(BY_ID)}")
     return BY_ID[mutant_id]

@@ -18,6 +18,11 @@ class Wrap:
 
 @dataclass(frozen=True)
 class Mutant:
+    """A named, reversible patch of one behaviour of `runners/`, standing for one bug. `planted()` applies the
+    patches for the length of a `with` block and undoes them, so a property is shown to fail on the bug without
+    a file being edited; `probes` names the checks that can see it, cheapest first, so `harness mutants` runs
+    only those.
+    """
     id: str
     description: str
     kind: str  # what family of bug it stands for
