@@ -91,6 +91,7 @@ _MODEL_RANGES = {"hidden_size": (2, 4096), "num_heads": (1, 64), "num_kv_heads":
 _SPEC_MAX = {"num_steps": 16, "topk": 64, "num_tokens_per_bs": 64, "max_running_requests": MAX_REQUESTS_PER_RANK}
 _PY = {"int": int, "float": float, "str": str, "bool": bool}
 MAX_CASE_BYTES = 1 << 20  # a case file is a few hundred bytes; more is not a case
+MAX_WORLD_SIZE = 64  # ranks of one case: simulated ranks are threads of one process, and model.num_heads is at most 64
 
 
 def _type_name(t) -> str:
@@ -225,6 +226,22 @@ def _check_budget(path, model: ModelConfig, layout: ParallelLayout, spec: SpecCo
         raise CaseError(path, "model", over[0], _Verbatim(over[1]))
 
 
+def parse_layout(path: Path | str, layout_t: dict) -> ParallelLayout:
+    """[layout] as a ParallelLayout; a CaseError names the field, the rule and the field's own value."""
+    _check_table(path, "layout.", layout_t, _LAYOUT)
+    if "tp_size" not in layout_t:
+        raise CaseError(path, "layout.tp_size", "a value (this key is required)")
+    for key, hi in (("tp_size", MAX_WORLD_SIZE), ("dp_size", MAX_WORLD_SIZE)):
+        if key in layout_t:  # before any rule between them: a huge tp_size is reported as itself
+            _positive(path, f"layout.{key}", layout_t[key], 1, hi)
+    try:
+        return ParallelLayout(**layout_t)
+    except LayoutError as e:
+        field, _, rule = str(e).partition(": ")
+        rule = rule.split(" (got ParallelLayout(")[0]  # the field's own value is what a user needs to see
+        raise CaseError(path, field, rule, layout_t.get(field.rpartition(".")[2])) from None
+
+
 def parse_case(data: dict, path: Path | str = "<case>") -> Case:
     path = Path(path)
     _check_table(path, "", data, _TOP)
@@ -247,16 +264,7 @@ def parse_case(data: dict, path: Path | str = "<case>") -> Case:
     seed = data.get("seed", 0)
     _positive(path, "seed", seed, 0, 2**31 - 1)
 
-    layout_t = data["layout"]
-    _check_table(path, "layout.", layout_t, _LAYOUT)
-    if "tp_size" not in layout_t:
-        raise CaseError(path, "layout.tp_size", "a value (this key is required)")
-    try:
-        layout = ParallelLayout(**layout_t)
-    except LayoutError as e:
-        field, _, rule = str(e).partition(": ")
-        rule = rule.split(" (got ParallelLayout(")[0]  # the field's own value is what a user needs to see
-        raise CaseError(path, field, rule, layout_t.get(field.rpartition(".")[2])) from None
+    layout = parse_layout(path, data["layout"])
 
     model = _parse_model(path, data.get("model", {}), dtype)
     try:
@@ -290,6 +298,11 @@ def parse_case(data: dict, path: Path | str = "<case>") -> Case:
     if "num_tokens_per_bs" in spec_t:
         spec_t["num_draft_tokens"] = spec_t.pop("num_tokens_per_bs")
     spec = SpecConfig(**spec_t)
+    if spec.topk == 1 and spec.num_tokens_per_bs != spec.num_steps + 1:
+        # SGLang resets it (speculative_num_draft_tokens = num_steps + 1 when topk == 1, with a warning): a case file
+        # holding another value would describe a config no engine runs, so it is refused rather than reset silently
+        raise CaseError(path, "spec.num_tokens_per_bs", f"num_steps + 1 ({spec.num_steps + 1}) with topk 1 (a chain of num_steps drafts and "
+                        "the root; engines reset any other value), or topk > 1 for a wider tree", spec.num_tokens_per_bs)
     if spec.draft == "single_layer" and spec.topk * (spec.num_steps - 1) > spec.num_tokens_per_bs:
         raise CaseError(path, "spec.topk", f"topk * (num_steps - 1) <= num_tokens_per_bs ({spec.num_tokens_per_bs}): the single-layer draft decode's slots", spec.topk)
     if spec.topk > model.vocab_size:
@@ -372,7 +385,11 @@ def load_case(path: Path | str, cases_dir: Optional[Path] = None) -> Case:
         if named.exists():
             path = named
         else:
-            raise CaseError(path, "<file>", f"an existing case file or the name of one in {cases_dir}")
+            names = sorted(p.stem for p in cases_dir.glob("*.toml")) if cases_dir.is_dir() else []
+            close = difflib.get_close_matches(str(path), names, n=3, cutoff=0.6)
+            lister = "harness list" + ("" if cases_dir.resolve() == Path(CASES_DIR).resolve() else f" --cases-dir {cases_dir}")
+            hint = f" (did you mean {' or '.join(close)}? `{lister}` shows them)" if close else f" (`{lister}` shows them)"
+            raise CaseError(path, "<file>", f"an existing case file or the name of one in {cases_dir}{hint}")
     _regular_file(path)
     try:
         with open(path, "rb") as f:

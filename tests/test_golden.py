@@ -123,7 +123,9 @@ def test_mismatch_report_names_rank_step_percent_and_errors(tmp_path):
     mt = by_key["r0.i0.s1.meta.rows_fed"]
     assert (mt.expected, mt.got) == ([1], [6])  # the bucket (2) times 3 tokens
     text = cmp.format()
-    assert "2 of" in text and "2/3072 (0.0651%)" in text and "(3, 7) (3, 8)" in text and "5.00e-01" in text
+    want, got = float(arrays["r1.i1.s0.logits"][3, 7]), float(arrays["r1.i1.s0.logits"][3, 7]) - 0.5  # the golden as written, the run as it was
+    assert "2 of" in text and "2/3072 (0.0651%)" in text and "5.00e-01" in text
+    assert f"at (3, 7) expected {want:.6g}, got {got:.6g}; at (3, 8) expected" in text  # the values, not just where
     assert "expected [1], got [6]" in text
     row = next(ln for ln in text.splitlines() if "logits" in ln).split()
     assert row[:3] == ["1", "1", "0"]  # rank, iteration, step

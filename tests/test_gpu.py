@@ -342,4 +342,4 @@ def test_bench_rejects_too_few_replays():
     from harness.bench import run_bench
 
     with pytest.raises(SystemExit, match="replays"):
-        run_bench(_bench_args(device="cpu", backend="torch", replays=10, quick=False))
+        run_bench(_bench_args(device="cpu", backend="torch", replays=5, quick=False))
