@@ -15,6 +15,7 @@ from prewarmed import run_module
 
 import harness
 from harness.case import CASES_DIR
+from harness.golden import GOLDEN_DIR
 
 REPO = Path(__file__).resolve().parent.parent
 PROJECT = Path(__file__).resolve().parent / "external_project"
@@ -111,3 +112,31 @@ def test_public_api_is_what_all_names():
     for name in harness.__all__:
         assert hasattr(harness, name), name
     assert {m.id for m in harness.MUTANTS} >= {"sglang-26416"}
+
+
+def test_force_regen_with_a_mutant_exits_2_before_anything_runs(project):
+    rc, out = pytest_in(project, "--specharness-force-regen", "--specharness-mutant", "sglang-26416", "-k", "tp1_neither and golden")
+    assert rc == 2, out[-2000:]
+    assert "--specharness-force-regen is refused with --specharness-mutant sglang-26416" in out and "passed" not in out
+
+
+def test_force_regen_never_rewrites_the_shipped_goldens_and_writes_the_users_beside_their_cases(project, tmp_path):
+    """The issue: from a project of its own, force-regen overwrote the shipped golden; with --specharness-cases-dir the
+    goldens still went to the shipped folder and the hinted command failed."""
+    shipped = {p: p.read_bytes() for p in [GOLDEN_DIR / "tp1_neither.npz", GOLDEN_DIR / "tp1_neither.json", GOLDEN_DIR / "acceptance" / "tp1_neither.json"]}
+    rc, out = pytest_in(project, "--specharness-force-regen", "-k", "tp1_neither and golden")
+    assert rc == 1 and "refusing to write into" in out and "--specharness-cases-dir DIR" in out, out[-2000:]
+    assert {p: p.read_bytes() for p in shipped} == shipped
+
+    cases = tmp_path / "mycases"
+    cases.mkdir()
+    shutil.copy(CASES_DIR / "tp1_neither.toml", cases)
+    rc, out = pytest_in(project, f"--specharness-cases-dir={cases}", "-k", "golden and not test_engine")
+    assert rc == 1 and f"harness golden record tp1_neither --cases-dir {cases}" in out, out[-2000:]
+    rc, out = pytest_in(project, f"--specharness-cases-dir={cases}", "--specharness-props=all", "--specharness-force-regen", "-k",
+                        "golden and not test_engine")
+    assert rc == 1 and "new golden" in out, out[-2000:]  # rewritten: the item fails, as pytest-regressions' force-regen
+    assert (cases / "golden" / "tp1_neither.npz").is_file() and (cases / "golden" / "acceptance" / "tp1_neither.json").is_file()
+    rc, out = pytest_in(project, f"--specharness-cases-dir={cases}", "--specharness-props=all", "-k", "tp1_neither and not test_engine")
+    assert rc == 0 and counts(out)["passed"] == 7, out[-2000:]  # P1..P6 and golden, their goldens beside the cases
+    assert {p: p.read_bytes() for p in shipped} == shipped

@@ -7,6 +7,7 @@ that failed last time (kept in .specharness_cache/ of the working directory, as 
 from __future__ import annotations
 
 import json
+import os
 import re
 import sys
 from pathlib import Path
@@ -116,7 +117,9 @@ def update_last_failed(ran: Iterable[tuple[Case, bool]]) -> None:
     try:
         CACHE_DIR.mkdir(exist_ok=True)
         (CACHE_DIR / ".gitignore").write_text("# written by harness check (--lf)\n*\n")
-        _cache_file().write_text(json.dumps(sorted(failed), indent=1) + "\n")
+        tmp = CACHE_DIR / f".{LASTFAILED}.{os.getpid()}.tmp"  # replaced whole: a concurrent check reads the old set or the new
+        tmp.write_text(json.dumps(sorted(failed), indent=1) + "\n")
+        os.replace(tmp, _cache_file())
     except OSError as e:
         print(f"harness check: could not write {_cache_file()} ({e.strerror or e}); --lf will not know this run", file=sys.stderr)
 

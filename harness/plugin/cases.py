@@ -189,8 +189,8 @@ class PropertyItem(pytest.Item):
         case = self.parent.case
         if self.config.getoption("--specharness-force-regen"):
             check_writable(golden_dir or case_golden_dir(case), flags=PYTEST_FLAGS)
-            selected = {it.name for it in self.session.items if it.parent is self.parent}
-            kinds = [k for k in needed_kinds(case) if k is GoldenKind.ARRAYS or "P6" in selected]  # P6 reads the loop's goldens
+            props = parse_props(self.config.getoption("--specharness-props") or self.config.getini("specharness_props"))
+            kinds = [k for k in needed_kinds(case) if k is GoldenKind.ARRAYS or "P6" in props]  # P6 reads the loop's goldens
             outcomes = record_case_goldens(case, golden_dir, kinds, say=lambda _: None)
             if any(o.changed or not o.recorded for o in outcomes):
                 text = "\n".join(o.text for o in outcomes if o.changed or not o.recorded)
