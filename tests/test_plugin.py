@@ -15,6 +15,7 @@ from prewarmed import run_module
 
 import harness
 from harness.case import CASES_DIR
+from harness.cli import main
 from harness.golden import GOLDEN_DIR
 
 REPO = Path(__file__).resolve().parent.parent
@@ -87,6 +88,25 @@ def test_force_regen_is_refused_under_xdist_and_bad_options_are_usage_errors(pro
     assert rc == 4 and "unknown: P9" in out, out[-2000:]
     rc, out = pytest_in(project, "--specharness-mutant", "no-such", "--collect-only")
     assert rc == 4 and "unknown mutant" in out, out[-2000:]
+
+
+def test_the_new_case_walkthrough_leaves_check_and_pytest_green(project, monkeypatch, capsys):
+    """The walkthrough as the docs give it, in a project of its own: add a case with its goldens, check it with every
+    property, and run the project's pytest (its ini naming the cases dir). Every golden the case's checks
+    read (arrays for the golden item, acceptance for P6) was recorded by new-case --record. (In this repository the
+    same walkthrough writes to cases/ and golden/: tests/test_golden.py holds every shipped case to having its goldens.)"""
+    monkeypatch.chdir(project)
+    assert main(["new-case", "tp2_dp2_mine", "--tp", "2", "--dp", "2", "--dir", "cases", "--record"]) == 0
+    out = capsys.readouterr().out
+    assert "next: harness check tp2_dp2_mine --cases-dir cases --props all" in out and "still missing" not in out
+    assert main(["check", "--cases-dir", "cases", "--props", "all"]) == 0
+    assert "1 passed, 0 failed" in capsys.readouterr().out
+    with open(project / "pytest.ini", "a") as ini:
+        ini.write("specharness_cases_dir = cases\nspecharness_props = all\n")
+    rc, out = pytest_in(project, "-k", "not test_engine", "-rA")
+    assert rc == 0 and counts(out)["passed"] == 7, out[-3000:]  # P1..P6 and its golden item
+    assert {ln.rsplit("::", 1)[-1] for ln in out.splitlines() if ln.startswith("PASSED .::specharness::tp2_dp2_mine::")} == {
+        "P1", "P2", "P3", "P4", "P5", "P6", "golden"}
 
 
 # ---------------------------------------------------------------------------------------
