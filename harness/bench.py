@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import datetime as _dt
 import json
-import os
 import platform
 import statistics
 import sys
@@ -34,6 +33,7 @@ from typing import Callable, Optional
 import torch
 
 from harness.bench_runners import bench_runners_backend, format_runner_table
+from harness.bench_timer import INTERLEAVE_BLOCKS, Timer, load_warning, spread
 from harness.observe import observe_all
 from harness.ranks.simulated import SimulatedWorld
 from harness.scenario import Iteration, RequestSpec, Scenario, materialize, release
@@ -42,9 +42,7 @@ DEFAULT_BS = (1, 2, 4, 8, 16, 32, 64)
 CPU_BS = (1, 8)  # CPU: seconds, not minutes (the recorded graph's replay cost grows with bs as eager's does)
 REPLAYS = {"cuda": 50, "cpu": 15}  # default repetitions per measurement
 MIN_REPLAYS = {"cuda": 50, "cpu": 10}  # fewer only with --quick
-LOADED_PER_CORE = 0.75  # a 1-minute load average above this per core: other processes share the CPU, timings are perturbed
 PREFIX_LEN = 32
-INTERLEAVE_BLOCKS = 5  # eager-vs-graph measurements alternate in this many blocks each (Timer.measure_interleaved)
 
 # "default" is the harness' model (hidden 64, 8 heads of dim 8: launch-bound on any GPU);
 # flashinfer has no kernels for head_dim 8, so "auto" gives it "hd64" (same depth, head_dim 64).
@@ -102,59 +100,6 @@ def _backends(arg: str, device: torch.device) -> list[str]:
     return names
 
 
-class _Timer:
-    """Per-repetition times in ms: CUDA events on a GPU, perf_counter on CPU."""
-
-    def __init__(self, device: torch.device):
-        self.cuda = device.type == "cuda"
-
-    def measure(self, fn: Callable[[], object], reps: int, warmup: int) -> list[float]:
-        for _ in range(warmup):
-            fn()
-        if self.cuda:
-            torch.cuda.synchronize()
-            pairs = []
-            for _ in range(reps):
-                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                a.record()
-                fn()
-                b.record()
-                pairs.append((a, b))
-            torch.cuda.synchronize()
-            return [a.elapsed_time(b) for a, b in pairs]
-        out = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            fn()
-            out.append((time.perf_counter() - t0) * 1e3)
-        return out
-
-    def measure_interleaved(self, fns: list[Callable[[], object]], reps: int, warmup: int) -> list[list[float]]:
-        """`measure` of each fn, in alternating blocks (one untimed call first in each), the order reversed every round
-        (ABBA): a machine whose speed drifts during the measurement (the host's share of a shared box) slows every fn
-        alike, so their ratio holds."""
-        for fn in fns:
-            for _ in range(warmup):
-                fn()
-        out: list[list[float]] = [[] for _ in fns]
-        block, rounds = -(-reps // INTERLEAVE_BLOCKS), 0
-        while len(out[0]) < reps:
-            pairs = list(zip(out, fns, strict=True))
-            for times, fn in pairs if rounds % 2 == 0 else reversed(pairs):
-                times += self.measure(fn, min(block, reps - len(times)), 1)
-            rounds += 1
-        return out
-
-    def sync(self) -> None:
-        if self.cuda:
-            torch.cuda.synchronize()
-
-
-def spread(times: list[float]) -> dict[str, float]:
-    """min / median / max of one measurement's repetitions (ms)."""
-    return {"min": min(times), "median": statistics.median(times), "max": max(times)}
-
-
 def _bench_backend(comm, backend: str, args, device: torch.device, bs_list: list[int], progress: Callable[[str], None] = print) -> dict:
     from runners.config import SpecConfig
     from runners.cuda_graph import DraftExtendGraphDriver
@@ -173,7 +118,7 @@ def _bench_backend(comm, backend: str, args, device: torch.device, bs_list: list
     worker = DraftWorker(ctx, model, spec, attention_backend=backend, device=device, max_reqs=2 * max(bs_list) + 4, num_slots=slots)
     gkind = args.graph if args.graph != "auto" else ("cuda" if device.type == "cuda" else "sim")
     gb = GraphBackend(gkind, device)
-    timer = _Timer(device)
+    timer = Timer(device)
 
     def scenario(bs: int, base_rid: int) -> Scenario:
         reqs = tuple(RequestSpec(base_rid + i, prefix, 1 + (7 * i + 3) % T) for i in range(bs))
@@ -282,17 +227,6 @@ def _versions() -> dict:
     return out
 
 
-def load_warning(device: torch.device) -> Optional[str]:
-    """On CPU: a warning when the 1-minute load average says other processes share the cores (None: idle enough)."""
-    if device.type != "cpu" or not hasattr(os, "getloadavg"):
-        return None
-    load, cores = os.getloadavg()[0], os.cpu_count() or 1
-    if load <= LOADED_PER_CORE * cores:
-        return None
-    return (f"warning: load average {load:.1f} on {cores} core(s): other processes share the CPU, so these timings are perturbed "
-            "(the min..max spread shows how much); rerun on an idle machine for numbers to compare")
-
-
 def _defaults(args, device: torch.device) -> tuple[list[int], int]:
     """The batch sizes and repetitions: as given, else the device's defaults (a short run on CPU)."""
     kind = "cuda" if device.type == "cuda" else "cpu"
@@ -339,7 +273,7 @@ def run_bench(args, progress: Callable[[str], None] = lambda msg: print(msg, fil
         for backend in backends:
             progress(f"[{backend}] every runner, eager vs graph, bs {','.join(map(str, bs_list))}")
             world = SimulatedWorld(ParallelLayout(), timeout_s=3600)
-            runners.append(world.run(lambda comm, b=backend: bench_runners_backend(comm, b, args, device, bs_list, _model, _Timer))[0])
+            runners.append(world.run(lambda comm, b=backend: bench_runners_backend(comm, b, args, device, bs_list, _model, Timer))[0])
     late = load_warning(device)  # the load of the run's last minute, which the first check could not see
     if late and not warnings:
         warnings.append(late)

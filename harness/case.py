@@ -10,15 +10,15 @@ import os
 import re
 import stat
 import tomllib
-import zlib
 from dataclasses import dataclass, fields
 from dataclasses import field as dc_field
 from pathlib import Path
 from typing import Any, Optional
 
 from harness.budget import MAX_ITERATIONS, over_budget
+from harness.case_requests import seeded_requests, with_explicit_lens
 from harness.data import shipped_dir
-from harness.scenario import Iteration, RequestSpec, Scenario
+from harness.scenario import Scenario
 from harness.tolerances import Tol
 from runners.attention import BACKENDS
 from runners.attention.kinds import METADATA_IN_GRAPH, ONE_GRAPH_UNSUPPORTED, AttentionBackend
@@ -185,39 +185,6 @@ def _explicit_lens(path, sched_t: dict, key: str, schedule: tuple[tuple[int, ...
     return value
 
 
-def _with_explicit_lens(iterations: tuple[Iteration, ...], prefix: Optional[list], accept: Optional[list], rids: Optional[list] = None) -> tuple[Iteration, ...]:
-    """Override the seeded draw with schedule.prefix_lens / accept_lens / rids where given (a rid decides the request's tokens)."""
-    if prefix is None and accept is None and rids is None:
-        return iterations
-    pick = lambda given, i, j, k, default: given[i][j][k] if given is not None else default  # noqa: E731
-    out = []
-    for i, it in enumerate(iterations):
-        groups = []
-        for j, reqs in enumerate(it.per_dp):
-            groups.append(tuple(
-                RequestSpec(pick(rids, i, j, k, r.rid), pick(prefix, i, j, k, r.prefix_len), pick(accept, i, j, k, r.accept_len))
-                for k, r in enumerate(reqs)
-            ))
-        out.append(Iteration(tuple(groups)))
-    return tuple(out)
-
-
-def seeded_requests(seed: int, schedule: tuple[tuple[int, ...], ...], T: int, max_prefix_len: int) -> tuple[Iteration, ...]:
-    """Deterministic requests for a schedule of batch sizes: prefix and accept lengths from the seed."""
-    its, rid = [], 0
-    for sizes in schedule:
-        groups = []
-        for bs in sizes:
-            reqs = []
-            for _ in range(bs):
-                h = zlib.crc32(f"{seed}:{rid}".encode())
-                reqs.append(RequestSpec(rid, 1 + h % max_prefix_len, 1 + (h >> 8) % T))
-                rid += 1
-            groups.append(tuple(reqs))
-        its.append(Iteration(tuple(groups)))
-    return tuple(its)
-
-
 def _check_budget(path, model: ModelConfig, layout: ParallelLayout, spec: SpecConfig, iterations: int) -> None:
     if iterations > MAX_ITERATIONS:
         raise CaseError(path, "schedule.batches", f"at most {MAX_ITERATIONS} iterations (the resource budget)", _Verbatim(f"{iterations} iterations"))
@@ -348,7 +315,7 @@ def parse_case(data: dict, path: Path | str = "<case>") -> Case:
             flat = [r for group in it for r in group]
             if len(set(flat)) != len(flat):
                 raise CaseError(path, f"schedule.rids[{i}]", "distinct request ids within an iteration", it)
-    iterations = _with_explicit_lens(seeded_requests(seed, schedule_t, T, max_prefix), prefix, accept, rids)
+    iterations = with_explicit_lens(seeded_requests(seed, schedule_t, T, max_prefix), prefix, accept, rids)
     for i, it in enumerate(iterations):  # what one rank's pools hold (every rank of a DP group holds its requests)
         for j, reqs in enumerate(it.per_dp):
             ps = spec.page_size

@@ -348,13 +348,13 @@ def test_bench_rejects_too_few_replays():
 def test_bench_on_cpu_is_short_by_default_with_progress_and_spread(monkeypatch, capsys):
     """The issue: `harness bench` on CPU ran 5 minutes silent, then printed speedups that swung 0.3x-1.3x with no spread.
     No timing is asserted: the defaults, the progress lines, min <= median <= max, and the warning of a loaded machine."""
-    from harness import bench
+    from harness import bench, bench_timer
     from harness.bench import CPU_BS, REPLAYS, format_table, run_bench
 
     args = _bench_args(device="cpu", backend="torch", bs=None, replays=None, quick=False, num_steps=1)
     assert bench._defaults(args, torch.device("cpu")) == (list(CPU_BS), REPLAYS["cpu"]) == ([1, 8], 15)
     assert bench._defaults(args, torch.device("cuda")) == ([1, 2, 4, 8, 16, 32, 64], 50)
-    monkeypatch.setattr(bench.os, "getloadavg", lambda: (64.0, 64.0, 64.0))
+    monkeypatch.setattr(bench_timer.os, "getloadavg", lambda: (64.0, 64.0, 64.0))
     said: list[str] = []
     res = run_bench(_bench_args(device="cpu", backend="torch", bs="1,2", replays=3, num_steps=1), progress=said.append)
     assert said[0].startswith("warning: load average 64.0 on") and "timings are perturbed" in said[0]
@@ -364,5 +364,5 @@ def test_bench_on_cpu_is_short_by_default_with_progress_and_spread(monkeypatch, 
             assert s["min"] <= s["median"] <= s["max"]
     table = format_table(res)
     assert "median [min-max]" in table and res["meta"]["warnings"] and res["meta"]["warnings"][0] in table
-    monkeypatch.setattr(bench.os, "getloadavg", lambda: (0.0, 0.0, 0.0))
-    assert bench.load_warning(torch.device("cpu")) is None
+    monkeypatch.setattr(bench_timer.os, "getloadavg", lambda: (0.0, 0.0, 0.0))
+    assert bench_timer.load_warning(torch.device("cpu")) is None
