@@ -104,7 +104,7 @@ def cmd_new_case(args) -> int:
         if e.field.startswith("<"):  # about the file itself (it exists): that file is real
             raise
         raise flag_error(e, args) from None
-    others = coverage(layout, default_cases())
+    others = [n for n in coverage(layout, default_cases()) if n != args.name]
     print(f"wrote {show(path)}")
     print(f"  layout   {case.layout.describe()}  (world {case.layout.world_size}, attn_tp {case.layout.attn_tp_size}, capture_bs base {case.layout.capture_bs_base})")
     given = "as --branch asked" if args.branch else "from the flags; --branch BRANCH requires one"
@@ -114,8 +114,8 @@ def cmd_new_case(args) -> int:
     dir_flag = "" if directory.resolve() == CASES_DIR.resolve() else f" --cases-dir {shlex.quote(show(directory))}"
     gdir_flag = f" --golden-dir {shlex.quote(args.golden_dir)}" if args.golden_dir else ""
     if not args.record:
-        print(f"next: harness check {args.name}{dir_flag} --props all, then harness golden record {args.name}{dir_flag}{gdir_flag} "
-              "(every golden its checks read)")
+        print(f"next: harness check {args.name}{dir_flag}, then harness golden record {args.name}{dir_flag}{gdir_flag} (every golden its "
+              f"checks read; or new-case --record), then harness check {args.name}{dir_flag} --props all")
         return 0
     from harness.golden.case_goldens import kind_paths, record_case_goldens
 

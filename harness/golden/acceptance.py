@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Callable, Optional, Sequence
 
 from harness.case import Case, default_cases, load_case
-from harness.golden.base import GOLDEN_DIR, GoldenError, GoldenKind
+from harness.golden.base import GOLDEN_DIR, GoldenError, GoldenKind, show
 from harness.golden.lifecycle import refuse_under_xdist
 from harness.golden.place import accept_dir_of, check_writable, record_command
 from harness.golden.store import write_text_atomic
@@ -77,7 +77,7 @@ def load_acceptance_golden(case: Case, wl: Optional[Workload] = None, accept_dir
     naming what is missing or differs."""
     path = golden_path(case.name, accept_dir or accept_dir_of(case))
     if not path.exists():
-        raise AcceptanceGoldenError(f"{path}: no acceptance golden for case {case.name!r}; "
+        raise AcceptanceGoldenError(f"{show(path)}: no acceptance golden for case {case.name!r}; "
                                     f"record it: {_record_cmd(case, accept_dir)}")
     data = read_golden_json(path, FORMAT)
     want = golden_identity(case, wl or Workload.from_case(case))
@@ -106,10 +106,11 @@ def record_acceptance_golden(case: Case, accept_dir: Optional[Path] = None, say:
     text = json.dumps(data, indent=1, sort_keys=False) + "\n"
     s = eager["summary"]
     if path.exists() and path.read_text() == text:
-        say(f"{case.name}: unchanged, {path} not rewritten")
+        say(f"{case.name}: acceptance unchanged, {show(path)} not rewritten")
     else:
         write_text_atomic(path, text)
-        say(f"{case.name}: {s['verify_rounds']} verify rounds, mean accept length {s['mean_accept_len']}, per position {s['position_accept_rate']} -> {path}")
+        say(f"{case.name}: acceptance, {s['verify_rounds']} verify rounds, mean accept length {s['mean_accept_len']}, per position "
+            f"{s['position_accept_rate']} -> {show(path)}")
     return path
 
 

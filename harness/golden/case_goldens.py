@@ -13,7 +13,7 @@ from typing import Callable, Optional, Sequence
 
 from harness.case import Case
 from harness.golden.acceptance import AcceptanceGoldenError, golden_path, needs_acceptance, record_acceptance_golden
-from harness.golden.base import GoldenKind
+from harness.golden.base import GoldenKind, show
 from harness.golden.draft_tree import needs_draft_tree, record_tree_golden, tree_golden_path
 from harness.golden.lifecycle import record_golden
 from harness.golden.place import GoldenWriteRefused, accept_dir_of, case_golden_dir, record_command
@@ -62,13 +62,15 @@ def record_case_goldens(case: Case, golden_dir: Optional[Path] = None, kinds: Op
                 res = record_golden(case, golden_dir)
                 out.append(KindOutcome(kind, True, res.status != "unchanged", res.format()))
             else:
+                (path,) = kind_paths(case, kind, golden_dir)
+                before = path.read_bytes() if path.exists() else None
                 lines: list[str] = []
                 accept_dir = accept_dir_of(case, golden_dir) if golden_dir is not None else None
                 if kind is GoldenKind.ACCEPTANCE:
                     record_acceptance_golden(case, accept_dir, say=lines.append)
                 else:
-                    lines.append(f"{case.name}: draft trees -> {record_tree_golden(case, accept_dir)}")
-                out.append(KindOutcome(kind, True, not any("unchanged" in ln for ln in lines), "\n".join(lines)))
+                    lines.append(f"{case.name}: draft trees -> {show(record_tree_golden(case, accept_dir))}")
+                out.append(KindOutcome(kind, True, path.read_bytes() != before, "\n".join(lines)))
         except GoldenWriteRefused:
             raise
         except AcceptanceGoldenError as e:

@@ -14,7 +14,6 @@ import traceback
 from datetime import timedelta
 from typing import Any, Optional
 
-from harness.mutants import get as get_mutant
 from harness.mutants.base import PLANTED_ENV
 from harness.ranks.distributed import DistComm
 from harness.ranks.heartbeat import write_heartbeat
@@ -109,8 +108,14 @@ def child_main(
         write_heartbeat(hb_path, {"rank": rank, "state": "ready"})
         conn.send_bytes(pickle.dumps(("ready",)))
         with contextlib.ExitStack() as planted:
-            for mutant_id in filter(None, os.environ.get(PLANTED_ENV, "").split(",")):
-                planted.enter_context(get_mutant(mutant_id).planted())
+            ids = [m for m in os.environ.get(PLANTED_ENV, "").split(",") if m]
+            if ids:
+                # imported here, not at the top: the catalog imports every runner module, and the fork server that
+                # preloads this module must fork its ranks with nothing but torch imported
+                from harness.mutants import get as get_mutant
+
+                for mutant_id in ids:
+                    planted.enter_context(get_mutant(mutant_id).planted())
             result = fn(comm, *args)
         outcome: tuple = ("ok", to_cpu(result))
     except RankSkip as e:
