@@ -37,8 +37,9 @@ def _provided(spec: str, parts: Sequence[Path], install: Callable[[], Path], opt
             return install()
         except InstallError as e:
             pytest.skip(f"cannot install {spec} here: {e}")
+    ci = " (.ci/run does)" if opt_in == ENGINE_TESTS_ENV else ""
     pytest.skip(f"{spec} is not installed under {engines_root()} and installing it downloads {size}: set {opt_in}=1 to let "
-                f"tests install engine releases (.ci/run does), or install it once: harness engine-check --install --engine {spec}")
+                f"tests install engine releases{ci}, or install it once: harness engine-check --install --engine {spec}")
 
 
 def installed_release(version: str) -> Path:
