@@ -190,8 +190,9 @@ class PropertyItem(pytest.Item):
         if self.config.getoption("--specharness-force-regen"):
             check_writable(golden_dir or case_golden_dir(case), flags=PYTEST_FLAGS)
             props = parse_props(self.config.getoption("--specharness-props") or self.config.getini("specharness_props"))
-            kinds = [k for k in needed_kinds(case) if k is GoldenKind.ARRAYS or "P6" in props]  # P6 reads the loop's goldens
-            outcomes = record_case_goldens(case, golden_dir, kinds, say=lambda _: None)
+            outcomes = record_case_goldens(case, golden_dir, [GoldenKind.ARRAYS], say=lambda _: None)
+            if "P6" in props:  # P6 reads the loop's goldens, always beside the case (--specharness-golden-dir is the arrays')
+                outcomes += record_case_goldens(case, None, [k for k in needed_kinds(case) if k is not GoldenKind.ARRAYS], say=lambda _: None)
             if any(o.changed or not o.recorded for o in outcomes):
                 text = "\n".join(o.text for o in outcomes if o.changed or not o.recorded)
                 raise SpecharnessItemError(f"--specharness-force-regen: {text}\nrerun without --specharness-force-regen")

@@ -20,7 +20,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                      "their goldens are in DIR/golden/")
     g.addoption("--specharness-golden-dir", metavar="DIR",
                 help="where the array goldens are (default: ini specharness_golden_dir, else beside the cases: DIR/golden/ of "
-                     "--specharness-cases-dir, the shipped ones for the shipped cases)")
+                     "--specharness-cases-dir, the shipped ones for the shipped cases); P6's acceptance goldens are always beside the cases")
     g.addoption("--specharness-props", metavar="LIST",
                 help=f"properties per case: a comma list of {', '.join(CASE_PROPS)} or 'all' (default: {','.join(FAST_PROPS)})")
     g.addoption("--specharness-force-regen", action="store_true",
