@@ -13,11 +13,12 @@ from typing import Callable, Optional, Sequence
 
 from harness.case import Case
 from harness.golden.acceptance import AcceptanceGoldenError, golden_path, needs_acceptance, record_acceptance_golden
-from harness.golden.base import GoldenKind, show
+from harness.golden.base import GoldenError, GoldenKind, show
 from harness.golden.draft_tree import needs_draft_tree, record_tree_golden, tree_golden_path
 from harness.golden.lifecycle import record_golden
 from harness.golden.place import GoldenWriteRefused, accept_dir_of, case_golden_dir, record_command
 from harness.golden.store import GoldenPaths
+from harness.spec_decode import spec_skip_reason
 
 
 def needed_kinds(case: Case) -> tuple[GoldenKind, ...]:
@@ -55,8 +56,13 @@ def record_case_goldens(case: Case, golden_dir: Optional[Path] = None, kinds: Op
     """Record each of `kinds` (default: every needed kind) of the case; a kind that can't be recorded (its eager
     and graph runs disagree) is reported as missing with the reason and the command, and the others still recorded.
     A refused write (a mutant planted, the installed package) raises before anything runs."""
+    needed = needed_kinds(case)
+    extra = [str(k) for k in kinds or () if k not in needed]
+    if extra:  # nothing could record it, and nothing would read it
+        raise GoldenError(f"{case.name}: no check reads a {' or '.join(extra)} golden of this case ({spec_skip_reason(case) or 'not a single-layer draft'}); "
+                          f"its goldens: {', '.join(map(str, needed))}")
     out: list[KindOutcome] = []
-    for kind in kinds if kinds is not None else needed_kinds(case):
+    for kind in kinds if kinds is not None else needed:
         try:
             if kind is GoldenKind.ARRAYS:
                 res = record_golden(case, golden_dir)
