@@ -66,21 +66,6 @@ def test_k_selects_a_case_and_lf_reruns_only_what_failed(project):
     assert {ln.split("::")[-1] for ln in out.splitlines() if ln.startswith("PASSED")} == {"P1", "P3", "P4", "golden"}
 
 
-def test_force_regen_rewrites_the_golden_and_fails_then_passes(project, tmp_path):
-    cases, golden = tmp_path / "cases", tmp_path / "golden"
-    cases.mkdir()
-    shutil.copy(CASES_DIR / "tp1_neither.toml", cases)
-    # DIR joined with '=': a separate path argument would be taken for a test path before the conftest loads the plugin
-    dirs = (f"--specharness-cases-dir={cases}", f"--specharness-golden-dir={golden}", "-k", "golden and not test_engine")
-    rc, out = pytest_in(project, *dirs)
-    assert rc == 1 and "no golden" in out and "harness golden record tp1_neither" in out, out[-2000:]
-    rc, out = pytest_in(project, *dirs, "--specharness-force-regen")
-    assert rc == 1 and "new golden" in out and "rerun without --specharness-force-regen" in out, out[-2000:]
-    assert (golden / "tp1_neither.npz").is_file() and (golden / "tp1_neither.json").is_file()
-    rc, out = pytest_in(project, *dirs)
-    assert rc == 0 and counts(out)["passed"] == 1, out[-2000:]
-
-
 def test_force_regen_is_refused_under_xdist_and_bad_options_are_usage_errors(project):
     rc, out = pytest_in(project, "-n", "2", "--specharness-force-regen", "--collect-only")
     assert rc == 4 and "refused under pytest-xdist" in out, out[-2000:]
@@ -142,21 +127,24 @@ def test_force_regen_with_a_mutant_exits_2_before_anything_runs(project):
 
 def test_force_regen_never_rewrites_the_shipped_goldens_and_writes_the_users_beside_their_cases(project, tmp_path):
     """The issue: from a project of its own, force-regen overwrote the shipped golden; with --specharness-cases-dir the
-    goldens still went to the shipped folder and the hinted command failed."""
+    goldens still went to the shipped folder and the hinted command failed. Force-regen rewrites the goldens (the array
+    golden into --specharness-golden-dir when given, P6's beside the case, where P6 reads it) and fails their items, as
+    pytest-regressions' --force-regen does; the next run passes."""
     shipped = {p: p.read_bytes() for p in [GOLDEN_DIR / "tp1_neither.npz", GOLDEN_DIR / "tp1_neither.json", GOLDEN_DIR / "acceptance" / "tp1_neither.json"]}
     rc, out = pytest_in(project, "--specharness-force-regen", "-k", "tp1_neither and golden")
     assert rc == 1 and "refusing to write into" in out and "--specharness-cases-dir DIR" in out, out[-2000:]
     assert {p: p.read_bytes() for p in shipped} == shipped
 
-    cases = tmp_path / "mycases"
+    cases, arrays = tmp_path / "mycases", tmp_path / "arrays"
     cases.mkdir()
     shutil.copy(CASES_DIR / "tp1_neither.toml", cases)
+    # DIR joined with '=': a separate path argument would be taken for a test path before the conftest loads the plugin
     rc, out = pytest_in(project, f"--specharness-cases-dir={cases}", "-k", "golden and not test_engine")
-    assert rc == 1 and f"harness golden record tp1_neither --cases-dir {cases}" in out, out[-2000:]
-    rc, out = pytest_in(project, f"--specharness-cases-dir={cases}", "--specharness-props=all", "--specharness-force-regen", "-k",
-                        "golden and not test_engine")
-    assert rc == 1 and "new golden" in out, out[-2000:]  # rewritten: the item fails, as pytest-regressions' force-regen
-    assert (cases / "golden" / "tp1_neither.npz").is_file() and (cases / "golden" / "acceptance" / "tp1_neither.json").is_file()
-    rc, out = pytest_in(project, f"--specharness-cases-dir={cases}", "--specharness-props=all", "-k", "tp1_neither and not test_engine")
-    assert rc == 0 and counts(out)["passed"] == 7, out[-2000:]  # P1..P6 and golden, their goldens beside the cases
+    assert rc == 1 and "no golden" in out and f"harness golden record tp1_neither --cases-dir {cases}" in out, out[-2000:]
+    dirs = (f"--specharness-cases-dir={cases}", f"--specharness-golden-dir={arrays}", "--specharness-props=all")
+    rc, out = pytest_in(project, *dirs, "--specharness-force-regen", "-k", "golden and not test_engine")
+    assert rc == 1 and "new golden" in out and "rerun without --specharness-force-regen" in out, out[-2000:]
+    assert (arrays / "tp1_neither.npz").is_file() and (cases / "golden" / "acceptance" / "tp1_neither.json").is_file()
+    rc, out = pytest_in(project, *dirs, "-k", "tp1_neither and not test_engine")
+    assert rc == 0 and counts(out)["passed"] == 7, out[-2000:]  # P1..P6 and golden, each finding its golden
     assert {p: p.read_bytes() for p in shipped} == shipped
