@@ -1,7 +1,7 @@
 """`harness bench`: draft-extend step time, eager vs graph replay, per attention backend.
 
 For each backend and batch size (every size is a capture bucket, so raw_bs == bucket and
-no lane is padded) it times, after warm-up, the median of >= 50 repetitions of
+no lane is padded) it times, after warm-up, repetitions (min, median and max reported) of
 - step: one draft-extend step (draft layer 0): `draft_extend_step` eagerly with the live
   batch's metadata, against one graph replay of the bucket (for flashinfer plus the host
   plan that the first step of an iteration needs: `plan_replay`; the later steps reuse it);
@@ -14,7 +14,9 @@ re-issues the ops recorded at capture, no Python of the body): the table says so
 header, and gives the number of recorded ops per captured graph.
 
 Also reported, per row: max |graph - eager| over the step's logits, so a fast graph that
-computes something else shows.
+computes something else shows. On a GPU the default is >= 50 repetitions of seven batch sizes; on
+CPU (a simulation whose numbers are no GPU's) a short run of two sizes and 15 repetitions, with
+progress per batch size and a warning when other processes load the CPU (the spread shows it too).
 """
 from __future__ import annotations
 
@@ -31,13 +33,16 @@ from typing import Callable, Optional
 import torch
 
 from harness.bench_runners import bench_runners_backend, format_runner_table
+from harness.bench_timer import INTERLEAVE_BLOCKS, Timer, load_warning, spread
 from harness.observe import observe_all
 from harness.ranks.simulated import SimulatedWorld
 from harness.scenario import Iteration, RequestSpec, Scenario, materialize, release
 
 DEFAULT_BS = (1, 2, 4, 8, 16, 32, 64)
+CPU_BS = (1, 8)  # CPU: seconds, not minutes (the recorded graph's replay cost grows with bs as eager's does)
+REPLAYS = {"cuda": 50, "cpu": 15}  # default repetitions per measurement
+MIN_REPLAYS = {"cuda": 50, "cpu": 10}  # fewer only with --quick
 PREFIX_LEN = 32
-INTERLEAVE_BLOCKS = 5  # eager-vs-graph measurements alternate in this many blocks each (Timer.measure_interleaved)
 
 # "default" is the harness' model (hidden 64, 8 heads of dim 8: launch-bound on any GPU);
 # flashinfer has no kernels for head_dim 8, so "auto" gives it "hd64" (same depth, head_dim 64).
@@ -62,8 +67,11 @@ def add_parser(subparsers) -> None:
     )
     p.add_argument("--backend", default="auto",
                    help="comma-separated torch,triton,flashinfer; 'all' for every registered one; 'auto' (default): all on a GPU, torch on CPU")
-    p.add_argument("--bs", default=",".join(map(str, DEFAULT_BS)), help="comma-separated batch sizes (each is a capture bucket); default %(default)s")
-    p.add_argument("--replays", type=int, default=50, help="timed repetitions per measurement (median reported); at least 50 unless --quick")
+    p.add_argument("--bs", default=None, help=f"comma-separated batch sizes (each is a capture bucket); default {','.join(map(str, DEFAULT_BS))} "
+                                             f"on a GPU, {','.join(map(str, CPU_BS))} on CPU")
+    p.add_argument("--replays", type=int, default=None,
+                   help=f"timed repetitions per measurement (min, median, max reported); default {REPLAYS['cuda']} on a GPU "
+                        f"(at least {MIN_REPLAYS['cuda']} unless --quick), {REPLAYS['cpu']} on CPU (at least {MIN_REPLAYS['cpu']})")
     p.add_argument("--warmup", type=int, default=5, help="untimed repetitions before timing")
     p.add_argument("--json", nargs="?", const="-", default=None, metavar="PATH",
                    help="write the results as JSON to PATH (the table still prints), or to stdout instead of the table with no PATH")
@@ -72,7 +80,7 @@ def add_parser(subparsers) -> None:
     p.add_argument("--num-steps", type=int, default=3, help="draft layers (speculative steps); T = num_steps + 1 tokens per request")
     p.add_argument("--model", default="auto", choices=MODEL_CHOICES, help="auto: default for torch/triton, hd64 for flashinfer")
     p.add_argument("--graph", default="auto", choices=("auto", "sim", "cuda"), help="graph backend; auto: cuda on a GPU, sim on CPU")
-    p.add_argument("--quick", action="store_true", help="allow --replays below 50 (smoke tests)")
+    p.add_argument("--quick", action="store_true", help="allow fewer --replays than the minimum (smoke tests)")
     p.add_argument("--runners", default="auto", choices=("auto", "on", "off"),
                    help="also time every runner (draft-extend, draft decode, verify) and the iteration (harness.bench_runners); auto: on a GPU")
     p.set_defaults(func=main)
@@ -92,55 +100,7 @@ def _backends(arg: str, device: torch.device) -> list[str]:
     return names
 
 
-class _Timer:
-    """Per-repetition times in ms: CUDA events on a GPU, perf_counter on CPU."""
-
-    def __init__(self, device: torch.device):
-        self.cuda = device.type == "cuda"
-
-    def measure(self, fn: Callable[[], object], reps: int, warmup: int) -> list[float]:
-        for _ in range(warmup):
-            fn()
-        if self.cuda:
-            torch.cuda.synchronize()
-            pairs = []
-            for _ in range(reps):
-                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                a.record()
-                fn()
-                b.record()
-                pairs.append((a, b))
-            torch.cuda.synchronize()
-            return [a.elapsed_time(b) for a, b in pairs]
-        out = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            fn()
-            out.append((time.perf_counter() - t0) * 1e3)
-        return out
-
-    def measure_interleaved(self, fns: list[Callable[[], object]], reps: int, warmup: int) -> list[list[float]]:
-        """`measure` of each fn, in alternating blocks (one untimed call first in each), the order reversed every round
-        (ABBA): a machine whose speed drifts during the measurement (the host's share of a shared box) slows every fn
-        alike, so their ratio holds."""
-        for fn in fns:
-            for _ in range(warmup):
-                fn()
-        out: list[list[float]] = [[] for _ in fns]
-        block, rounds = -(-reps // INTERLEAVE_BLOCKS), 0
-        while len(out[0]) < reps:
-            pairs = list(zip(out, fns, strict=True))
-            for times, fn in pairs if rounds % 2 == 0 else reversed(pairs):
-                times += self.measure(fn, min(block, reps - len(times)), 1)
-            rounds += 1
-        return out
-
-    def sync(self) -> None:
-        if self.cuda:
-            torch.cuda.synchronize()
-
-
-def _bench_backend(comm, backend: str, args, device: torch.device, bs_list: list[int]) -> dict:
+def _bench_backend(comm, backend: str, args, device: torch.device, bs_list: list[int], progress: Callable[[str], None] = print) -> dict:
     from runners.config import SpecConfig
     from runners.draft_extend import DraftWorker, draft_extend_step, eager_forward_batch, run_eager
     from runners.draft_extend_graph_driver import DraftExtendGraphDriver
@@ -158,7 +118,7 @@ def _bench_backend(comm, backend: str, args, device: torch.device, bs_list: list
     worker = DraftWorker(ctx, model, spec, attention_backend=backend, device=device, max_reqs=2 * max(bs_list) + 4, num_slots=slots)
     gkind = args.graph if args.graph != "auto" else ("cuda" if device.type == "cuda" else "sim")
     gb = GraphBackend(gkind, device)
-    timer = _Timer(device)
+    timer = Timer(device)
 
     def scenario(bs: int, base_rid: int) -> Scenario:
         reqs = tuple(RequestSpec(base_rid + i, prefix, 1 + (7 * i + 3) % T) for i in range(bs))
@@ -240,8 +200,13 @@ def _bench_backend(comm, backend: str, args, device: torch.device, bs_list: list
             "graph_iter_recorded_ms": med(graph_iter_rec),
             "graph_replay_only_ms": None if replay_only is None else med(replay_only),
             "eager_step_min_ms": min(eager_step), "graph_step_min_ms": min(graph_step),
+            "spread_ms": {"eager_step": spread(eager_step), "graph_step": spread(graph_step), "eager_iter": spread(eager_iter),
+                          "graph_iter": spread(graph_iter)},
             "max_abs_diff_logits": diff, "replays": args.replays,
         })
+        r = rows[-1]
+        progress(f"[{backend}] bs {bs} ({i + 1}/{len(bs_list)}): step eager {r['eager_step_ms']:.3f}ms graph {r['graph_step_ms']:.3f}ms, "
+                 f"iter eager {r['eager_iter_ms']:.3f}ms graph {r['graph_iter_ms']:.3f}ms")
     return {
         "backend": backend, "model": model_name, "model_config": asdict(model), "tokens_per_bs": T, "graph_kind": gkind,
         "first_eager_run_s": first_run_s,
@@ -262,7 +227,23 @@ def _versions() -> dict:
     return out
 
 
-def run_bench(args) -> dict:
+def _defaults(args, device: torch.device) -> tuple[list[int], int]:
+    """The batch sizes and repetitions: as given, else the device's defaults (a short run on CPU)."""
+    kind = "cuda" if device.type == "cuda" else "cpu"
+    replays = REPLAYS[kind] if args.replays is None else args.replays
+    if replays < MIN_REPLAYS[kind] and not args.quick:
+        raise SystemExit(f"error: --replays must be >= {MIN_REPLAYS[kind]} on {kind} (min, median and max of that many); pass --quick for a smoke run")
+    text = args.bs if args.bs is not None else ",".join(map(str, DEFAULT_BS if kind == "cuda" else CPU_BS))
+    try:
+        bs_list = sorted({int(b) for b in str(text).split(",") if b.strip()})
+    except ValueError:
+        raise SystemExit(f"error: --bs {text}: comma-separated integers (e.g. 1,4,16)") from None
+    if not bs_list or bs_list[0] < 1:
+        raise SystemExit("error: --bs needs batch sizes >= 1")
+    return bs_list, replays
+
+
+def run_bench(args, progress: Callable[[str], None] = lambda msg: print(msg, file=sys.stderr, flush=True)) -> dict:
     from runners.parallel.layout import ParallelLayout
 
     if args.device == "auto":
@@ -271,25 +252,32 @@ def run_bench(args) -> dict:
         device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("error: --device cuda: torch.cuda.is_available() is False")
-    if args.replays < 50 and not args.quick:
-        raise SystemExit("error: --replays must be >= 50 (the median of >= 50 replays); pass --quick for a smoke run")
-    bs_list = sorted({int(b) for b in str(args.bs).split(",") if b.strip()})
-    if not bs_list or bs_list[0] < 1:
-        raise SystemExit("error: --bs needs batch sizes >= 1")
+    bs_list, args.replays = _defaults(args, device)
     backends = _backends(args.backend, device)
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = False
+    warnings = [w for w in [load_warning(device)] if w]
+    for w in warnings:
+        progress(w)
+    progress(f"harness bench: {', '.join(backends)} on {device.type}, bs {','.join(map(str, bs_list))}, {args.replays} repetitions each")
+    t0 = time.perf_counter()
     results = []
     for backend in backends:
         world = SimulatedWorld(ParallelLayout(), timeout_s=3600)
-        results.append(world.run(lambda comm, b=backend: _bench_backend(comm, b, args, device, bs_list))[0])
+        results.append(world.run(lambda comm, b=backend: _bench_backend(comm, b, args, device, bs_list,
+                                                                        lambda m: progress(f"{m}, {time.perf_counter() - t0:.0f}s elapsed")))[0])
     runners = []
     if args.runners == "on" or (args.runners == "auto" and device.type == "cuda"):
         if args.num_steps < 2:
             raise SystemExit("error: --runners needs --num-steps >= 2 (the draft decode runs num_steps - 1 forwards)")
         for backend in backends:
+            progress(f"[{backend}] every runner, eager vs graph, bs {','.join(map(str, bs_list))}")
             world = SimulatedWorld(ParallelLayout(), timeout_s=3600)
-            runners.append(world.run(lambda comm, b=backend: bench_runners_backend(comm, b, args, device, bs_list, _model, _Timer))[0])
+            runners.append(world.run(lambda comm, b=backend: bench_runners_backend(comm, b, args, device, bs_list, _model, Timer))[0])
+    late = load_warning(device)  # the load of the run's last minute, which the first check could not see
+    if late and not warnings:
+        warnings.append(late)
+        progress(late)
     meta = {
         "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({platform.processor() or platform.machine()}, "
@@ -297,8 +285,8 @@ def run_bench(args) -> dict:
         "device_type": device.type,
         "simulation": device.type != "cuda" or args.graph == "sim",
         "dtype": args.dtype, "num_steps": args.num_steps, "layout": "tp1", "replays": args.replays, "warmup": args.warmup,
-        "timing": "CUDA events, median per repetition" if device.type == "cuda" else "perf_counter, median per repetition",
-        "versions": _versions(),
+        "timing": "CUDA events, per repetition" if device.type == "cuda" else "perf_counter, per repetition",
+        "versions": _versions(), "warnings": warnings,
     }
     return {"meta": meta, "backends": results, "runners": runners}
 
@@ -310,9 +298,12 @@ def format_table(res: dict) -> str:
             if m["simulation"] else "real CUDA graphs (torch.cuda.CUDAGraph replay)")
     lines.append(f"harness bench: draft-extend, TP1, {m['dtype']}, {m['num_steps']} draft layers, {m['date']}")
     lines.append(f"device: {m['device']}; {kind}")
-    lines.append(f"timing: {m['timing']} of {m['replays']} after {m['warmup']} warm-up; step = draft layer 0; iter = all layers + copy-in/fill/slice, as an engine runs it, eager and graph in {INTERLEAVE_BLOCKS} alternating blocks "
-                 "(+rec: with the harness's P1 replay records, host read-backs included)")
-    hdr = f"{'backend':<10} {'bs':>3} {'eager step':>11} {'graph step':>11} {'speedup':>8} {'eager iter':>11} {'graph iter':>11} {'speedup':>8} {'+rec iter':>11} {'max|diff|':>10}"
+    lines.append(f"timing: {m['timing']}, median [min-max] of {m['replays']} after {m['warmup']} warm-up (ms); step = draft layer 0; iter = all layers + "
+                 f"copy-in/fill/slice, as an engine runs it, eager and graph in {INTERLEAVE_BLOCKS} alternating blocks "
+                 "(+rec: with the harness's P1 replay records, host read-backs included); speedup: of the medians")
+    lines += m.get("warnings", [])
+    hdr = (f"{'backend':<10} {'bs':>3} {'eager step':>25} {'graph step':>25} {'speedup':>8} {'eager iter':>25} {'graph iter':>25} {'speedup':>8} "
+           f"{'+rec iter':>9} {'max|diff|':>10}")
     for b in res["backends"]:
         mc = b["model_config"]
         lines.append("")
@@ -320,9 +311,10 @@ def format_table(res: dict) -> str:
                      f"head_dim {mc['hidden_size'] // mc['num_heads']}, vocab {mc['vocab_size']}), T={b['tokens_per_bs']}, graphs: {b['graph_kind']}")
         lines.append(hdr)
         for r in b["rows"]:
-            lines.append(f"{r['backend']:<10} {r['bs']:>3} {r['eager_step_ms']:>9.3f}ms {r['graph_step_ms']:>9.3f}ms {r['step_speedup']:>7.1f}x "
-                         f"{r['eager_iter_ms']:>9.3f}ms {r['graph_iter_ms']:>9.3f}ms {r['iter_speedup']:>7.1f}x "
-                         f"{r['graph_iter_recorded_ms']:>9.3f}ms {r['max_abs_diff_logits']:>10.2e}")
+            cell = lambda k, sp=r["spread_ms"]: f"{sp[k]['median']:.3f} [{sp[k]['min']:.3f}-{sp[k]['max']:.3f}]"  # noqa: E731
+            lines.append(f"{r['backend']:<10} {r['bs']:>3} {cell('eager_step'):>25} {cell('graph_step'):>25} {r['step_speedup']:>7.2f}x "
+                         f"{cell('eager_iter'):>25} {cell('graph_iter'):>25} {r['iter_speedup']:>7.2f}x "
+                         f"{r['graph_iter_recorded_ms']:>9.3f} {r['max_abs_diff_logits']:>10.2e}")
         only = [f"bs {r['bs']}: {r['graph_replay_only_ms']:.3f}ms" for r in b["rows"] if r.get("graph_replay_only_ms") is not None]
         if only:
             lines.append(f"graph step includes the host plan of an iteration's first step; the replay alone: {', '.join(only)}")

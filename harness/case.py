@@ -10,15 +10,15 @@ import os
 import re
 import stat
 import tomllib
-import zlib
 from dataclasses import dataclass, fields
 from dataclasses import field as dc_field
 from pathlib import Path
 from typing import Any, Optional
 
 from harness.budget import MAX_ITERATIONS, over_budget
+from harness.case_requests import seeded_requests, with_explicit_lens
 from harness.data import shipped_dir
-from harness.scenario import Iteration, RequestSpec, Scenario
+from harness.scenario import Scenario
 from harness.tolerances import Tol
 from runners.attention import BACKENDS
 from runners.attention.kinds import METADATA_IN_GRAPH, ONE_GRAPH_UNSUPPORTED, AttentionBackend
@@ -94,6 +94,7 @@ _MODEL_RANGES = {"hidden_size": (2, 4096), "num_heads": (1, 64), "num_kv_heads":
 _SPEC_MAX = {"num_steps": 16, "topk": 64, "num_tokens_per_bs": 64, "max_running_requests": MAX_REQUESTS_PER_RANK}
 _PY = {"int": int, "float": float, "str": str, "bool": bool}
 MAX_CASE_BYTES = 1 << 20  # a case file is a few hundred bytes; more is not a case
+MAX_WORLD_SIZE = 64  # ranks of one case: simulated ranks are threads of one process, and model.num_heads is at most 64
 
 
 def _type_name(t) -> str:
@@ -187,45 +188,28 @@ def _explicit_lens(path, sched_t: dict, key: str, schedule: tuple[tuple[int, ...
     return value
 
 
-def _with_explicit_lens(iterations: tuple[Iteration, ...], prefix: Optional[list], accept: Optional[list], rids: Optional[list] = None) -> tuple[Iteration, ...]:
-    """Override the seeded draw with schedule.prefix_lens / accept_lens / rids where given (a rid decides the request's tokens)."""
-    if prefix is None and accept is None and rids is None:
-        return iterations
-    pick = lambda given, i, j, k, default: given[i][j][k] if given is not None else default  # noqa: E731
-    out = []
-    for i, it in enumerate(iterations):
-        groups = []
-        for j, reqs in enumerate(it.per_dp):
-            groups.append(tuple(
-                RequestSpec(pick(rids, i, j, k, r.rid), pick(prefix, i, j, k, r.prefix_len), pick(accept, i, j, k, r.accept_len))
-                for k, r in enumerate(reqs)
-            ))
-        out.append(Iteration(tuple(groups)))
-    return tuple(out)
-
-
-def seeded_requests(seed: int, schedule: tuple[tuple[int, ...], ...], T: int, max_prefix_len: int) -> tuple[Iteration, ...]:
-    """Deterministic requests for a schedule of batch sizes: prefix and accept lengths from the seed."""
-    its, rid = [], 0
-    for sizes in schedule:
-        groups = []
-        for bs in sizes:
-            reqs = []
-            for _ in range(bs):
-                h = zlib.crc32(f"{seed}:{rid}".encode())
-                reqs.append(RequestSpec(rid, 1 + h % max_prefix_len, 1 + (h >> 8) % T))
-                rid += 1
-            groups.append(tuple(reqs))
-        its.append(Iteration(tuple(groups)))
-    return tuple(its)
-
-
 def _check_budget(path, model: ModelConfig, layout: ParallelLayout, spec: SpecConfig, iterations: int) -> None:
     if iterations > MAX_ITERATIONS:
         raise CaseError(path, "schedule.batches", f"at most {MAX_ITERATIONS} iterations (the resource budget)", _Verbatim(f"{iterations} iterations"))
     over = over_budget(model, layout, spec)
     if over is not None:
         raise CaseError(path, "model", over[0], _Verbatim(over[1]))
+
+
+def parse_layout(path: Path | str, layout_t: dict) -> ParallelLayout:
+    """[layout] as a ParallelLayout; a CaseError names the field, the rule and the field's own value."""
+    _check_table(path, "layout.", layout_t, _LAYOUT)
+    if "tp_size" not in layout_t:
+        raise CaseError(path, "layout.tp_size", "a value (this key is required)")
+    for key, hi in (("tp_size", MAX_WORLD_SIZE), ("dp_size", MAX_WORLD_SIZE)):
+        if key in layout_t:  # before any rule between them: a huge tp_size is reported as itself
+            _positive(path, f"layout.{key}", layout_t[key], 1, hi)
+    try:
+        return ParallelLayout(**layout_t)
+    except LayoutError as e:
+        field, _, rule = str(e).partition(": ")
+        rule = rule.split(" (got ParallelLayout(")[0]  # the field's own value is what a user needs to see
+        raise CaseError(path, field, rule, layout_t.get(field.rpartition(".")[2])) from None
 
 
 def parse_case(data: dict, path: Path | str = "<case>") -> Case:
@@ -250,16 +234,7 @@ def parse_case(data: dict, path: Path | str = "<case>") -> Case:
     seed = data.get("seed", 0)
     _positive(path, "seed", seed, 0, 2**31 - 1)
 
-    layout_t = data["layout"]
-    _check_table(path, "layout.", layout_t, _LAYOUT)
-    if "tp_size" not in layout_t:
-        raise CaseError(path, "layout.tp_size", "a value (this key is required)")
-    try:
-        layout = ParallelLayout(**layout_t)
-    except LayoutError as e:
-        field, _, rule = str(e).partition(": ")
-        rule = rule.split(" (got ParallelLayout(")[0]  # the field's own value is what a user needs to see
-        raise CaseError(path, field, rule, layout_t.get(field.rpartition(".")[2])) from None
+    layout = parse_layout(path, data["layout"])
 
     model = _parse_model(path, data.get("model", {}), dtype)
     try:
@@ -293,6 +268,11 @@ def parse_case(data: dict, path: Path | str = "<case>") -> Case:
     if "num_tokens_per_bs" in spec_t:
         spec_t["num_draft_tokens"] = spec_t.pop("num_tokens_per_bs")
     spec = SpecConfig(**spec_t)
+    if spec.topk == 1 and spec.num_tokens_per_bs != spec.num_steps + 1:
+        # SGLang resets it (speculative_num_draft_tokens = num_steps + 1 when topk == 1, with a warning): a case file
+        # holding another value would describe a config no engine runs, so it is refused rather than reset silently
+        raise CaseError(path, "spec.num_tokens_per_bs", f"num_steps + 1 ({spec.num_steps + 1}) with topk 1 (a chain of num_steps drafts and "
+                        "the root; engines reset any other value), or topk > 1 for a wider tree", spec.num_tokens_per_bs)
     if spec.draft == "single_layer" and spec.topk * (spec.num_steps - 1) > spec.num_tokens_per_bs:
         raise CaseError(path, "spec.topk", f"topk * (num_steps - 1) <= num_tokens_per_bs ({spec.num_tokens_per_bs}): the single-layer draft decode's slots", spec.topk)
     if spec.topk > model.vocab_size:
@@ -338,7 +318,7 @@ def parse_case(data: dict, path: Path | str = "<case>") -> Case:
             flat = [r for group in it for r in group]
             if len(set(flat)) != len(flat):
                 raise CaseError(path, f"schedule.rids[{i}]", "distinct request ids within an iteration", it)
-    iterations = _with_explicit_lens(seeded_requests(seed, schedule_t, T, max_prefix), prefix, accept, rids)
+    iterations = with_explicit_lens(seeded_requests(seed, schedule_t, T, max_prefix), prefix, accept, rids)
     for i, it in enumerate(iterations):  # what one rank's pools hold (every rank of a DP group holds its requests)
         for j, reqs in enumerate(it.per_dp):
             ps = spec.page_size
@@ -375,7 +355,11 @@ def load_case(path: Path | str, cases_dir: Optional[Path] = None) -> Case:
         if named.exists():
             path = named
         else:
-            raise CaseError(path, "<file>", f"an existing case file or the name of one in {cases_dir}")
+            names = sorted(p.stem for p in cases_dir.glob("*.toml")) if cases_dir.is_dir() else []
+            close = difflib.get_close_matches(str(path), names, n=3, cutoff=0.6)
+            lister = "harness list" + ("" if cases_dir.resolve() == Path(CASES_DIR).resolve() else f" --cases-dir {cases_dir}")
+            hint = f" (did you mean {' or '.join(close)}? `{lister}` shows them)" if close else f" (`{lister}` shows them)"
+            raise CaseError(path, "<file>", f"an existing case file or the name of one in {cases_dir}{hint}")
     _regular_file(path)
     try:
         with open(path, "rb") as f:

@@ -16,19 +16,22 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from harness.case import CASES_DIR, Case, CaseError, parse_case
+from harness.data import checkout_root
+from harness.golden.place import check_writable
 from harness.scenario import Scenario
 from harness.tolerances import Tol
 from runners.base_cuda_graph_runner import compute_capture_bs
 from runners.config import DraftExtendGraph, ModelConfig, SpecConfig
 from runners.parallel.layout import ParallelLayout
 
-REPO = Path(__file__).resolve().parent.parent
 FAILURE_DIR_ENV = "SPECHARNESS_FAILURE_DIR"
 
 
 def failure_dir() -> Path:
-    """Where shrunk failing examples go: $SPECHARNESS_FAILURE_DIR, else out/failures/ (git-ignored)."""
-    return Path(os.environ.get(FAILURE_DIR_ENV) or REPO / "out" / "failures")
+    """Where shrunk failing examples go: $SPECHARNESS_FAILURE_DIR, else out/failures/ of the checkout (git-ignored), or of
+    the working directory for an installed package (never beside it in site-packages)."""
+    root = checkout_root()
+    return Path(os.environ.get(FAILURE_DIR_ENV) or (root if root is not None else Path.cwd()) / "out" / "failures")
 
 
 # ----------------------------------------------------------------------------------------
@@ -193,8 +196,10 @@ def new_case(
     directory: Optional[Path] = None,
     force: bool = False,
 ) -> tuple[Path, Case]:
-    """Write <directory>/<name>.toml for a parallel config, validated; refuses to overwrite unless force."""
+    """Write <directory>/<name>.toml for a parallel config, validated; refuses to overwrite unless force, and to write
+    into the installed package (harness.golden.place.check_writable)."""
     path = case_file_path(name, directory)
+    check_writable(path.parent, flags="a directory of your own: new_case(directory=DIR), harness new-case --dir DIR")
     spec = spec or SpecConfig(num_steps=3, topk=1, capture_bs=(1, 2, 4, 8), max_running_requests=8)
     if path.exists() and not force:
         raise CaseError(path, "<file>", "a new case name (the file exists; pass --force to overwrite)")

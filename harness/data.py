@@ -9,10 +9,21 @@ from __future__ import annotations
 
 from importlib import resources
 from pathlib import Path
+from typing import Optional
 
 _REPO = Path(__file__).resolve().parent.parent
 PACKAGED = "_data"  # harness/_data/{cases,golden} inside a wheel (setup.py)
 KINDS = ("cases", "golden")
+
+
+def package_dir() -> Path:
+    """The `harness` package's own directory: in a wheel, site-packages/harness (its shipped data included)."""
+    return Path(__file__).resolve().parent
+
+
+def checkout_root() -> Optional[Path]:
+    """The source checkout this harness runs from (an editable install included), or None for an installed wheel."""
+    return _REPO if _is_checkout(_REPO) else None
 
 
 def _is_checkout(root: Path) -> bool:

@@ -1,17 +1,54 @@
-"""The SGLang release a test checks: installed on first use (cached under .engines/, under a file
-lock, so xdist workers share one install), or the test skips with pip's reason."""
+"""The engine releases a test checks, behind the suite's one network gate.
+
+A release already installed (cached under .engines/, or $SPECHARNESS_ENGINES) is used as it is. One that is not is
+installed (under a file lock, so xdist workers share one install) only when the run asks for it with
+SPECHARNESS_ENGINE_TESTS=1, as .ci/run does; otherwise the test skips saying how to run it. So a plain
+`pytest -n auto` after the install downloads nothing. The vLLM release table (about 5.4 GB) has an opt-in of its own,
+SPECHARNESS_VLLM_TABLE=1, which CI does not set.
+"""
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
+from typing import Callable, Sequence
 
 import pytest
 
-from harness.engines.install import InstallError, ensure_installed
+from harness.engines.install import InstallError, deps_dir, engine_dir, engines_root, ensure_installed, is_installed
+from harness.engines.vllm.install import ensure_vllm_installed, vllm_deps_dir, vllm_dir
+
+ENGINE_TESTS_ENV = "SPECHARNESS_ENGINE_TESTS"  # "1": tests may install the engine releases they check (network)
+VLLM_TABLE_ENV = "SPECHARNESS_VLLM_TABLE"  # "1": the vLLM release table's six extra releases too
+
+
+def asked(env: str) -> bool:
+    return os.environ.get(env, "") not in ("", "0")
+
+
+def _log(msg: str) -> None:
+    print(msg, file=sys.stderr)
+
+
+def _provided(spec: str, parts: Sequence[Path], install: Callable[[], Path], opt_in: str, size: str) -> Path:
+    """install() when every part is installed already or the run opted in (opt_in=1); else skip with how to run it."""
+    if all(is_installed(p) for p in parts) or asked(opt_in):
+        try:
+            return install()
+        except InstallError as e:
+            pytest.skip(f"cannot install {spec} here: {e}")
+    ci = " (.ci/run does)" if opt_in == ENGINE_TESTS_ENV else ""
+    pytest.skip(f"{spec} is not installed under {engines_root()} and installing it downloads {size}: set {opt_in}=1 to let "
+                f"tests install engine releases{ci}, or install it once: harness engine-check --install --engine {spec}")
 
 
 def installed_release(version: str) -> Path:
-    try:
-        return ensure_installed(version, log=lambda m: print(m, file=sys.stderr))
-    except InstallError as e:
-        pytest.skip(f"cannot install sglang=={version} here: {e}")
+    """sglang==version's install, or a skip (see the module docstring)."""
+    return _provided(f"sglang=={version}", [deps_dir(), engine_dir(version)], lambda: ensure_installed(version, log=_log),
+                     ENGINE_TESTS_ENV, "about 20 MB")
+
+
+def installed_vllm(version: str, opt_in: str = ENGINE_TESTS_ENV) -> Path:
+    """vllm==version's install, or a skip (see the module docstring)."""
+    return _provided(f"vllm=={version}", [deps_dir(), vllm_deps_dir(), vllm_dir(version)], lambda: ensure_vllm_installed(version, log=_log),
+                     opt_in, "about 900 MB")

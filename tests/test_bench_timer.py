@@ -6,8 +6,8 @@ import statistics
 
 import torch
 
-from harness import bench
-from harness.bench import INTERLEAVE_BLOCKS, _Timer
+from harness import bench_timer
+from harness.bench_timer import INTERLEAVE_BLOCKS, Timer
 
 
 class _DriftingMachine:
@@ -29,15 +29,15 @@ class _DriftingMachine:
 
 def test_interleaved_blocks_keep_the_ratio_under_drift(monkeypatch):
     m = _DriftingMachine()
-    monkeypatch.setattr(bench.time, "perf_counter", m.clock)
-    timer = _Timer(torch.device("cpu"))
+    monkeypatch.setattr(bench_timer.time, "perf_counter", m.clock)
+    timer = Timer(torch.device("cpu"))
     eager, graph = timer.measure_interleaved([m.job("eager", 10.0), m.job("graph", 1.0)], reps=50, warmup=5)
     assert len(eager) == len(graph) == 50
     assert abs(statistics.median(eager) / statistics.median(graph) - 10.0) < 0.5  # within 5%
 
     # the same jobs measured one after the other, as before: the drift lands on the second
     m2 = _DriftingMachine()
-    monkeypatch.setattr(bench.time, "perf_counter", m2.clock)
+    monkeypatch.setattr(bench_timer.time, "perf_counter", m2.clock)
     e2 = timer.measure(m2.job("eager", 10.0), 50, 5)
     g2 = timer.measure(m2.job("graph", 1.0), 50, 5)
     assert statistics.median(e2) / statistics.median(g2) < 8.5  # off by more than 15%
@@ -45,8 +45,8 @@ def test_interleaved_blocks_keep_the_ratio_under_drift(monkeypatch):
 
 def test_interleaved_blocks_alternate_abba_with_one_untimed_call_each(monkeypatch):
     m = _DriftingMachine()
-    monkeypatch.setattr(bench.time, "perf_counter", m.clock)
-    _Timer(torch.device("cpu")).measure_interleaved([m.job("a", 1.0), m.job("b", 1.0)], reps=10, warmup=2)
+    monkeypatch.setattr(bench_timer.time, "perf_counter", m.clock)
+    Timer(torch.device("cpu")).measure_interleaved([m.job("a", 1.0), m.job("b", 1.0)], reps=10, warmup=2)
     block = -(-10 // INTERLEAVE_BLOCKS)
     a, b = ["a"] * (1 + block), ["b"] * (1 + block)
     expected = ["a"] * 2 + ["b"] * 2 + [c for r in range(INTERLEAVE_BLOCKS) for c in (a + b if r % 2 == 0 else b + a)]

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from harness.case import CASES_DIR, load_case
+from harness.case import load_case
 from harness.case_template import write_failure_case
 from harness.cli import main
 from harness.replay import replay_case
@@ -32,15 +32,6 @@ def test_new_case_cli_bad_layout_is_one_line(tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "layout.dp_size" in err and "Traceback" not in err
     assert not (tmp_path / "bad.toml").exists()
-
-
-def test_new_case_errors_name_the_file_it_would_write(tmp_path, monkeypatch, capsys):
-    """Without --dir the case goes to the cases folder, wherever the command runs: the error names that file."""
-    monkeypatch.chdir(tmp_path)
-    assert main(["new-case", "bad", "--tp", "4", "--dp", "3"]) == 2
-    err = capsys.readouterr().err
-    assert f"{CASES_DIR / 'bad.toml'}: layout.dp_size" in err, err
-    assert not (CASES_DIR / "bad.toml").exists()
 
 
 def test_a_failing_hypothesis_example_becomes_a_replayable_case_file(tmp_path, monkeypatch):

@@ -3,7 +3,7 @@
 that owns them.
 
 Each release is installed once (cached under .engines/, under a file lock, as the SGLang tests
-install theirs), or its tests skip with pip's reason. Each check runs in its own process (the
+install theirs) where the run allows installs (tests/engine_releases.py), or its tests skip saying why. Each check runs in its own process (the
 adapter swaps module globals process-wide); a release and its planted copies run concurrently,
 once per session, since importing vLLM dominates their time.
 """
@@ -12,21 +12,20 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import sys
 import textwrap
 import time
 from pathlib import Path
 
 import pytest
 import torch
+from engine_releases import installed_vllm
 from prewarmed import Started
 
 from harness.engines.command import main as engine_check_main
-from harness.engines.install import InstallError, engines_root
+from harness.engines.install import engines_root
 from harness.engines.sglang.errors import EngineAdapterError
 from harness.engines.vllm.api import DispatchOrder, RunnerQueryLenApi
 from harness.engines.vllm.checks import expected_graph
-from harness.engines.vllm.install import ensure_vllm_installed
 from harness.engines.vllm.standins import DPWorld, Strict
 
 REPO = Path(__file__).resolve().parent.parent
@@ -132,10 +131,7 @@ def _plant(src: Path, dst: Path, edits: list[tuple[str, str, str]], version: str
 
 def _run_checks(version: str, planted: dict, planted_dp: dict, base: Path) -> dict[str, dict]:
     """The release and each planted copy of it, checked concurrently: name -> {"report", "text"}."""
-    try:
-        release = ensure_vllm_installed(version, log=lambda m: print(m, file=sys.stderr))
-    except InstallError as e:
-        pytest.skip(f"cannot install vllm=={version} here: {e}")
+    release = installed_vllm(version)
     targets = {"release": release}
     for name, edits in planted.items():
         targets[name] = _plant(release, base / name, edits, version)

@@ -23,7 +23,8 @@ holds the target's padded request count (dp_utils.py: "Holds the padded count wh
 descriptor imposed one"), which the draft decode pads from, so with 4 requests on the largest
 rank the one-token decode takes the 8-request graph while a 4-request one is captured. 0.33.0
 (token-keyed, num_reqs the ranks' real maximum) and 0.34.0 (request-keyed) pass. Releases are
-installed on first use (cached, locked) or the table test skips with pip's reason.
+installed on first use (cached, locked) where SPECHARNESS_VLLM_TABLE=1 asks for it (tests/engine_releases.py);
+otherwise the table's tests skip saying so.
 """
 from __future__ import annotations
 
@@ -40,11 +41,12 @@ from pathlib import Path
 from typing import Optional
 
 import pytest
+from engine_releases import VLLM_TABLE_ENV, installed_vllm
 
 from harness.engines.command import add_arguments, main
-from harness.engines.install import MARKER, InstallError
+from harness.engines.install import MARKER
 from harness.engines.releases import VLLM, json_document, select
-from harness.engines.vllm.install import ensure_vllm_installed, installed_vllm_versions
+from harness.engines.vllm.install import installed_vllm_versions
 from harness.engines.vllm.stubs import StubDistributionFinder
 
 REPO = Path(__file__).resolve().parent.parent
@@ -81,17 +83,11 @@ def test_stubbed_transformers_reports_the_version_old_releases_require():
 
 
 @pytest.mark.timeout(900)
-@pytest.mark.skipif(bool(os.environ.get("CI")) and not os.environ.get("SPECHARNESS_VLLM_TABLE"),
-                    reason="downloads six more vLLM wheels (0.11.2, 0.24.0, 0.27.0, 0.28.0, 0.29.0, 0.32.0: about 5.4 GB installed) "
-                           "that CI does not need: "
-                           "0.34.0's and 0.33.0's verdicts are checked by tests/test_engine_vllm.py; set SPECHARNESS_VLLM_TABLE=1 to run "
-                           "the release table in CI")
 def test_release_table_verdicts_follow_the_sources():
+    """Six more vLLM releases than tests/test_engine_vllm.py needs (0.11.2 .. 0.32.0, about 5.4 GB installed): only
+    where installed already or SPECHARNESS_VLLM_TABLE=1 (0.34.0's and 0.33.0's verdicts are checked there)."""
     for v in TABLE_RELEASES:
-        try:
-            ensure_vllm_installed(v, log=lambda m: print(m, file=sys.stderr))
-        except InstallError as e:
-            pytest.skip(f"cannot install vllm=={v} here: {e}")
+        installed_vllm(v, VLLM_TABLE_ENV)
     proc = subprocess.run([sys.executable, "-m", "harness.engine_check", "--engine", "vllm", "--releases", ",".join(TABLE_RELEASES),
                            "--json"], cwd=REPO, capture_output=True, text=True)
     rows = {r["version"]: r for r in json.loads(proc.stdout)}
@@ -136,10 +132,7 @@ PREFILL_SKIPS_AGREEMENT = (AR_SPECULATOR, PREFILL_OWN_AGREEMENT, PREFILL_OWN_AGR
 
 
 def _installed(version: str) -> Path:
-    try:
-        return ensure_vllm_installed(version, log=lambda m: print(m, file=sys.stderr))
-    except InstallError as e:
-        pytest.skip(f"cannot install vllm=={version} here: {e}")
+    return installed_vllm(version, VLLM_TABLE_ENV)
 
 
 def _planted_failures(release: Path, copies: dict[str, Optional[tuple[str, str, str]]],
@@ -168,8 +161,6 @@ def _planted_failures(release: Path, copies: dict[str, Optional[tuple[str, str, 
 
 
 @pytest.mark.timeout(900)
-@pytest.mark.skipif(bool(os.environ.get("CI")) and not os.environ.get("SPECHARNESS_VLLM_TABLE"),
-                    reason="needs the vLLM 0.28.0 wheel, which only the release table installs; set SPECHARNESS_VLLM_TABLE=1")
 def test_planted_028_bugs_are_caught(tmp_path):
     failed = _planted_failures(_installed("0.28.0"), {"release": None, "runner_q": RUNNER_Q, "prefill_dp": PREFILL_SKIPS_AGREEMENT},
                                tmp_path)
@@ -191,8 +182,6 @@ def test_planted_028_bugs_are_caught(tmp_path):
 
 
 @pytest.mark.timeout(900)
-@pytest.mark.skipif(bool(os.environ.get("CI")) and not os.environ.get("SPECHARNESS_VLLM_TABLE"),
-                    reason="needs the vLLM 0.29.0 wheel, which only the release table installs; set SPECHARNESS_VLLM_TABLE=1")
 def test_planted_029_draft_decode_skipping_its_own_agreement_is_caught(tmp_path):
     copy = {"decode_dp": (AR_SPECULATOR, OWN_AGREEMENT, OWN_AGREEMENT_SKIPPED)}
     failed = _planted_failures(_installed("0.29.0"), copy, tmp_path)["decode_dp"]

@@ -19,6 +19,8 @@ import pytest
 from harness import golden as G
 from harness.case import default_cases, load_case
 from harness.cli import main
+from harness.golden.base import GoldenKind
+from harness.golden.case_goldens import missing_kinds, needed_kinds
 
 SHIPPED = default_cases()
 TINY = """name = "{name}"
@@ -57,6 +59,16 @@ def test_case_matches_its_golden(case):
         pytest.fail(str(e), pytrace=False)
     if not cmp.ok:
         pytest.fail(cmp.format(limit=20) + f"\nif the change is intended: harness golden record {case.name}", pytrace=False)
+
+
+def test_every_shipped_case_has_every_golden_its_checks_read():
+    """What `harness new-case --record` and `harness golden record CASE` leave behind, so the suite's per-case tests
+    (this file's, P6's in test_spec_decode.py, the draft-tree probe's) find a golden for each case."""
+    missing = {c.name: [str(k) for k in missing_kinds(c)] for c in SHIPPED if missing_kinds(c)}
+    assert not missing, f"record them: harness golden record <case> ({missing})"
+    kinds = {c.name: needed_kinds(c) for c in SHIPPED}
+    assert kinds["tp1_neither"] == (GoldenKind.ARRAYS, GoldenKind.ACCEPTANCE)  # the loop runs every multi-layer TP case
+    assert kinds["tp2_single_layer_shrink"] == (GoldenKind.ARRAYS, GoldenKind.ACCEPTANCE, GoldenKind.DRAFT_TREE)
 
 
 def test_every_golden_belongs_to_a_case():
@@ -123,7 +135,9 @@ def test_mismatch_report_names_rank_step_percent_and_errors(tmp_path):
     mt = by_key["r0.i0.s1.meta.rows_fed"]
     assert (mt.expected, mt.got) == ([1], [6])  # the bucket (2) times 3 tokens
     text = cmp.format()
-    assert "2 of" in text and "2/3072 (0.0651%)" in text and "(3, 7) (3, 8)" in text and "5.00e-01" in text
+    want, got = float(arrays["r1.i1.s0.logits"][3, 7]), float(arrays["r1.i1.s0.logits"][3, 7]) - 0.5  # the golden as written, the run as it was
+    assert "2 of" in text and "2/3072 (0.0651%)" in text and "5.00e-01" in text
+    assert f"at (3, 7) expected {want:.6g}, got {got:.6g}; at (3, 8) expected" in text  # the values, not just where
     assert "expected [1], got [6]" in text
     row = next(ln for ln in text.splitlines() if "logits" in ln).split()
     assert row[:3] == ["1", "1", "0"]  # rank, iteration, step

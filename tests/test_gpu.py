@@ -342,4 +342,27 @@ def test_bench_rejects_too_few_replays():
     from harness.bench import run_bench
 
     with pytest.raises(SystemExit, match="replays"):
-        run_bench(_bench_args(device="cpu", backend="torch", replays=10, quick=False))
+        run_bench(_bench_args(device="cpu", backend="torch", replays=5, quick=False))
+
+
+def test_bench_on_cpu_is_short_by_default_with_progress_and_spread(monkeypatch, capsys):
+    """The issue: `harness bench` on CPU ran 5 minutes silent, then printed speedups that swung 0.3x-1.3x with no spread.
+    No timing is asserted: the defaults, the progress lines, min <= median <= max, and the warning of a loaded machine."""
+    from harness import bench, bench_timer
+    from harness.bench import CPU_BS, REPLAYS, format_table, run_bench
+
+    args = _bench_args(device="cpu", backend="torch", bs=None, replays=None, quick=False, num_steps=1)
+    assert bench._defaults(args, torch.device("cpu")) == (list(CPU_BS), REPLAYS["cpu"]) == ([1, 8], 15)
+    assert bench._defaults(args, torch.device("cuda")) == ([1, 2, 4, 8, 16, 32, 64], 50)
+    monkeypatch.setattr(bench_timer.os, "getloadavg", lambda: (64.0, 64.0, 64.0))
+    said: list[str] = []
+    res = run_bench(_bench_args(device="cpu", backend="torch", bs="1,2", replays=3, num_steps=1), progress=said.append)
+    assert said[0].startswith("warning: load average 64.0 on") and "timings are perturbed" in said[0]
+    assert [ln.split(":")[0] for ln in said if ln.startswith("[torch] bs")] == ["[torch] bs 1 (1/2)", "[torch] bs 2 (2/2)"]
+    for row in res["backends"][0]["rows"]:
+        for s in row["spread_ms"].values():
+            assert s["min"] <= s["median"] <= s["max"]
+    table = format_table(res)
+    assert "median [min-max]" in table and res["meta"]["warnings"] and res["meta"]["warnings"][0] in table
+    monkeypatch.setattr(bench_timer.os, "getloadavg", lambda: (0.0, 0.0, 0.0))
+    assert bench_timer.load_warning(torch.device("cpu")) is None

@@ -128,3 +128,65 @@ def test_installed_plugin_is_inert_until_a_conftest_enables_it(installed, tmp_pa
     rc, out, err = _sh(venv / "bin" / "python", "-m", "pytest", "-q", "-p", "no:randomly", "--collect-only", "-k", "tp1_neither", cwd=project, env=env)
     assert rc == 0, out + err
     assert [ln for ln in out.splitlines() if "::specharness::" in ln] == [f".::specharness::tp1_neither::{p}" for p in ("P1", "P3", "P4", "golden")]
+
+
+_EVERY_WRITE = """
+import json, sys
+from harness import mutants
+from harness.cli import main
+
+def run(*argv):
+    return main(list(argv))
+
+rcs = {
+    "golden record (shipped)": run("golden", "record", "tp1_neither"),
+    "golden record --all (shipped)": run("golden", "record", "--all"),
+    "new-case (default dir)": run("new-case", "mine", "--tp", "1"),
+    "new-case --dir --record": run("new-case", "mine", "--tp", "1", "--steps", "1", "--capture-bs", "1,2", "--max-running-requests", "2",
+                                   "--batches", "2 1", "--dir", "mycases", "--record"),
+    "golden record --cases-dir": run("golden", "record", "mine", "--cases-dir", "mycases"),
+    "check --props all --cases-dir": run("check", "--cases-dir", "mycases", "--props", "all"),
+    "check --mutant": run("check", "tp1_neither", "--mutant", "sglang-26416"),
+    "golden check --mutant": run("golden", "check", "tp1_neither", "--mutant", "sglang-26416"),
+}
+with mutants.get("sglang-26416").planted():
+    rcs["golden record, a mutant planted"] = run("golden", "record", "mine", "--cases-dir", "mycases")
+print(json.dumps(rcs))
+"""
+
+
+def _hashes(root: Path) -> dict[str, str]:
+    import hashlib
+
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*")) if p.is_file() and "__pycache__" not in p.parts}
+
+
+@pytest.mark.timeout(600)
+def test_no_command_or_force_regen_writes_inside_the_installed_package(installed, tmp_path):
+    """The issue: force-regen with a mutant overwrote a shipped golden in site-packages. After every recording path
+    (the CLI's, new-case --record, the plugin's force-regen with and without a mutant, with a cases dir of one's own)
+    every file of the installed package is byte-identical (its bytecode caches aside), and no file was added."""
+    venv, purelib, env, work, _ = installed
+    env = {k: v for k, v in env.items() if not k.startswith("PYTEST_")}  # a session of its own, not this xdist worker's
+    before = _hashes(purelib / "harness")
+    assert any(name.startswith("_data/golden/") for name in before)
+    project = tmp_path / "project"
+    shutil.copytree(REPO / "tests" / "external_project", project, ignore=shutil.ignore_patterns("__pycache__", ".pytest_cache"))
+    rc, out, err = _sh(venv / "bin" / "python", "-c", _EVERY_WRITE, cwd=project, env=env, timeout=500)
+    assert rc == 0, err[-3000:]
+    assert json.loads(out.splitlines()[-1]) == {
+        "golden record (shipped)": 2, "golden record --all (shipped)": 2, "new-case (default dir)": 2, "new-case --dir --record": 0,
+        "golden record --cases-dir": 0, "check --props all --cases-dir": 0, "check --mutant": 0, "golden check --mutant": 0,
+        "golden record, a mutant planted": 2}, err[-3000:]
+    assert "inside the installed specharness package" in err and "is planted" in err
+    pytest_ = (venv / "bin" / "python", "-m", "pytest", "-q", "-p", "no:randomly")
+    rc, out, err = _sh(*pytest_, "-k", "tp1_neither and golden", "--specharness-force-regen", cwd=project, env=env)
+    assert rc == 1 and "refusing to write into" in out and "--specharness-cases-dir DIR" in out, out[-2000:]
+    rc, out, err = _sh(*pytest_, "-k", "tp1_neither and golden", "--specharness-force-regen", "--specharness-mutant", "sglang-26416",
+                       cwd=project, env=env)
+    assert rc == 2 and "refused with --specharness-mutant sglang-26416" in out + err, (out + err)[-2000:]
+    rc, out, err = _sh(*pytest_, "-k", "golden and not test_engine", "--specharness-cases-dir=mycases", "--specharness-force-regen",
+                       cwd=project, env=env)
+    assert rc == 0 and "1 passed" in out, out[-2000:]  # its goldens beside its cases, as new-case --record left them
+    assert _hashes(purelib / "harness") == before

@@ -33,6 +33,7 @@ from harness.p7 import (
 from harness.props.p1_run import check_run_metadata
 from harness.props.p3 import check_eager_vs_graph
 from harness.props.p4 import check_cross_layout
+from harness.ranks import launcher
 from harness.ranks.launcher import (
     DistributedDeadlock,
     DistributedMismatch,
@@ -92,6 +93,25 @@ def test_properties_on_gloo_equal_simulated():
     print(f"{name}: launch {launched:.1f} s; " + "; ".join(f"{k} {v.checked} checks" for k, v in verdicts.items()))
 
 
+def _replay_verdicts(capsys) -> tuple[set[tuple[int, str]], bool]:
+    """(rank, field) of every P1 failure, and whether P4 held."""
+    out = json.loads(capsys.readouterr().out)
+    return {(f["where"]["rank"], f["field"]) for f in out["properties"]["P1"]["failures"]}, out["properties"]["P4"]["ok"]
+
+
+def test_replay_on_spawned_gloo_ranks_plants_the_mutant_in_every_rank(capsys, monkeypatch):
+    """The issue: `replay --ranks gloo --mutant ID` was refused. P1 judges each rank's own replay records and P4 each
+    rank's outputs, so the seed bug's field on rank 1 and a P4 failure can only come from rank processes that ran it."""
+    args = ["replay", "tp2_attn_tp_gather_explicit", "--ranks", "gloo", "--mutant", "sglang-26416", "--runner", "graph", "--json"]
+    assert cli.main(args) == 1
+    p1, p4_ok = _replay_verdicts(capsys)
+    assert (1, "global_num_tokens_for_logprob") in p1 and not p4_ok
+    monkeypatch.setattr(launcher, "planted_ids", lambda: ())  # the control: the ranks not told, they run the code as written
+    cli.main(args)
+    p1, p4_ok = _replay_verdicts(capsys)
+    assert not any(rank == 1 for rank, _ in p1) and p4_ok
+
+
 def test_cli_replay_and_check_on_gloo(capsys):
     assert cli.main(["replay", "tp2_neither", "--ranks", "gloo", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
@@ -101,8 +121,6 @@ def test_cli_replay_and_check_on_gloo(capsys):
     assert all(row["bs"] is not None and row["max_logit_diff"] <= 1e-5 for row in out["steps"])
     args = cli.build_parser().parse_args(["check", "tp2_neither", "--ranks", "gloo"])
     assert args.ranks == "gloo"
-    assert cli.main(["check", "tp2_neither", "--ranks", "gloo", "--mutant", MUTANT]) == 2  # mutants plant in-process only
-    assert "use --ranks sim" in capsys.readouterr().err
     if not torch.cuda.is_available():
         assert cli.main(["check", "tp2_neither", "--ranks", "nccl"]) == 2
         assert "nccl needs 2 GPUs" in capsys.readouterr().err

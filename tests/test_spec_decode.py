@@ -187,13 +187,13 @@ def test_p6_golden_refused_for_another_model(tmp_path, monkeypatch):
     case = load_case("tp1_neither")
     data = json.loads(acceptance_golden.golden_path(case.name).read_text())
     data["fingerprint"] = "0000000000000000"
-    monkeypatch.setattr(acceptance_golden, "ACCEPT_DIR", tmp_path)
     (tmp_path / "tp1_neither.json").write_text(json.dumps(data))
     with pytest.raises(AcceptanceGoldenError, match="refused.*fingerprint"):
-        load_acceptance_golden(case)
+        load_acceptance_golden(case, accept_dir=tmp_path)
     (tmp_path / "tp1_neither.json").unlink()
-    with pytest.raises(AcceptanceGoldenError, match="no acceptance golden.*record it"):
-        load_acceptance_golden(case)
+    with pytest.raises(AcceptanceGoldenError, match="no acceptance golden.*record it: harness golden record tp1_neither --kind acceptance "
+                                                     "--golden-dir"):
+        load_acceptance_golden(case, accept_dir=tmp_path)
 
 
 def test_p6_record_refuses_under_xdist(monkeypatch):

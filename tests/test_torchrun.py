@@ -97,6 +97,13 @@ def test_torchrun_4_ranks_green_report_once():
     assert res.stdout.count("1 passed, 0 failed") == 1
 
 
+def test_torchrun_without_real_ranks_is_refused_once_and_runs_nothing():
+    """Without --ranks gloo every process would run the case alone and print its own report."""
+    res = _torchrun(2, "check", "tp2_neither")
+    assert res.returncode != 0 and "PASS" not in res.stdout and "passed" not in res.stdout, res.stdout[-2000:]
+    assert res.stderr.count("--ranks sim would run the case once in every process") == 1, res.stderr[-3000:]
+
+
 # ---- started by environment alone: every rank's exit code --------------------------------------
 
 

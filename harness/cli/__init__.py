@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import difflib
 import os
 import sys
 import traceback
 from typing import Optional, Sequence
 
 from harness import __version__, bench, engine_check
-from harness.cli import cases, check, explain, mutants, replay
+from harness.cli import cases, check, explain, mutants, new_case, replay
 from harness.cli import golden as golden_cli
 from harness.cli.ranks import finish, quiet, run_command
 from harness.errors import ExitCode, UsageError
@@ -19,10 +20,31 @@ from harness.outcome import KINDS, Tee, classify, emit_error, wants_json
 
 
 class _Parser(argparse.ArgumentParser):
-    """Usage errors become a UsageError, so main() reports them like any bad input (exit 2, JSON under --json)."""
+    """Usage errors become a UsageError, so main() reports them like any bad input (exit 2, JSON under --json).
+    No abbreviations: `--rank 1` on a command without --rank is an unknown option, never a silent `--ranks 1`."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str):  # type: ignore[override]
-        raise UsageError(f"{self.prog}: {message}")
+        raise UsageError(f"{self.prog}: {message}{self._did_you_mean(message)}")
+
+    def _did_you_mean(self, message: str) -> str:
+        """For an unknown --option: the closest option of the command it was given to."""
+        if not message.startswith("unrecognized arguments: "):
+            return ""
+        parser: argparse.ArgumentParser = self
+        for word in getattr(self, "argv", ()):  # down to the (sub)command the words name
+            sub = next((a for a in parser._actions if isinstance(a, argparse._SubParsersAction)), None)
+            if sub is not None and word in sub.choices:
+                parser = sub.choices[word]
+        known = [o for a in parser._actions for o in a.option_strings if o.startswith("--")]
+        for word in message.removeprefix("unrecognized arguments: ").split():
+            close = difflib.get_close_matches(word.split("=")[0], known, n=1, cutoff=0.75) if word.startswith("--") else []
+            if close:
+                return f" (did you mean {close[0]}? `{parser.prog} --help` lists its options)"
+        return ""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -31,6 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--version", action="version", version=f"harness (specharness) {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
     cases.add_parsers(sub)
+    new_case.add_parser(sub)
     check.add_parser(sub)
     replay.add_parser(sub)
     mutants.add_parser(sub)
@@ -77,4 +100,6 @@ def _main(argv: Optional[Sequence[str]]) -> int:
 
 
 def _run(argv: Sequence[str]) -> int:
-    return run_command(build_parser().parse_args(argv))
+    parser = build_parser()
+    parser.argv = list(argv)  # type: ignore[attr-defined]  # for the did-you-mean of an unknown option
+    return run_command(parser.parse_args(argv))

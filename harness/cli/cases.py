@@ -1,23 +1,25 @@
-"""The case-file commands (`harness list`, `new-case`, `case-schema`) and the cases a command runs: named ones, or
-every case in --cases-dir (default: the shipped ones)."""
+"""The case-file commands (`harness list`, `case-schema`; `new-case` in harness.cli.new_case) and the cases a command
+runs: named ones, or every case in --cases-dir (default: the shipped ones), and where their goldens are."""
 from __future__ import annotations
 
 import argparse
 import json
 from pathlib import Path
-from typing import Sequence
+from typing import Optional, Sequence
 
-from harness.case import CASES_DIR, CaseError, default_cases, load_case
+from harness.case import CASES_DIR, default_cases, load_case
 from harness.errors import UsageError
-from harness.golden.base import GOLDEN_DIR
+from harness.golden.place import USER_GOLDEN_SUBDIR
 
 
 def cases_dir(args) -> Path:
     return Path(getattr(args, "cases_dir", None) or CASES_DIR)
 
 
-def golden_dir(args) -> Path:
-    return Path(getattr(args, "golden_dir", None) or GOLDEN_DIR)
+def golden_dir(args) -> Optional[Path]:
+    """--golden-dir as given; None: each case's goldens beside it (harness.golden.place.golden_dir_for)."""
+    given = getattr(args, "golden_dir", None)
+    return Path(given) if given else None
 
 
 def named_cases(names: Sequence[str], args=None):
@@ -33,7 +35,13 @@ def named_cases(names: Sequence[str], args=None):
 
 
 def add_cases_dir(s: argparse.ArgumentParser) -> None:
-    s.add_argument("--cases-dir", metavar="DIR", help=f"where case names are looked up and what runs by default (default: {CASES_DIR})")
+    s.add_argument("--cases-dir", metavar="DIR", help=f"where case names are looked up and what runs by default (default: the shipped "
+                                                      f"cases, {CASES_DIR}); their goldens are in DIR/{USER_GOLDEN_SUBDIR}/")
+
+
+def add_golden_dir(s: argparse.ArgumentParser, what: str) -> None:
+    s.add_argument("--golden-dir", metavar="DIR", help=f"where {what} (default: beside the cases: --cases-dir DIR/{USER_GOLDEN_SUBDIR}/, "
+                                                       "the shipped goldens for the shipped cases)")
 
 
 def cmd_list(args) -> int:
@@ -45,42 +53,6 @@ def cmd_list(args) -> int:
     width = max(len(c.name) for c in cases)
     for c in cases:
         print(f"{c.name:<{width}}  {c.layout.describe():<48} world={c.layout.world_size}  {c.description}")
-    return 0
-
-
-def cmd_new_case(args) -> int:
-    from harness.case_template import case_file_path, coverage, new_case, parse_batches
-    from runners.config import SpecConfig
-    from runners.parallel.layout import LayoutError, ParallelLayout
-
-    target = case_file_path(args.name, args.dir)
-    try:
-        layout = ParallelLayout(args.tp, args.dp, args.dp > 1, args.dense_tp, args.dp_lm_head, args.a2a)
-    except LayoutError as e:
-        field, _, rule = str(e).partition(": ")
-        raise CaseError(target, field, rule) from None
-    try:
-        capture_bs = tuple(int(x) for x in args.capture_bs.split(","))
-    except ValueError:
-        raise CaseError(target, "spec.capture_bs", "comma-separated integers (--capture-bs 1,2,4,8)", args.capture_bs) from None
-    spec = SpecConfig(num_steps=args.steps, topk=args.topk, num_draft_tokens=args.tokens_per_bs,
-                      capture_bs=capture_bs, max_running_requests=args.max_running_requests)
-    batches = parse_batches(args.batches) if args.batches else None
-    others = coverage(layout, default_cases())
-    path, case = new_case(args.name, layout, spec, batches, args.description, args.seed, args.dir, args.force)
-    from harness.golden import show
-
-    print(f"wrote {show(path)}")
-    print(f"  layout   {case.layout.describe()}  (world {case.layout.world_size}, attn_tp {case.layout.attn_tp_size}, capture_bs base {case.layout.capture_bs_base})")
-    print(f"  schedule {[list(b) for b in case.schedule]}  (per iteration, each DP group's raw bs; 0 = idle)")
-    print(f"  same branch and tp/dp already in: {', '.join(others) if others else 'none: this is new coverage'}")
-    if args.record:
-        from harness.golden.lifecycle import record_golden
-
-        print(record_golden(case, golden_dir(args)).format())
-        print(f"next: harness check {args.name}, then commit {show(path)} with golden/{args.name}.npz and golden/{args.name}.json")
-    else:
-        print(f"next: harness check {args.name}  then  harness golden record {args.name}")
     return 0
 
 
@@ -97,27 +69,6 @@ def add_parsers(subparsers) -> None:
     s.add_argument("--json", action="store_true")
     add_cases_dir(s)
     s.set_defaults(func=cmd_list)
-
-    s = subparsers.add_parser("new-case", help="write cases/<name>.toml for a parallel config (then: harness golden record <name>)")
-    s.add_argument("name", help="case name: the file is cases/<name>.toml, its golden golden/<name>.npz")
-    s.add_argument("--tp", type=int, required=True, help="tp_size (ranks in all)")
-    s.add_argument("--dp", type=int, default=1, help="dp_size; > 1 turns on DP attention")
-    s.add_argument("--dense-tp", type=int, choices=(1,), help="moe_dense_tp_size 1 (replicated dense MLP); unset: TP over all ranks")
-    s.add_argument("--dp-lm-head", action="store_true", help="enable_dp_lm_head")
-    s.add_argument("--a2a", default="none", help="moe_a2a_backend (none, deepep, mooncake, flashinfer)")
-    s.add_argument("--steps", type=int, default=3, help="spec num_steps (default 3)")
-    s.add_argument("--topk", type=int, default=1)
-    s.add_argument("--tokens-per-bs", type=int, help="num_tokens_per_bs (default num_steps + 1)")
-    s.add_argument("--capture-bs", default="1,2,4,8", help="comma-separated capture buckets (default 1,2,4,8)")
-    s.add_argument("--max-running-requests", type=int, default=8)
-    s.add_argument("--batches", help="schedule, e.g. '6,5 3,1 1,0': iterations by spaces, DP groups by commas (default: shrink + idle group)")
-    s.add_argument("--seed", type=int, default=0)
-    s.add_argument("--description")
-    s.add_argument("--dir", help="where to write (default: cases/)")
-    s.add_argument("--golden-dir", help="where --record writes (default: golden/)")
-    s.add_argument("--force", action="store_true", help="overwrite an existing case file")
-    s.add_argument("--record", action="store_true", help="record its golden right away")
-    s.set_defaults(func=cmd_new_case)
 
     s = subparsers.add_parser("case-schema", help="print the JSON Schema of case files (for editors; the loader checks the rest)")
     s.set_defaults(func=cmd_case_schema)

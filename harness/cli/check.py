@@ -1,14 +1,53 @@
-"""`harness check`: the properties over cases, one line per case, a summary, exit 0/1."""
+"""`harness check`: the properties over cases, one line per case, a summary, exit 0/1; a failed run ends with each
+failed case and the command that replays it. `-k` and `--lf` select cases as pytest selects tests (harness.cli.select)."""
 from __future__ import annotations
 
 import json
+import shlex
 import time
+from pathlib import Path
+from typing import Optional
 
-from harness.cli.cases import add_cases_dir, named_cases
+from harness.case import CASES_DIR, Case
+from harness.cli.cases import add_cases_dir, cases_dir, named_cases
 from harness.cli.options import add_ranks
-from harness.cli.ranks import mutant_ctx
+from harness.cli.ranks import mutant_ctx, quiet
+from harness.cli.select import select, update_last_failed
 from harness.errors import ExitCode, UsageError
 from harness.ranks.joined import check_world
+from harness.verdict import Failure
+
+REPLAYED = ("run", "P1", "P3", "P4")  # what `harness replay` reruns step by step; the loop's properties rerun under check
+
+
+def _first_failure(rep) -> Optional[Failure]:
+    for name in sorted(rep.verdicts, key=lambda k: (k != "run", k)):  # the run first, then P1, P2, ... (the report's order)
+        if rep.verdicts[name].failures:
+            return rep.verdicts[name].failures[0]
+    return None
+
+
+def next_command(rep, case: Case, args) -> str:
+    """The copy-paste command that shows a failed case's first failure: replay at its step and rank, or check of its
+    loop property."""
+    f = _first_failure(rep)
+    in_dir = Path(case.path).parent.resolve() == cases_dir(args).resolve()
+    words = [case.name if in_dir else case.path]
+    if in_dir and cases_dir(args).resolve() != CASES_DIR.resolve():
+        words += ["--cases-dir", str(cases_dir(args))]
+    if f is None or f.prop in REPLAYED:
+        head = ["harness", "replay"]
+        for key in ("step", "rank"):
+            if f is not None and isinstance(f.where.get(key), int):
+                words += [f"--{key}", str(f.where[key])]
+    else:
+        head = ["harness", "check"]
+        words += ["--props", f.prop]
+    if args.mutant:
+        words += ["--mutant", args.mutant]
+    if str(args.ranks) != "sim":
+        words += ["--ranks", str(args.ranks)]
+    return shlex.join(head + words)
 
 
 def cmd_check(args) -> int:
@@ -19,7 +58,9 @@ def cmd_check(args) -> int:
         require_sim_for_spec_props(props, args.ranks)  # before any case runs
     except ValueError as e:
         raise UsageError(f"harness check: {e}") from None
-    cases = named_cases(args.cases, args)
+    cases, selected = select(named_cases(args.cases, args), args.keyword, args.last_failed)
+    if selected and not args.json:
+        print(selected, flush=True)
     check_world([(c.name, c.layout) for c in cases])  # launched ranks: each case needs exactly that many
     reports = []
     t0 = time.perf_counter()
@@ -35,23 +76,39 @@ def cmd_check(args) -> int:
                     print(f"      {rep.first_failure()[1]}", flush=True)
                 for why in dict.fromkeys(rep.skipped.values()):
                     print(f"      skipped {','.join(k for k, w in rep.skipped.items() if w == why)}: {why}", flush=True)
+    if not quiet():
+        update_last_failed((c, r.status != "fail") for c, r in zip(cases, reports, strict=True))
     count = {status: sum(r.status == status for r in reports) for status in ("pass", "fail", "skip")}
     total = time.perf_counter() - t0
+    failed = [(c, r) for c, r in zip(cases, reports, strict=True) if r.status == "fail"]
     # nothing checked on any case (every requested property skipped): as engine-check's N/A, exit 3, never a pass
     rc = ExitCode.PROPERTY_FAILED if count["fail"] else ExitCode.INTERNAL if not count["pass"] else ExitCode.OK
     if args.json:
-        print(json.dumps({"ok": rc is ExitCode.OK, "seconds": round(total, 2), "cases": [r.to_json() for r in reports]}, indent=2, default=str))
-    else:
-        skipped = f", {count['skip']} skipped (nothing checked)" if count["skip"] else ""
-        print(f"{count['pass']} passed, {count['fail']} failed{skipped} in {total:.1f}s")
+        cases_json = [dict(r.to_json(), **({"next": next_command(r, c, args)} if r.status == "fail" else {})) for c, r in zip(cases, reports, strict=True)]
+        print(json.dumps({"ok": rc is ExitCode.OK, "seconds": round(total, 2), "cases": cases_json}, indent=2, default=str))
+        return rc
+    if failed:
+        print(f"\nfailed ({len(failed)}), each with the command that shows its first failure:")
+        width = max(len(c.name) for c, _ in failed)
+        for c, r in failed:
+            prop = _first_failure(r)
+            print(f"  {c.name:<{width}}  {prop.prop + '/' + prop.check if prop else ''}")
+            print(f"    {next_command(r, c, args)}")
+        print("rerun only these: harness check --lf" + (f" --mutant {shlex.quote(args.mutant)}" if args.mutant else ""))
+    skipped = f", {count['skip']} skipped (nothing checked)" if count["skip"] else ""
+    print(f"{count['pass']} passed, {count['fail']} failed{skipped} in {total:.1f}s")
     return rc
 
 
 def add_parser(subparsers) -> None:
     s = subparsers.add_parser("check", help="run the properties over cases (the main job)")
-    s.add_argument("cases", nargs="*", help="case names or paths (default: every case in cases/)")
+    s.add_argument("cases", nargs="*", help="case names or paths (default: every case in --cases-dir)")
     s.add_argument("--json", action="store_true")
-    s.add_argument("--mutant", help="plant a mutant from the catalog first (see `harness mutants`)")
+    s.add_argument("--mutant", help="plant a mutant from the catalog first (see `harness mutants --list`)")
+    s.add_argument("-k", dest="keyword", metavar="EXPRESSION",
+                   help="only the cases whose names match, as pytest -k: words (substrings), and, or, not, parentheses")
+    s.add_argument("--lf", "--last-failed", dest="last_failed", action="store_true",
+                   help="only the cases that failed last time (all when none did; kept in ./.specharness_cache/)")
     add_ranks(s)
     add_cases_dir(s)
     s.add_argument("--props", default="P1,P3,P4", metavar="LIST",

@@ -8,10 +8,20 @@ import time
 
 def cmd_mutants(args) -> int:
     from harness.mutant_run import run_catalog  # torch: only when mutants run
-    from harness.mutants import CATALOG
+    from harness.mutants import CATALOG, get
 
     if args.jobs is not None and args.jobs < 1:
         raise SystemExit("harness mutants: --jobs must be >= 1")
+    if args.list:
+        if args.json:
+            print(json.dumps([{"id": m.id, "kind": m.kind, "description": m.description} for m in CATALOG], indent=2))
+        else:
+            width = max(len(m.id) for m in CATALOG)
+            for m in CATALOG:
+                print(f"{m.id:<{width}}  {m.description}  [{m.kind}]")
+        return 0
+    for mutant_id in args.only or ():
+        get(mutant_id)  # an unknown id: the closest ones named, before anything runs
 
     def line(r) -> str:
         if r.status == "error":
@@ -60,6 +70,7 @@ def cmd_mutants(args) -> int:
 
 def add_parser(subparsers) -> None:
     s = subparsers.add_parser("mutants", help="plant each mutant, run the fast properties, report kills")
+    s.add_argument("--list", action="store_true", help="list the catalog's ids, kinds and descriptions; run nothing")
     s.add_argument("--only", action="append", metavar="ID", help="run only this mutant (repeatable)")
     s.add_argument("--jobs", "-j", type=int, default=None, metavar="N", help="mutants at once, each in its own process (default: os.cpu_count())")
     s.add_argument("--all-properties", action="store_true",

@@ -1,9 +1,12 @@
 """How a command meets its ranks: simulated, spawned by us, or launched by torchrun / srun.
 
 Under an outside launcher (harness.ranks.launch_env) every process runs the same command
-line; rank 0 runs the command and reports, the others serve its jobs quietly
-(harness.ranks.joined), and all of them exit with rank 0's code. A --mutant is planted in
-every one of those processes, so unlike spawned ranks, launched ranks do run it.
+line; with --ranks gloo|nccl rank 0 runs the command and reports, the others serve its jobs
+quietly (harness.ranks.joined), and all of them exit with rank 0's code. Any other command
+under a launcher of more than one process is refused in one line (exit 2): each process
+would run it alone and print its own report. A --mutant is planted in every process that
+runs the case: the launched ranks, and the rank processes we spawn (harness.ranks.launcher
+passes the planted ids in their environment).
 """
 from __future__ import annotations
 
@@ -13,6 +16,7 @@ from typing import Optional
 from harness.errors import UsageError
 from harness.mutants import get
 from harness.ranks.joined import current_world, is_follower, join_if_launched
+from harness.ranks.launch_env import launcher_env
 
 
 def mutant_ctx(mutant_id: Optional[str]):
@@ -22,11 +26,22 @@ def mutant_ctx(mutant_id: Optional[str]):
     return get(mutant_id).planted()
 
 
+def refuse_unjoined_launch(command: str, ranks: str) -> None:
+    """A launcher started this process as one of several, and the command would not join them: refuse."""
+    env = launcher_env()
+    if env is None or env.world_size < 2 or ranks in ("gloo", "nccl"):
+        return
+    if command in ("check", "replay"):
+        raise UsageError(f"harness {command}: {env.describe()}, and --ranks {ranks} would run the case once in every process: "
+                         "pass --ranks gloo (CPU) or --ranks nccl to run it on the launched processes, or run it without the launcher")
+    raise UsageError(f"harness {command}: {env.describe()}; this command runs in one process: run it without the launcher "
+                     "(only check and replay with --ranks gloo|nccl join a launched world)")
+
+
 def run_command(args) -> int:
     ranks = getattr(args, "ranks", "sim")
+    refuse_unjoined_launch(args.command, ranks)
     world = join_if_launched(ranks)
-    if getattr(args, "mutant", None) and ranks != "sim" and world is None:
-        raise UsageError("--mutant is planted in this process only; real ranks would run unmutated: use --ranks sim")
     if world is not None and world.rank != 0:
         with mutant_ctx(getattr(args, "mutant", None)):
             return world.serve()

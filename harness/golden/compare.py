@@ -41,6 +41,12 @@ class KeyDiff:
     expected: Optional[list] = None  # small integer arrays: the values themselves
     got: Optional[list] = None
     tol: Optional[Tol] = None
+    first_values: list[tuple[float, float]] = field(default_factory=list)  # (golden, now) at each of `first`
+    array_key: str = ""  # the stored array this is part of ('' : the key itself; a metadata field: its packed .meta)
+
+    @property
+    def stored(self) -> str:
+        return self.array_key or self.key
 
     @property
     def where(self) -> tuple[Optional[int], Optional[int], Optional[int], str]:
@@ -50,7 +56,8 @@ class KeyDiff:
         r, i, s, f = self.where
         d = {"key": self.key, "rank": r, "iteration": i, "step": s, "field": f, "kind": self.kind, "n_diff": self.n_diff, "n_total": self.n_total,
              "percent": round(100.0 * self.n_diff / self.n_total, 4) if self.n_total else None, "max_abs": self.max_abs, "max_rel": self.max_rel,
-             "first_indices": [list(x) for x in self.first], "expected": self.expected, "got": self.got}
+             "first_indices": [list(x) for x in self.first], "first_values": [list(v) for v in self.first_values],
+             "expected": self.expected, "got": self.got}
         if self.tol is not None:
             d["tolerance"] = {"rtol": self.tol.rtol, "atol": self.tol.atol}
         return d
@@ -88,7 +95,8 @@ def compare_arrays(key: str, ref: np.ndarray, got: np.ndarray, tol: Optional[Tol
     err_b, rel_b = err[bad], rel[bad]
     first = [tuple(int(x) for x in idx) for idx in np.argwhere(bad)[:3]]
     diff = KeyDiff(key, "values", n, int(ref.size), float(np.nanmax(err_b)) if np.isfinite(err_b).any() else float("nan"),
-                   float(np.nanmax(rel_b[np.isfinite(rel_b)])) if np.isfinite(rel_b).any() else float("inf"), first, tol=tol)
+                   float(np.nanmax(rel_b[np.isfinite(rel_b)])) if np.isfinite(rel_b).any() else float("inf"), first, tol=tol,
+                   first_values=[(r64[idx].item(), g64[idx].item()) for idx in first])
     if ref.dtype.kind in "iub" and ref.size <= 8:
         diff.expected, diff.got = ref.tolist(), got.tolist()
     return diff
@@ -106,16 +114,21 @@ class Comparison:
     def ok(self) -> bool:
         return not self.diffs
 
+    @property
+    def n_differing(self) -> int:
+        """Stored keys that differ (a packed .meta key counts once, however many of its fields differ)."""
+        return len({d.stored for d in self.diffs})
+
     def summary(self) -> str:
         if self.ok:
             return f"{self.case}: matches {self.golden_path} ({self.n_keys} keys)"
-        return f"{self.case}: {len(self.diffs)} of {self.n_keys} keys differ from {self.golden_path}"
+        return f"{self.case}: {self.n_differing} of {self.n_keys} keys differ from {self.golden_path}"
 
     def format(self, limit: int = 12) -> str:
         lines = [self.summary()]
         if self.ok:
             return "\n".join(lines + [f"  note: {n}" for n in self.notes])
-        head = f"  {'rank':>4} {'iter':>4} {'step':>4}  {'field':<26} {'differ':>20} {'max abs':>9} {'max rel':>9}  first indices / values"
+        head = f"  {'rank':>4} {'iter':>4} {'step':>4}  {'field':<46} {'differ':>20} {'max abs':>9} {'max rel':>9}  first differences"
         lines.append(head)
         diffs = sorted(self.diffs, key=lambda d: tuple(-1 if x is None else x for x in d.where[:3]) + (d.where[3],))
         for d in diffs[:limit]:
@@ -124,24 +137,26 @@ class Comparison:
             if d.kind == "values":
                 pct = 100.0 * d.n_diff / d.n_total
                 differ = f"{d.n_diff}/{d.n_total} ({pct:.3g}%)"
-                detail = " ".join(str(x) for x in d.first)
                 if d.expected is not None:
                     detail = f"expected {d.expected}, got {d.got}"
-                elif d.tol is not None:
-                    detail += f"  (rtol={d.tol.rtol:g} atol={d.tol.atol:g})"
+                else:
+                    detail = "; ".join(f"at {idx} expected {e:.6g}, got {g:.6g}" for idx, (e, g) in zip(d.first, d.first_values, strict=False))
+                    if d.tol is not None:
+                        detail += f"  (rtol={d.tol.rtol:g} atol={d.tol.atol:g})"
                 num = lambda x: "-" if x is None or x != x else f"{x:.2e}"  # noqa: E731
-                lines.append(f"  {fmt(r):>4} {fmt(i):>4} {fmt(s):>4}  {f:<26} {differ:>20} {num(d.max_abs):>9} {num(d.max_rel):>9}  {detail}")
+                lines.append(f"  {fmt(r):>4} {fmt(i):>4} {fmt(s):>4}  {f:<46} {differ:>20} {num(d.max_abs):>9} {num(d.max_rel):>9}  {detail}")
             else:
                 what = {"missing": "in the golden, not produced now", "extra": "produced now, not in the golden"}.get(
                     d.kind, f"{d.kind}: expected {d.expected}, got {d.got}")
-                lines.append(f"  {fmt(r):>4} {fmt(i):>4} {fmt(s):>4}  {f:<26} {d.kind:>20} {'-':>9} {'-':>9}  {what}")
+                lines.append(f"  {fmt(r):>4} {fmt(i):>4} {fmt(s):>4}  {f:<46} {d.kind:>20} {'-':>9} {'-':>9}  {what}")
         if len(diffs) > limit:
-            lines.append(f"  ... and {len(diffs) - limit} more keys")
+            lines.append(f"  ... and {len(diffs) - limit} more differing fields (--limit N shows more, --json all)")
         lines += [f"  note: {n}" for n in self.notes]
         return "\n".join(lines)
 
     def to_json(self) -> dict:
-        return {"case": self.case, "golden": self.golden_path, "ok": self.ok, "keys": self.n_keys, "diffs": [d.to_json() for d in self.diffs],
+        return {"case": self.case, "golden": self.golden_path, "ok": self.ok, "keys": self.n_keys, "differing_keys": self.n_differing,
+                "diffs": [d.to_json() for d in self.diffs],
                 "notes": self.notes}
 
 
@@ -165,7 +180,7 @@ def compare(case: Optional[Case], name: str, ref: dict[str, np.ndarray], got: di
                     err = max(abs(ra[k] - rb[k]) for k in bad) if same_len else None
                     rel = max(abs(ra[k] - rb[k]) / abs(ra[k]) if ra[k] else float("inf") for k in bad) if same_len else None
                     cmp.diffs.append(KeyDiff(f"{key}.{name}", "values", len(bad), n, float(err) if err is not None else None, rel,
-                                             [(k,) for k in bad[:3]], a[name], b[name]))
+                                             [(k,) for k in bad[:3]], a[name], b[name], array_key=key))
         else:
             d = compare_arrays(key, ref[key], got[key], None if exact else field_tol(case, key))
             if d is not None:

@@ -1,4 +1,4 @@
-"""Draft-tree goldens (P6): golden/acceptance/<case>.draft_tree.json, the single-layer draft decode's trees.
+"""Draft-tree goldens (P6): <golden-dir>/acceptance/<case>.draft_tree.json, the single-layer draft decode's trees.
 
 What the step body computes, which eager and graph share (P3 cannot see a bug in it), finer than the
 accept lengths it decides: the aligned draft leans on the token embedding, so a wrong position or
@@ -13,16 +13,23 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from harness.case import Case, load_case
-from harness.golden.acceptance import ACCEPT_DIR, AcceptanceGoldenError, read_golden_json
-from harness.golden.base import GOLDEN_DIR
+from harness.case import Case, default_cases, load_case
+from harness.golden.acceptance import ACCEPT_DIR, AcceptanceGoldenError, needs_acceptance, read_golden_json
+from harness.golden.base import GoldenKind
 from harness.golden.lifecycle import refuse_under_xdist
+from harness.golden.place import accept_dir_of, check_writable, record_command
 from harness.golden.store import write_text_atomic
 from harness.spec_decode import SpecSession, case_session, check_graph_replayed
 from harness.tolerances import Tol
 from harness.verdict import Verdict
 
-TREE_CASES = ("tp2_single_layer_shrink", "tp4_dp2_single_layer_topk2")  # the shipped single-layer cases
+
+def needs_draft_tree(case: Case) -> bool:
+    """A single-layer draft's case the loop can run has a draft-tree golden."""
+    return case.scenario.spec.draft == "single_layer" and needs_acceptance(case)
+
+
+TREE_CASES = tuple(c.name for c in default_cases() if needs_draft_tree(c))  # the shipped single-layer cases
 TREE_FORMAT = "specharness-draft-tree/1"
 TREE_FLOATS = Tol(1e-5, 1e-5, "fp32 CPU re-run of the recorded workload; a wrong position or parent moves probabilities by far more")
 TREE_FIELDS = ("tokens", "parents", "child_index", "scores", "child_p")
@@ -57,8 +64,11 @@ def compare_trees(v: Verdict, label: str, want: dict[str, list], got: dict[str, 
 
 
 def record_tree_golden(case: Case, accept_dir: Optional[Path] = None) -> Path:
-    """From the eager run; refused when the graph run's tree differs (P3 would say where)."""
-    refuse_under_xdist(GOLDEN_DIR if accept_dir is None else accept_dir)
+    """From the eager run, into accept_dir (default: beside the case); refused when the graph run's tree differs
+    (P3 would say where)."""
+    accept_dir = Path(accept_dir) if accept_dir is not None else accept_dir_of(case)
+    check_writable(accept_dir)
+    refuse_under_xdist(accept_dir)
     sessions = {r: case_session(case, r) for r in ("eager", "graph")}
     v = Verdict("P6")
     data = {"format": TREE_FORMAT, "case": case.name, "fingerprint": case.scenario.model.fingerprint(), "trees": tree_arrays(sessions["eager"])}
@@ -70,20 +80,23 @@ def record_tree_golden(case: Case, accept_dir: Optional[Path] = None) -> Path:
     return path
 
 
-def record_tree_goldens(names: Sequence[str] = TREE_CASES, say: Callable[[str], None] = print, accept_dir: Optional[Path] = None) -> list[Path]:
+def record_tree_goldens(names: Sequence[str] = TREE_CASES, say: Callable[[str], None] = print, accept_dir: Optional[Path] = None,
+                        cases_dir: Optional[Path] = None) -> list[Path]:
+    """record_tree_golden for each named case (looked up in cases_dir, default the shipped cases)."""
     paths = []
     for name in names:
-        paths.append(record_tree_golden(load_case(name), accept_dir))
+        paths.append(record_tree_golden(load_case(name, cases_dir), accept_dir))
         say(f"{name}: -> {paths[-1]}")
     return paths
 
 
 def check_tree_golden(v: Verdict, case: Case, sessions: dict[str, SpecSession], accept_dir: Optional[Path] = None) -> None:
-    """Each session's trees against the case's golden, into v (a missing or foreign golden is a failure)."""
-    path = tree_golden_path(case.name, accept_dir)
+    """Each session's trees against the case's golden (in accept_dir; default: beside the case), into v (a missing or
+    foreign golden is a failure)."""
+    path = tree_golden_path(case.name, accept_dir or accept_dir_of(case))
     if not path.exists():
         v.fail("draft tree", "file", {"case": case.name}, "a draft-tree golden", "none",
-               f"record it: harness golden record --kind draft-tree {case.name}")
+               f"record it: {record_command(case, None if accept_dir is None else Path(accept_dir).parent, GoldenKind.DRAFT_TREE)}")
         return
     try:
         data = read_golden_json(path, TREE_FORMAT)

@@ -16,6 +16,7 @@ from harness.golden.arrays import collect, run_for_golden
 from harness.golden.base import FORMAT, GOLDEN_DIR, META_FIELDS, GoldenError, show
 from harness.golden.compare import Comparison, compare, field_tol, parse_key
 from harness.golden.fingerprint import Fingerprint, config_changes, fingerprint, versions
+from harness.golden.place import case_golden_dir, check_writable, record_command
 from harness.golden.store import Golden, GoldenPaths, golden_lock, load_golden, recover, write_golden
 
 # ----------------------------------------------------------------------------------------
@@ -23,7 +24,7 @@ from harness.golden.store import Golden, GoldenPaths, golden_lock, load_golden, 
 # ----------------------------------------------------------------------------------------
 
 
-def _refusal(case: Case, golden: Golden, fp: Fingerprint) -> Optional[str]:
+def _refusal(case: Case, golden: Golden, fp: Fingerprint, golden_dir: Path) -> Optional[str]:
     m = golden.meta
     why = []
     if m.get("model_fingerprint") != fp.model:
@@ -37,15 +38,17 @@ def _refusal(case: Case, golden: Golden, fp: Fingerprint) -> Optional[str]:
     changes = config_changes(m.get("config", {}), fp.config_dict)
     msg = (f"{show(golden.paths.json)}: refused, this golden was made with other model weights or config than {show(case.path)}: "
            + "; ".join(why) + (f"; changed: {', '.join(changes)}" if changes else "")
-           + f". Not compared. If the change is intended, re-record: harness golden record {case.name}")
+           + f". Not compared. If the change is intended, re-record: {record_command(case, golden_dir)}")
     return msg
 
 
-def check_golden(case: Case, golden_dir: Path = GOLDEN_DIR, runs: Optional[Sequence[RankRun]] = None, ranks: str = "sim") -> Comparison:
-    """Compare a fresh graph run of the case with its golden. Raises GoldenError when missing or refused."""
-    golden = load_golden(golden_dir, case.name)
+def check_golden(case: Case, golden_dir: Optional[Path] = None, runs: Optional[Sequence[RankRun]] = None, ranks: str = "sim") -> Comparison:
+    """Compare a fresh graph run of the case with its golden (in golden_dir; default: beside the case,
+    harness.golden.place). Raises GoldenError when missing or refused."""
+    golden_dir = Path(golden_dir) if golden_dir is not None else case_golden_dir(case)
+    golden = load_golden(golden_dir, case.name, record_command(case, golden_dir))
     fp = fingerprint(case)
-    refused = _refusal(case, golden, fp)
+    refused = _refusal(case, golden, fp, golden_dir)
     if refused:
         raise GoldenError(refused)
     got = collect(case, runs if runs is not None else run_for_golden(case, ranks))
@@ -104,23 +107,26 @@ class RecordResult:
 
 
 def refuse_under_xdist(golden_dir: Path = GOLDEN_DIR) -> None:
-    """Goldens are regenerated serially: xdist workers would race on golden/. (A private directory,
-    as tests use under tmp_path, can't race and is allowed.)"""
+    """Goldens are regenerated serially: xdist workers would race on golden/ (and its acceptance/). (A private
+    directory, as tests use under tmp_path, can't race and is allowed.)"""
     worker = os.environ.get("PYTEST_XDIST_WORKER")
-    if worker and Path(golden_dir).resolve() == GOLDEN_DIR.resolve():
+    d, shipped = Path(golden_dir).resolve(), GOLDEN_DIR.resolve()
+    if worker and (d == shipped or shipped in d.parents):
         raise GoldenError(f"refusing to record goldens under pytest-xdist (worker {worker}): workers would race on golden/. "
                           "Regenerate serially: harness golden record <case>|--all")
 
 
-def record_golden(case: Case, golden_dir: Path = GOLDEN_DIR, runs: Optional[Sequence[RankRun]] = None, ranks: str = "sim") -> RecordResult:
-    """Run the case's graph runner and write its golden (`<case>.npz` and `<case>.json` in `golden_dir`)
-    atomically, leaving a golden whose arrays are bitwise unchanged untouched. The JSON records what made it (the
-    model and weights fingerprints, the case config, the versions), so a later check refuses a golden made for
-    another config instead of comparing against it. Refused under pytest-xdist for the shipped folder, where
-    workers would race on the files.
+def record_golden(case: Case, golden_dir: Optional[Path] = None, runs: Optional[Sequence[RankRun]] = None, ranks: str = "sim") -> RecordResult:
+    """Run the case's graph runner and write its golden (`<case>.npz` and `<case>.json`) atomically, leaving a golden
+    whose arrays are bitwise unchanged untouched. golden_dir defaults to the goldens beside the case
+    (harness.golden.place). The JSON records what made it (the model and weights fingerprints, the case config, the
+    versions), so a later check refuses a golden made for another config instead of comparing against it. Refused
+    before anything runs while a mutant is planted, inside the installed package, or under pytest-xdist into the
+    shipped goldens, where workers would race on the files.
     """
+    golden_dir = Path(golden_dir) if golden_dir is not None else case_golden_dir(case)
+    check_writable(golden_dir)
     refuse_under_xdist(golden_dir)
-    golden_dir = Path(golden_dir)
     arrays = collect(case, runs if runs is not None else run_for_golden(case, ranks))
     fp = fingerprint(case)
     tols = {k: {"rtol": t.rtol, "atol": t.atol, "reason": t.reason} for k in GOLDEN_FLOAT_FIELDS for t in [field_tol(case, k)]}
@@ -135,7 +141,7 @@ def record_golden(case: Case, golden_dir: Path = GOLDEN_DIR, runs: Optional[Sequ
             recovered = recover(golden_dir, case.name)
     old: Optional[Golden] = None
     with contextlib.suppress(GoldenError):
-        old = load_golden(golden_dir, case.name)
+        old = load_golden(golden_dir, case.name, record_command(case, golden_dir))
     status, diff, changes = "new", None, []
     if old is not None:
         diff = compare(None, case.name, old.resolved(), arrays, show(p.npz), exact=True)  # what changed: every bit that moved

@@ -5,6 +5,7 @@ import contextlib
 import io
 import json
 import os
+import shlex
 import stat
 import sys
 import time
@@ -15,8 +16,9 @@ from typing import Iterator, Optional
 
 import numpy as np
 
-from harness.golden.base import FORMAT, PAUSE_ENV, GoldenError, GoldenFormatError
+from harness.golden.base import FORMAT, GOLDEN_DIR, PAUSE_ENV, GoldenError, GoldenFormatError, show
 from harness.golden.fingerprint import sha256_hex
+from harness.golden.place import check_writable
 
 # ----------------------------------------------------------------------------------------
 # files: deterministic npz bytes, atomic pair writes, recovery
@@ -112,8 +114,9 @@ def recover(golden_dir: Path, name: str) -> Optional[str]:
 
 
 def write_golden(golden_dir: Path, name: str, arrays: dict[str, np.ndarray], meta: dict) -> GoldenPaths:
-    """Write the pair atomically (see the module docstring)."""
+    """Write the pair atomically (see the module docstring); never into the installed package or with a mutant planted."""
     golden_dir = Path(golden_dir)
+    check_writable(golden_dir)
     golden_dir.mkdir(parents=True, exist_ok=True)
     p = GoldenPaths.of(golden_dir, name)
     data = npz_bytes(arrays)
@@ -135,6 +138,7 @@ def write_text_atomic(path: Path, text: str) -> None:
     """One-file goldens (acceptance, draft trees): a synced temporary, then os.replace under the directory's lock;
     a crash leaves the old file or the new one, never half of one."""
     d = path.parent
+    check_writable(d)
     d.mkdir(parents=True, exist_ok=True)
     tmp = d / f".{path.name}.tmp"
     with golden_lock(d):
@@ -162,24 +166,22 @@ _META_TYPES = {"format": str, "npz_sha256": str, "aliases": dict, "versions": di
 MAX_JSON_BYTES = 16 << 20
 
 
-def _read_regular(path: Path, name: str) -> bytes:
+def _read_regular(path: Path, redo: str) -> bytes:
     """The file's bytes; what is not a regular file (a FIFO would block the read) is refused first."""
     try:
         st = os.stat(path)
     except OSError as e:
-        raise GoldenFormatError(f"{path}: <file>: expected a readable file ({e.strerror or e}): re-record with `harness golden record {name}`") from None
+        raise GoldenFormatError(f"{path}: <file>: expected a readable file ({e.strerror or e}): {redo}") from None
     if not stat.S_ISREG(st.st_mode):
-        raise GoldenFormatError(f"{path}: <file>: expected a regular file, got a directory, FIFO or device: "
-                                f"re-record with `harness golden record {name}`")
+        raise GoldenFormatError(f"{path}: <file>: expected a regular file, got a directory, FIFO or device: {redo}")
     try:
         return path.read_bytes()
     except OSError as e:
         raise GoldenFormatError(f"{path}: <file>: expected a readable file ({e.strerror or e})") from None
 
 
-def _check_meta(path: Path, name: str, meta: object) -> dict:
+def _check_meta(path: Path, redo: str, meta: object) -> dict:
     """One line naming the file and the field for a golden JSON of the wrong shape."""
-    redo = f"re-record with `harness golden record {name}`"
     if not isinstance(meta, dict):
         raise GoldenFormatError(f"{path}: <top level>: expected a JSON object, got {type(meta).__name__}: {redo}")
     for key, want in _META_TYPES.items():
@@ -192,8 +194,7 @@ def _check_meta(path: Path, name: str, meta: object) -> dict:
     return meta
 
 
-def _load_arrays(path: Path, name: str, data: bytes) -> dict[str, np.ndarray]:
-    redo = f"re-record with `harness golden record {name}`"
+def _load_arrays(path: Path, redo: str, data: bytes) -> dict[str, np.ndarray]:
     arrays: dict[str, np.ndarray] = {}
     try:
         with np.load(io.BytesIO(data), allow_pickle=False) as z:
@@ -214,35 +215,37 @@ def _load_arrays(path: Path, name: str, data: bytes) -> dict[str, np.ndarray]:
     return arrays
 
 
-def load_golden(golden_dir: Path, name: str) -> Golden:
+def load_golden(golden_dir: Path, name: str, record_cmd: Optional[str] = None) -> Golden:
+    """The golden `name` in golden_dir, checked; every error ends with the command that (re)records it (record_cmd,
+    harness.golden.place.record_command; default: `harness golden record NAME --golden-dir DIR`)."""
     golden_dir = Path(golden_dir)
+    shipped = golden_dir.resolve() == GOLDEN_DIR.resolve()
+    record_cmd = record_cmd or f"harness golden record {name}" + ("" if shipped else f" --golden-dir {shlex.quote(show(golden_dir))}")
+    redo = f"re-record with `{record_cmd}`"
     p = GoldenPaths.of(golden_dir, name)
     if p.tmp_npz.exists() or p.tmp_json.exists():
         with golden_lock(golden_dir):
             recover(golden_dir, name)
     if not p.json.exists() or not p.npz.exists():
         missing = " and ".join(str(x) for x in (p.npz, p.json) if not x.exists())
-        raise GoldenError(f"{name}: no golden ({missing} missing): record it with `harness golden record {name}`")
-    raw = _read_regular(p.json, name)
+        raise GoldenError(f"{name}: no golden ({missing} missing): record it with `{record_cmd}`")
+    raw = _read_regular(p.json, redo)
     if len(raw) > MAX_JSON_BYTES:
         raise GoldenFormatError(f"{p.json}: <file>: expected at most {MAX_JSON_BYTES} bytes, got {len(raw)}")
     try:
         meta = json.loads(raw)
     except ValueError as e:
-        raise GoldenFormatError(f"{p.json}: <json>: expected valid JSON ({e}): re-record with `harness golden record {name}`") from None
+        raise GoldenFormatError(f"{p.json}: <json>: expected valid JSON ({e}): {redo}") from None
     except RecursionError:
-        raise GoldenFormatError(f"{p.json}: <json>: expected JSON nested a few levels deep (too deep to parse): re-record with `harness golden record {name}`") from None
-    meta = _check_meta(p.json, name, meta)
-    data = _read_regular(p.npz, name)
+        raise GoldenFormatError(f"{p.json}: <json>: expected JSON nested a few levels deep (too deep to parse): {redo}") from None
+    meta = _check_meta(p.json, redo, meta)
+    data = _read_regular(p.npz, redo)
     if meta.get("format") != FORMAT:
-        raise GoldenError(f"{p.json}: format {meta.get('format')!r}, this harness reads {FORMAT!r}: re-record with `harness golden record {name}`")
+        raise GoldenError(f"{p.json}: format {meta.get('format')!r}, this harness reads {FORMAT!r}: {redo}")
     if meta.get("npz_sha256") != sha256_hex(data):
-        raise GoldenError(f"{p.npz} does not match {p.json} (sha256 differs: the pair comes from two records): "
-                          f"re-record with `harness golden record {name}`")
-    arrays = _load_arrays(p.npz, name, data)
+        raise GoldenError(f"{p.npz} does not match {p.json} (sha256 differs: the pair comes from two records): {redo}")
+    arrays = _load_arrays(p.npz, redo, data)
     for key, target in meta.get("aliases", {}).items():
         if target not in arrays:
-            raise GoldenFormatError(f"{p.json}: aliases.{key}: expected the name of an array in {p.npz.name}, got {target!r}: "
-                                    f"re-record with `harness golden record {name}`")
+            raise GoldenFormatError(f"{p.json}: aliases.{key}: expected the name of an array in {p.npz.name}, got {target!r}: {redo}")
     return Golden(name, p, meta, arrays)
-

@@ -10,6 +10,8 @@ kill any mutant is not shown to work; a mutant no property kills is a hole.
 """
 from __future__ import annotations
 
+import difflib
+
 from harness.mutants import (
     decode,
     dp,
@@ -44,11 +46,12 @@ if len(BY_ID) != len(CATALOG):
 
 
 def get(mutant_id: str) -> Mutant:
-    """The catalog's mutant with this id. An unknown id raises KeyError naming the known ones (the CLI and the
-    plugin turn it into a usage error).
-    """
+    """The catalog's mutant with this id. An unknown id is a KeyError naming the closest ids, never the whole catalog
+    (the CLI and the plugin turn it into a usage error)."""
     if mutant_id not in BY_ID:
-        raise KeyError(f"unknown mutant {mutant_id!r}; known: {', '.join(BY_ID)}")
+        close = difflib.get_close_matches(mutant_id, list(BY_ID), n=3, cutoff=0.6)
+        hint = f"; did you mean {' or '.join(close)}?" if close else ""
+        raise KeyError(f"unknown mutant {mutant_id!r}{hint} (`harness mutants --list` lists the {len(BY_ID)} ids)")
     return BY_ID[mutant_id]
 
 

@@ -7,6 +7,16 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Optional
 from unittest import mock
 
+# Ids of the mutants planted in this process now, in planting order: what must not be recorded as a golden, and what
+# spawned rank processes plant again (harness.ranks.launcher passes it in their environment).
+_PLANTED: list[str] = []
+PLANTED_ENV = "SPECHARNESS_PLANTED_MUTANTS"
+
+
+def planted_ids() -> tuple[str, ...]:
+    """The mutants planted in this process now (empty: the code as written)."""
+    return tuple(_PLANTED)
+
 
 @dataclass(frozen=True)
 class Wrap:
@@ -42,6 +52,8 @@ class Mutant:
                 if isinstance(new, Wrap):
                     new = new.make(getattr(target, attr))
                 stack.enter_context(mock.patch.object(target, attr, new))
+            _PLANTED.append(self.id)
+            stack.callback(_PLANTED.remove, self.id)
             yield self
 
 

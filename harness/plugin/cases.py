@@ -2,9 +2,11 @@
 
 Items live under the conftest's directory as `<dir>::specharness::<case>::<property>`, so `pytest -k tp4_attn_tp_gather`
 selects one case, `-k P3` one property, and `--lf` reruns what failed. Each case also gets a
-`golden` item: its graph run against golden/<case>.npz. `--specharness-force-regen` rewrites the
-goldens and fails those items (as pytest-regressions' --force-regen does); it is refused under
-pytest-xdist, whose workers would race on the files.
+`golden` item: its graph run against its golden, beside the case (the shipped goldens for the shipped
+cases, else <cases-dir>/golden/; --specharness-golden-dir overrides). `--specharness-force-regen` rewrites
+the goldens the selected properties read and fails those items (as pytest-regressions' --force-regen does);
+it is refused under pytest-xdist, whose workers would race on the files, with a mutant planted, and for the
+shipped goldens of an installed package (read-only data: use a cases dir of your own).
 
 With `--specharness-engine-check="ARGS"` it also checks an engine build (engine-check ARGS) and collects its
 lines as items under `<dir>::specharness::engine-check` (harness.plugin.engine).
@@ -23,7 +25,10 @@ import pytest
 
 from harness.case import CASES_DIR, Case, CaseError, default_cases, load_case
 from harness.checks import CASE_PROPS, FAST_PROPS, CaseReport, check_case, parse_props
-from harness.golden import GOLDEN_DIR, GoldenError, check_golden, record_golden
+from harness.golden import GoldenError, check_golden
+from harness.golden.base import GoldenKind
+from harness.golden.case_goldens import needed_kinds, record_case_goldens
+from harness.golden.place import PYTEST_FLAGS, case_golden_dir, check_writable, golden_dir_for
 from harness.mutants import get as get_mutant
 from harness.plugin.engine import NODE as ENGINE_NODE
 from harness.plugin.engine import EngineCheckNode, engine_check_args
@@ -32,17 +37,30 @@ PLUGIN = "harness.plugin"
 GOLDEN_ITEM = "golden"
 
 
-def _dir(config: pytest.Config, name: str, default: Path) -> Path:
+def _dir(config: pytest.Config, name: str) -> Optional[Path]:
     given = config.getoption(f"--specharness-{name.replace('_', '-')}")
     if given:
         return Path(given).resolve()
     ini = config.getini(f"specharness_{name}")
-    return Path(ini[0]) if ini else default
+    return Path(ini[0]) if ini else None
+
+
+def _cases_dir(config: pytest.Config) -> Path:
+    return _dir(config, "cases_dir") or CASES_DIR
+
+
+def _golden_dir(config: pytest.Config) -> Optional[Path]:
+    """The configured golden dir; None: each case's goldens beside it (harness.golden.place)."""
+    return _dir(config, "golden_dir")
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    if config.getoption("--specharness-force-regen") and (os.environ.get("PYTEST_XDIST_WORKER") or getattr(config.option, "numprocesses", None)):
+    force_regen = config.getoption("--specharness-force-regen")
+    if force_regen and (os.environ.get("PYTEST_XDIST_WORKER") or getattr(config.option, "numprocesses", None)):
         raise pytest.UsageError("--specharness-force-regen is refused under pytest-xdist: workers would race on the goldens; rerun without -n")
+    if force_regen and config.getoption("--specharness-mutant"):  # exit 2, as the harness's own refusal
+        pytest.exit(f"--specharness-force-regen is refused with --specharness-mutant {config.getoption('--specharness-mutant')}: "
+                    "the goldens would hold the mutant's bug as the expected result; rerun without --specharness-mutant", returncode=2)
     try:
         parse_props(config.getoption("--specharness-props") or config.getini("specharness_props"))
     except ValueError as e:
@@ -61,18 +79,19 @@ def pytest_configure(config: pytest.Config) -> None:
 
 @pytest.fixture(scope="session")
 def specharness_cases(pytestconfig: pytest.Config) -> list[Case]:
-    return default_cases(_dir(pytestconfig, "cases_dir", CASES_DIR))
+    return default_cases(_cases_dir(pytestconfig))
 
 
 @pytest.fixture(scope="session")
 def specharness_golden_dir(pytestconfig: pytest.Config) -> Path:
-    return _dir(pytestconfig, "golden_dir", GOLDEN_DIR)
+    """Where the configured cases' goldens are: --specharness-golden-dir, else beside the cases."""
+    return _golden_dir(pytestconfig) or golden_dir_for(_cases_dir(pytestconfig))
 
 
 @pytest.fixture
 def specharness_check(pytestconfig: pytest.Config) -> Callable[..., CaseReport]:
     """check(case or name, props=("P1", "P3", "P4"), mutant=None) -> CaseReport (report.ok, report.verdicts)."""
-    cases_dir = _dir(pytestconfig, "cases_dir", CASES_DIR)
+    cases_dir = _cases_dir(pytestconfig)
 
     def check(case: Case | str, props: Sequence[str] = FAST_PROPS, mutant: Optional[str] = None) -> CaseReport:
         case = case if isinstance(case, Case) else load_case(case, cases_dir)
@@ -102,7 +121,7 @@ class SpecharnessItemError(Exception):
 
 class Suite(pytest.Collector):
     def collect(self) -> Iterator[pytest.Collector]:
-        cases_dir = _dir(self.config, "cases_dir", CASES_DIR)
+        cases_dir = _cases_dir(self.config)
         paths = sorted(cases_dir.glob("*.toml")) if cases_dir.is_dir() else []
         if not paths:
             raise CaseError(cases_dir, "<cases>", "a directory of case files (*.toml): set --specharness-cases-dir or ini specharness_cases_dir")
@@ -166,16 +185,22 @@ class PropertyItem(pytest.Item):
             raise SpecharnessItemError(f"{rep.case} ({rep.layout}):\n{v.report()}")
 
     def _golden(self) -> None:
-        golden_dir = _dir(self.config, "golden_dir", GOLDEN_DIR)
+        golden_dir = _golden_dir(self.config)
         case = self.parent.case
         if self.config.getoption("--specharness-force-regen"):
-            res = record_golden(case, golden_dir)
-            if res.status != "unchanged":
-                raise SpecharnessItemError(f"--specharness-force-regen: {res.format()}\nrerun without --specharness-force-regen")
+            check_writable(golden_dir or case_golden_dir(case), flags=PYTEST_FLAGS)
+            props = parse_props(self.config.getoption("--specharness-props") or self.config.getini("specharness_props"))
+            outcomes = record_case_goldens(case, golden_dir, [GoldenKind.ARRAYS], say=lambda _: None)
+            if "P6" in props:  # P6 reads the loop's goldens, always beside the case (--specharness-golden-dir is the arrays')
+                outcomes += record_case_goldens(case, None, [k for k in needed_kinds(case) if k is not GoldenKind.ARRAYS], say=lambda _: None)
+            if any(o.changed or not o.recorded for o in outcomes):
+                text = "\n".join(o.text for o in outcomes if o.changed or not o.recorded)
+                raise SpecharnessItemError(f"--specharness-force-regen: {text}\nrerun without --specharness-force-regen")
             return
         cmp = check_golden(case, golden_dir, runs=self.parent.report().runs)
         if not cmp.ok:
-            raise SpecharnessItemError(cmp.format() + f"\nif the change is intended: pytest --specharness-force-regen -k {case.name}")
+            raise SpecharnessItemError(cmp.format() + f"\nif the change is intended: pytest --specharness-force-regen -k {case.name}"
+                                       " (with the same --specharness-cases-dir / --specharness-golden-dir, without -n)")
 
     def repr_failure(self, excinfo):  # type: ignore[override]
         if isinstance(excinfo.value, (SpecharnessItemError, GoldenError, CaseError)):

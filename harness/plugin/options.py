@@ -16,11 +16,16 @@ from harness.props.names import CASE_PROPS, FAST_PROPS
 def pytest_addoption(parser: pytest.Parser) -> None:
     g = parser.getgroup("specharness", "specharness: speculative decoding correctness properties")
     g.addoption("--specharness-cases-dir", metavar="DIR",
-                help=f"the cases to run (default: ini specharness_cases_dir, else the shipped ones: {shipped_dir('cases')})")
-    g.addoption("--specharness-golden-dir", metavar="DIR", help="where the goldens are (default: ini specharness_golden_dir, else the shipped ones)")
+                help=f"the cases to run (default: ini specharness_cases_dir, else the shipped ones: {shipped_dir('cases')}); "
+                     "their goldens are in DIR/golden/")
+    g.addoption("--specharness-golden-dir", metavar="DIR",
+                help="where the array goldens are (default: ini specharness_golden_dir, else beside the cases: DIR/golden/ of "
+                     "--specharness-cases-dir, the shipped ones for the shipped cases); P6's acceptance goldens are always beside the cases")
     g.addoption("--specharness-props", metavar="LIST",
                 help=f"properties per case: a comma list of {', '.join(CASE_PROPS)} or 'all' (default: {','.join(FAST_PROPS)})")
-    g.addoption("--specharness-force-regen", action="store_true", help="rewrite the goldens and fail their items (never under pytest-xdist)")
+    g.addoption("--specharness-force-regen", action="store_true",
+                help="rewrite the goldens the selected properties read and fail their items (never under pytest-xdist, never with "
+                     "--specharness-mutant, never into the installed package)")
     g.addoption("--specharness-mutant", metavar="ID", help="plant a mutant of the catalog for the whole session (see `harness mutants`)")
     g.addoption("--specharness-engine-check", metavar="ARGS",
                 help="an engine-check command line (e.g. \"--engine sglang --target python\"): check that engine build and "

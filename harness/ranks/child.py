@@ -1,8 +1,11 @@
 """The spawning launcher's child side: one rank process joins the FileStore rendezvous, runs
-fn, sends its outcome and trace back over a pipe, and never outlives its parent.
+fn, sends its outcome and trace back over a pipe, and never outlives its parent. The mutants
+planted in the parent (their ids in PLANTED_ENV) are planted around fn, so a spawned rank runs
+the same code as the parent's simulated ranks would.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
 import sys
@@ -11,6 +14,7 @@ import traceback
 from datetime import timedelta
 from typing import Any, Optional
 
+from harness.mutants.base import PLANTED_ENV
 from harness.ranks.distributed import DistComm
 from harness.ranks.heartbeat import write_heartbeat
 from harness.ranks.outcomes import (
@@ -103,7 +107,16 @@ def child_main(
         comm = DistComm(layout, rank, check_signatures=check_signatures, heartbeat_path=hb_path)
         write_heartbeat(hb_path, {"rank": rank, "state": "ready"})
         conn.send_bytes(pickle.dumps(("ready",)))
-        result = fn(comm, *args)
+        with contextlib.ExitStack() as planted:
+            ids = [m for m in os.environ.get(PLANTED_ENV, "").split(",") if m]
+            if ids:
+                # imported here, not at the top: the catalog imports every runner module, and the fork server that
+                # preloads this module must fork its ranks with nothing but torch imported
+                from harness.mutants import get as get_mutant
+
+                for mutant_id in ids:
+                    planted.enter_context(get_mutant(mutant_id).planted())
+            result = fn(comm, *args)
         outcome: tuple = ("ok", to_cpu(result))
     except RankSkip as e:
         outcome, code = ("skip", str(e) or "RankSkip"), SKIP_EXIT_CODE

@@ -35,7 +35,8 @@ CUDA driver.
 
 Children's environment: the parent's, plus RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE,
 OMP_NUM_THREADS=1, NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1,
-NVSHMEM_DISABLE_NVLS=1, SPECHARNESS_HEARTBEAT_FILE, GLOO_SOCKET_IFNAME=lo (gloo, unless
+NVSHMEM_DISABLE_NVLS=1, SPECHARNESS_HEARTBEAT_FILE, SPECHARNESS_PLANTED_MUTANTS (the mutants planted in
+the parent, planted again in the child), GLOO_SOCKET_IFNAME=lo (gloo, unless
 set), SPECHARNESS_CUDA_DEVICE (nccl: the rank's device, torch.cuda.set_device'd).
 """
 from __future__ import annotations
@@ -47,6 +48,7 @@ import tempfile
 import time
 from typing import Any, Callable, Optional
 
+from harness.mutants.base import PLANTED_ENV, planted_ids
 from harness.ranks import forkserver
 from harness.ranks.child import child_main
 from harness.ranks.environ import patched_environ
@@ -110,6 +112,7 @@ def child_env(rank: int, world_size: int, backend: str, heartbeat_path: str, cud
         LOCAL_WORLD_SIZE=str(world_size),
     )
     env[HEARTBEAT_ENV] = heartbeat_path
+    env[PLANTED_ENV] = ",".join(planted_ids())  # the child plants them again (harness.ranks.child): it runs the parent's code
     if backend == "gloo" and "GLOO_SOCKET_IFNAME" not in os.environ and os.path.exists("/sys/class/net/lo"):
         env["GLOO_SOCKET_IFNAME"] = "lo"
     if cuda_device is not None:

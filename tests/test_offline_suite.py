@@ -1,0 +1,64 @@
+"""A plain `pytest -n auto` after the install downloads nothing: the tests that need an engine release not installed yet
+skip, saying how to run them, unless SPECHARNESS_ENGINE_TESTS=1 (which .ci/run sets) asks them to install it."""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+from engine_releases import ENGINE_TESTS_ENV, VLLM_TABLE_ENV, installed_release, installed_vllm
+
+from harness.engines import install
+from harness.engines.install import MARKER
+
+TESTS = Path(__file__).resolve().parent
+
+
+@pytest.fixture
+def pip(monkeypatch, tmp_path):
+    """An empty engines root, and pip replaced by a recorder that installs nothing but the marker."""
+    monkeypatch.setenv("SPECHARNESS_ENGINES", str(tmp_path / "engines"))
+    monkeypatch.delenv(ENGINE_TESTS_ENV, raising=False)
+    monkeypatch.delenv(VLLM_TABLE_ENV, raising=False)
+    calls: list[list[str]] = []
+
+    def fake_pip(target: Path, requirements: list[str], log) -> None:
+        calls.append(requirements)
+        target.mkdir(parents=True)
+        (target / MARKER).write_text("")
+
+    monkeypatch.setattr(install, "_pip_target", fake_pip)
+    return calls
+
+
+def test_without_the_opt_in_a_missing_release_skips_saying_how_and_pip_never_runs(pip):
+    with pytest.raises(pytest.skip.Exception, match=r"sglang==0\.5\.23 is not installed under .* set SPECHARNESS_ENGINE_TESTS=1 .*"
+                                                   r"harness engine-check --install --engine sglang==0\.5\.23"):
+        installed_release("0.5.23")
+    with pytest.raises(pytest.skip.Exception, match="vllm==0.34.0 .* set SPECHARNESS_ENGINE_TESTS=1"):
+        installed_vllm("0.34.0")
+    with pytest.raises(pytest.skip.Exception, match="set SPECHARNESS_VLLM_TABLE=1"):
+        installed_vllm("0.28.0", VLLM_TABLE_ENV)
+    assert pip == []
+
+
+def test_the_opt_in_installs_and_an_installed_release_needs_none(pip, monkeypatch):
+    monkeypatch.setenv(ENGINE_TESTS_ENV, "1")
+    path = installed_release("0.5.23")
+    assert pip == [install._dep_requirements(), ["sglang==0.5.23"]] and (path / MARKER).is_file()
+    monkeypatch.delenv(ENGINE_TESTS_ENV)
+    assert installed_release("0.5.23") == path and len(pip) == 2  # cached: used without the opt-in, pip not run again
+
+
+def test_tests_reach_pip_only_through_the_gate_and_ci_opens_it():
+    """Every install a test can cause goes through tests/engine_releases.py; the wheel build and install of
+    test_packaging.py stay offline (--no-index)."""
+    direct = re.compile(r"\b(ensure_installed|ensure_vllm_installed|ensure_deps|provide)\(|\"--install\"|pip\"?,\s*\"?download")
+    for path in sorted(TESTS.glob("*.py")):
+        if path.name in ("engine_releases.py", "test_offline_suite.py"):
+            continue
+        text = path.read_text()
+        assert not direct.search(text), f"{path.name}: installs an engine outside tests/engine_releases.py"
+        for m in re.finditer(r"\"pip\", (?:\"--python\", \w+, )?\"(install|wheel)\"[^\n]*", text):
+            assert "--no-index" in m.group(0), f"{path.name}: pip {m.group(1)} without --no-index: {m.group(0)}"
+    assert "export SPECHARNESS_ENGINE_TESTS=1" in (TESTS.parent / ".ci" / "run").read_text()
