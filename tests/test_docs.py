@@ -30,7 +30,7 @@ DOCS = sorted(p for p in [REPO / "README.md", REPO / "CHANGELOG.md", REPO / "har
 # Files the walk-throughs create as their example (a new case and its goldens): named, but absent by design.
 EXAMPLE_OUTPUTS = {
     "cases/tp8_dp8_mlp_tp_gather.toml", "golden/tp8_dp8_mlp_tp_gather.npz", "golden/tp8_dp8_mlp_tp_gather.json",
-    "cases/tp1_a2a_attn_tp_gather.toml", "golden/tp1_a2a_attn_tp_gather.npz",
+    "golden/acceptance/tp8_dp8_mlp_tp_gather.json", "cases/tp1_a2a_attn_tp_gather.toml", "golden/tp1_a2a_attn_tp_gather.npz",
 }
 ROOTS = (".ci", "benchmarks", "cases", "docs", "golden", "harness", "requirements", "runners", "tests")
 TOP_FILES = ("conftest.py", "pyproject.toml", "setup.py", "tox.ini", "mkdocs.yml", "MANIFEST.in", "CHANGELOG.md")
