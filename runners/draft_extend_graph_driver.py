@@ -38,7 +38,7 @@ class DraftExtendGraphDriver:
     def __init__(self, worker: DraftWorker, backend: GraphBackend, single_layer: bool = False):
         self.worker, self.backend = worker, backend
         self.multi_step: Optional[MultiLayerEagleMultiStepDraftExtendCudaGraphRunner] = None
-        if single_layer:
+        if single_layer or worker.eagle3:  # an EAGLE3 draft is one layer: its draft-extend is the single-layer runner's
             self.runners: list[DraftExtendCudaGraphRunner] = [EAGLEDraftExtendCudaGraphRunner(worker, backend)]
         else:
             if worker.spec.draft_extend_graph is DraftExtendGraph.ONE_GRAPH and worker.attn.name not in METADATA_IN_GRAPH:
