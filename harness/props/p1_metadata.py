@@ -174,6 +174,8 @@ def _logprob_rows_per_request(layout: ParallelLayout, spec: SpecConfig, schedule
             continue
         rec = observer.prepare(inp)
         lp = rec.capture.host["global_num_tokens_for_logprob_cpu"]
+        if lp is None:
+            continue  # a draft in its own plain-TP layout (SpecConfig.draft_tp_size) bakes no counts: no branch to compare
         out[it] = lp[d if layout.require_mlp_tp_gather else 0] // rec.bs
     return out
 
