@@ -23,7 +23,6 @@ from harness.tolerances import Tol
 from runners.attention import BACKENDS
 from runners.attention.kinds import METADATA_IN_GRAPH, ONE_GRAPH_UNSUPPORTED, AttentionBackend
 from runners.config import DTYPES, DraftExtendGraph, ModelConfig, SpecConfig
-from runners.draft_decode import DRAFTS
 from runners.draft_parallel import check_draft_config
 from runners.model import check_model_fits_layout
 from runners.parallel.layout import LayoutError, ParallelLayout
@@ -279,14 +278,12 @@ def parse_case(data: dict, path: Path | str = "<case>") -> Case:
         spec_t["capture_bs"] = tuple(sorted(set(cbs)))
     if "page_size" in spec_t and spec_t["page_size"] not in PAGE_SIZES:
         raise CaseError(path, "spec.page_size", f"one of {', '.join(map(str, PAGE_SIZES))} (KV slots per page, a power of two)", spec_t["page_size"])
-    if "draft" in spec_t and spec_t["draft"] not in DRAFTS:
-        raise CaseError(path, "spec.draft", f"one of {', '.join(DRAFTS)} (a layer per step, one layer with a graphed draft decode, or EAGLE3)", spec_t["draft"])
     if "draft_extend_graph" in spec_t:
         graph = spec_t["draft_extend_graph"]
         if not isinstance(graph, str) or graph not in set(DraftExtendGraph):
             raise CaseError(path, "spec.draft_extend_graph", f"one of {', '.join(DraftExtendGraph)} (a graph per draft step, or one for every step)", graph)
         if graph == DraftExtendGraph.ONE_GRAPH and spec_t.get("draft", "multi_layer") != "multi_layer":
-            raise CaseError(path, "spec.draft_extend_graph", "per_step with draft = single_layer (its draft-extend is one step)", graph)
+            raise CaseError(path, "spec.draft_extend_graph", f"per_step with draft = {spec_t['draft']} (its draft-extend is one step)", graph)
         if graph == DraftExtendGraph.ONE_GRAPH and backend not in METADATA_IN_GRAPH:
             raise CaseError(path, "spec.draft_extend_graph", f"per_step with backend = {backend} ({ONE_GRAPH_UNSUPPORTED})", graph)
     if "num_tokens_per_bs" in spec_t:

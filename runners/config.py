@@ -121,7 +121,8 @@ class SpecConfig:
         try:
             draft = DraftKind(self.draft)
         except ValueError:
-            raise ValueError(f"draft must be one of {', '.join(DraftKind)}, got {self.draft!r}") from None
+            raise ValueError(f"spec.draft: one of {', '.join(DraftKind)} (a layer per step, one layer with a graphed draft decode, or EAGLE3), "
+                             f"got {self.draft!r}") from None
         if graph is DraftExtendGraph.ONE_GRAPH and draft is not DraftKind.MULTI_LAYER:
             raise ValueError(f"draft_extend_graph {graph.value!r} needs the multi-layer draft (the {draft.value} draft-extend is one step)")
         object.__setattr__(self, "draft_extend_graph", graph)
