@@ -41,7 +41,7 @@ MUTANTS: list[Mutant] = [
         "(rope_theta), not the draft checkpoint's",
         "draft rotary table",
         ((draft_extend, "draft_model_config", _target_config),),
-        ("draft-tp-loop",),  # P6 (the draft-tree golden's probabilities)
+        ("draft-tp-tree", "draft-tp-loop"),  # P6 (the draft-tree golden's token ids and probabilities)
     ),
     Mutant(
         "draft-rotary-checkpoint-positions",
@@ -49,7 +49,7 @@ MUTANTS: list[Mutant] = [
         "instead of being raised to it: a later position gathers past the table",
         "draft rotary table",
         ((draft_extend, "draft_model_config", _checkpoint_positions),),
-        ("draft-tp-loop",),  # run (the rotary gather out of its table)
+        ("draft-tp-tree", "draft-tp-loop"),  # run (the rotary gather out of its table)
     ),
     Mutant(
         "draft-handoff-world-group",
@@ -57,7 +57,7 @@ MUTANTS: list[Mutant] = [
         "first rank: every DP group verifies the first DP group's proposals",
         "draft proposal hand-off",
         ((draft_parallel, "handoff_group", _world_group),),
-        ("draft-tp-loop",),  # run (DP groups of other sizes disagree on the broadcast's shape), P6
+        ("draft-tp-tree", "draft-tp-loop"),  # run (DP groups of other sizes disagree on the broadcast's shape), P6
     ),
     Mutant(
         "draft-tp-in-target-layout",

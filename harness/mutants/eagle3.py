@@ -54,7 +54,7 @@ MUTANTS: list[Mutant] = [
         "next layer's: the draft reads the residual streams one layer early",
         "EAGLE3 captured layers",
         ((TargetModel, "set_eagle3_layers_to_capture", _capture_unshifted),),
-        ("eagle3-loop",),  # P6 (the draft-tree golden's probabilities)
+        ("eagle3-tree", "eagle3-loop"),  # P6 (the draft-tree golden's probabilities)
     ),
     Mutant(
         "eagle3-verify-hidden-one-layer",
@@ -78,14 +78,14 @@ MUTANTS: list[Mutant] = [
         "them as target ids",
         "EAGLE3 draft-to-target ids",
         ((eagle_draft, "draft_to_target", _not_mapped), ("runners.draft_decode", "draft_to_target", _not_mapped)),
-        ("eagle3-loop",),  # P6 (the draft-tree golden's token ids)
+        ("eagle3-tree", "eagle3-loop"),  # P6 (the draft-tree golden's token ids)
     ),
     Mutant(
         "eagle3-d2t-applied-twice",
         "the draft decode maps its inputs' top-k ids to target ids although they are target ids already",
         "EAGLE3 draft-to-target ids",
         ((eagle_draft, "draft_to_target", _mapped_twice),),
-        ("eagle3-loop",),  # run (a target id past the draft vocabulary indexes the table), P6
+        ("eagle3-tree", "eagle3-loop"),  # run (a target id past the draft vocabulary indexes the table), P6
     ),
     Mutant(
         "eagle3-d2t-differences-as-ids",
@@ -93,6 +93,6 @@ MUTANTS: list[Mutant] = [
         "target id d + d2t[d])",
         "EAGLE3 draft-to-target ids",
         ((llama_eagle3, "hot_token_ids", _differences_as_ids),),
-        ("eagle3-loop",),  # P6 (the draft-tree golden's token ids)
+        ("eagle3-tree", "eagle3-loop"),  # P6 (the draft-tree golden's token ids)
     ),
 ]

@@ -2,7 +2,7 @@
 (runners.llama_eagle3) and the draft at a TP size of its own (runners.draft_parallel), over their shipped cases and
 SGLang's EAGLE3 placement under DP attention (`single_group_case`).
 
-The loop probes run the case's workload eager and graph (harness.decode_props.check_decode_case): P1 on every
+The tree probes run the case's workload eagerly against its draft-tree golden (P6); the loop probes run it eager and graph (harness.decode_props.check_decode_case): P1 on every
 draft-decode replay, P3 eager vs graph trees, P6 the acceptance golden and the draft-tree golden, whose probabilities
 see what only the draft's numbers show (a layer captured off by one, a rotary base, a draft-to-target id). The case
 probes are `harness check`'s default run (P1, P3, P4 of the draft-extend runners against the TP1 run of the same
@@ -16,7 +16,10 @@ from harness.case import Case, load_case
 from harness.case_template import case_toml, validate_text
 from harness.checks import check_case
 from harness.decode_props import check_decode_case
+from harness.golden.draft_tree import check_tree_golden
 from harness.props.spec_probes import _guarded
+from harness.spec_decode import case_session
+from harness.verdict import Verdict
 from runners.config import ModelConfig, SpecConfig
 from runners.parallel.layout import ParallelLayout
 
@@ -40,11 +43,22 @@ def single_group_case() -> Case:
     return validate_text(text, Path("<tp4_dp2_eagle3_single_group>"))
 
 
+def eager_tree(name: str) -> dict[str, Verdict]:
+    """P6 on the eager run alone: its draft trees against the case's draft-tree golden. The cheap probe for a mutant of
+    the step body, which eager and graph share."""
+    case, v = load_case(name), Verdict("P6")
+    check_tree_golden(v, case, {"eager": case_session(case, "eager")})
+    return {"P6": v}
+
+
+probe_eagle3_tree = _guarded("eagle3-tree", lambda: eager_tree(EAGLE3_CASE))
+probe_draft_tp_tree = _guarded("draft-tp-tree", lambda: eager_tree(DRAFT_TP_CASE))
 probe_eagle3_loop = _guarded("eagle3-loop", lambda: check_decode_case(load_case(EAGLE3_CASE)))
 probe_eagle3_case = _guarded("eagle3-case", lambda: check_case(load_case(EAGLE3_CASE)).verdicts)
 probe_draft_tp_loop = _guarded("draft-tp-loop", lambda: check_decode_case(load_case(DRAFT_TP_CASE)))
 probe_draft_tp_case = _guarded("draft-tp-case", lambda: check_case(load_case(DRAFT_TP_CASE)).verdicts)
 probe_draft_tp_group = _guarded("draft-tp-group", lambda: check_case(single_group_case()).verdicts)
 
-DRAFT_PROBES = (("eagle3-case", probe_eagle3_case), ("eagle3-loop", probe_eagle3_loop),
+DRAFT_PROBES = (("eagle3-tree", probe_eagle3_tree), ("eagle3-case", probe_eagle3_case), ("eagle3-loop", probe_eagle3_loop),
+                ("draft-tp-tree", probe_draft_tp_tree),
                 ("draft-tp-case", probe_draft_tp_case), ("draft-tp-loop", probe_draft_tp_loop), ("draft-tp-group", probe_draft_tp_group))
