@@ -40,7 +40,7 @@ class DraftDecodeSpecInfo:
     """The engine's EagleDraftInput in DECODE mode: the draft-extend's top-k and hidden state per request."""
 
     topk_p: torch.Tensor  # [bs, topk] probabilities of the depth-1 candidates
-    topk_index: torch.Tensor  # [bs, topk] their token ids
+    topk_index: torch.Tensor  # [bs, topk] their token ids: draft ids (an EAGLE3 draft's reduced vocabulary), mapped in the body
     hidden_states: torch.Tensor  # [bs, H] the draft layer's output at each request's selected row
     topk: int = 1
 
@@ -67,7 +67,7 @@ class DraftDecodeInputs:
 class DraftDecodeOutputs(RunnerOutputs):
     """The draft tree of every request, per depth 1..S, and what the last forward fed lm_head."""
 
-    tokens: torch.Tensor  # [bs, S, topk] the kept nodes of each depth
+    tokens: torch.Tensor  # [bs, S, topk] the kept nodes of each depth (target ids, as child_index)
     parents: torch.Tensor  # [bs, S, topk] each node's parent lane at the previous depth (-1 at depth 1)
     scores: torch.Tensor  # [bs, S, topk] cumulative path probability of each kept node
     child_index: torch.Tensor  # [bs, S - 1, topk, topk] each kept node's top-k children (depth 1..S-1)

@@ -8,8 +8,8 @@ import torch
 
 from harness.case import default_cases, load_case
 from harness.checks import check_case
+from harness.decode_props import check_decode_case
 from harness.golden.acceptance import GOLDEN_CASES
-from harness.golden.draft_tree import check_tree_case
 from harness.props.draft_probes import DRAFT_TP_CASE, probe_draft_tp_group
 from harness.props.p2 import check_padded_lanes
 from harness.ranks.simulated import SimulatedWorld
@@ -90,7 +90,8 @@ def test_the_drafts_rotary_table_has_its_own_base_and_the_targets_positions():
 
 def test_the_case_is_shipped_with_every_golden_and_in_every_parametrized_check():
     assert DRAFT_TP_CASE in [c.name for c in default_cases()] and DRAFT_TP_CASE in GOLDEN_CASES
-    assert check_tree_case(load_case(DRAFT_TP_CASE)).ok
+    out = check_decode_case(load_case(DRAFT_TP_CASE))  # P1 in the draft's layout, P3 trees, P6 both goldens
+    assert set(out) == {"P1", "P3", "P6"} and all(v.ok for v in out.values()), {k: v.report(3) for k, v in out.items()}
 
 
 def test_harness_check_runs_the_draft_on_its_own_ranks_only():

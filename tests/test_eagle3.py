@@ -6,12 +6,13 @@ import torch
 from harness import mutants
 from harness.case import CaseError, default_cases, load_case, parse_case
 from harness.checks import check_case
+from harness.decode_props import check_decode_case
 from harness.golden.acceptance import GOLDEN_CASES
-from harness.golden.draft_tree import check_tree_case
-from harness.props.draft_probes import CHURN_EAGLE3_SPEC, EAGLE3_CASE
+from harness.props.draft_probes import CHURN_EAGLE3_SPEC, EAGLE3_CASE, eager_tree
 from harness.props.p2 import check_padded_lanes
 from harness.props.spec_probes import CHURN_SCRIPT, run_churn_script
 from harness.ranks.simulated import SimulatedWorld
+from harness.tolerances import cross_layout
 from runners.base_cuda_graph_runner import RunnerKind
 from runners.batch import ForwardBatch, ForwardMode
 from runners.config import DraftKind, ModelConfig, SpecConfig, draft_input_hidden_size
@@ -21,9 +22,11 @@ from runners.draft_extend_cuda_graph_runner import DraftExtendInputBuffers
 from runners.eagle_draft_cuda_graph_runner import EAGLEDraftCudaGraphRunner
 from runners.graph.backend import GraphBackend
 from runners.llama_eagle3 import Eagle3DraftModel, d2t_table, draft_to_target, hot_token_ids
+from runners.memory import ReqToTokenPool
 from runners.model import TargetModel
 from runners.parallel.dp_attention import RankContext
 from runners.parallel.layout import ParallelLayout as PL
+from runners.target import Lane, TargetRunner
 
 MODEL = ModelConfig(num_target_layers=4, num_kv_heads=8)
 SPEC = SpecConfig(num_steps=3, topk=2, num_draft_tokens=4, capture_bs=(1, 2, 4), max_running_requests=4, draft="eagle3",
@@ -95,6 +98,27 @@ def test_the_target_hands_on_each_captured_layers_output_in_layer_order():
     torch.testing.assert_close(last, outputs[3], rtol=0, atol=0)  # without a capture: the last layer's output
 
 
+@pytest.mark.parametrize("layout", [PL(4, moe_dense_tp_size=1), PL(2, 2, True)], ids=lambda x: x.describe())
+def test_every_rank_captures_the_full_residual_as_tp1_does(layout):
+    """TP-correct capture: on the attn-TP-gather branch (the MLP on token slices) and under DP attention (the MLP-TP
+    gather), every rank hands on its requests' full captured states, equal to TP1's within the cross-layout tolerance."""
+    prompt = [5, 17, 3, 99, 250, 7]
+
+    def captured(comm, lay):
+        ctx = RankContext(lay, comm.rank, comm)
+        pool = ReqToTokenPool(4, MODEL.max_context_len, torch.device("cpu"))
+        pool.req_to_token[1, : len(prompt)] = torch.arange(1, len(prompt) + 1)
+        target = TargetRunner(ctx, MODEL, pool, 64, torch.device("cpu"))
+        target.model.set_eagle3_layers_to_capture(SPEC.eagle_aux_hidden_state_layer_ids)
+        return target.forward([Lane(1, 0, prompt)]).hidden  # every DP group runs the same request
+
+    (ref,) = SimulatedWorld(PL()).run(lambda comm: captured(comm, PL()))
+    tol = cross_layout(MODEL.dtype, "torch")
+    for rank, got in enumerate(SimulatedWorld(layout).run(lambda comm: captured(comm, layout))):
+        assert got.shape == (len(prompt), 3 * 64), rank
+        torch.testing.assert_close(got, ref, rtol=tol.rtol, atol=tol.atol)  # the reordered TP sums: harness/tolerances.py
+
+
 # ---------------------------------------------------------------- the draft-to-target table
 
 
@@ -160,7 +184,8 @@ def test_graph_runners_size_their_hidden_buffers_for_what_they_receive():
 def test_the_case_is_shipped_with_every_golden_and_in_every_parametrized_check():
     assert EAGLE3_CASE in [c.name for c in default_cases()]  # pytest's plugin items (P1, P3, P4, golden) and `harness check`
     assert EAGLE3_CASE in GOLDEN_CASES  # tests/test_spec_decode.py's P3 / P5 / P6 over the loop
-    assert check_tree_case(load_case(EAGLE3_CASE)).ok  # its draft-tree golden, eager and graph
+    out = check_decode_case(load_case(EAGLE3_CASE))  # the loop eager and graph: P1 draft-decode replays, P3 trees, P6 both goldens
+    assert set(out) == {"P1", "P3", "P6"} and all(v.ok for v in out.values()), {k: v.report(3) for k, v in out.items()}
 
 
 def test_harness_check_runs_the_eagle3_draft_extend_runner():
@@ -193,7 +218,7 @@ def test_only_the_goldens_see_a_wrong_captured_layer():
     case = load_case(EAGLE3_CASE)
     with mutants.get("eagle3-capture-unshifted").planted():
         assert check_case(case).ok
-        assert not check_tree_case(case).ok
+        assert not eager_tree(EAGLE3_CASE)["P6"].ok
 
 
 # ---------------------------------------------------------------- the case loader
