@@ -135,9 +135,9 @@ class SpecEngine:
         self.book = KVBook(self.req_pool, num_slots, spec.page_size)  # one slot index space for the target's and the draft's pools
         self.sched = Scheduler(self.book, spec.max_running_requests)
         alignment.apply_target(self.target.model)
+        if spec.draft is DraftKind.EAGLE3:  # the target hands the draft these layers' residual streams (SGLang's model runner)
+            self.target.model.set_eagle3_layers_to_capture(spec.eagle_aux_hidden_state_layer_ids)
         if proposer == "eagle":
-            if spec.draft is DraftKind.EAGLE3:  # the target hands the draft these layers' residual streams (SGLang's model runner)
-                self.target.model.set_eagle3_layers_to_capture(spec.eagle_aux_hidden_state_layer_ids)
             self.draft = EagleProposer(ctx, cfg, spec, self.req_pool, num_slots, runner, self.device, attention_backend, draft=spec.draft)
             if self.draft.model is not None:
                 alignment.apply_draft(self.draft.model)
