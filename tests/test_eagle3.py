@@ -32,6 +32,7 @@ MODEL = ModelConfig(num_target_layers=4, num_kv_heads=8)
 SPEC = SpecConfig(num_steps=3, topk=2, num_draft_tokens=4, capture_bs=(1, 2, 4), max_running_requests=4, draft="eagle3",
                   eagle_aux_hidden_state_layer_ids=(0, 1, 2), draft_vocab_size=256)
 TP1 = RankContext(PL(), 0, comm=None)
+EAGLE3_CASES = ("tp1_eagle3", EAGLE3_CASE)  # TP1 over the full vocabulary reading the embeddings; TP2 DP2 with the d2t table
 
 
 # ---------------------------------------------------------------- config
@@ -181,24 +182,27 @@ def test_graph_runners_size_their_hidden_buffers_for_what_they_receive():
 # ---------------------------------------------------------------- the shipped case under every property
 
 
-def test_the_case_is_shipped_with_every_golden_and_in_every_parametrized_check():
-    assert EAGLE3_CASE in [c.name for c in default_cases()]  # pytest's plugin items (P1, P3, P4, golden) and `harness check`
-    assert EAGLE3_CASE in GOLDEN_CASES  # tests/test_spec_decode.py's P3 / P5 / P6 over the loop
-    out = check_decode_case(load_case(EAGLE3_CASE))  # the loop eager and graph: P1 draft-decode replays, P3 trees, P6 both goldens
+@pytest.mark.parametrize("name", EAGLE3_CASES)
+def test_the_case_is_shipped_with_every_golden_and_in_every_parametrized_check(name):
+    assert name in [c.name for c in default_cases()]  # `harness check`, tests/test_golden.py (the array golden)
+    assert name in GOLDEN_CASES  # tests/test_spec_decode.py's P3 / P5 / P6 over the loop
+    out = check_decode_case(load_case(name))  # the loop eager and graph: P1 draft-decode replays, P3 trees, P6 both goldens
     assert set(out) == {"P1", "P3", "P6"} and all(v.ok for v in out.values()), {k: v.report(3) for k, v in out.items()}
 
 
-def test_harness_check_runs_the_eagle3_draft_extend_runner():
+@pytest.mark.parametrize("name", EAGLE3_CASES)
+def test_harness_check_runs_the_eagle3_draft_extend_runner(name):
     """`harness check`'s default properties on the case, with the EAGLE3 runner (one step, the single-layer runner)
     replaying every iteration on every rank."""
-    rep = check_case(load_case(EAGLE3_CASE))
+    case = load_case(name)
+    rep = check_case(case)
     assert rep.ok, rep.first_failure()
     assert set(rep.verdicts) == {"P1", "P3", "P4"}
     for run in rep.runs:
         kinds = {rec.runner for recs in run.records for rec in recs}
         assert kinds == {RunnerKind.SINGLE_LAYER} and run.stats.replays == len(run.records)
         assert all(len(steps) == 1 for steps in run.graph)
-        assert run.graph[0][0].tensors["logits"].shape[1] == 256  # logits over the draft's vocabulary
+        assert run.graph[0][0].tensors["logits"].shape[1] == (case.scenario.spec.draft_vocab_size or 512)  # the draft's vocabulary
 
 
 def test_p2_holds_on_the_eagle3_case():
