@@ -12,7 +12,7 @@ What crosses between target and draft:
   its own copy, which is exactly its requests' rows;
 * proposals: the ranks without a draft (draft_tp_size < attn_tp_size) receive the draft's proposals from the group's
   first rank, a broadcast over the attention-TP group (`handoff_proposals`), every rank of the group verifying the same
-  draft tokens. vLLM's earlier smaller-TP proposer left the other ranks idle and broadcast the proposals the same way.
+  draft tokens.
 """
 from __future__ import annotations
 
