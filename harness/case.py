@@ -23,7 +23,7 @@ from harness.tolerances import Tol
 from runners.attention import BACKENDS
 from runners.attention.kinds import METADATA_IN_GRAPH, ONE_GRAPH_UNSUPPORTED, AttentionBackend
 from runners.config import DTYPES, DraftExtendGraph, ModelConfig, SpecConfig
-from runners.draft_decode import DRAFTS
+from runners.draft_parallel import check_draft_config
 from runners.model import check_model_fits_layout
 from runners.parallel.layout import LayoutError, ParallelLayout
 
@@ -77,7 +77,8 @@ _TOP = {"name": str, "description": str, "seed": int, "dtype": str, "backend": s
 _REQUIRED = ("name", "description", "layout", "schedule")
 _LAYOUT = {"tp_size": int, "dp_size": int, "enable_dp_attention": bool, "moe_dense_tp_size": int, "enable_dp_lm_head": bool, "moe_a2a_backend": str,
            "enable_two_batch_overlap": bool}
-_SPEC = {"num_steps": int, "topk": int, "num_tokens_per_bs": int, "capture_bs": list, "max_running_requests": int, "page_size": int, "draft": str, "draft_extend_graph": str}
+_SPEC = {"num_steps": int, "topk": int, "num_tokens_per_bs": int, "capture_bs": list, "max_running_requests": int, "page_size": int, "draft": str, "draft_extend_graph": str,
+         "eagle_aux_hidden_state_layer_ids": list, "draft_vocab_size": int, "draft_tp_size": int, "draft_max_position_embeddings": int, "draft_rope_theta": float}
 PAGE_SIZES = (1, 2, 4, 8, 16, 32, 64)  # KV slots per page: a power of two (runners.memory.check_page_size), at most 64
 _MODEL = {f.name: f.type for f in fields(ModelConfig) if f.name not in ("dtype",)}
 _SCHEDULE = {"batches": list, "max_prefix_len": int, "prefix_lens": list, "accept_lens": list, "rids": list}
@@ -255,26 +256,29 @@ def parse_case(data: dict, path: Path | str = "<case>") -> Case:
         spec_t["capture_bs"] = tuple(sorted(set(cbs)))
     if "page_size" in spec_t and spec_t["page_size"] not in PAGE_SIZES:
         raise CaseError(path, "spec.page_size", f"one of {', '.join(map(str, PAGE_SIZES))} (KV slots per page, a power of two)", spec_t["page_size"])
-    if "draft" in spec_t and spec_t["draft"] not in DRAFTS:
-        raise CaseError(path, "spec.draft", f"one of {', '.join(DRAFTS)} (the EAGLE draft: a layer per step, or one layer with a graphed draft decode)", spec_t["draft"])
     if "draft_extend_graph" in spec_t:
         graph = spec_t["draft_extend_graph"]
         if not isinstance(graph, str) or graph not in set(DraftExtendGraph):
             raise CaseError(path, "spec.draft_extend_graph", f"one of {', '.join(DraftExtendGraph)} (a graph per draft step, or one for every step)", graph)
         if graph == DraftExtendGraph.ONE_GRAPH and spec_t.get("draft", "multi_layer") != "multi_layer":
-            raise CaseError(path, "spec.draft_extend_graph", "per_step with draft = single_layer (its draft-extend is one step)", graph)
+            raise CaseError(path, "spec.draft_extend_graph", f"per_step with draft = {spec_t['draft']} (its draft-extend is one step)", graph)
         if graph == DraftExtendGraph.ONE_GRAPH and backend not in METADATA_IN_GRAPH:
             raise CaseError(path, "spec.draft_extend_graph", f"per_step with backend = {backend} ({ONE_GRAPH_UNSUPPORTED})", graph)
     if "num_tokens_per_bs" in spec_t:
         spec_t["num_draft_tokens"] = spec_t.pop("num_tokens_per_bs")
-    spec = SpecConfig(**spec_t)
+    try:  # the draft's own settings (EAGLE3's layers and vocabulary, the draft's TP size and rotary table), checked by runners
+        spec = SpecConfig(**spec_t)
+        check_draft_config(model, layout, spec)
+    except ValueError as e:
+        field, _, rule = str(e).partition(": ")
+        raise CaseError(path, field, rule.rsplit(", got ", 1)[0], spec_t.get(field.removeprefix("spec."))) from None
     if spec.topk == 1 and spec.num_tokens_per_bs != spec.num_steps + 1:
         # SGLang resets it (speculative_num_draft_tokens = num_steps + 1 when topk == 1, with a warning): a case file
         # holding another value would describe a config no engine runs, so it is refused rather than reset silently
         raise CaseError(path, "spec.num_tokens_per_bs", f"num_steps + 1 ({spec.num_steps + 1}) with topk 1 (a chain of num_steps drafts and "
                         "the root; engines reset any other value), or topk > 1 for a wider tree", spec.num_tokens_per_bs)
-    if spec.draft == "single_layer" and spec.topk * (spec.num_steps - 1) > spec.num_tokens_per_bs:
-        raise CaseError(path, "spec.topk", f"topk * (num_steps - 1) <= num_tokens_per_bs ({spec.num_tokens_per_bs}): the single-layer draft decode's slots", spec.topk)
+    if spec.draft.has_draft_decode and spec.topk * (spec.num_steps - 1) > spec.num_tokens_per_bs:
+        raise CaseError(path, "spec.topk", f"topk * (num_steps - 1) <= num_tokens_per_bs ({spec.num_tokens_per_bs}): the {spec.draft.value} draft decode's slots", spec.topk)
     if spec.topk > model.vocab_size:
         raise CaseError(path, "spec.topk", f"at most model.vocab_size ({model.vocab_size})", spec.topk)
 

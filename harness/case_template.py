@@ -86,7 +86,8 @@ def _spec_table(spec: SpecConfig) -> dict:
     if spec.page_size != 1:
         out["page_size"] = spec.page_size
     if spec.draft != "multi_layer":
-        out["draft"] = spec.draft
+        out["draft"] = spec.draft.value
+    out.update({k: v for k, v in spec.draft_fields().items() if k != "draft" and v is not None})  # the draft's own settings
     if spec.draft_extend_graph is not DraftExtendGraph.PER_STEP:
         out["draft_extend_graph"] = spec.draft_extend_graph.value
     return out

@@ -29,6 +29,7 @@ from harness.tolerances import Tol, cross_layout, eager_vs_graph
 from harness.verdict import Verdict, merge_verdicts
 from runners.config import DEFAULT_MODEL, ModelConfig, SpecConfig
 from runners.draft_extend import SEQ_LEN_FILL_VALUE, DraftWorker
+from runners.draft_parallel import draft_layout
 from runners.eagle_draft import DraftDecodeInputs, run_eager_decode
 from runners.eagle_draft_cuda_graph_runner import EAGLEDraftCudaGraphRunner
 from runners.graph.backend import GraphBackend
@@ -44,7 +45,7 @@ def check_decode_case(case: Case, props: Sequence[str] = ("P1", "P3", "P6")) -> 
     """The case's workload through the loop, eager and graph: P1 on the draft-decode replays, P3 eager vs graph,
     P6 (accept lengths, and the draft trees behind them) for both."""
     out = {p: Verdict(p) for p in props}
-    layout, k = case.layout, case.scenario.spec.topk
+    layout, k = draft_layout(case.layout, case.scenario.spec), case.scenario.spec.topk  # the draft's (SpecConfig.draft_tp_size)
     sessions = {r: case_session(case, r) for r in ("eager", "graph")}
     tol = case.tol("eager_vs_graph", eager_vs_graph("cpu", case.scenario.model.dtype, case.scenario.attention_backend))
     replays = 0
@@ -52,11 +53,13 @@ def check_decode_case(case: Case, props: Sequence[str] = ("P1", "P3", "P6")) -> 
     for step, (e_reps, g_reps) in enumerate(zip(sessions["eager"].reports, sessions["graph"].reports, strict=True)):
         for rank, (e, g) in enumerate(zip(e_reps, g_reps, strict=True)):
             where = {"case": case.name, "layout": layout.describe(), "runner": "draft_decode", "rank": rank, "step": step}
-            for rec in graph_records[step][rank].decode:
+            for i, rec in enumerate(graph_records[step][rank].decode):
                 replays += 1
                 if "P1" in out:
-                    # every DP group replays the largest group's bucket in the MLP branch: the largest raw batch of this step decides
-                    needed = max(r.raw_bs for rr in graph_records[step] for r in rr.decode) if layout.require_mlp_tp_gather else rec.raw_bs
+                    # every DP group replays the largest group's bucket in the MLP branch: the largest raw batch of this replay decides
+                    # (a step may run two draft decodes, the prefill's and the draft-extend's, each synced over every rank)
+                    same = [rr.decode[i].raw_bs for rr in graph_records[step] if i < len(rr.decode)]
+                    needed = max(same) if layout.require_mlp_tp_gather else rec.raw_bs
                     check_replay_record(out["P1"], layout, rec, rank, step, needed)
                     check_replay_rows(out["P1"], layout, rec, rank, step, expected_rows=rec.bs * k)
             if "P3" in out and (e.decode_outs is None) != (g.decode_outs is None):

@@ -15,6 +15,7 @@ from harness.records import ReplayRecord
 from harness.scenario import MaterializedBatch, Scenario, materialize, release
 from runners.draft_extend import DraftWorker, run_eager
 from runners.draft_extend_graph_driver import DraftExtendGraphDriver
+from runners.draft_parallel import draft_rank_context
 from runners.graph.backend import GraphBackend, GraphStats
 from runners.parallel.comm import Communicator
 from runners.parallel.dp_attention import RankContext, mlp_sync_batch_sizes
@@ -42,8 +43,11 @@ def _cpu(out) -> dict[str, torch.Tensor]:
     return {k: v.detach().to("cpu").clone() for k, v in out.tensors().items()}
 
 
-def make_worker(comm: Communicator, sc: Scenario, single_layer: bool, device: str) -> DraftWorker:
-    ctx = RankContext(sc.layout, comm.rank, comm)
+def make_worker(comm: Communicator, sc: Scenario, single_layer: bool, device: str) -> Optional[DraftWorker]:
+    """This rank's draft worker, in the draft's own layout; None on a rank that holds no draft (SpecConfig.draft_tp_size)."""
+    ctx = draft_rank_context(RankContext(sc.layout, comm.rank, comm), sc.spec)
+    if ctx is None:
+        return None
     return DraftWorker(ctx, sc.model, sc.spec, num_layers=1 if single_layer else None, attention_backend=sc.attention_backend, device=device)
 
 
@@ -64,6 +68,8 @@ def run_rank(
     on_step: Optional[Callable[[int, int], None]] = None,
 ) -> RankRun:
     result = RankRun(rank=comm.rank)
+    if draft_rank_context(RankContext(sc.layout, comm.rank, comm), sc.spec) is None:
+        return result  # no draft on this rank: it runs no draft-extend (its group's first rank hands the proposals on)
     eager_worker = make_worker(comm, sc, single_layer, device) if runner in ("eager", "both") else None
     driver = observers = None
     if runner in ("graph", "both"):

@@ -183,7 +183,8 @@ def replay_case(case: Case, step: Optional[int] = None, rank: Optional[int] = No
                     lp_list = host.get("global_num_tokens_for_logprob_cpu")
                     bs, num_tok, rows_fed = None, host.get("num_tokens"), int(res.tensors["rows_fed"])
                 lp = lp_list[own(d)] if lp_list else None
-                out.rows.append(StepRow(it, s, run.rank, layout.branch.value, len(run.rids[it]), bs, num_tok, lp,
+                branch = rec.branch if rec is not None else layout.branch.value  # the runner's (a draft may have a layout of its own)
+                out.rows.append(StepRow(it, s, run.rank, branch, len(run.rids[it]), bs, num_tok, lp,
                                         host.get("global_dp_buffer_len"), rows_fed, diff))
     return out
 

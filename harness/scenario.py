@@ -9,13 +9,14 @@ of all DP groups' requests is the oracle (P4).
 from __future__ import annotations
 
 import zlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from runners.attention.kinds import AttentionBackend
-from runners.config import ModelConfig, SpecConfig
+from runners.config import ModelConfig, SpecConfig, draft_input_hidden_size
 from runners.draft_extend import DraftExtendInputs, DraftWorker
+from runners.draft_parallel import served_dp_rank
 from runners.model import head_shard
 from runners.parallel.layout import ParallelLayout
 
@@ -54,7 +55,8 @@ class Scenario:
     def as_tp1(self) -> "Scenario":
         """The oracle: TP1, every DP group's requests in one batch, same iterations."""
         its = tuple(Iteration((it.all_requests(),)) for it in self.iterations)
-        return Scenario(self.model, self.spec, ParallelLayout(), its, self.seed, self.attention_backend, self.name + "@tp1")
+        spec = replace(self.spec, draft_tp_size=None)  # the TP1 draft: the draft's own TP size is the target's there
+        return Scenario(self.model, spec, ParallelLayout(), its, self.seed, self.attention_backend, self.name + "@tp1")
 
 
 def _gen(seed: int, *key: object) -> torch.Generator:
@@ -65,7 +67,7 @@ def request_tensors(sc: Scenario, req: RequestSpec) -> dict[str, torch.Tensor]:
     cfg, T = sc.model, sc.spec.num_tokens_per_bs
     g = _gen(sc.seed, "req", req.rid)
     ids = torch.randint(0, cfg.vocab_size, (T,), generator=g)
-    hidden = torch.randn(T, cfg.hidden_size, generator=g).to(cfg.torch_dtype)
+    hidden = torch.randn(T, draft_input_hidden_size(cfg, sc.spec), generator=g).to(cfg.torch_dtype)  # EAGLE3: the captured layers
     return {"input_ids": ids, "hidden_states": hidden}
 
 
@@ -86,7 +88,7 @@ class MaterializedBatch:
 def materialize(worker: DraftWorker, sc: Scenario, it: Iteration) -> MaterializedBatch:
     """Allocate pools and write this DP group's requests into one rank's worker."""
     ctx, cfg, T = worker.ctx, sc.model, sc.spec.num_tokens_per_bs
-    reqs = it.per_dp[ctx.attn_dp_rank]
+    reqs = it.per_dp[served_dp_rank(ctx)]
     shard = head_shard(cfg, ctx.attn_tp_rank, ctx.attn_tp_size)
     kv_sl = slice(shard.kv_start, shard.kv_start + shard.kv_count)
     dev = worker.device
@@ -119,7 +121,7 @@ def materialize(worker: DraftWorker, sc: Scenario, it: Iteration) -> Materialize
         positions=cat(pos, (0,), i64),
         seq_lens=torch.tensor(seq_lens, dtype=i64, device=dev),
         req_pool_indices=torch.tensor(pool_idx, dtype=i64, device=dev),
-        hidden_states=cat(hidden, (0, cfg.hidden_size), cfg.torch_dtype),
+        hidden_states=cat(hidden, (0, worker.input_hidden_size), cfg.torch_dtype),
         accept_lens=torch.tensor(accept, dtype=i64, device=dev),
         dp_batch_sizes=[len(reqs)],  # replaced by the MLP sync (a collective) when the rank runs
         seq_lens_cpu=torch.tensor(seq_lens, dtype=i64),

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from enum import StrEnum
 
 import torch
@@ -64,9 +64,37 @@ class DraftExtendGraph(StrEnum):
         return f"{type(self).__name__}.{self.name}"
 
 
+class DraftKind(StrEnum):
+    """Which EAGLE draft proposes (SGLang's speculative algorithm and its draft model).
+
+    MULTI_LAYER: MTP, one draft layer per speculative step, the steps run as draft-extend. SINGLE_LAYER: one EAGLE
+    layer run num_steps times (draft-extend, then the graphed draft decode). EAGLE3: SINGLE_LAYER's passes over an
+    EAGLE3 draft: it reads auxiliary hidden states captured from several target layers (projected by its fc) and
+    drafts over a reduced vocabulary mapped to target ids (runners.llama_eagle3).
+    """
+
+    MULTI_LAYER = "multi_layer"
+    SINGLE_LAYER = "single_layer"
+    EAGLE3 = "eagle3"
+
+    @property
+    def has_draft_decode(self) -> bool:
+        """One draft layer, run num_steps times: the draft-extend gives depth 1, the draft decode the rest."""
+        return self is not DraftKind.MULTI_LAYER
+
+    def __repr__(self) -> str:
+        """As code, so a config's repr (a failing example's @example line) rebuilds it."""
+        return f"{type(self).__name__}.{self.name}"
+
+
 @dataclass(frozen=True)
 class SpecConfig:
-    """EAGLE/MTP speculative config: one draft layer per step (multi-layer EAGLE), or one layer run num_steps times."""
+    """EAGLE/MTP speculative config: one draft layer per step (multi-layer EAGLE), or one layer run num_steps times.
+
+    The draft's own checkpoint and placement, where they differ from the target's (None / empty: as the target):
+    eagle_aux_hidden_state_layer_ids and draft_vocab_size (EAGLE3 only), draft_tp_size (runners.draft_parallel),
+    draft_max_position_embeddings and draft_rope_theta (its rotary table: draft_model_config).
+    """
 
     num_steps: int = 3
     topk: int = 1
@@ -74,19 +102,96 @@ class SpecConfig:
     capture_bs: tuple[int, ...] = field(default_factory=lambda: tuple(default_capture_bs()))
     max_running_requests: int = 32
     page_size: int = 1  # KV slots per page of every rank's KV pools (a server arg, not part of the weights)
-    draft: str = "multi_layer"  # EAGLE draft: "multi_layer" (MTP: a layer per step) or "single_layer" (one layer, graphed draft decode)
+    draft: DraftKind = DraftKind.MULTI_LAYER  # a case file names it by value ("multi_layer", "single_layer", "eagle3")
     draft_extend_graph: DraftExtendGraph = DraftExtendGraph.PER_STEP  # the multi-layer draft-extend's graph composite
+    # EAGLE3: the target layers whose outputs the draft reads, concatenated (SGLang's eagle_aux_hidden_state_layer_ids:
+    # id i is layer i's output, captured at layer i + 1's input; -1 the embeddings)
+    eagle_aux_hidden_state_layer_ids: tuple[int, ...] = ()
+    draft_vocab_size: int | None = None  # EAGLE3: the draft's reduced vocabulary (its lm_head rows, its d2t table)
+    draft_tp_size: int | None = None  # the draft's own TP size: 1 or the target's attn_tp_size (runners.draft_parallel)
+    draft_max_position_embeddings: int | None = None  # the draft checkpoint's rotary rows (raised to the target's context)
+    draft_rope_theta: float | None = None  # the draft checkpoint's rotary base
 
     def __post_init__(self) -> None:
-        """A config written by hand or read from a file names the composite by its value; a frozen dataclass keeps the enum."""
+        """A config written by hand or read from a file names the enums by value; a frozen dataclass keeps the enums."""
         try:
             graph = DraftExtendGraph(self.draft_extend_graph)
         except ValueError:
             raise ValueError(f"draft_extend_graph must be one of {', '.join(DraftExtendGraph)}, got {self.draft_extend_graph!r}") from None
-        if graph is DraftExtendGraph.ONE_GRAPH and self.draft != "multi_layer":
-            raise ValueError(f"draft_extend_graph {graph.value!r} needs the multi-layer draft (the single-layer draft-extend is one step)")
+        try:
+            draft = DraftKind(self.draft)
+        except ValueError:
+            raise ValueError(f"spec.draft: one of {', '.join(DraftKind)} (a layer per step, one layer with a graphed draft decode, or EAGLE3), "
+                             f"got {self.draft!r}") from None
+        if graph is DraftExtendGraph.ONE_GRAPH and draft is not DraftKind.MULTI_LAYER:
+            raise ValueError(f"draft_extend_graph {graph.value!r} needs the multi-layer draft (the {draft.value} draft-extend is one step)")
         object.__setattr__(self, "draft_extend_graph", graph)
+        object.__setattr__(self, "draft", draft)
+        layer_ids = tuple(self.eagle_aux_hidden_state_layer_ids)  # a case file's list
+        if not all(isinstance(i, int) and not isinstance(i, bool) for i in layer_ids):
+            raise ValueError(f"spec.eagle_aux_hidden_state_layer_ids: integer target layer ids, got {list(layer_ids)}")
+        object.__setattr__(self, "eagle_aux_hidden_state_layer_ids", layer_ids)
+        # messages name the field as a case file does (spec.<field>: the rule): the case loader reports them so
+        if draft is DraftKind.EAGLE3:
+            if not layer_ids or len(set(layer_ids)) != len(layer_ids) or min(layer_ids) < -1:
+                raise ValueError(f"spec.eagle_aux_hidden_state_layer_ids: distinct target layer ids >= -1, the layers the EAGLE3 draft reads "
+                                 f"(layer i's output, -1 the embeddings), got {list(layer_ids)}")
+        else:
+            for name in ("eagle_aux_hidden_state_layer_ids", "draft_vocab_size"):
+                if getattr(self, name):
+                    raise ValueError(f"spec.{name}: only with draft = 'eagle3' (an EAGLE3 draft's setting), not with the {draft.value} draft")
+        for name in ("draft_vocab_size", "draft_tp_size", "draft_max_position_embeddings"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"spec.{name}: an integer >= 1, got {value}")
+        if self.draft_rope_theta is not None and not 0 < self.draft_rope_theta < 1e12:
+            raise ValueError(f"spec.draft_rope_theta: a number > 0, got {self.draft_rope_theta}")
 
     @property
     def num_tokens_per_bs(self) -> int:
         return self.num_draft_tokens if self.num_draft_tokens is not None else self.num_steps + 1
+
+    @property
+    def num_aux_hidden_states(self) -> int:
+        """Target layers the EAGLE3 draft reads (0: the draft reads the target's last hidden state)."""
+        return len(self.eagle_aux_hidden_state_layer_ids)
+
+    def draft_fields(self) -> dict:
+        """The draft's own settings that differ from the target's, by name: what a golden's identity adds to the spec
+        (empty for a multi-layer or single-layer draft in the target's layout, so their goldens keep their identity)."""
+        out: dict = {}
+        if self.draft is DraftKind.EAGLE3:
+            out.update(draft=self.draft.value, eagle_aux_hidden_state_layer_ids=list(self.eagle_aux_hidden_state_layer_ids),
+                       draft_vocab_size=self.draft_vocab_size)
+        for name in ("draft_tp_size", "draft_max_position_embeddings", "draft_rope_theta"):
+            if getattr(self, name) is not None:
+                out[name] = getattr(self, name)
+        return out
+
+
+def draft_input_hidden_size(cfg: ModelConfig, spec: SpecConfig) -> int:
+    """Width of the target hidden states the draft reads (SGLang's get_draft_input_from_target_hidden_dim): the target's
+    hidden size times the captured layers for EAGLE3, the hidden size for every other draft. What the draft-extend's and
+    the target verify's hidden buffers are sized by; the draft decode carries the draft's own (hidden_size)."""
+    return cfg.hidden_size * max(1, spec.num_aux_hidden_states)
+
+
+def draft_model_config(cfg: ModelConfig, spec: SpecConfig) -> ModelConfig:
+    """The draft's own ModelConfig: the target's sizes (the draft shares its embedding and hidden size), with the draft
+    checkpoint's rotary base and max positions. A draft whose checkpoint has fewer positions than the target's context
+    still sees every position the target does, so its rotary table is raised to the target's (vLLM's
+    _maybe_override_draft_max_position_embeddings: a smaller cos_sin_cache is gathered out of bounds)."""
+    own = spec.draft_max_position_embeddings
+    return replace(cfg, max_context_len=max(cfg.max_context_len, own or 0),
+                   rope_theta=cfg.rope_theta if spec.draft_rope_theta is None else spec.draft_rope_theta)
+
+
+def check_spec_fits_model(cfg: ModelConfig, spec: SpecConfig) -> None:
+    """What a spec asks of the target model; ValueError naming the field."""
+    n = cfg.num_target_layers
+    bad = [i for i in spec.eagle_aux_hidden_state_layer_ids if not -1 <= i <= n - 2]
+    if bad:
+        raise ValueError(f"spec.eagle_aux_hidden_state_layer_ids: ids in -1..{n - 2} (layer i's output is captured at layer i + 1's input, "
+                         f"and the target has model.num_target_layers = {n}), got {bad}")
+    if spec.draft_vocab_size is not None and spec.draft_vocab_size > cfg.vocab_size:
+        raise ValueError(f"spec.draft_vocab_size: at most the target's model.vocab_size ({cfg.vocab_size}), got {spec.draft_vocab_size}")

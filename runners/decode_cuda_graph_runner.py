@@ -27,7 +27,7 @@ import torch
 
 from runners.base_cuda_graph_runner import BaseCudaGraphRunner, RunnerKind, compute_capture_bs
 from runners.batch import EagleVerifyInput, ForwardBatch, ForwardMode, host_copy
-from runners.config import ModelConfig, SpecConfig
+from runners.config import ModelConfig, SpecConfig, draft_input_hidden_size
 from runners.dp_metadata import gathered_metadata
 from runners.draft_extend import SEQ_LEN_FILL_VALUE
 from runners.graph.backend import GraphBackend
@@ -107,7 +107,8 @@ class DecodeCudaGraphRunner(BaseCudaGraphRunner):
         self.custom_mask = self.chain_mask.repeat(self.max_bs, 1, 1)
         self.custom_mask_cpu = self.chain_mask_cpu.repeat(self.max_bs, 1, 1)
         rows = n if target is not None else 0  # outputs only; a metadata-only runner never runs the body
-        self.hidden_buffer = torch.zeros(rows, cfg.hidden_size, dtype=cfg.torch_dtype, device=dev)
+        # what the draft reads: the last hidden states, or an EAGLE3 draft's captured layers side by side
+        self.hidden_buffer = torch.zeros(rows, draft_input_hidden_size(cfg, spec), dtype=cfg.torch_dtype, device=dev)
         self.logits_buffer = torch.zeros(rows, cfg.vocab_size, dtype=torch.float32, device=dev)
         self._init_gathered(dev)
         self.graphs: dict[int, object] = {}

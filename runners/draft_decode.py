@@ -35,7 +35,7 @@ from typing import Optional, Sequence
 import torch
 
 from runners.attention import make_backend
-from runners.config import ModelConfig, SpecConfig
+from runners.config import DraftKind, ModelConfig, SpecConfig
 from runners.draft_extend import (
     DraftExtendInputs,
     DraftWorker,
@@ -45,6 +45,7 @@ from runners.draft_extend import (
     run_eager,
 )
 from runners.draft_extend_graph_driver import DraftExtendGraphDriver
+from runners.draft_parallel import draft_rank_context, handoff_proposals, has_idle_ranks
 from runners.eagle_draft import (
     DraftDecodeInputs,
     DraftDecodeOutputs,
@@ -56,12 +57,13 @@ from runners.eagle_draft import (
 from runners.eagle_draft_cuda_graph_runner import EAGLEDraftCudaGraphRunner
 from runners.graph.backend import GraphBackend
 from runners.graph.mode import GraphMode
+from runners.llama_eagle3 import draft_to_target
 from runners.memory import ReqToTokenPool
 from runners.parallel.dp_attention import RankContext, mlp_sync_batch_sizes
 from runners.scheduler import Proposal, Request
 from runners.target import Lane, TargetRunner
 
-DRAFTS = ("multi_layer", "single_layer")
+DRAFTS = tuple(DraftKind)  # the values a case file names (a DraftKind is its value)
 
 
 def eagle_pairs(tokens_after: torch.Tensor, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -77,20 +79,31 @@ def proposals_from_steps(outs: Sequence[StepOutputs], lanes: Sequence[int]) -> l
 
 
 class EagleProposer:
-    """The EAGLE draft of one rank (multi-layer, or single-layer with its draft decode): a DraftWorker on the engine's request map."""
+    """The EAGLE draft of one rank (multi-layer, or single-layer / EAGLE3 with its draft decode): a DraftWorker on the
+    engine's request map, in the draft's own layout (runners.draft_parallel). A rank that holds no draft (draft_tp_size
+    below the attention-TP size) has no worker and receives its group's proposals (`handoff_proposals`)."""
 
     def __init__(self, ctx: RankContext, cfg: ModelConfig, spec: SpecConfig, req_pool: ReqToTokenPool, num_slots: int,
                  runner: GraphMode | str, device: torch.device, attention_backend: str = "torch", graph_kind: str = "auto",
-                 draft: str = "multi_layer"):
+                 draft: DraftKind | str = DraftKind.MULTI_LAYER):
         if runner not in set(GraphMode):
             raise ValueError(f"runner must be one of {', '.join(GraphMode)}, got {runner!r}")
         if draft not in DRAFTS:
             raise ValueError(f"draft must be one of {DRAFTS}, got {draft!r}")
-        self.single_layer = draft == "single_layer"
+        self.single_layer = DraftKind(draft).has_draft_decode
         if self.single_layer:
             check_draft_window(spec.num_steps, spec.topk, spec.num_tokens_per_bs)
         self.ctx, self.spec, self.device, self.runner = ctx, spec, device, runner
-        w = DraftWorker(ctx, cfg, spec, num_layers=1 if self.single_layer else None, attention_backend=attention_backend, device=device,
+        self.handoff = has_idle_ranks(ctx.layout, spec)  # some rank of the group has no draft: proposals are broadcast
+        self.driver: Optional[DraftExtendGraphDriver] = None
+        self.decode_graph: Optional[EAGLEDraftCudaGraphRunner] = None
+        self.last_outs: list[StepOutputs] = []
+        self.last_decode: Optional[DraftDecodeOutputs] = None
+        self.worker: Optional[DraftWorker] = None
+        dctx = draft_rank_context(ctx, spec)
+        if dctx is None:
+            return
+        w = DraftWorker(dctx, cfg, spec, num_layers=1 if self.single_layer else None, attention_backend=attention_backend, device=device,
                         max_reqs=req_pool.req_to_token.shape[0], num_slots=num_slots)
         # one request map per rank, written by the scheduler, read by target and draft (as in the engine)
         w.req_pool = req_pool
@@ -98,29 +111,35 @@ class EagleProposer:
         if self.single_layer and spec.num_steps > 1:
             require_draft_decode(w.attn)  # the draft decode attends with the case's backend, eager and graph alike
         self.worker = w
-        self.driver: Optional[DraftExtendGraphDriver] = None
-        self.decode_graph: Optional[EAGLEDraftCudaGraphRunner] = None
-        self.last_outs: list[StepOutputs] = []
-        self.last_decode: Optional[DraftDecodeOutputs] = None
 
     @property
     def model(self):
-        return self.worker.model
+        return None if self.worker is None else self.worker.model
 
     def capture(self, graphs: Optional[GraphBackend]) -> None:
         """Build and capture the graph runners (after any weight change: a graph bakes nothing else) into the pool of
         `graphs`, the rank's backend (GraphBackend.sibling); None when the runner is eager."""
-        if self.runner == "graph":
+        if self.runner == "graph" and self.worker is not None:
             self.driver = DraftExtendGraphDriver(self.worker, graphs.sibling(), single_layer=self.single_layer)
             self.driver.capture()
             if self.single_layer and self.spec.num_steps > 1:
                 self.decode_graph = EAGLEDraftCudaGraphRunner(self.worker, graphs.sibling())
                 self.decode_graph.capture()
 
+    def _handed_off(self, props: Optional[list[Proposal]], num_requests: int) -> list[Proposal]:
+        """The group's proposals on every rank of it (the draft's own where no rank is without one)."""
+        if not self.handoff:
+            return props
+        return handoff_proposals(self.ctx, props, num_requests, self.spec.num_steps, self.spec.topk, self.device)
+
     # ---- prefill: the prompt, in T-row chunks, eagerly ----
     def prefill(self, reqs: Sequence[Request], hiddens: Sequence[torch.Tensor]) -> list[Proposal]:
+        props = self._prefill(reqs, hiddens) if self.worker is not None else None
+        return self._handed_off(props, len(reqs))
+
+    def _prefill(self, reqs: Sequence[Request], hiddens: Sequence[torch.Tensor]) -> list[Proposal]:
         w, T, dev = self.worker, self.worker.tokens_per_bs, self.device
-        H = w.cfg.hidden_size
+        H = w.input_hidden_size
         ids, pos, seq, pool, acc, hid, finals, rows_of = [], [], [], [], [], [], [], []
         for r, h in zip(reqs, hiddens, strict=True):
             L = h.shape[0]  # rows 0..L-1 of the prompt
@@ -135,7 +154,7 @@ class EagleProposer:
                 acc.append(min(T, L - c * T))
             rows_of.append(L)
             finals.append(len(seq) - 1)
-        dp_sizes = mlp_sync_batch_sizes(self.ctx, len(seq), dev)
+        dp_sizes = mlp_sync_batch_sizes(w.ctx, len(seq), dev)
         if sum(dp_sizes) == 0:
             return []
         i64 = dict(dtype=torch.int64, device=dev)
@@ -163,25 +182,33 @@ class EagleProposer:
         return proposals_from_steps(outs, finals)
 
     # ---- draft-extend after a verify ----
-    def extend(self, inp: DraftExtendInputs) -> list[Proposal]:
-        if self.driver is not None:
-            outs = self.driver.run(inp)
-        else:
-            outs = run_eager(self.worker, inp)[0]
-        self.last_outs = outs
-        if self.single_layer:
-            rows = (torch.arange(inp.bs, device=self.device) * self.worker.tokens_per_bs + inp.accept_lens - 1).tolist()
-            return self._decode(outs[0], list(range(inp.bs)), rows, inp.positions, inp.req_pool_indices.tolist())
-        return proposals_from_steps(outs, range(inp.bs))
+    def extend(self, inp: Optional[DraftExtendInputs], num_requests: int) -> list[Proposal]:
+        """`inp` None: this rank holds no draft, or every DP group is idle (then no rank calls it)."""
+        props = None
+        if self.worker is not None:
+            if self.driver is not None:
+                outs = self.driver.run(inp)
+            else:
+                outs = run_eager(self.worker, inp)[0]
+            self.last_outs = outs
+            if self.single_layer:
+                rows = (torch.arange(inp.bs, device=self.device) * self.worker.tokens_per_bs + inp.accept_lens - 1).tolist()
+                props = self._decode(outs[0], list(range(inp.bs)), rows, inp.positions, inp.req_pool_indices.tolist())
+            else:
+                props = proposals_from_steps(outs, range(inp.bs))
+        return self._handed_off(props, num_requests)
 
     # ---- single-layer: the draft decode after the draft-extend ----
     def _decode(self, out: StepOutputs, lanes: list[int], rows: list[int], positions: torch.Tensor, pool: list[int]) -> list[Proposal]:
-        """The selected row of each request (it read the last committed token at position p) seeds lanes at position p + 1."""
+        """The selected row of each request (it read the last committed token at position p) seeds lanes at position p + 1.
+        The draft-extend's top-k are draft ids (an EAGLE3 draft's): the draft decode maps them where it embeds them,
+        and the proposal's first depth here."""
         self.last_decode = None
         S, k, dev = self.spec.num_steps, self.spec.topk, self.device
+        first = draft_to_target(self.worker.hot_token_id, out.topk_index[lanes])
         if S == 1:
-            return tree_proposals(out.topk_index[lanes], None, S)
-        dp_sizes = mlp_sync_batch_sizes(self.ctx, len(lanes), dev)
+            return tree_proposals(first, None, S)
+        dp_sizes = mlp_sync_batch_sizes(self.worker.ctx, len(lanes), dev)
         seq = positions[rows] + 1
         inp = DraftDecodeInputs(out.topk_p[lanes], out.topk_index[lanes], out.hidden[rows], seq,
                                 torch.tensor(pool, dtype=torch.int64, device=dev), seq.repeat_interleave(k), dp_sizes)
@@ -193,7 +220,7 @@ class EagleProposer:
                 g.backend.stats.eager_fallbacks += 1
             dout = run_eager_decode(self.worker, inp)
         self.last_decode = dout
-        return tree_proposals(inp.topk_index, dout, S)
+        return tree_proposals(first, dout, S)
 
 
 class TargetProposer:

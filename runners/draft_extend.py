@@ -16,8 +16,9 @@ from runners import mlp_sync
 from runners.attention import make_backend
 from runners.attention.torch_ref import token_to_request
 from runners.batch import EagleDraftInput, ForwardBatch, ForwardMode
-from runners.config import ModelConfig, SpecConfig
+from runners.config import DraftKind, ModelConfig, SpecConfig, draft_input_hidden_size, draft_model_config
 from runners.dp_metadata import gathered_metadata
+from runners.llama_eagle3 import Eagle3DraftModel
 from runners.logits import logits_processor
 from runners.memory import ReqToTokenPool, TokenToKVPool, assign_out_cache_loc
 from runners.mlp_sync import SEQ_LEN_FILL_VALUE as SEQ_LEN_FILL_VALUE
@@ -81,13 +82,17 @@ class DraftWorker:
         """build_model=False gives a worker with no weights or pools: enough for a graph
         runner's buffers and metadata (get_forward_batch, prepare_replay), which is what the
         fast metadata property drives at hundreds of examples per second."""
-        self.ctx, self.cfg, self.spec = ctx, model_cfg, spec_cfg
+        self.ctx, self.spec = ctx, spec_cfg
+        self.cfg = model_cfg = draft_model_config(model_cfg, spec_cfg)  # the draft's own: its rotary table
         self.device = torch.device(device)
-        self.num_layers = spec_cfg.num_steps if num_layers is None else num_layers
+        self.eagle3 = spec_cfg.draft is DraftKind.EAGLE3
+        self.num_layers = 1 if self.eagle3 else spec_cfg.num_steps if num_layers is None else num_layers
+        self.input_hidden_size = draft_input_hidden_size(model_cfg, spec_cfg)  # what the target hands the draft-extend
+        self.vocab_size = model_cfg.vocab_size if spec_cfg.draft_vocab_size is None else spec_cfg.draft_vocab_size  # the logits' width
         if not build_model:
             self.model = self.req_pool = self.kv_pool = self.attn = None
             return
-        self.model = DraftModel(model_cfg, self.num_layers, ctx)
+        self.model = Eagle3DraftModel(model_cfg, spec_cfg, ctx) if self.eagle3 else DraftModel(model_cfg, self.num_layers, ctx)
         if self.device.type != "cpu":
             _move_tensors(self.model, self.device)  # weights are generated on CPU (same bits everywhere)
         kv_heads = head_shard(model_cfg, ctx.attn_tp_rank, ctx.attn_tp_size).kv_count
@@ -100,17 +105,25 @@ class DraftWorker:
     def tokens_per_bs(self) -> int:
         return self.spec.num_tokens_per_bs
 
+    @property
+    def hot_token_id(self) -> Optional[torch.Tensor]:
+        """Draft id -> target id of an EAGLE3 draft with a reduced vocabulary; None: the draft's ids are target ids."""
+        return getattr(self.model, "hot_token_id", None)
+
+
+_MODEL_MODULES = (DraftModel.__module__, Eagle3DraftModel.__module__)
+
 
 def _move_tensors(obj, device: torch.device) -> None:
-    """Move every tensor of a runners.model object tree (layers, heads) to `device`."""
+    """Move every tensor of a model object tree (runners.model, runners.llama_eagle3: layers, heads) to `device`."""
     for name, val in list(vars(obj).items()):
         if isinstance(val, torch.Tensor):
             setattr(obj, name, val.to(device))
         elif isinstance(val, list):
             for item in val:
-                if type(item).__module__ == DraftModel.__module__:
+                if type(item).__module__ in _MODEL_MODULES:
                     _move_tensors(item, device)
-        elif type(val).__module__ == DraftModel.__module__:
+        elif type(val).__module__ in _MODEL_MODULES:
             _move_tensors(val, device)
 
 

@@ -67,8 +67,9 @@ class DraftExtendInputBuffers:
             num_accept_tokens=torch.ones(max_bs, **i64),
             extend_seq_lens=torch.full((max_bs,), T, **i64),
             extend_start_loc=torch.arange(max_bs, **i64) * T,
-            hidden_states=torch.zeros(n, cfg.hidden_size, dtype=cfg.torch_dtype, device=dev),
-            next_token_logits_buffer=torch.zeros(logits_rows, cfg.vocab_size, dtype=torch.float32, device=dev),
+            # the target's hidden states (EAGLE3: its captured layers, concatenated), and logits over the draft's vocabulary
+            hidden_states=torch.zeros(n, worker.input_hidden_size, dtype=cfg.torch_dtype, device=dev),
+            next_token_logits_buffer=torch.zeros(logits_rows, worker.vocab_size, dtype=torch.float32, device=dev),
             global_num_tokens_gpu=gnt,
             global_num_tokens_for_logprob_gpu=gnt_lp,
         )

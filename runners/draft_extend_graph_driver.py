@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Optional
 
 from runners.attention.kinds import METADATA_IN_GRAPH, ONE_GRAPH_UNSUPPORTED
-from runners.config import DraftExtendGraph
+from runners.config import DraftExtendGraph, DraftKind
 from runners.draft_extend import DraftExtendInputs, DraftWorker, StepOutputs, run_eager, with_step_inputs
 from runners.draft_extend_cuda_graph_runner import DraftExtendCudaGraphRunner
 from runners.eagle_draft_extend_cuda_graph_runner import EAGLEDraftExtendCudaGraphRunner
@@ -38,7 +38,7 @@ class DraftExtendGraphDriver:
     def __init__(self, worker: DraftWorker, backend: GraphBackend, single_layer: bool = False):
         self.worker, self.backend = worker, backend
         self.multi_step: Optional[MultiLayerEagleMultiStepDraftExtendCudaGraphRunner] = None
-        if single_layer:
+        if single_layer or worker.spec.draft is DraftKind.EAGLE3:  # an EAGLE3 draft is one layer: the single-layer runner's
             self.runners: list[DraftExtendCudaGraphRunner] = [EAGLEDraftExtendCudaGraphRunner(worker, backend)]
         else:
             if worker.spec.draft_extend_graph is DraftExtendGraph.ONE_GRAPH and worker.attn.name not in METADATA_IN_GRAPH:

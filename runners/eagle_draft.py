@@ -29,6 +29,7 @@ import torch
 from runners.batch import ForwardBatch, ForwardMode
 from runners.dp_metadata import gathered_metadata
 from runners.draft_extend import DraftWorker
+from runners.llama_eagle3 import draft_to_target
 from runners.logits import logits_processor
 from runners.outputs import RunnerOutputs
 from runners.scheduler import Proposal
@@ -39,7 +40,7 @@ class DraftDecodeSpecInfo:
     """The engine's EagleDraftInput in DECODE mode: the draft-extend's top-k and hidden state per request."""
 
     topk_p: torch.Tensor  # [bs, topk] probabilities of the depth-1 candidates
-    topk_index: torch.Tensor  # [bs, topk] their token ids
+    topk_index: torch.Tensor  # [bs, topk] their token ids: draft ids (an EAGLE3 draft's reduced vocabulary), mapped in the body
     hidden_states: torch.Tensor  # [bs, H] the draft layer's output at each request's selected row
     topk: int = 1
 
@@ -66,7 +67,7 @@ class DraftDecodeInputs:
 class DraftDecodeOutputs(RunnerOutputs):
     """The draft tree of every request, per depth 1..S, and what the last forward fed lm_head."""
 
-    tokens: torch.Tensor  # [bs, S, topk] the kept nodes of each depth
+    tokens: torch.Tensor  # [bs, S, topk] the kept nodes of each depth (target ids, as child_index)
     parents: torch.Tensor  # [bs, S, topk] each node's parent lane at the previous depth (-1 at depth 1)
     scores: torch.Tensor  # [bs, S, topk] cumulative path probability of each kept node
     child_index: torch.Tensor  # [bs, S - 1, topk, topk] each kept node's top-k children (depth 1..S-1)
@@ -144,7 +145,8 @@ def draft_decode_forward(worker: DraftWorker, fb: ForwardBatch) -> DraftDecodeOu
     layer, head, ctx, attn = worker.model.layers[0], worker.model.head, worker.ctx, worker.attn
     locs = assign_draft_cache_locs(worker.req_pool.req_to_token, fb.req_pool_indices, fb.seq_lens, k, steps, fb.out_cache_loc).view(bs, k, steps)
     per_step = locs.permute(2, 0, 1).reshape(steps, n)
-    topk_p, topk_index, hidden, scores = info.topk_p, info.topk_index, info.hidden_states, None
+    hot = worker.hot_token_id  # an EAGLE3 draft's top-k are draft ids: mapped to target ids before they are embedded or kept
+    topk_p, topk_index, hidden, scores = info.topk_p, draft_to_target(hot, info.topk_index), info.hidden_states, None
     tokens, parents, score_list, child_index, child_p, step_logits, rows_fed = [], [], [], [], [], [], None
     for i in range(S):
         input_ids, hidden, scores, parent = select_top_k_tokens(i, topk_p, topk_index, hidden, scores, k)
@@ -159,6 +161,7 @@ def draft_decode_forward(worker: DraftWorker, fb: ForwardBatch) -> DraftDecodeOu
         lo = logits_processor(ctx, head, normed, step_fb)
         probs = torch.softmax(lo.next_token_logits.float(), dim=-1)
         topk_p, topk_index = probs.topk(k, dim=-1)
+        topk_index = draft_to_target(hot, topk_index)
         child_p.append(topk_p.view(bs, k, k))
         child_index.append(topk_index.view(bs, k, k))
         step_logits.append(lo.next_token_logits)

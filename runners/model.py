@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import zlib
 from dataclasses import dataclass
+from typing import Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -98,17 +99,19 @@ def head_shard(cfg: ModelConfig, attn_tp_rank: int, attn_tp_size: int) -> HeadSh
 class DecoderLayer:
     """RMSNorm -> GQA attention with RoPE over the paged KV cache -> RMSNorm -> SwiGLU MLP."""
 
-    def __init__(self, cfg: ModelConfig, name: str, ctx: RankContext, kv_layer: int):
+    def __init__(self, cfg: ModelConfig, name: str, ctx: RankContext, kv_layer: int, qkv_in_features: Optional[int] = None):
+        """qkv_in_features: the width qkv_proj reads (default hidden_size; an EAGLE3 draft layer reads 2 * hidden_size)."""
         self.cfg, self.ctx, self.kv_layer = cfg, ctx, kv_layer
         H, d, inter = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
+        qkv_in = H if qkv_in_features is None else qkv_in_features
         layout = ctx.layout
         self.heads = hs = head_shard(cfg, ctx.attn_tp_rank, ctx.attn_tp_size)
         self.ln1 = norm_weight(cfg, f"{name}.ln1")
         self.ln2 = norm_weight(cfg, f"{name}.ln2")
         self.cos_sin_cache = rope_cos_sin_cache(cfg)
-        wq = full_weight(cfg, f"{name}.q", (cfg.num_heads * d, H))
-        wk = full_weight(cfg, f"{name}.k", (cfg.num_kv_heads * d, H))
-        wv = full_weight(cfg, f"{name}.v", (cfg.num_kv_heads * d, H))
+        wq = full_weight(cfg, f"{name}.q", (cfg.num_heads * d, qkv_in))
+        wk = full_weight(cfg, f"{name}.k", (cfg.num_kv_heads * d, qkv_in))
+        wv = full_weight(cfg, f"{name}.v", (cfg.num_kv_heads * d, qkv_in))
         wo = full_weight(cfg, f"{name}.o", (H, cfg.num_heads * d))
         # one fused qkv_proj of this rank's heads, as the engines' QKVParallelLinear (and gpt-fast's wqkv) hold it: one
         # GEMM, and no skinny k / v GEMM of kv_heads * head_dim columns for cuBLAS to pick a slow kernel for
@@ -146,10 +149,12 @@ class DecoderLayer:
         gate, up = (x @ self.w_gate_up.T).chunk(2, dim=-1)
         return (F.silu(gate) * up) @ self.w_down.T
 
-    def forward(self, x: torch.Tensor, fb: ForwardBatch, attn, meta: AttnMetadata) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, fb: ForwardBatch, attn, meta: AttnMetadata, attn_input: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """x is the residual stream; attention reads rms_norm(x) unless the caller gives its input (an EAGLE3 draft layer:
+        the normed token embeddings beside the normed hidden states)."""
         ctx, eps = self.ctx, self.cfg.rms_eps
         n = x.shape[0]
-        partial = self.attention(rms_norm(x, self.ln1, eps), fb, attn, meta)
+        partial = self.attention(rms_norm(x, self.ln1, eps) if attn_input is None else attn_input, fb, attn, meta)
         if self.branch is Branch.ATTN_TP_GATHER:
             a, res = attn_tp_scatter(ctx, partial, x)
             h = res + a
@@ -168,16 +173,26 @@ class DecoderLayer:
 
 
 class SharedHead:
-    """Embedding (replicated) and the vocab-parallel lm_head shared by target and draft (EAGLE)."""
+    """Embedding (replicated) and the vocab-parallel lm_head shared by target and draft (EAGLE). An EAGLE3 draft shares
+    the embedding and has an lm_head of its own over its reduced vocabulary (lm_name, lm_vocab)."""
 
-    def __init__(self, cfg: ModelConfig, ctx: RankContext):
+    def __init__(self, cfg: ModelConfig, ctx: RankContext, lm_name: str = "lm_head", lm_vocab: Optional[int] = None):
         self.embed = full_weight(cfg, "embed", (cfg.vocab_size, cfg.hidden_size))
-        lm = full_weight(cfg, "lm_head", (cfg.vocab_size, cfg.hidden_size))
-        if ctx.layout.logits_dp_gather:
-            self.lm_group, self.lm_rank, self.lm_size = Group.WORLD, ctx.tp_rank, ctx.layout.tp_size
-        else:
-            self.lm_group, self.lm_rank, self.lm_size = Group.ATTN_TP, ctx.attn_tp_rank, ctx.attn_tp_size
+        lm = full_weight(cfg, lm_name, (cfg.vocab_size if lm_vocab is None else lm_vocab, cfg.hidden_size))
+        self.lm_group, self.lm_rank, self.lm_size = lm_head_shards(ctx)
         self.lm_head = shard(lm, 0, self.lm_rank, self.lm_size)
+
+
+def lm_head_shards(ctx: RankContext) -> tuple[Group, int, int]:
+    """(group, rank, size) the vocab-parallel lm_head is sharded over: the world with the logits DP gather, else the
+    attention-TP group."""
+    if ctx.layout.logits_dp_gather:
+        return Group.WORLD, ctx.tp_rank, lm_head_size(ctx.layout)
+    return Group.ATTN_TP, ctx.attn_tp_rank, lm_head_size(ctx.layout)
+
+
+def lm_head_size(layout: ParallelLayout) -> int:
+    return layout.tp_size if layout.logits_dp_gather else layout.attn_tp_size
 
 
 class DraftLayer:
@@ -214,10 +229,21 @@ class TargetModel:
         self.head = SharedHead(cfg, ctx)
         self.layers = [DecoderLayer(cfg, f"target{i}", ctx, kv_layer=kv_layer_offset + i) for i in range(cfg.num_target_layers)]
         self.norm = norm_weight(cfg, "target.norm")
+        self.layers_to_capture: list[int] = []  # layers whose input (the residual stream) an EAGLE3 draft reads
+
+    def set_eagle3_layers_to_capture(self, layer_ids: Sequence[int]) -> None:
+        """An EAGLE3 draft reads the outputs of these layers: layer i's output is the residual stream at layer i + 1's
+        input, where the forward captures it (SGLang's convention; -1 is the embeddings, at layer 0's input)."""
+        self.layers_to_capture = [i + 1 for i in layer_ids]
 
     def forward(self, fb: ForwardBatch, attn, meta) -> tuple[torch.Tensor, torch.Tensor]:
-        """Returns (last hidden states, normed) for the logits processor and the draft."""
+        """Returns (the hidden states the draft reads, normed last hidden states for the logits processor). The draft
+        reads the last hidden states (pre-norm), or with layers to capture their residual streams concatenated in
+        capture order, [N, len * H]: each is the full residual on every rank, a layer's collectives done."""
         x = self.head.embed[fb.input_ids]
-        for layer in self.layers:
+        aux = []
+        for i, layer in enumerate(self.layers):
+            if i in self.layers_to_capture:
+                aux.append(x)
             x = layer.forward(x, fb, attn, meta)
-        return x, rms_norm(x, self.norm, self.cfg.rms_eps)
+        return (torch.cat(aux, dim=-1) if aux else x), rms_norm(x, self.norm, self.cfg.rms_eps)

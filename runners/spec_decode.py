@@ -28,12 +28,14 @@ from typing import Optional
 import torch
 
 from runners import draft_decode
-from runners.config import ModelConfig, SpecConfig
+from runners.config import DraftKind, ModelConfig, SpecConfig, draft_input_hidden_size
 from runners.decode_cuda_graph_runner import DecodeCudaGraphRunner, verify_inputs
 from runners.draft_decode import EagleProposer, TargetProposer
 from runners.draft_extend import DraftExtendInputs, StepOutputs
+from runners.draft_parallel import check_draft_config
 from runners.eagle_draft import DraftDecodeOutputs
 from runners.graph.backend import GraphBackend
+from runners.llama_eagle3 import Eagle3DraftModel
 from runners.memory import ReqToTokenPool
 from runners.model import DraftModel, TargetModel
 from runners.parallel.dp_attention import RankContext, mlp_sync_batch_sizes
@@ -54,7 +56,10 @@ class Alignment:
             layer.wo.mul_(self.target_branch)
             layer.w_down.mul_(self.target_branch)
 
-    def apply_draft(self, model: DraftModel) -> None:
+    def apply_draft(self, model: DraftModel | Eagle3DraftModel) -> None:
+        if isinstance(model, Eagle3DraftModel):  # its own structure: the token reaches it through attention only
+            model.align_to_target(self.draft_embed, self.draft_hidden, self.draft_branch)
+            return
         H = model.cfg.hidden_size
         for dl in model.layers:
             dl.fc[:, :H] = self.draft_embed * torch.eye(H, dtype=dl.fc.dtype)
@@ -104,8 +109,8 @@ def loop_unsupported_reason(spec: SpecConfig) -> Optional[str]:
         return f"with topk 1 the draft proposes a chain of num_steps drafts, so num_tokens_per_bs must be {S + 1}, got {T}"
     if not 2 <= T <= 1 + S * k:
         return f"the verify tree has the root and at most num_steps * topk = {S * k} drafts, so num_tokens_per_bs must be in [2, {1 + S * k}], got {T}"
-    if spec.draft == "single_layer" and k * (S - 1) > T:
-        return f"the single-layer draft decode writes topk * (num_steps - 1) = {k * (S - 1)} slots past the prefix, more than num_tokens_per_bs ({T})"
+    if spec.draft.has_draft_decode and k * (S - 1) > T:
+        return f"the {spec.draft.value} draft decode writes topk * (num_steps - 1) = {k * (S - 1)} slots past the prefix, more than num_tokens_per_bs ({T})"
     return None
 
 
@@ -116,6 +121,7 @@ class SpecEngine:
         T, S = spec.num_tokens_per_bs, spec.num_steps
         if (why := loop_unsupported_reason(spec)) is not None:
             raise ValueError(why)
+        check_draft_config(cfg, ctx.layout, spec)
         self.ctx, self.cfg, self.spec, self.device = ctx, cfg, spec, torch.device(device)
         self.T, self.S = T, S
         self.tree = spec.topk > 1 if tree is None else tree
@@ -129,9 +135,12 @@ class SpecEngine:
         self.book = KVBook(self.req_pool, num_slots, spec.page_size)  # one slot index space for the target's and the draft's pools
         self.sched = Scheduler(self.book, spec.max_running_requests)
         alignment.apply_target(self.target.model)
+        if spec.draft is DraftKind.EAGLE3:  # the target hands the draft these layers' residual streams (SGLang's model runner)
+            self.target.model.set_eagle3_layers_to_capture(spec.eagle_aux_hidden_state_layer_ids)
         if proposer == "eagle":
             self.draft = EagleProposer(ctx, cfg, spec, self.req_pool, num_slots, runner, self.device, attention_backend, draft=spec.draft)
-            alignment.apply_draft(self.draft.model)
+            if self.draft.model is not None:
+                alignment.apply_draft(self.draft.model)
         elif proposer == "target":
             self.draft = TargetProposer(self.target, spec)
         else:
@@ -244,11 +253,13 @@ class SpecEngine:
             self.book.truncate(r, len(r.tokens) - 1)
             self.book.ensure(r, len(r.tokens) - 1 + T)
         props = None
-        if isinstance(self.draft, EagleProposer):
-            inp = self._extend_inputs(reqs, [n0[i] for i in live], [ids[i] for i in live], [hid[i] for i in live],
+        if isinstance(self.draft, EagleProposer) and self.draft.worker is None:  # no draft here: the group's first rank hands on
+            props = self.draft.extend(None, len(reqs)) if reqs else None
+        elif isinstance(self.draft, EagleProposer):
+            inp = self._extend_inputs(self.draft.worker.ctx, reqs, [n0[i] for i in live], [ids[i] for i in live], [hid[i] for i in live],
                                       [accs[i].accept_len for i in live])
             if inp is not None:
-                props = self.draft.extend(inp)
+                props = self.draft.extend(inp, len(reqs))
                 rep.extend_rids = [r.rid for r in reqs]
                 rep.extend_outs = [o.cloned() for o in self.draft.last_outs]  # a report outlives the next step's replays
                 rep.decode_outs = None if self.draft.last_decode is None else self.draft.last_decode.cloned()
@@ -287,12 +298,13 @@ class SpecEngine:
             g.backend.stats.eager_fallbacks += 1
         return self.target.forward_synced(lanes, dp_tokens)
 
-    def _extend_inputs(self, reqs, n0, ids, hid, accept_lens) -> Optional[DraftExtendInputs]:
-        """The verified tokens of every request, T rows each, as DRAFT_EXTEND_V2 lanes."""
-        dp_sizes = mlp_sync_batch_sizes(self.ctx, len(reqs), self.device)
+    def _extend_inputs(self, draft_ctx: RankContext, reqs, n0, ids, hid, accept_lens) -> Optional[DraftExtendInputs]:
+        """The verified tokens of every request, T rows each, as DRAFT_EXTEND_V2 lanes; the MLP sync of the draft's layout
+        (the target's, or the draft's own group, which syncs nothing)."""
+        dp_sizes = mlp_sync_batch_sizes(draft_ctx, len(reqs), self.device)
         if sum(dp_sizes) == 0:
             return None
-        T, dev, H = self.T, self.device, self.cfg.hidden_size
+        T, dev, H = self.T, self.device, draft_input_hidden_size(self.cfg, self.spec)
         i64 = dict(dtype=torch.int64, device=dev)
         pos = [p for n in n0 for p in range(n - 1, n - 1 + T)]
         seq_lens = torch.tensor([n - 1 + T for n in n0], dtype=torch.int64)

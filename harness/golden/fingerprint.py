@@ -23,7 +23,7 @@ def case_config(case: Case) -> dict:
     return {
         "model": asdict(sc.model),
         "spec": {"num_steps": spec.num_steps, "topk": spec.topk, "num_tokens_per_bs": spec.num_tokens_per_bs,
-                 "capture_bs": list(spec.capture_bs), "max_running_requests": spec.max_running_requests},
+                 "capture_bs": list(spec.capture_bs), "max_running_requests": spec.max_running_requests, **spec.draft_fields()},
         "layout": asdict(sc.layout),
         "seed": sc.seed,
         "backend": sc.attention_backend,
@@ -38,11 +38,17 @@ def sha256_hex(data: bytes) -> str:
 
 def weights_fingerprint(case: Case) -> str:
     """Hash of the draft model's full (TP1) weights: code that changes the weights changes it."""
+    from runners.config import DraftKind, draft_model_config
+    from runners.llama_eagle3 import Eagle3DraftModel
     from runners.model import DraftModel
     from runners.parallel.dp_attention import RankContext
     from runners.parallel.layout import ParallelLayout
 
-    m = DraftModel(case.scenario.model, case.scenario.spec.num_steps, RankContext(ParallelLayout(), 0, comm=None))
+    sc, ctx = case.scenario, RankContext(ParallelLayout(), 0, comm=None)
+    if sc.spec.draft is DraftKind.EAGLE3:  # the case's own draft model (the others hash the multi-layer draft's, as recorded)
+        m = Eagle3DraftModel(draft_model_config(sc.model, sc.spec), sc.spec, ctx)
+    else:
+        m = DraftModel(sc.model, sc.spec.num_steps, ctx)
     h = hashlib.sha256()
 
     def walk(obj, prefix: str) -> None:

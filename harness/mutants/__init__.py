@@ -17,6 +17,8 @@ from harness.mutants import (
     dp,
     draft_attention,
     draft_extend,
+    draft_parallel,
+    eagle3,
     fused_fill,
     host_mirror,
     memory,
@@ -37,7 +39,7 @@ CATALOG: tuple[Mutant, ...] = (
     *draft_extend.MUTANTS, *spec_loop.MUTANTS, *memory.MUTANTS, *verify_fill.MUTANTS, *recorded_graph.MUTANTS,
     *decode.MUTANTS, *draft_attention.MUTANTS, *shape.MUTANTS, *verify.MUTANTS, *dp.MUTANTS, *host_mirror.MUTANTS,
     *replay_fill.MUTANTS, *padding_rule.MUTANTS, *fused_fill.MUTANTS, *sharding.MUTANTS,
-    *one_graph.MUTANTS,
+    *one_graph.MUTANTS, *eagle3.MUTANTS, *draft_parallel.MUTANTS,
 )
 """Every built-in mutant, one module per family, in the order `harness mutants` reports them (`harness.MUTANTS`)."""
 BY_ID: dict[str, Mutant] = {m.id: m for m in CATALOG}

@@ -10,9 +10,10 @@ from harness.observe import RunnerObserver
 from harness.props.p1_records import check_replay_record, verify_capture_bs
 from harness.verdict import Verdict
 from runners.base_cuda_graph_runner import RunnerKind
-from runners.config import DEFAULT_MODEL, ModelConfig, SpecConfig
+from runners.config import DEFAULT_MODEL, ModelConfig, SpecConfig, draft_input_hidden_size
 from runners.decode_cuda_graph_runner import DecodeCudaGraphRunner, VerifyInputs, verify_inputs
 from runners.draft_extend import DraftExtendInputs, DraftWorker
+from runners.draft_parallel import draft_rank_context
 from runners.eagle_draft import DraftDecodeInputs
 from runners.eagle_draft_cuda_graph_runner import EAGLEDraftCudaGraphRunner
 from runners.eagle_draft_extend_cuda_graph_runner import EAGLEDraftExtendCudaGraphRunner
@@ -24,7 +25,7 @@ from runners.target import Lane
 
 
 def _metadata_runners(layout: ParallelLayout, spec: SpecConfig, model: ModelConfig, tp_rank: int) -> list[MultiLayerEagleDraftExtendCudaGraphRunner]:
-    ctx = RankContext(layout, tp_rank, comm=None)  # no collectives on this path
+    ctx = draft_rank_context(RankContext(layout, tp_rank, comm=None), spec)  # the draft's own layout; no collectives on this path
     backend = GraphBackend("sim")
     multi = DraftWorker(ctx, model, spec, build_model=False)
     single = DraftWorker(ctx, model, spec, num_layers=1, build_model=False)
@@ -72,16 +73,17 @@ def check_metadata(
         for it, sizes in enumerate(schedule):
             dp_sizes = list(sizes) if layout.attn_dp_size > 1 else [sizes[0]]
             raw_bs = dp_sizes[d]
-            inp = _synthetic_inputs(raw_bs, T, model.hidden_size, dp_sizes, seed + 1000 * it + d)
+            inp = _synthetic_inputs(raw_bs, T, draft_input_hidden_size(model, spec), dp_sizes, seed + 1000 * it + d)
             for obs in runners:
                 r = obs.runner
                 if not r.can_run(inp):
                     continue
                 rec = obs.prepare(inp)
-                needed = max(dp_sizes) if layout.require_mlp_tp_gather else raw_bs
-                check_replay_record(v, layout, rec, tp_rank, it, needed)
+                dl = r.layout  # the draft's: the target's, or its own (SpecConfig.draft_tp_size)
+                needed = max(dp_sizes) if dl.require_mlp_tp_gather else raw_bs
+                check_replay_record(v, dl, rec, tp_rank, it, needed)
                 host_lp = rec.capture.host["global_num_tokens_for_logprob_cpu"]
-                own = None if host_lp is None else host_lp[d if layout.require_mlp_tp_gather else 0]
+                own = None if host_lp is None else host_lp[d if dl.require_mlp_tp_gather else 0]
                 lp_by_runner.setdefault((r.runner_kind, r.step), []).append(own)
         _check_verify_metadata(v, layout, spec, schedule, model, tp_rank, seed)
         _check_decode_metadata(v, layout, spec, schedule, model, tp_rank, seed)
@@ -133,7 +135,10 @@ def _check_decode_metadata(v: Verdict, layout: ParallelLayout, spec: SpecConfig,
     if spec.num_steps < 2:
         return  # one draft step is the draft-extend's own: the engine builds no draft-decode runner
     k = spec.topk
-    worker = DraftWorker(RankContext(layout, tp_rank, comm=None), model, spec, num_layers=1, build_model=False)
+    ctx = draft_rank_context(RankContext(layout, tp_rank, comm=None), spec)
+    if ctx is None:
+        return  # no draft on this rank (SpecConfig.draft_tp_size)
+    worker = DraftWorker(ctx, model, spec, num_layers=1, build_model=False)
     runner = EAGLEDraftCudaGraphRunner(worker, GraphBackend("sim"))
     observer = RunnerObserver(runner)
     d = layout.attn_dp_rank(tp_rank)
@@ -145,8 +150,8 @@ def _check_decode_metadata(v: Verdict, layout: ParallelLayout, spec: SpecConfig,
         inp = DraftDecodeInputs(torch.ones(raw_bs, k), torch.zeros(raw_bs, k, dtype=torch.int64), torch.zeros(raw_bs, model.hidden_size),
                                 seq, torch.arange(1, raw_bs + 1), seq.repeat_interleave(k), dp_sizes)
         if runner.can_run(inp):
-            needed = max(dp_sizes) if layout.require_mlp_tp_gather else raw_bs
-            check_replay_record(v, layout, observer.prepare(inp), tp_rank, it, needed)
+            needed = max(dp_sizes) if worker.ctx.layout.require_mlp_tp_gather else raw_bs
+            check_replay_record(v, worker.ctx.layout, observer.prepare(inp), tp_rank, it, needed)
 
 
 def check_decode_metadata(layout: ParallelLayout, spec: SpecConfig, schedule: Sequence[Sequence[int]], model: ModelConfig = DEFAULT_MODEL,
@@ -164,11 +169,13 @@ def _logprob_rows_per_request(layout: ParallelLayout, spec: SpecConfig, schedule
     observer = RunnerObserver(runner)
     out = {}
     for it, sizes in enumerate(schedule):
-        inp = _synthetic_inputs(sizes[d], spec.num_tokens_per_bs, model.hidden_size, list(sizes), seed + 1000 * it + d)
+        inp = _synthetic_inputs(sizes[d], spec.num_tokens_per_bs, draft_input_hidden_size(model, spec), list(sizes), seed + 1000 * it + d)
         if not runner.can_run(inp):
             continue
         rec = observer.prepare(inp)
         lp = rec.capture.host["global_num_tokens_for_logprob_cpu"]
+        if lp is None:
+            continue  # a draft in its own plain-TP layout (SpecConfig.draft_tp_size) bakes no counts: no branch to compare
         out[it] = lp[d if layout.require_mlp_tp_gather else 0] // rec.bs
     return out
 

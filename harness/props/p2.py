@@ -190,7 +190,8 @@ def check_padded_lanes(case: Case, rounds_per_phase: int = 2, device: str = "cpu
     verify: list[verify_props.VerifyPoison] = []  # the TARGET_VERIFY runner's, likewise
     decode: list[DecodePoison] = []  # the single-layer draft's draft-decode runner's, likewise
     where, crash = {"case": case.name, "layout": case.layout.describe()}, {}
-    hook = lambda e: (poisons.append(LanePoison(e, Verdict("P2"))), verify_props.install_poison(verify)(e),  # noqa: E731
+    hook = lambda e: (getattr(e.draft, "worker", None) is not None and poisons.append(LanePoison(e, Verdict("P2"))),  # noqa: E731 (a rank may hold no draft)
+                      verify_props.install_poison(verify)(e),
                       install_decode_poison(decode)(e))
     try:
         case_session(case, "graph", hook=hook, rounds_per_phase=rounds_per_phase, device=device)

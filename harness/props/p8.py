@@ -157,7 +157,7 @@ class ChurnPair:
                 n = min(len(a.tokens), len(b.tokens)) - 1
                 sa, sb = a.slots[:n], b.slots[:n]
                 pools = [("target", ee.target.kv_pool, ge.target.kv_pool)]
-                if hasattr(ee.draft, "worker"):
+                if getattr(ee.draft, "worker", None) is not None:
                     pools.append(("draft", ee.draft.worker.kv_pool, ge.draft.worker.kv_pool))
                 for name, pa, pb in pools:
                     for layer in range(len(pa.k)):
