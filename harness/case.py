@@ -59,6 +59,7 @@ class Case:
     schedule: tuple[tuple[int, ...], ...]  # per iteration: raw bs of each DP group
     # [tolerances]: "eager_vs_graph", "cross_layout", "golden.<field>" -> Tol (overrides of harness/tolerances.py)
     tolerances: dict[str, Tol] = dc_field(default_factory=dict)
+    top_logprobs_num: Optional[int] = None  # schedule.top_logprobs_num: the loop's requests ask for logprobs (None: none)
 
     @property
     def layout(self) -> ParallelLayout:
@@ -77,7 +78,8 @@ _LAYOUT = {"tp_size": int, "dp_size": int, "enable_dp_attention": bool, "moe_den
 _SPEC = {"num_steps": int, "topk": int, "num_tokens_per_bs": int, "capture_bs": list, "max_running_requests": int, "page_size": int, "draft": str, "draft_extend_graph": str}
 PAGE_SIZES = (1, 2, 4, 8, 16, 32, 64)  # KV slots per page: a power of two (runners.memory.check_page_size), at most 64
 _MODEL = {f.name: f.type for f in fields(ModelConfig) if f.name not in ("dtype",)}
-_SCHEDULE = {"batches": list, "max_prefix_len": int, "prefix_lens": list, "accept_lens": list, "rids": list}
+_SCHEDULE = {"batches": list, "max_prefix_len": int, "prefix_lens": list, "accept_lens": list, "rids": list, "top_logprobs_num": int}
+MAX_TOP_LOGPROBS = 20  # schedule.top_logprobs_num: the top-k a request of the loop asks for at most
 _TOLERANCES = {"eager_vs_graph": dict, "cross_layout": dict, "golden": dict}
 _TOL = {"rtol": float, "atol": float, "reason": str}
 GOLDEN_FLOAT_FIELDS = ("logits", "logprobs", "hidden", "topk_p")  # the float keys a golden stores (harness/golden/)
@@ -344,8 +346,11 @@ def parse_case(data: dict, path: Path | str = "<case>") -> Case:
                 raise CaseError(path, f"schedule.batches[{i}][{j}]", f"requests whose prefix + draft tokens fit one rank's KV pool ({MAX_KV_SLOTS_PER_RANK} slots)",
                                 f"{len(reqs)} requests needing {slots} slots")
     tolerances = _parse_tolerances(path, data.get("tolerances", {}))
+    top_logprobs_num = sched_t.get("top_logprobs_num")
+    if top_logprobs_num is not None:  # the loop's requests ask for logprobs (harness.spec_decode.logprob_params)
+        _positive(path, "schedule.top_logprobs_num", top_logprobs_num, 0, min(MAX_TOP_LOGPROBS, model.vocab_size))
     sc = Scenario(model, spec, layout, iterations, seed=seed, attention_backend=backend, name=data["name"])
-    return Case(data["name"], data["description"], str(path), sc, schedule_t, tolerances)
+    return Case(data["name"], data["description"], str(path), sc, schedule_t, tolerances, top_logprobs_num)
 
 
 def _regular_file(path: Path) -> Path:

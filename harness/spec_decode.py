@@ -123,19 +123,31 @@ def request_prompt(seed: int, rid: int, vocab: int) -> tuple[tuple[int, ...], in
 # ----------------------------------------------------------------------------------------
 
 
+def logprob_params(rid: int, top_logprobs_num: Optional[int]) -> tuple[bool, int]:
+    """(return_logprob, top_logprobs_num) of request rid when the workload asks for logprobs (top_logprobs_num not None):
+    by rid mod 3, logprobs with the top-k, logprobs alone, none; so a batch mixes all three."""
+    if top_logprobs_num is None:
+        return False, 0
+    return (True, top_logprobs_num) if rid % 3 == 0 else (True, 0) if rid % 3 == 1 else (False, 0)
+
+
 @dataclass(frozen=True)
 class Workload:
     phases: tuple[tuple[int, ...], ...]  # per phase, the running batch size of each DP group
     rounds_per_phase: int = 3
     seed: int = 0
     preempt: bool = True
+    top_logprobs_num: Optional[int] = None  # requests ask for logprobs (logprob_params); None: none asks
 
     @classmethod
     def from_case(cls, case: Case, rounds_per_phase: int = 3) -> "Workload":
-        return cls(tuple(tuple(p) for p in case.schedule), rounds_per_phase, case.scenario.seed)
+        return cls(tuple(tuple(p) for p in case.schedule), rounds_per_phase, case.scenario.seed, top_logprobs_num=case.top_logprobs_num)
 
     def to_json(self) -> dict:
-        return {"phases": [list(p) for p in self.phases], "rounds_per_phase": self.rounds_per_phase, "seed": self.seed, "preempt": self.preempt}
+        out = {"phases": [list(p) for p in self.phases], "rounds_per_phase": self.rounds_per_phase, "seed": self.seed, "preempt": self.preempt}
+        if self.top_logprobs_num is not None:
+            out["top_logprobs_num"] = self.top_logprobs_num
+        return out
 
 
 def run_workload(session: SpecSession, wl: Workload) -> SpecSession:
@@ -154,7 +166,7 @@ def run_workload(session: SpecSession, wl: Workload) -> SpecSession:
                     cmds.append(("finish", live.pop(0)))
                 while len(live) < want:
                     prompt, max_new = request_prompt(wl.seed, next_rid, session.model.vocab_size)
-                    cmds.append(("add", next_rid, prompt, max_new, d))
+                    cmds.append(("add", next_rid, prompt, max_new, d, *logprob_params(next_rid, wl.top_logprobs_num)))
                     live.append(next_rid)
                     next_rid += 1
             session.step(cmds)
@@ -172,10 +184,12 @@ def oracle(session: SpecSession, reqs: Sequence[Request]) -> dict[int, GreedyOut
     reqs = list(reqs)
     if not reqs:
         return {}
+    top = max(r.top_logprobs_num for r in reqs)
+    top += 1 if top else 0  # one more than asked: whether the last compared entry is a near-tie (harness.props.logprobs)
     with one_torch_thread():
         (outs,) = SimulatedWorld(ParallelLayout()).run(
             lambda comm: target_greedy(session.model, [r.prompt for r in reqs], [r.max_new_tokens for r in reqs],
-                                       prepare=session.alignment.apply_target, comm=comm))
+                                       prepare=session.alignment.apply_target, comm=comm, top_logprobs_num=top))
     return {r.rid: o for r, o in zip(reqs, outs, strict=True)}
 
 

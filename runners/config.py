@@ -76,6 +76,12 @@ class SpecConfig:
     page_size: int = 1  # KV slots per page of every rank's KV pools (a server arg, not part of the weights)
     draft: str = "multi_layer"  # EAGLE draft: "multi_layer" (MTP: a layer per step) or "single_layer" (one layer, graphed draft decode)
     draft_extend_graph: DraftExtendGraph = DraftExtendGraph.PER_STEP  # the multi-layer draft-extend's graph composite
+    # SGLANG_ENABLE_DP_SPEC_PREFILL_COORDINATION: under DP attention one iteration may prefill on one DP group while
+    # another verifies (runners.mixed_modes); off, a group's prefill and its verify run in passes of their own
+    dp_spec_prefill_coordination: bool = False
+    # spec v2's overlap scheduler: the next iteration is launched before the host reads this one's verify results
+    # (runners.overlap); the draft's chain of tokens only (topk 1) and the multi-layer draft, as spec v2 began with
+    overlap_schedule: bool = False
 
     def __post_init__(self) -> None:
         """A config written by hand or read from a file names the composite by its value; a frozen dataclass keeps the enum."""
@@ -86,6 +92,9 @@ class SpecConfig:
         if graph is DraftExtendGraph.ONE_GRAPH and self.draft != "multi_layer":
             raise ValueError(f"draft_extend_graph {graph.value!r} needs the multi-layer draft (the single-layer draft-extend is one step)")
         object.__setattr__(self, "draft_extend_graph", graph)
+        if self.overlap_schedule and (self.topk != 1 or self.draft != "multi_layer"):
+            raise ValueError(f"overlap_schedule needs topk 1 and the multi-layer draft (its verify accepts a chain on the device), "
+                             f"got topk {self.topk}, draft {self.draft!r}")
 
     @property
     def num_tokens_per_bs(self) -> int:

@@ -43,6 +43,7 @@ from runners.draft_extend import (
     draft_extend_step,
     eager_forward_batch,
     run_eager,
+    without_logprob,
 )
 from runners.draft_extend_graph_driver import DraftExtendGraphDriver
 from runners.eagle_draft import (
@@ -164,6 +165,7 @@ class EagleProposer:
 
     # ---- draft-extend after a verify ----
     def extend(self, inp: DraftExtendInputs) -> list[Proposal]:
+        inp = without_logprob(inp)  # the verify's batch carries the flag in; no draft pass runs with it
         if self.driver is not None:
             outs = self.driver.run(inp)
         else:

@@ -95,6 +95,12 @@ class DraftExtendCudaGraphRunner(BaseCudaGraphRunner):
     def comm(self):
         return self.worker.ctx.comm
 
+    def can_run(self, inp: DraftExtendInputs) -> bool:
+        """A batch that carries return_logprob needs a logprob tail the graph, captured with the flag off, has not
+        (get_forward_batch bakes return_logprob False): it runs eagerly. The draft worker resets the flag
+        (runners.draft_extend.without_logprob), so a draft batch never carries it."""
+        return not inp.return_logprob and super().can_run(inp)
+
     def _body(self, fb: ForwardBatch) -> StepOutputs:
         out = draft_extend_step(self.worker, self.step, fb)
         n = fb.batch_size * self.T

@@ -34,6 +34,7 @@ from runners.draft_decode import EagleProposer, TargetProposer
 from runners.draft_extend import DraftExtendInputs, StepOutputs
 from runners.eagle_draft import DraftDecodeOutputs
 from runners.graph.backend import GraphBackend
+from runners.logprobs import LogprobParams, add_logprob_return_values, compute_spec_logprobs
 from runners.memory import ReqToTokenPool
 from runners.model import DraftModel, TargetModel
 from runners.parallel.dp_attention import RankContext, mlp_sync_batch_sizes
@@ -150,11 +151,15 @@ class SpecEngine:
     def mine(self, dp_rank: int) -> bool:
         return dp_rank == self.ctx.attn_dp_rank
 
-    def add(self, rid: int, prompt: tuple[int, ...], max_new_tokens: int, dp_rank: int = 0) -> None:
+    def add(self, rid: int, prompt: tuple[int, ...], max_new_tokens: int, dp_rank: int = 0, return_logprob: bool = False,
+            top_logprobs_num: int = 0) -> None:
         if len(prompt) + max_new_tokens + self.T > self.cfg.max_context_len + 1:
             raise ValueError(f"request {rid}: prompt {len(prompt)} + {max_new_tokens} new + {self.T} verify tokens exceed max_context_len")
+        if not 0 <= top_logprobs_num <= self.cfg.vocab_size or (top_logprobs_num and not return_logprob):
+            raise ValueError(f"request {rid}: top_logprobs_num {top_logprobs_num} needs return_logprob and at most vocab_size {self.cfg.vocab_size} tokens")
         if self.mine(dp_rank):
-            self.sched.add(Request(rid, tuple(prompt), max_new_tokens, dp_rank))
+            self.sched.add(Request(rid, tuple(prompt), max_new_tokens, dp_rank, return_logprob=return_logprob,
+                                   top_logprobs_num=top_logprobs_num))
 
     def _owns(self, rid: int) -> bool:
         return any(r.rid == rid for r in self.sched.running + self.sched.waiting)
@@ -195,9 +200,16 @@ class SpecEngine:
         if out is None:
             return
         rows = out.lane_rows(lanes)
-        for r, sl in zip(fresh, rows, strict=True):
-            if r.num_generated == 0:
+        sampled = [r.num_generated == 0 for r in fresh]  # a resumed request knows its next token already
+        for r, sl, new in zip(fresh, rows, sampled, strict=True):
+            if new:
                 r.tokens.append(int(out.logits[sl.stop - 1].argmax()))
+        params = LogprobParams.of(fresh)
+        if params.return_logprob:  # the sampled token's logprobs, from the prefill's last row of each request
+            dev = out.logits.device
+            last = torch.tensor([[sl.stop - 1] for sl in rows], dtype=torch.int64, device=dev)
+            ids = torch.tensor([[r.tokens[-1]] for r in fresh], dtype=torch.int64, device=dev)
+            add_logprob_return_values(fresh, [int(new) for new in sampled], compute_spec_logprobs(out.logits, last, ids, params))
         props = self.draft.prefill(fresh, [out.hidden[sl] for sl in rows])
         for r, p in zip(fresh, props, strict=True):
             r.proposal = p
@@ -219,7 +231,8 @@ class SpecEngine:
         argmax = out.logits.argmax(dim=-1)
         g = torch.stack([argmax[sl] for sl in rows]) if batch else torch.zeros(0, T, dtype=torch.int64)
         accs = accept([lane.tokens for lane in lanes], [lane.parents for lane in lanes], g, [t.top1 for t in trees])
-        ids, hid = [], []
+        params = LogprobParams.of(batch)
+        ids, hid, takes = [], [], []
         for i, (r, acc) in enumerate(zip(batch, accs, strict=True)):
             self._move_accepted_kv(r, n0[i] - 1, acc.path)
             # draft-extend row j: the accepted node at depth j (its argmax, its hidden state); rows past
@@ -227,6 +240,7 @@ class SpecEngine:
             order = acc.path + [j for j in range(T) if j not in acc.path]
             row_ids, row_hid = g[i][order].clone(), out.hidden[rows[i]][order].clone()
             take = min(acc.accept_len, r.remaining)
+            takes.append(take)
             r.tokens.extend(acc.new_tokens[:take])
             r.accept_lens.append(acc.accept_len)
             r.sibling_accepts.append(acc.off_chain)
@@ -246,7 +260,7 @@ class SpecEngine:
         props = None
         if isinstance(self.draft, EagleProposer):
             inp = self._extend_inputs(reqs, [n0[i] for i in live], [ids[i] for i in live], [hid[i] for i in live],
-                                      [accs[i].accept_len for i in live])
+                                      [accs[i].accept_len for i in live], params.return_logprob)
             if inp is not None:
                 props = self.draft.extend(inp)
                 rep.extend_rids = [r.rid for r in reqs]
@@ -256,6 +270,21 @@ class SpecEngine:
             props = self.draft.propose(reqs) if isinstance(self.draft, TargetProposer) else []
         for r, p in zip(reqs, props, strict=True):
             r.proposal = p
+        if params.return_logprob:
+            self._add_logprobs(batch, out, [rows[i].start for i in range(len(batch))], accs, takes, params)
+
+    def _add_logprobs(self, batch: list[Request], out: TargetOutput, lane_start: list[int], accs: list, takes: list[int],
+                      params: LogprobParams) -> None:
+        """The round's committed tokens' logprobs, read from the verify's logits at the accepted rows (runners.logprobs).
+        After the draft passes, as the engine processes a batch's result after its whole forward: the verify's
+        logits are still the verify's (a graph's output buffer no draft replay writes)."""
+        A = min(self.S, self.T - 1) + 1  # max_accept: the top-1 chain's depth + the bonus
+        index = [[lane_start[i] + node for node in acc.path] + [-1] * (A - len(acc.path)) for i, acc in enumerate(accs)]
+        tokens = [acc.new_tokens + [-1] * (A - len(acc.new_tokens)) for acc in accs]
+        dev = out.logits.device
+        lp = compute_spec_logprobs(out.logits, torch.tensor(index, dtype=torch.int64, device=dev),
+                                   torch.tensor(tokens, dtype=torch.int64, device=dev), params)
+        add_logprob_return_values(batch, takes, lp)
 
     def _move_accepted_kv(self, r: Request, root_pos: int, path: list[int]) -> None:
         """Target KV of each accepted node from its node slot (root + index) to its chain slot (root +
@@ -287,7 +316,7 @@ class SpecEngine:
             g.backend.stats.eager_fallbacks += 1
         return self.target.forward_synced(lanes, dp_tokens)
 
-    def _extend_inputs(self, reqs, n0, ids, hid, accept_lens) -> Optional[DraftExtendInputs]:
+    def _extend_inputs(self, reqs, n0, ids, hid, accept_lens, return_logprob: bool = False) -> Optional[DraftExtendInputs]:
         """The verified tokens of every request, T rows each, as DRAFT_EXTEND_V2 lanes."""
         dp_sizes = mlp_sync_batch_sizes(self.ctx, len(reqs), self.device)
         if sum(dp_sizes) == 0:
@@ -305,4 +334,5 @@ class SpecEngine:
             accept_lens=torch.tensor(accept_lens, **i64),
             dp_batch_sizes=dp_sizes,
             seq_lens_cpu=seq_lens,
+            return_logprob=return_logprob,
         )

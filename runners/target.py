@@ -10,7 +10,7 @@ joins every collective with the same rows (runners.mlp_sync).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 import torch
@@ -162,14 +162,18 @@ def top2_margin(logits: torch.Tensor) -> torch.Tensor:
 class GreedyOutput:
     tokens: list[int]  # generated tokens only
     margins: list[float]  # top-1 minus top-2 target logit at each generated token
+    logprobs: list[float] = field(default_factory=list)  # the target's logprob of each generated token
+    top_logprobs_idx: list[list[int]] = field(default_factory=list)  # at each generated token, the top_logprobs_num likeliest ids ...
+    top_logprobs_val: list[list[float]] = field(default_factory=list)  # ... and their logprobs (target_greedy's top_logprobs_num)
 
 
 def target_greedy(cfg: ModelConfig, prompts: Sequence[Sequence[int]], max_new: Sequence[int],
-                  prepare=None, device: str | torch.device = "cpu", comm=None) -> list[GreedyOutput]:
+                  prepare=None, device: str | torch.device = "cpu", comm=None, top_logprobs_num: int = 0) -> list[GreedyOutput]:
     """Target-only greedy decoding at TP1, every request in one batch: a prefill, then one token a step.
 
     `prepare(target_model)` lets the caller apply the same weight adjustments as its engine;
     `comm` is a one-rank communicator (TP1 calls no collective, but code under test may touch it).
+    Each generated token's logprob is kept, and the top_logprobs_num likeliest tokens at its position.
     """
     from runners.parallel.layout import ParallelLayout
 
@@ -194,11 +198,18 @@ def target_greedy(cfg: ModelConfig, prompts: Sequence[Sequence[int]], max_new: S
         ends = [s.stop - 1 for s in res.lane_rows(lanes)]
         last = res.logits[ends]
         nxt, margins = last.argmax(dim=-1).tolist(), top2_margin(last).tolist()
+        logprobs = torch.log_softmax(last.float(), dim=-1)
+        chosen = logprobs.gather(1, last.argmax(dim=-1, keepdim=True))[:, 0].tolist()
+        top_val, top_idx = logprobs.topk(top_logprobs_num, dim=-1)
         next_lanes = []
-        for lane, tok, mg in zip(lanes, nxt, margins, strict=True):
+        for b, (lane, tok, mg) in enumerate(zip(lanes, nxt, margins, strict=True)):
             i = rows.index(lane.req_pool_idx)
             outs[i].tokens.append(int(tok))
             outs[i].margins.append(float(mg))
+            outs[i].logprobs.append(chosen[b])
+            if top_logprobs_num:
+                outs[i].top_logprobs_idx.append(top_idx[b].tolist())
+                outs[i].top_logprobs_val.append(top_val[b].tolist())
             seqs[i].append(int(tok))
             if len(outs[i].tokens) < max_new[i]:
                 p = len(seqs[i]) - 1

@@ -1,8 +1,9 @@
-"""`harness golden record|check [--kind arrays|acceptance|draft-tree]`: every kind of golden, one command.
+"""`harness golden record|check [--kind arrays|acceptance|draft-tree|logprobs]`: every kind of golden, one command.
 
 arrays (the default): golden/<case>.npz + .json, a graph run's metadata and outputs.
 acceptance: golden/acceptance/<case>.json, the loop's accept lengths (P6).
 draft-tree: golden/acceptance/<case>.draft_tree.json, the single-layer draft decode's trees (P6).
+logprobs: golden/acceptance/<case>.logprobs.json, the logprobs the loop's requests asked for (P6).
 """
 from __future__ import annotations
 
@@ -22,12 +23,14 @@ from harness.golden.acceptance import GOLDEN_CASES, record_acceptance
 from harness.golden.base import GoldenError, GoldenFormatError, GoldenKind
 from harness.golden.draft_tree import TREE_CASES, check_tree_case, record_tree_goldens
 from harness.golden.lifecycle import check_golden, iter_cases, record_golden, refuse_under_xdist
+from harness.golden.logprobs import LOGPROB_CASES, check_logprob_case, record_logprob_goldens
 from harness.props.p5_p6 import check_acceptance_case
 from harness.verdict import Verdict
 
 LOOP_KINDS: dict[GoldenKind, tuple[tuple[str, ...], Callable[[Case], Verdict]]] = {
     GoldenKind.ACCEPTANCE: (GOLDEN_CASES, check_acceptance_case),
     GoldenKind.DRAFT_TREE: (TREE_CASES, check_tree_case),
+    GoldenKind.LOGPROBS: (LOGPROB_CASES, check_logprob_case),
 }
 KIND_OPTION = enum_option(GoldenKind)
 
@@ -47,6 +50,8 @@ def cmd_golden_record(args) -> int:
         names = args.cases or LOOP_KINDS[kind][0]
         if kind is GoldenKind.ACCEPTANCE:
             record_acceptance(names, accept_dir=_accept_dir(args))
+        elif kind is GoldenKind.LOGPROBS:
+            record_logprob_goldens(names, accept_dir=_accept_dir(args))
         else:
             record_tree_goldens(names, accept_dir=_accept_dir(args))
         return 0
@@ -108,11 +113,11 @@ def cmd_golden_check(args) -> int:
 def _add_kind(s: argparse.ArgumentParser) -> None:
     s.add_argument("--kind", type=KIND_OPTION, metavar=KIND_OPTION.choices_text, default=GoldenKind.ARRAYS,
                    help="arrays: golden/<case>.npz + .json (default); acceptance: the loop's accept lengths; "
-                        "draft-tree: the single-layer draft decode's trees (both golden/acceptance/)")
+                        "draft-tree: the single-layer draft decode's trees; logprobs: the loop's returned logprobs (all three golden/acceptance/)")
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    g = sub.add_parser("golden", help="record or check goldens: arrays (golden/<case>.npz + .json), acceptance, draft trees")
+    g = sub.add_parser("golden", help="record or check goldens: arrays (golden/<case>.npz + .json), acceptance, draft trees, logprobs")
     gsub = g.add_subparsers(dest="golden_command", required=True)
     s = gsub.add_parser("record", help="(re)record goldens atomically and show what changed; never under pytest-xdist")
     s.add_argument("cases", nargs="*", help="case names or paths")

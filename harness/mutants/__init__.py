@@ -17,6 +17,7 @@ from harness.mutants import (
     draft_extend,
     fused_fill,
     host_mirror,
+    logprobs,
     memory,
     one_graph,
     padding_rule,
@@ -35,7 +36,7 @@ CATALOG: tuple[Mutant, ...] = (
     *draft_extend.MUTANTS, *spec_loop.MUTANTS, *memory.MUTANTS, *verify_fill.MUTANTS, *recorded_graph.MUTANTS,
     *decode.MUTANTS, *draft_attention.MUTANTS, *shape.MUTANTS, *verify.MUTANTS, *dp.MUTANTS, *host_mirror.MUTANTS,
     *replay_fill.MUTANTS, *padding_rule.MUTANTS, *fused_fill.MUTANTS, *sharding.MUTANTS,
-    *one_graph.MUTANTS,
+    *one_graph.MUTANTS, *logprobs.MUTANTS,
 )
 BY_ID: dict[str, Mutant] = {m.id: m for m in CATALOG}
 if len(BY_ID) != len(CATALOG):

@@ -6,6 +6,8 @@ from harness import verify_props
 from harness.case import Case
 from harness.crash import crash_verdict
 from harness.golden.acceptance import AcceptanceGoldenError, load_acceptance_golden
+from harness.golden.logprobs import check_logprob_golden
+from harness.props.logprobs import check_draft_passes_replayed, check_logprobs
 from harness.ranks.simulated import RankFailure
 from harness.spec_decode import (
     DEFAULT_MODEL,
@@ -56,6 +58,8 @@ def check_lossless(session: SpecSession, where: dict) -> Verdict:
                 if a != full:
                     v.fail("accept-all", "accept_len", {**w, "round": k}, full, a, "a draft that equals the target must accept its whole chain")
                     break
+    if any(r.return_logprob for r in reqs.values()):  # the committed tokens' logprobs are the oracle's too
+        v.merge(check_logprobs(reqs, ref, session.model.dtype, where))
     return v
 
 
@@ -110,6 +114,12 @@ def check_spec_case(case: Case, runners: Sequence[str] = ("eager", "graph"), pro
             out["P5"].merge(check_lossless(s, where))
         if golden is not None:
             compare_acceptance(out["P6"], golden, s, where)
+        if case.top_logprobs_num is not None:  # requests asked for logprobs: the logprob golden, the draft graphs' replays
+            if "P6" in props:
+                check_logprob_golden(out["P6"], case, {runner: s})
+            replayed = check_draft_passes_replayed(s.engines, case.scenario.spec.max_running_requests, where) if runner == "graph" else None
+            if replayed is not None:
+                out.setdefault("P3", Verdict("P3")).merge(replayed)
     return out
 
 
