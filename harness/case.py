@@ -75,7 +75,8 @@ _TOP = {"name": str, "description": str, "seed": int, "dtype": str, "backend": s
 _REQUIRED = ("name", "description", "layout", "schedule")
 _LAYOUT = {"tp_size": int, "dp_size": int, "enable_dp_attention": bool, "moe_dense_tp_size": int, "enable_dp_lm_head": bool, "moe_a2a_backend": str,
            "enable_two_batch_overlap": bool}
-_SPEC = {"num_steps": int, "topk": int, "num_tokens_per_bs": int, "capture_bs": list, "max_running_requests": int, "page_size": int, "draft": str, "draft_extend_graph": str}
+_SPEC = {"num_steps": int, "topk": int, "num_tokens_per_bs": int, "capture_bs": list, "max_running_requests": int, "page_size": int, "draft": str, "draft_extend_graph": str,
+         "dp_spec_prefill_coordination": bool, "overlap_schedule": bool}
 PAGE_SIZES = (1, 2, 4, 8, 16, 32, 64)  # KV slots per page: a power of two (runners.memory.check_page_size), at most 64
 _MODEL = {f.name: f.type for f in fields(ModelConfig) if f.name not in ("dtype",)}
 _SCHEDULE = {"batches": list, "max_prefix_len": int, "prefix_lens": list, "accept_lens": list, "rids": list, "top_logprobs_num": int}
@@ -291,6 +292,10 @@ def parse_case(data: dict, path: Path | str = "<case>") -> Case:
             raise CaseError(path, "spec.draft_extend_graph", f"per_step with backend = {backend} ({ONE_GRAPH_UNSUPPORTED})", graph)
     if "num_tokens_per_bs" in spec_t:
         spec_t["num_draft_tokens"] = spec_t.pop("num_tokens_per_bs")
+    if spec_t.get("dp_spec_prefill_coordination") and layout.attn_dp_size == 1:
+        raise CaseError(path, "spec.dp_spec_prefill_coordination", "false without DP attention (it mixes the forward modes of DP groups)", True)
+    if spec_t.get("overlap_schedule") and (spec_t.get("topk", 1) != 1 or spec_t.get("draft", "multi_layer") != "multi_layer"):
+        raise CaseError(path, "spec.overlap_schedule", "false unless topk = 1 and draft = multi_layer (the overlapped verify accepts a chain on the device)", True)
     spec = SpecConfig(**spec_t)
     if spec.draft == "single_layer" and spec.topk * (spec.num_steps - 1) > spec.num_tokens_per_bs:
         raise CaseError(path, "spec.topk", f"topk * (num_steps - 1) <= num_tokens_per_bs ({spec.num_tokens_per_bs}): the single-layer draft decode's slots", spec.topk)

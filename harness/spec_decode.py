@@ -20,6 +20,7 @@ import torch
 from harness.case import Case
 from harness.observe import LoopObserver, LoopRecords
 from harness.ranks.simulated import SimulatedWorld
+from harness.ranks.trace import CollectiveCall
 from harness.verdict import Verdict
 from runners.attention.kinds import TREE_MASK_UNSUPPORTED
 from runners.config import DEFAULT_MODEL, ModelConfig, SpecConfig
@@ -60,8 +61,10 @@ class SpecSession:
     def __init__(self, layout: ParallelLayout, spec: SpecConfig, model: ModelConfig = DEFAULT_MODEL, runner: str = "eager",
                  proposer: str = "eagle", alignment: Alignment = DEFAULT_ALIGNMENT, tree: Optional[bool] = None,
                  timeout_s: float = 60.0, hook: Optional[Callable[[SpecEngine], None]] = None, attention_backend: str = "torch",
-                 device: str = "cpu"):
+                 device: str = "cpu", keep_traces: bool = False):
         self.layout, self.spec, self.model, self.alignment = layout, spec, model, alignment
+        self.keep_traces = keep_traces
+        self.traces: list[list[list[CollectiveCall]]] = []  # keep_traces: per step, per rank, its collective calls (P7)
         self.runner, self.proposer, self.attention_backend = runner, proposer, attention_backend
         self.world = SimulatedWorld(layout, timeout_s=timeout_s)
 
@@ -93,6 +96,8 @@ class SpecSession:
             reps = self.world.run(fn)
         self.reports.append(reps)
         self.records.append([o.take() for o in self.observers])
+        if self.keep_traces:
+            self.traces.append(self.world.traces)
         return reps
 
     def leader(self, dp_rank: int) -> SpecEngine:
@@ -240,5 +245,5 @@ def case_session(case: Case, runner: str, proposer: str = "eagle", hook=None, ro
     """On a CUDA device the graph runner captures real CUDA graphs (GraphBackend "auto")."""
     sc = case.scenario
     s = SpecSession(sc.layout, sc.spec, sc.model, runner=runner, proposer=proposer, hook=hook, attention_backend=sc.attention_backend,
-                    device=device)
+                    device=device, keep_traces=sc.spec.dp_spec_prefill_coordination)  # mixed DP modes: P7 over every step
     return run_workload(s, Workload.from_case(case, rounds_per_phase))

@@ -164,9 +164,10 @@ class EagleProposer:
         return proposals_from_steps(outs, finals)
 
     # ---- draft-extend after a verify ----
-    def extend(self, inp: DraftExtendInputs) -> list[Proposal]:
+    def extend(self, inp: DraftExtendInputs, graphs: bool = True) -> list[Proposal]:
+        """graphs=False: eagerly, whatever the buckets (a DP-coordinated step where a group extends, runners.mixed_modes)."""
         inp = without_logprob(inp)  # the verify's batch carries the flag in; no draft pass runs with it
-        if self.driver is not None:
+        if self.driver is not None and graphs:
             outs = self.driver.run(inp)
         else:
             outs = run_eager(self.worker, inp)[0]

@@ -36,8 +36,10 @@ from runners.eagle_draft import DraftDecodeOutputs
 from runners.graph.backend import GraphBackend
 from runners.logprobs import LogprobParams, add_logprob_return_values, compute_spec_logprobs
 from runners.memory import ReqToTokenPool
+from runners.mixed_modes import PhaseSync, coordinated_step
 from runners.model import DraftModel, TargetModel
 from runners.parallel.dp_attention import RankContext, mlp_sync_batch_sizes
+from runners.parallel.layout import DpPaddingMode
 from runners.scheduler import KVBook, Request, Scheduler
 from runners.target import Lane, TargetOutput, TargetRunner
 from runners.verify import DraftTree, accept, kv_moves, tree_of
@@ -96,6 +98,7 @@ class StepReport:
     extend_rids: list[int] = field(default_factory=list)  # row order of the draft-extend below
     extend_outs: list[StepOutputs] = field(default_factory=list)  # per draft step, real rows (copies: runners.outputs)
     decode_outs: Optional[DraftDecodeOutputs] = None  # the single-layer draft decode's tree (real requests)
+    dp_forward_modes: list[str] = field(default_factory=list)  # under DP coordination: every DP group's mode this step
 
 
 def loop_unsupported_reason(spec: SpecConfig) -> Optional[str]:
@@ -122,6 +125,8 @@ class SpecEngine:
         self.tree = spec.topk > 1 if tree is None else tree
         if not self.tree and T != S + 1:
             raise ValueError(f"without the tree the draft's chain fills {S + 1} verify tokens, not num_tokens_per_bs {T}")
+        if spec.dp_spec_prefill_coordination and ctx.layout.attn_dp_size == 1:
+            raise ValueError("dp_spec_prefill_coordination mixes the forward modes of DP groups: it needs DP attention (dp_size > 1)")
         self.alignment = alignment
         num_slots = num_slots or slot_budget(spec, cfg.max_context_len)
         max_reqs = 1 + spec.max_running_requests  # the padding row and one row per request
@@ -183,20 +188,32 @@ class SpecEngine:
 
     # ---- one scheduler step ----
     def step(self) -> StepReport:
+        """Every group's new requests prefilled, then every group's running ones verified, each in passes of their own;
+        under DP coordination one pass per group in the group's own mode (runners.mixed_modes)."""
         rep = StepReport(self.steps)
-        self._prefill([r for r in self.sched.running if not r.has_kv], rep)
-        self._verify([r for r in self.sched.running if r.proposal is not None], rep)
+        if self.spec.dp_spec_prefill_coordination:
+            coordinated_step(self, rep)
+        else:
+            self.prefill([r for r in self.sched.running if not r.has_kv], rep)
+            self.verify([r for r in self.sched.running if r.proposal is not None], rep)
         self.steps += 1
         return rep
 
-    def _prefill(self, fresh: list[Request], rep: StepReport) -> None:
+    @staticmethod
+    def prefill_len(r: Request) -> int:
+        """The tokens a prefill extends: the prompt and output so far, but the last token of a resumed request (known)."""
+        return len(r.tokens) if r.num_generated == 0 else len(r.tokens) - 1
+
+    def prefill(self, fresh: list[Request], rep: StepReport, sync: Optional[PhaseSync] = None) -> None:
+        """The target's EXTEND over the requests without KV, then the draft's prefill. `sync`: the iteration's gathered
+        counts and padding (a DP-coordinated step, runners.mixed_modes); None: this pass syncs its own."""
         lanes = []
         for r in fresh:
             self.book.admit(r)
-            L = len(r.tokens) if r.num_generated == 0 else len(r.tokens) - 1  # a resumed request knows its last token
+            L = self.prefill_len(r)
             self.book.ensure(r, L + self.T)  # the prefix and the first verify's positions
             lanes.append(Lane(r.req_pool_idx, 0, r.tokens[:L]))
-        out = self.target.forward(lanes)
+        out = self.target.forward(lanes) if sync is None else self.target.forward_synced(lanes, sync.dp_tokens, sync.padding)
         if out is None:
             return
         rows = out.lane_rows(lanes)
@@ -219,12 +236,13 @@ class SpecEngine:
                 self.sched.finish(r.rid)
                 rep.finished.append(r.rid)
 
-    def _verify(self, batch: list[Request], rep: StepReport) -> None:
+    def verify(self, batch: list[Request], rep: StepReport, sync: Optional[PhaseSync] = None) -> None:
+        """The target's verify of every request with a proposal, acceptance, the draft-extend. `sync` as in prefill."""
         T = self.T
         n0 = [len(r.tokens) for r in batch]
         trees: list[DraftTree] = [tree_of(r.proposal, T - 1, self.tree) for r in batch]
         lanes = [Lane(r.req_pool_idx, n - 1, *t.lane(r.tokens[-1])) for r, n, t in zip(batch, n0, trees, strict=True)]
-        out = self._target_verify(lanes)
+        out = self._target_verify(lanes, sync)
         if out is None:
             return
         rows = out.lane_rows(lanes)
@@ -262,7 +280,7 @@ class SpecEngine:
             inp = self._extend_inputs(reqs, [n0[i] for i in live], [ids[i] for i in live], [hid[i] for i in live],
                                       [accs[i].accept_len for i in live], params.return_logprob)
             if inp is not None:
-                props = self.draft.extend(inp)
+                props = self.draft.extend(inp, graphs=sync is None or sync.graphs)
                 rep.extend_rids = [r.rid for r in reqs]
                 rep.extend_outs = [o.cloned() for o in self.draft.last_outs]  # a report outlives the next step's replays
                 rep.decode_outs = None if self.draft.last_decode is None else self.draft.last_decode.cloned()
@@ -299,22 +317,25 @@ class SpecEngine:
         for t in kv.k + kv.v:
             t[dst] = t[src]
 
-    def _target_verify(self, lanes: list[Lane]) -> Optional[TargetOutput]:
+    def _target_verify(self, lanes: list[Lane], sync: Optional[PhaseSync] = None) -> Optional[TargetOutput]:
         """The verify pass: the TARGET_VERIFY graph when there is one and the batch fits, else eager.
 
         One MLP sync decides for every rank alike (the MLP-TP-gather branch pads every DP
-        group to the largest one's bucket) and sizes the eager pass's metadata.
+        group to the largest one's bucket) and sizes the eager pass's metadata; a DP-coordinated
+        step hands in its own (`sync`), which may rule graphs out for every rank.
         """
-        dp_tokens = mlp_sync_batch_sizes(self.ctx, sum(len(lane.tokens) for lane in lanes), self.device)
+        if sync is None:
+            sync = PhaseSync(mlp_sync_batch_sizes(self.ctx, sum(len(lane.tokens) for lane in lanes), self.device), DpPaddingMode.MAX_LEN, True)
+        dp_tokens = sync.dp_tokens
         if sum(dp_tokens) == 0:
             return None
-        g = self.verify_graph
+        g = self.verify_graph if sync.graphs else None
         if g is not None:
             inp = verify_inputs(lanes, [t // self.T for t in dp_tokens], self.device, self.T)
             if g.can_run(inp):
                 return g.replay(inp)
             g.backend.stats.eager_fallbacks += 1
-        return self.target.forward_synced(lanes, dp_tokens)
+        return self.target.forward_synced(lanes, dp_tokens, sync.padding)
 
     def _extend_inputs(self, reqs, n0, ids, hid, accept_lens, return_logprob: bool = False) -> Optional[DraftExtendInputs]:
         """The verified tokens of every request, T rows each, as DRAFT_EXTEND_V2 lanes."""

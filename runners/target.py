@@ -27,6 +27,7 @@ from runners.memory import ReqToTokenPool, TokenToKVPool, assign_out_cache_loc
 from runners.model import TargetModel, head_shard
 from runners.outputs import RunnerOutputs
 from runners.parallel.dp_attention import RankContext, mlp_sync_batch_sizes
+from runners.parallel.layout import DpPaddingMode, ParallelLayout
 from runners.verify import tree_depths, tree_mask
 
 
@@ -64,8 +65,10 @@ def verify_spec_info(lanes: Sequence[Lane], device: torch.device) -> Optional[Ea
     return EagleVerifyInput(T, torch.stack([tree_mask(lane.parents) for lane in lanes]).to(device))
 
 
-def extend_batch(ctx: RankContext, lanes: Sequence[Lane], dp_tokens: list[int], device: torch.device) -> ForwardBatch:
-    """An EXTEND batch; logits for every token (for_logprob = tokens, as in DRAFT_EXTEND_V2)."""
+def extend_batch(ctx: RankContext, lanes: Sequence[Lane], dp_tokens: list[int], device: torch.device,
+                 padding: DpPaddingMode = DpPaddingMode.MAX_LEN) -> ForwardBatch:
+    """An EXTEND batch; logits for every token (for_logprob = tokens, as in DRAFT_EXTEND_V2). `padding`: how the DP
+    groups' rows are gathered (SUM_LEN in a pass where a group extends, runners.mixed_modes)."""
     i64 = dict(dtype=torch.int64, device=device)
     lens = [len(lane.tokens) for lane in lanes]
     n = sum(lens)
@@ -73,7 +76,7 @@ def extend_batch(ctx: RankContext, lanes: Sequence[Lane], dp_tokens: list[int], 
     starts = [0]
     for m in lens[:-1]:
         starts.append(starts[-1] + m)
-    meta = gathered_metadata(ctx.layout, dp_tokens, dp_tokens, ctx.attn_dp_rank)
+    meta = gathered_metadata(ctx.layout, dp_tokens, dp_tokens, ctx.attn_dp_rank, padding)
     tree = verify_spec_info(lanes, device)
     return ForwardBatch(
         forward_mode=ForwardMode.EXTEND if tree is None else ForwardMode.TARGET_VERIFY,
@@ -90,6 +93,7 @@ def extend_batch(ctx: RankContext, lanes: Sequence[Lane], dp_tokens: list[int], 
         extend_num_tokens=n,
         num_token_non_padded=n,
         seq_lens_sum=sum(lane.seq_len for lane in lanes),
+        dp_padding_mode=padding,
         **meta.forward_batch_fields(device),
     )
 
@@ -130,10 +134,10 @@ class TargetRunner:
             return None
         return self.forward_synced(lanes, dp_tokens)
 
-    def forward_synced(self, lanes: Sequence[Lane], dp_tokens: list[int]) -> TargetOutput:
+    def forward_synced(self, lanes: Sequence[Lane], dp_tokens: list[int], padding: DpPaddingMode = DpPaddingMode.MAX_LEN) -> TargetOutput:
         """The eager pass once the MLP sync is done (the verify decides graph or eager from the same sync),
-        padded to the DP maximum around the forward (runners.mlp_sync)."""
-        fb = extend_batch(self.ctx, lanes, dp_tokens, self.device)
+        padded to the DP maximum around the forward (runners.mlp_sync; a SUM_LEN pass is not padded)."""
+        fb = extend_batch(self.ctx, lanes, dp_tokens, self.device, padding)
         padded, pad = mlp_sync.prepare_mlp_sync_batch(fb, self.ctx.layout, dp_tokens, None)
         out = target_step(self, padded)
         (out.hidden, out.logits), _ = mlp_sync.post_forward_mlp_sync_batch(pad, (out.hidden, out.logits))
@@ -175,8 +179,6 @@ def target_greedy(cfg: ModelConfig, prompts: Sequence[Sequence[int]], max_new: S
     `comm` is a one-rank communicator (TP1 calls no collective, but code under test may touch it).
     Each generated token's logprob is kept, and the top_logprobs_num likeliest tokens at its position.
     """
-    from runners.parallel.layout import ParallelLayout
-
     device = torch.device(device)
     ctx = RankContext(ParallelLayout(), 0, comm=comm)
     need = [len(p) + m for p, m in zip(prompts, max_new, strict=True)]

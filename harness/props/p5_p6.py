@@ -8,6 +8,7 @@ from harness.crash import crash_verdict
 from harness.golden.acceptance import AcceptanceGoldenError, load_acceptance_golden
 from harness.golden.logprobs import check_logprob_golden
 from harness.props.logprobs import check_draft_passes_replayed, check_logprobs
+from harness.props.mixed_modes import check_mixed_modes
 from harness.ranks.simulated import RankFailure
 from harness.spec_decode import (
     DEFAULT_MODEL,
@@ -114,6 +115,8 @@ def check_spec_case(case: Case, runners: Sequence[str] = ("eager", "graph"), pro
             out["P5"].merge(check_lossless(s, where))
         if golden is not None:
             compare_acceptance(out["P6"], golden, s, where)
+        if s.keep_traces:  # mixed DP modes: every step's collectives agree across ranks (P7)
+            out.setdefault("P7", Verdict("P7")).merge(check_mixed_modes(s, where))
         if case.top_logprobs_num is not None:  # requests asked for logprobs: the logprob golden, the draft graphs' replays
             if "P6" in props:
                 check_logprob_golden(out["P6"], case, {runner: s})
