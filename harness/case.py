@@ -75,12 +75,10 @@ _TOP = {"name": str, "description": str, "seed": int, "dtype": str, "backend": s
 _REQUIRED = ("name", "description", "layout", "schedule")
 _LAYOUT = {"tp_size": int, "dp_size": int, "enable_dp_attention": bool, "moe_dense_tp_size": int, "enable_dp_lm_head": bool, "moe_a2a_backend": str,
            "enable_two_batch_overlap": bool}
-_SPEC = {"num_steps": int, "topk": int, "num_tokens_per_bs": int, "capture_bs": list, "max_running_requests": int, "page_size": int, "draft": str, "draft_extend_graph": str,
-         "dp_spec_prefill_coordination": bool, "overlap_schedule": bool}
+_SPEC = {"num_steps": int, "topk": int, "num_tokens_per_bs": int, "capture_bs": list, "max_running_requests": int, "page_size": int, "draft": str, "draft_extend_graph": str, "dp_spec_prefill_coordination": bool, "overlap_schedule": bool}
 PAGE_SIZES = (1, 2, 4, 8, 16, 32, 64)  # KV slots per page: a power of two (runners.memory.check_page_size), at most 64
 _MODEL = {f.name: f.type for f in fields(ModelConfig) if f.name not in ("dtype",)}
 _SCHEDULE = {"batches": list, "max_prefix_len": int, "prefix_lens": list, "accept_lens": list, "rids": list, "top_logprobs_num": int}
-MAX_TOP_LOGPROBS = 20  # schedule.top_logprobs_num: the top-k a request of the loop asks for at most
 _TOLERANCES = {"eager_vs_graph": dict, "cross_layout": dict, "golden": dict}
 _TOL = {"rtol": float, "atol": float, "reason": str}
 GOLDEN_FLOAT_FIELDS = ("logits", "logprobs", "hidden", "topk_p")  # the float keys a golden stores (harness/golden/)
@@ -292,11 +290,11 @@ def parse_case(data: dict, path: Path | str = "<case>") -> Case:
             raise CaseError(path, "spec.draft_extend_graph", f"per_step with backend = {backend} ({ONE_GRAPH_UNSUPPORTED})", graph)
     if "num_tokens_per_bs" in spec_t:
         spec_t["num_draft_tokens"] = spec_t.pop("num_tokens_per_bs")
-    if spec_t.get("dp_spec_prefill_coordination") and layout.attn_dp_size == 1:
-        raise CaseError(path, "spec.dp_spec_prefill_coordination", "false without DP attention (it mixes the forward modes of DP groups)", True)
-    if spec_t.get("overlap_schedule") and (spec_t.get("topk", 1) != 1 or spec_t.get("draft", "multi_layer") != "multi_layer"):
-        raise CaseError(path, "spec.overlap_schedule", "false unless topk = 1 and draft = multi_layer (the overlapped verify accepts a chain on the device)", True)
-    spec = SpecConfig(**spec_t)
+    try:
+        spec = SpecConfig(**spec_t)
+        spec.check_layout(layout)
+    except ValueError as e:  # SpecConfig's rules across its fields and the layout: "field: rule"
+        raise CaseError(path, "spec." + str(e).partition(": ")[0], str(e).partition(": ")[2]) from None
     if spec.draft == "single_layer" and spec.topk * (spec.num_steps - 1) > spec.num_tokens_per_bs:
         raise CaseError(path, "spec.topk", f"topk * (num_steps - 1) <= num_tokens_per_bs ({spec.num_tokens_per_bs}): the single-layer draft decode's slots", spec.topk)
     if spec.topk > model.vocab_size:
@@ -351,11 +349,9 @@ def parse_case(data: dict, path: Path | str = "<case>") -> Case:
                 raise CaseError(path, f"schedule.batches[{i}][{j}]", f"requests whose prefix + draft tokens fit one rank's KV pool ({MAX_KV_SLOTS_PER_RANK} slots)",
                                 f"{len(reqs)} requests needing {slots} slots")
     tolerances = _parse_tolerances(path, data.get("tolerances", {}))
-    top_logprobs_num = sched_t.get("top_logprobs_num")
-    if top_logprobs_num is not None:  # the loop's requests ask for logprobs (harness.spec_decode.logprob_params)
-        _positive(path, "schedule.top_logprobs_num", top_logprobs_num, 0, min(MAX_TOP_LOGPROBS, model.vocab_size))
+    _positive(path, "schedule.top_logprobs_num", sched_t.get("top_logprobs_num", 0), 0, min(20, model.vocab_size))  # logprobs asked for: a top-k <= 20
     sc = Scenario(model, spec, layout, iterations, seed=seed, attention_backend=backend, name=data["name"])
-    return Case(data["name"], data["description"], str(path), sc, schedule_t, tolerances, top_logprobs_num)
+    return Case(data["name"], data["description"], str(path), sc, schedule_t, tolerances, sched_t.get("top_logprobs_num"))
 
 
 def _regular_file(path: Path) -> Path:

@@ -8,6 +8,8 @@ from enum import StrEnum
 
 import torch
 
+from runners.parallel.layout import ParallelLayout
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -93,8 +95,13 @@ class SpecConfig:
             raise ValueError(f"draft_extend_graph {graph.value!r} needs the multi-layer draft (the single-layer draft-extend is one step)")
         object.__setattr__(self, "draft_extend_graph", graph)
         if self.overlap_schedule and (self.topk != 1 or self.draft != "multi_layer"):
-            raise ValueError(f"overlap_schedule needs topk 1 and the multi-layer draft (its verify accepts a chain on the device), "
-                             f"got topk {self.topk}, draft {self.draft!r}")
+            raise ValueError(f"overlap_schedule: false unless topk = 1 and draft = multi_layer (the overlapped verify accepts a chain "
+                             f"on the device), not topk {self.topk}, draft {self.draft!r}")
+
+    def check_layout(self, layout: ParallelLayout) -> None:
+        """The rules that need the layout too (a ValueError "field: rule", as __post_init__'s)."""
+        if self.dp_spec_prefill_coordination and layout.attn_dp_size == 1:
+            raise ValueError("dp_spec_prefill_coordination: false without DP attention, dp_size > 1 (it mixes the DP groups' forward modes)")
 
     @property
     def num_tokens_per_bs(self) -> int:

@@ -23,7 +23,7 @@ prefill runs in such lanes too), padded and gathered as the draft's eager passes
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Optional, Protocol
 
 import torch
 
@@ -31,9 +31,7 @@ from runners.batch import ForwardMode
 from runners.parallel.comm import Group
 from runners.parallel.dp_attention import RankContext
 from runners.parallel.layout import DpPaddingMode
-
-if TYPE_CHECKING:  # the engine drives this module; a runtime import would be a cycle
-    from runners.spec_decode import SpecEngine, StepReport
+from runners.scheduler import Request, Scheduler
 
 LOCAL_MODES = (ForwardMode.IDLE, ForwardMode.EXTEND, ForwardMode.TARGET_VERIFY)  # what a DP group runs; gathered as the index
 
@@ -100,7 +98,27 @@ class PhaseSync:
         return cls(it.dp_tokens(), it.padding_mode(), it.can_run_graph())
 
 
-def coordinated_step(engine: "SpecEngine", rep: "StepReport") -> None:
+class StepRecord(Protocol):
+    dp_forward_modes: list[str]
+
+
+class CoordinatedEngine(Protocol):
+    """What a coordinated step needs of the engine (runners.spec_decode.SpecEngine): its group's requests, the passes
+    of each mode, taking the iteration's PhaseSync."""
+
+    ctx: RankContext
+    device: torch.device
+    T: int
+    sched: Scheduler
+
+    def prefill_len(self, r: Request) -> int: ...
+
+    def prefill(self, fresh: list[Request], rep: StepRecord, sync: Optional["PhaseSync"] = None) -> None: ...
+
+    def verify(self, batch: list[Request], rep: StepRecord, sync: Optional["PhaseSync"] = None) -> None: ...
+
+
+def coordinated_step(engine: CoordinatedEngine, rep: StepRecord) -> None:
     """One iteration of a DP group under coordination: gather the modes, then run the passes of this group's mode."""
     running = engine.sched.running
     fresh = [r for r in running if not r.has_kv]

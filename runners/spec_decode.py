@@ -125,8 +125,7 @@ class SpecEngine:
         self.tree = spec.topk > 1 if tree is None else tree
         if not self.tree and T != S + 1:
             raise ValueError(f"without the tree the draft's chain fills {S + 1} verify tokens, not num_tokens_per_bs {T}")
-        if spec.dp_spec_prefill_coordination and ctx.layout.attn_dp_size == 1:
-            raise ValueError("dp_spec_prefill_coordination mixes the forward modes of DP groups: it needs DP attention (dp_size > 1)")
+        spec.check_layout(ctx.layout)
         self.alignment = alignment
         num_slots = num_slots or slot_budget(spec, cfg.max_context_len)
         max_reqs = 1 + spec.max_running_requests  # the padding row and one row per request
