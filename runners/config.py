@@ -94,6 +94,8 @@ class SpecConfig:
         if graph is DraftExtendGraph.ONE_GRAPH and self.draft != "multi_layer":
             raise ValueError(f"draft_extend_graph {graph.value!r} needs the multi-layer draft (the single-layer draft-extend is one step)")
         object.__setattr__(self, "draft_extend_graph", graph)
+        if self.overlap_schedule and self.dp_spec_prefill_coordination:
+            raise ValueError("overlap_schedule: false with dp_spec_prefill_coordination (the two schedulers are not combined here)")
         if self.overlap_schedule and (self.topk != 1 or self.draft != "multi_layer"):
             raise ValueError(f"overlap_schedule: false unless topk = 1 and draft = multi_layer (the overlapped verify accepts a chain "
                              f"on the device), not topk {self.topk}, draft {self.draft!r}")

@@ -164,14 +164,16 @@ class EagleProposer:
         return proposals_from_steps(outs, finals)
 
     # ---- draft-extend after a verify ----
-    def extend(self, inp: DraftExtendInputs, graphs: bool = True) -> list[Proposal]:
-        """graphs=False: eagerly, whatever the buckets (a DP-coordinated step where a group extends, runners.mixed_modes)."""
+    def run_extend(self, inp: DraftExtendInputs, graphs: bool = True) -> list[StepOutputs]:
+        """The draft-extend's step outputs, on the device. graphs=False: eagerly, whatever the buckets (a DP-coordinated
+        step where a group extends, runners.mixed_modes)."""
         inp = without_logprob(inp)  # the verify's batch carries the flag in; no draft pass runs with it
-        if self.driver is not None and graphs:
-            outs = self.driver.run(inp)
-        else:
-            outs = run_eager(self.worker, inp)[0]
+        outs = self.driver.run(inp) if self.driver is not None and graphs else run_eager(self.worker, inp)[0]
         self.last_outs = outs
+        return outs
+
+    def extend(self, inp: DraftExtendInputs, graphs: bool = True) -> list[Proposal]:
+        outs = self.run_extend(inp, graphs)
         if self.single_layer:
             rows = (torch.arange(inp.bs, device=self.device) * self.worker.tokens_per_bs + inp.accept_lens - 1).tolist()
             return self._decode(outs[0], list(range(inp.bs)), rows, inp.positions, inp.req_pool_indices.tolist())

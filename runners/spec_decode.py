@@ -38,6 +38,7 @@ from runners.logprobs import LogprobParams, add_logprob_return_values, compute_s
 from runners.memory import ReqToTokenPool
 from runners.mixed_modes import PhaseSync, coordinated_step
 from runners.model import DraftModel, TargetModel
+from runners.overlap import OverlapScheduler
 from runners.parallel.dp_attention import RankContext, mlp_sync_batch_sizes
 from runners.parallel.layout import DpPaddingMode
 from runners.scheduler import KVBook, Request, Scheduler
@@ -149,6 +150,11 @@ class SpecEngine:
             self.verify_graph = DecodeCudaGraphRunner(ctx, cfg, spec, self.target, graphs.sibling(), self.device)
             self.verify_graph.capture()
         self.draft.capture(graphs)
+        self.overlap: Optional[OverlapScheduler] = None
+        if spec.overlap_schedule:
+            if not isinstance(self.draft, EagleProposer):
+                raise ValueError("overlap_schedule runs the EAGLE draft's chain on the device: proposer 'eagle' only")
+            self.overlap = OverlapScheduler.of(self, spec.max_running_requests)
         self.steps = 0
 
     # ---- commands (the harness sends every rank every command; a rank keeps its DP group's) ----
@@ -159,6 +165,9 @@ class SpecEngine:
             top_logprobs_num: int = 0) -> None:
         if len(prompt) + max_new_tokens + self.T > self.cfg.max_context_len + 1:
             raise ValueError(f"request {rid}: prompt {len(prompt)} + {max_new_tokens} new + {self.T} verify tokens exceed max_context_len")
+        if self.spec.overlap_schedule and (return_logprob or len(prompt) + max_new_tokens + 2 * self.T > self.cfg.max_context_len + 1):
+            raise ValueError(f"request {rid}: under overlap_schedule no logprobs, and a request's pages reach {2 * self.T} positions past "
+                             f"prompt + max_new_tokens ({len(prompt)} + {max_new_tokens}), within max_context_len {self.cfg.max_context_len}")
         if not 0 <= top_logprobs_num <= self.cfg.vocab_size or (top_logprobs_num and not return_logprob):
             raise ValueError(f"request {rid}: top_logprobs_num {top_logprobs_num} needs return_logprob and at most vocab_size {self.cfg.vocab_size} tokens")
         if self.mine(dp_rank):
@@ -192,11 +201,27 @@ class SpecEngine:
         rep = StepReport(self.steps)
         if self.spec.dp_spec_prefill_coordination:
             coordinated_step(self, rep)
+        elif self.overlap is not None:
+            self.prefill([r for r in self.sched.running if not r.has_kv], rep)
+            self._overlap_step(rep)
         else:
             self.prefill([r for r in self.sched.running if not r.has_kv], rep)
             self.verify([r for r in self.sched.running if r.proposal is not None], rep)
         self.steps += 1
         return rep
+
+    def _overlap_step(self, rep: StepReport) -> None:
+        """runners.overlap: launch this iteration, then process the one launched before it."""
+        ov = self.overlap
+        launched = ov.launch()
+        before, ov.pending = ov.pending, None if launched is None else launched[0]
+        if launched is not None:
+            rep.extend_rids = [r.rid for r in launched[0].reqs]
+            rep.extend_outs = [o.cloned() for o in launched[1]]  # a report outlives the next step's replays
+        for rnd in [] if before is None else ov.process(before):
+            rep.verified.append(RoundResult(rnd.req.rid, rnd.accept_len, False, rnd.committed))
+            if rnd.finished:
+                rep.finished.append(rnd.req.rid)
 
     @staticmethod
     def prefill_len(r: Request) -> int:

@@ -137,7 +137,10 @@ class TargetRunner:
     def forward_synced(self, lanes: Sequence[Lane], dp_tokens: list[int], padding: DpPaddingMode = DpPaddingMode.MAX_LEN) -> TargetOutput:
         """The eager pass once the MLP sync is done (the verify decides graph or eager from the same sync),
         padded to the DP maximum around the forward (runners.mlp_sync; a SUM_LEN pass is not padded)."""
-        fb = extend_batch(self.ctx, lanes, dp_tokens, self.device, padding)
+        return self.run_batch(extend_batch(self.ctx, lanes, dp_tokens, self.device, padding), dp_tokens)
+
+    def run_batch(self, fb: ForwardBatch, dp_tokens: list[int]) -> TargetOutput:
+        """One eager pass over a built batch: the MLP-sync padding around the step body."""
         padded, pad = mlp_sync.prepare_mlp_sync_batch(fb, self.ctx.layout, dp_tokens, None)
         out = target_step(self, padded)
         (out.hidden, out.logits), _ = mlp_sync.post_forward_mlp_sync_batch(pad, (out.hidden, out.logits))

@@ -21,6 +21,7 @@ from harness.mutants import (
     memory,
     mixed_modes,
     one_graph,
+    overlap,
     padding_rule,
     recorded_graph,
     replay_fill,
@@ -37,7 +38,7 @@ CATALOG: tuple[Mutant, ...] = (
     *draft_extend.MUTANTS, *spec_loop.MUTANTS, *memory.MUTANTS, *verify_fill.MUTANTS, *recorded_graph.MUTANTS,
     *decode.MUTANTS, *draft_attention.MUTANTS, *shape.MUTANTS, *verify.MUTANTS, *dp.MUTANTS, *host_mirror.MUTANTS,
     *replay_fill.MUTANTS, *padding_rule.MUTANTS, *fused_fill.MUTANTS, *sharding.MUTANTS,
-    *one_graph.MUTANTS, *logprobs.MUTANTS, *mixed_modes.MUTANTS,
+    *one_graph.MUTANTS, *logprobs.MUTANTS, *mixed_modes.MUTANTS, *overlap.MUTANTS,
 )
 BY_ID: dict[str, Mutant] = {m.id: m for m in CATALOG}
 if len(BY_ID) != len(CATALOG):

@@ -14,6 +14,7 @@ from harness.verdict import Verdict
 
 LOGPROB_CASE = "tp2_dp2_logprobs"
 MIXED_MODES_CASE = "tp3_dp3_mixed_modes"
+OVERLAP_CASE = "tp2_dp2_overlap"
 
 
 def _logprob_case() -> dict[str, Verdict]:
@@ -38,7 +39,13 @@ def _mixed_modes_case() -> dict[str, Verdict]:
     return out
 
 
+def _overlap_case() -> dict[str, Verdict]:
+    """P5 (the committed tokens are target greedy's), P6 (acceptance golden), P3 (graphs replayed), graph runner."""
+    return check_spec_case(load_case(OVERLAP_CASE), runners=("graph",))
+
+
 probe_logprob_case = _guarded("logprob-case", _logprob_case)
 probe_mixed_modes_case = _guarded("mixed-modes-case", _mixed_modes_case)
+probe_overlap_case = _guarded("overlap-case", _overlap_case)
 
-FEATURE_PROBES = (("logprob-case", probe_logprob_case), ("mixed-modes-case", probe_mixed_modes_case))
+FEATURE_PROBES = (("logprob-case", probe_logprob_case), ("mixed-modes-case", probe_mixed_modes_case), ("overlap-case", probe_overlap_case))
