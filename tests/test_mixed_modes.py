@@ -18,30 +18,30 @@ from runners.parallel.layout import DpPaddingMode
 from runners.parallel.layout import ParallelLayout as PL
 from runners.target import Lane, TargetRunner
 
-E, V, I = ForwardMode.EXTEND, ForwardMode.TARGET_VERIFY, ForwardMode.IDLE
+EXT, VER, IDLE = ForwardMode.EXTEND, ForwardMode.TARGET_VERIFY, ForwardMode.IDLE
 MIXED_CASE = "tp3_dp3_mixed_modes"
 
 
 def test_every_group_learns_every_groups_tokens_and_mode():
     lay = PL(3, 3, True)
-    local = {0: (7, E), 1: (8, V), 2: (0, I)}  # a prompt of 7 tokens, 2 requests of 4 verify tokens, nothing
+    local = {0: (7, EXT), 1: (8, VER), 2: (0, IDLE)}  # a prompt of 7 tokens, 2 requests of 4 verify tokens, nothing
 
     def fn(comm):
         n, mode = local[comm.rank]
         return gather_mlp_sync_info(RankContext(lay, comm.rank, comm), n, n, mode, torch.device("cpu"))
 
     infos = SimulatedWorld(lay).run(fn)
-    assert all(info == MlpSyncInfo((7, 8, 0), (7, 8, 0), (E, V, I)) for info in infos)
+    assert all(info == MlpSyncInfo((7, 8, 0), (7, 8, 0), (EXT, VER, IDLE)) for info in infos)
     assert infos[0].is_extend_in_batch
 
 
-@pytest.mark.parametrize("mode", [E, V, I])
+@pytest.mark.parametrize("mode", [EXT, VER, IDLE])
 def test_the_gathered_modes_decide_padding_and_graphs_the_local_mode_decides_the_passes(mode):
-    mixed = MlpSyncInfo((7, 8, 0), (7, 8, 0), (E, V, I))
-    it = DpIteration(mode, mixed, dp_rank=[E, V, I].index(mode))
+    mixed = MlpSyncInfo((7, 8, 0), (7, 8, 0), (EXT, VER, IDLE))
+    it = DpIteration(mode, mixed, dp_rank=[EXT, VER, IDLE].index(mode))
     assert PhaseSync.of(it) == PhaseSync([7, 8, 0], DpPaddingMode.SUM_LEN, graphs=False)  # the same on every group
-    assert it.runs_prefill() == (mode is not V)  # the idle group joins the extending group's passes
-    decode = DpIteration(I if mode is I else V, MlpSyncInfo((4, 8, 0), (4, 8, 0), (V, V, I)), 0)  # no group extends
+    assert it.runs_prefill() == (mode is not VER)  # the idle group joins the extending group's passes
+    decode = DpIteration(IDLE if mode is IDLE else VER, MlpSyncInfo((4, 8, 0), (4, 8, 0), (VER, VER, IDLE)), 0)  # no group extends
     assert PhaseSync.of(decode) == PhaseSync([4, 8, 0], DpPaddingMode.MAX_LEN, graphs=True)
     assert not decode.runs_prefill()
 
