@@ -1,11 +1,14 @@
 """The overlap scheduler (runners.overlap): the future map's ring and placeholders by hand, the device's chain acceptance,
 the host one iteration behind, the same tokens as without overlap, and the case's checks catching its mutants."""
+import dataclasses
+
 import pytest
 import torch
 
 from harness import mutants
 from harness.case import CaseError, load_case, parse_case
 from harness.checks import check_case
+from harness.props.spec_probes import CHURN_SCRIPT, CHURN_SPEC, run_churn_script
 from harness.spec_decode import SpecSession, Workload, request_prompt, run_workload
 from runners.config import SpecConfig
 from runners.overlap import FutureMap, chain_accept
@@ -98,3 +101,10 @@ def test_what_overlap_does_not_combine_with_is_refused():
     data = {"name": "x", "description": "d", "layout": {"tp_size": 1}, "spec": {"topk": 2, "overlap_schedule": True}, "schedule": {"batches": [[1]]}}
     with pytest.raises(CaseError, match="spec.overlap_schedule: expected false unless topk = 1"):
         parse_case(data, "x.toml")
+
+
+def test_batch_churn_with_overlap_keeps_eager_and_graph_together():
+    """P8's fixed churn script (bucket boundaries crossed both ways, a preemption) with the overlap scheduler on: eager and
+    graph engines agree step by step, the KV books stay consistent, the tokens are target greedy's."""
+    out = run_churn_script(PL(), CHURN_SCRIPT, dataclasses.replace(CHURN_SPEC, overlap_schedule=True))
+    assert out["P8"].ok and out["P8"].checked > 500, out["P8"].report()

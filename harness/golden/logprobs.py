@@ -47,8 +47,9 @@ def _floats_close(a: list, b: list) -> bool:
     return abs(a - b) <= LOGPROB_FLOATS.atol + LOGPROB_FLOATS.rtol * abs(b)
 
 
-def compare_logprobs(v: Verdict, label: str, want: dict, got: dict) -> None:
-    v.expect_equal("logprob golden", "requests", {"case": label}, sorted(want, key=int), sorted(got, key=int),
+def compare_logprobs(v: Verdict, label: str, want: dict, got: dict, check: str = "logprob golden") -> None:
+    """Tokens and top-k ids exact, logprobs within LOGPROB_FLOATS (a golden against a run, or one run against another)."""
+    v.expect_equal(check, "requests", {"case": label}, sorted(want, key=int), sorted(got, key=int),
                    "the requests that asked for logprobs")
     for rid in sorted(set(want) & set(got), key=int):
         for f in FIELDS:
@@ -57,7 +58,7 @@ def compare_logprobs(v: Verdict, label: str, want: dict, got: dict) -> None:
             exact = f in ("tokens", "top_logprobs_idx")
             if not (a == b if exact else _floats_close(b, a)):
                 first = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if (x != y if exact else not _floats_close(y, x))), min(len(a), len(b)))
-                v.fail("logprob golden", f, {"case": label, "request": int(rid), "position": first},
+                v.fail(check, f, {"case": label, "request": int(rid), "position": first},
                        a[first] if first < len(a) else "-", b[first] if first < len(b) else "-",
                        "exact" if exact else f"rtol={LOGPROB_FLOATS.rtol} atol={LOGPROB_FLOATS.atol}: {LOGPROB_FLOATS.reason}")
 
