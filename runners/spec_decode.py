@@ -14,6 +14,12 @@ of its DP attention group (`Request.dp_rank`) and ignores the others' commands. 
 3. draft-extend over the verified tokens (eager or graph runner) -> the next proposals;
    free the rejected positions' slots; allocate the next verify's.
 
+Two other schedules of a step: under DP coordination (SpecConfig.dp_spec_prefill_coordination) each
+DP group runs the passes of its own mode, the modes gathered first (runners.mixed_modes); under the
+overlap scheduler (SpecConfig.overlap_schedule) a step prefills, launches the verify and draft-extend
+of every running request, then processes the launch before it (runners.overlap). A request may ask
+for logprobs: the verify's accepted rows give them (runners.logprobs).
+
 Weights are random, so a plain random draft would accept nothing and P6 would measure
 nothing. `Alignment` makes acceptance informative and layout-independent: it shrinks the
 target's residual branches (the target's next token then depends mostly, not only, on the
