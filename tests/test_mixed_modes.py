@@ -5,8 +5,8 @@ import torch
 
 from harness import mutants
 from harness.case import CaseError, load_case, parse_case
+from harness.checks import check_case
 from harness.props.mixed_modes import check_mixed_modes
-from harness.props.p5_p6 import check_spec_case
 from harness.ranks.simulated import SimulatedWorld
 from harness.spec_decode import case_session
 from runners.batch import ForwardMode
@@ -96,7 +96,7 @@ def test_harness_check_catches_routing_on_the_wrong_mode(mutant, prop):
     """The case's loop under `harness check --props all` (P5/P6, P7 on its traces): a desync on the local mode's padding
     (a run failure naming the collective), a decoding group that skips its verify on the global flag (P6)."""
     with mutants.get(mutant).planted():
-        out = check_spec_case(load_case(MIXED_CASE), runners=("eager",))
+        out = check_case(load_case(MIXED_CASE), props=("P5", "P6")).verdicts
     assert prop in out and not out[prop].ok, {k: v.ok for k, v in out.items()}
 
 
