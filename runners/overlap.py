@@ -165,7 +165,7 @@ class OverlapScheduler:
                 ids += [-slot] * T
                 known.append(0)
                 future.append(slot)
-                e.book.ensure(r, len(r.tokens) + 2 * T - 1)
+                e.book.ensure(r, self.reserved_positions(r))
         dp_sizes = mlp_sync_batch_sizes(e.ctx, len(reqs), dev)
         if sum(dp_sizes) == 0:
             return None
@@ -185,6 +185,16 @@ class OverlapScheduler:
         chain = torch.stack([o.topk_index[:, 0] for o in outs], dim=1).to(torch.int64)
         self.future_map.store_to_map(fi, torch.cat([bonus, chain], dim=1), n + accept_lens, accept_lens, argmax)
         return LaunchedBatch(reqs, [r.preemptions for r in reqs], fi), outs
+
+    def reserved_positions(self, r: Request) -> int:
+        """Positions a request whose last launch is unread needs for the next: that launch accepted up to T tokens past
+        the n the host knows, so this one verifies at most up to n + 2T - 2."""
+        return len(r.tokens) + 2 * self.engine.T - 1
+
+    def kept_positions(self, r: Request) -> int:
+        """Once a launch is read: the positions the launch after it verified (from the new last token on), whose
+        accepted KV the request keeps; the pages past them are free."""
+        return len(r.tokens) - 1 + self.engine.T
 
     def _verify(self, inp: VerifyInputs) -> TargetOutput:
         """The TARGET_VERIFY graph when one fits, else the eager pass (as the engine's verify)."""
@@ -213,7 +223,7 @@ class OverlapScheduler:
             done = r.remaining <= 0
             if done:
                 e.sched.finish(r.rid)
-            else:  # the launch after this one verified from the new last token: keep its positions, free the rest
-                e.book.truncate(r, len(r.tokens) - 1 + T)
+            else:
+                e.book.truncate(r, self.kept_positions(r))
             rounds.append(OverlapRound(r, a, take, done))
         return rounds

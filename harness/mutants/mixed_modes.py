@@ -4,6 +4,7 @@ kills them (P7: a desync is named by rank and collective; P6)."""
 from __future__ import annotations
 
 from harness.mutants.base import Mutant
+from runners import mlp_sync
 from runners.batch import ForwardMode
 from runners.mixed_modes import DpIteration
 from runners.parallel.layout import DpPaddingMode
@@ -58,5 +59,21 @@ MUTANTS: tuple[Mutant, ...] = (
         "routing on the global flag where the local mode matters",
         ((DpIteration, "runs_prefill", _prefill_on_global_flag),),
         ("mixed-modes-case",),  # P6: the accept lengths per round move (P5 holds: the tokens are still the target's)
+    ),
+)
+
+
+def _pads_sum_len_too(layout, fb) -> bool:
+    return layout.require_mlp_sync and layout.attn_dp_size > 1 and fb.global_num_tokens_cpu is not None  # whatever the mode
+
+
+MUTANTS += (
+    Mutant(
+        "mixed-sum-len-batch-padded",
+        "eager MLP-sync pads a SUM_LEN batch to the DP maximum as it pads a MAX_LEN one: a short group's padded rows land "
+        "in the next group's part of the unpadded gathered buffer",
+        "collective sized by the wrong mode",
+        ((mlp_sync, "needs_dp_padding", _pads_sum_len_too),),
+        ("mixed-modes-case",),  # P5: the next group's rows summed with padding
     ),
 )

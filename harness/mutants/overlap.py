@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from harness.mutants.base import Mutant
-from runners.overlap import FutureIndices, FutureMap
+from runners.overlap import FutureIndices, FutureMap, OverlapScheduler
 
 
 def _alloc_ring_of_one_iteration(self: FutureMap, bs: int) -> FutureIndices:
@@ -21,6 +21,14 @@ def _resolve_slot_before(self: FutureMap, input_ids: torch.Tensor) -> torch.Tens
     T = self.lane_tokens.shape[1]
     col = torch.arange(input_ids.shape[0], device=input_ids.device) % T
     return torch.where(input_ids < 0, self.lane_tokens[(-input_ids - 1).clamp(min=0), col], input_ids)
+
+
+def _trim_as_synchronous(self: OverlapScheduler, r) -> int:
+    return len(r.tokens) - 1  # the loop without overlap keeps its verified positions only: here the next launch's are freed
+
+
+def _reserve_as_synchronous(self: OverlapScheduler, r) -> int:
+    return len(r.tokens) - 1 + self.engine.T  # the next verify's positions as if the unread launch had accepted nothing
 
 
 MUTANTS: tuple[Mutant, ...] = (
@@ -39,5 +47,21 @@ MUTANTS: tuple[Mutant, ...] = (
         "placeholder resolved against the wrong slot",
         ((FutureMap, "resolve_future", _resolve_slot_before),),
         ("overlap-case",),  # P5, P6
+    ),
+    Mutant(
+        "overlap-pages-freed-an-iteration-early",
+        "reading a launch, the host trims a request's pages to its committed tokens as the synchronous loop does: the "
+        "pages of the launch after it, already run, go back to the allocator with the KV of the tokens it accepted",
+        "buffer reused one iteration too early",
+        ((OverlapScheduler, "kept_positions", _trim_as_synchronous),),
+        ("overlap-case",),  # P5: another request overwrites the freed KV
+    ),
+    Mutant(
+        "overlap-reserve-without-the-unread-launch",
+        "a request whose last launch is unread reserves pages for one verify past the length the host knows, as if that "
+        "launch accepted nothing: the next launch verifies past its pages, into slots its row does not hold",
+        "buffer sized without the iteration in flight",
+        ((OverlapScheduler, "reserved_positions", _reserve_as_synchronous),),
+        ("overlap-case",),  # P5
     ),
 )
