@@ -98,7 +98,7 @@ class PhaseSync:
         return cls(it.dp_tokens(), it.padding_mode(), it.can_run_graph())
 
 
-class StepRecord(Protocol):
+class StepModes(Protocol):
     dp_forward_modes: list[str]
 
 
@@ -113,12 +113,12 @@ class CoordinatedEngine(Protocol):
 
     def prefill_len(self, r: Request) -> int: ...
 
-    def prefill(self, fresh: list[Request], rep: StepRecord, sync: Optional["PhaseSync"] = None) -> None: ...
+    def prefill(self, fresh: list[Request], rep: StepModes, sync: Optional["PhaseSync"] = None) -> None: ...
 
-    def verify(self, batch: list[Request], rep: StepRecord, sync: Optional["PhaseSync"] = None) -> None: ...
+    def verify(self, batch: list[Request], rep: StepModes, sync: Optional["PhaseSync"] = None) -> None: ...
 
 
-def coordinated_step(engine: CoordinatedEngine, rep: StepRecord) -> None:
+def coordinated_step(engine: CoordinatedEngine, rep: StepModes) -> None:
     """One iteration of a DP group under coordination: gather the modes, then run the passes of this group's mode."""
     running = engine.sched.running
     fresh = [r for r in running if not r.has_kv]
