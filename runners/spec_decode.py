@@ -203,7 +203,8 @@ class SpecEngine:
     # ---- one scheduler step ----
     def step(self) -> StepReport:
         """Every group's new requests prefilled, then every group's running ones verified, each in passes of their own;
-        under DP coordination one pass per group in the group's own mode (runners.mixed_modes)."""
+        under DP coordination one pass per group in the group's own mode (runners.mixed_modes); under the overlap
+        scheduler the running ones' verify launched before the host reads the launch before it (runners.overlap)."""
         rep = StepReport(self.steps)
         if self.spec.dp_spec_prefill_coordination:
             coordinated_step(self, rep)
