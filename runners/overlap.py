@@ -209,7 +209,7 @@ class OverlapScheduler:
 
     def process(self, launched: LaunchedBatch) -> list[OverlapRound]:
         """The host reads a launched iteration's slots (after the next launch stored its own) and commits."""
-        e, T, fm = self.engine, self.engine.T, self.future_map
+        e, fm = self.engine, self.future_map
         idx = launched.future.indices
         accept_lens, verified = fm.accept_lens[idx].tolist(), fm.verified[idx].tolist()
         rounds = []
