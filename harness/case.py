@@ -62,6 +62,7 @@ class Case:
     schedule: tuple[tuple[int, ...], ...]  # per iteration: raw bs of each DP group
     # [tolerances]: "eager_vs_graph", "cross_layout", "golden.<field>" -> Tol (overrides of harness/tolerances.py)
     tolerances: dict[str, Tol] = dc_field(default_factory=dict)
+    top_logprobs_num: Optional[int] = None  # schedule.top_logprobs_num: the loop's requests ask for logprobs (None: none)
 
     @property
     def layout(self) -> ParallelLayout:
@@ -78,10 +79,11 @@ _REQUIRED = ("name", "description", "layout", "schedule")
 _LAYOUT = {"tp_size": int, "dp_size": int, "enable_dp_attention": bool, "moe_dense_tp_size": int, "enable_dp_lm_head": bool, "moe_a2a_backend": str,
            "enable_two_batch_overlap": bool}
 _SPEC = {"num_steps": int, "topk": int, "num_tokens_per_bs": int, "capture_bs": list, "max_running_requests": int, "page_size": int, "draft": str, "draft_extend_graph": str,
-         "eagle_aux_hidden_state_layer_ids": list, "draft_vocab_size": int, "draft_tp_size": int, "draft_max_position_embeddings": int, "draft_rope_theta": float}
+         "eagle_aux_hidden_state_layer_ids": list, "draft_vocab_size": int, "draft_tp_size": int, "draft_max_position_embeddings": int, "draft_rope_theta": float,
+         "dp_spec_prefill_coordination": bool, "overlap_schedule": bool}
 PAGE_SIZES = (1, 2, 4, 8, 16, 32, 64)  # KV slots per page: a power of two (runners.memory.check_page_size), at most 64
 _MODEL = {f.name: f.type for f in fields(ModelConfig) if f.name not in ("dtype",)}
-_SCHEDULE = {"batches": list, "max_prefix_len": int, "prefix_lens": list, "accept_lens": list, "rids": list}
+_SCHEDULE = {"batches": list, "max_prefix_len": int, "prefix_lens": list, "accept_lens": list, "rids": list, "top_logprobs_num": int}
 _TOLERANCES = {"eager_vs_graph": dict, "cross_layout": dict, "golden": dict}
 _TOL = {"rtol": float, "atol": float, "reason": str}
 GOLDEN_FLOAT_FIELDS = ("logits", "logprobs", "hidden", "topk_p")  # the float keys a golden stores (harness/golden/)
@@ -266,8 +268,9 @@ def parse_case(data: dict, path: Path | str = "<case>") -> Case:
             raise CaseError(path, "spec.draft_extend_graph", f"per_step with backend = {backend} ({ONE_GRAPH_UNSUPPORTED})", graph)
     if "num_tokens_per_bs" in spec_t:
         spec_t["num_draft_tokens"] = spec_t.pop("num_tokens_per_bs")
-    try:  # the draft's own settings (EAGLE3's layers and vocabulary, the draft's TP size and rotary table), checked by runners
+    try:  # SpecConfig's rules across its fields and the layout, and the draft's own settings, as "spec.<field>: rule"
         spec = SpecConfig(**spec_t)
+        spec.check_layout(layout)
         check_draft_config(model, layout, spec)
     except ValueError as e:
         field, _, rule = str(e).partition(": ")
@@ -331,8 +334,9 @@ def parse_case(data: dict, path: Path | str = "<case>") -> Case:
                 raise CaseError(path, f"schedule.batches[{i}][{j}]", f"requests whose prefix + draft tokens fit one rank's KV pool ({MAX_KV_SLOTS_PER_RANK} slots)",
                                 f"{len(reqs)} requests needing {slots} slots")
     tolerances = _parse_tolerances(path, data.get("tolerances", {}))
+    _positive(path, "schedule.top_logprobs_num", sched_t.get("top_logprobs_num", 0), 0, min(20, model.vocab_size))  # logprobs asked for: a top-k <= 20
     sc = Scenario(model, spec, layout, iterations, seed=seed, attention_backend=backend, name=data["name"])
-    return Case(data["name"], data["description"], str(path), sc, schedule_t, tolerances)
+    return Case(data["name"], data["description"], str(path), sc, schedule_t, tolerances, sched_t.get("top_logprobs_num"))
 
 
 def _regular_file(path: Path) -> Path:

@@ -60,7 +60,8 @@ def case_json_schema() -> dict:
                               "moe_a2a_backend": {"enum": ["none", "deepep", "mooncake", "flashinfer"]}}, required=("tp_size",))
     schedule = _table(_SCHEDULE, {"batches": {"minItems": 1, "maxItems": MAX_ITERATIONS,
                                               "items": {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0}}},
-                                  "max_prefix_len": {"minimum": 1}, "prefix_lens": int_list3, "accept_lens": int_list3, "rids": int_list3},
+                                  "max_prefix_len": {"minimum": 1}, "prefix_lens": int_list3, "accept_lens": int_list3, "rids": int_list3,
+                                  "top_logprobs_num": {"minimum": 0, "maximum": 20}},
                       required=("batches",))
     tolerances = _table({k: dict for k in ("eager_vs_graph", "cross_layout", "golden")},
                         {"eager_vs_graph": tol, "cross_layout": tol,

@@ -90,6 +90,7 @@ def _spec_table(spec: SpecConfig) -> dict:
     out.update({k: v for k, v in spec.draft_fields().items() if k != "draft" and v is not None})  # the draft's own settings
     if spec.draft_extend_graph is not DraftExtendGraph.PER_STEP:
         out["draft_extend_graph"] = spec.draft_extend_graph.value
+    out.update({flag: True for flag in ("dp_spec_prefill_coordination", "overlap_schedule") if getattr(spec, flag)})
     return out
 
 
@@ -109,6 +110,7 @@ def case_toml(
     rids: Optional[list] = None,
     tolerances: Optional[dict[str, Tol]] = None,
     header: str = "",
+    top_logprobs_num: Optional[int] = None,
 ) -> str:
     """The text of a case file (see cases/*.toml and harness/case.py for the schema)."""
     lines = [f"# {ln}" if ln else "#" for ln in header.strip("\n").splitlines()] if header else []
@@ -131,7 +133,7 @@ def case_toml(
     sched: dict[str, Any] = {"batches": [list(b) for b in batches]}
     if max_prefix_len is not None:
         sched["max_prefix_len"] = max_prefix_len
-    for key, val in (("rids", rids), ("prefix_lens", prefix_lens), ("accept_lens", accept_lens)):
+    for key, val in (("rids", rids), ("prefix_lens", prefix_lens), ("accept_lens", accept_lens), ("top_logprobs_num", top_logprobs_num)):
         if val is not None:
             sched[key] = val
     table("schedule", sched, {

@@ -20,6 +20,7 @@ import torch
 from harness.case import Case
 from harness.observe import LoopObserver, LoopRecords
 from harness.ranks.simulated import SimulatedWorld
+from harness.ranks.trace import CollectiveCall
 from harness.verdict import Verdict
 from runners.attention.kinds import TREE_MASK_UNSUPPORTED
 from runners.config import DEFAULT_MODEL, ModelConfig, SpecConfig
@@ -60,8 +61,10 @@ class SpecSession:
     def __init__(self, layout: ParallelLayout, spec: SpecConfig, model: ModelConfig = DEFAULT_MODEL, runner: str = "eager",
                  proposer: str = "eagle", alignment: Alignment = DEFAULT_ALIGNMENT, tree: Optional[bool] = None,
                  timeout_s: float = 60.0, hook: Optional[Callable[[SpecEngine], None]] = None, attention_backend: str = "torch",
-                 device: str = "cpu"):
+                 device: str = "cpu", keep_traces: bool = False):
         self.layout, self.spec, self.model, self.alignment = layout, spec, model, alignment
+        self.keep_traces = keep_traces
+        self.traces: list[list[list[CollectiveCall]]] = []  # keep_traces: per step, per rank, its collective calls (P7)
         self.runner, self.proposer, self.attention_backend = runner, proposer, attention_backend
         self.world = SimulatedWorld(layout, timeout_s=timeout_s)
 
@@ -93,6 +96,8 @@ class SpecSession:
             reps = self.world.run(fn)
         self.reports.append(reps)
         self.records.append([o.take() for o in self.observers])
+        if self.keep_traces:
+            self.traces.append(self.world.traces)
         return reps
 
     def leader(self, dp_rank: int) -> SpecEngine:
@@ -123,19 +128,31 @@ def request_prompt(seed: int, rid: int, vocab: int) -> tuple[tuple[int, ...], in
 # ----------------------------------------------------------------------------------------
 
 
+def logprob_params(rid: int, top_logprobs_num: Optional[int]) -> tuple[bool, int]:
+    """(return_logprob, top_logprobs_num) of request rid when the workload asks for logprobs (top_logprobs_num not None):
+    by rid mod 3, logprobs with the top-k, logprobs alone, none; so a batch mixes all three."""
+    if top_logprobs_num is None:
+        return False, 0
+    return (True, top_logprobs_num) if rid % 3 == 0 else (True, 0) if rid % 3 == 1 else (False, 0)
+
+
 @dataclass(frozen=True)
 class Workload:
     phases: tuple[tuple[int, ...], ...]  # per phase, the running batch size of each DP group
     rounds_per_phase: int = 3
     seed: int = 0
     preempt: bool = True
+    top_logprobs_num: Optional[int] = None  # requests ask for logprobs (logprob_params); None: none asks
 
     @classmethod
     def from_case(cls, case: Case, rounds_per_phase: int = 3) -> "Workload":
-        return cls(tuple(tuple(p) for p in case.schedule), rounds_per_phase, case.scenario.seed)
+        return cls(tuple(tuple(p) for p in case.schedule), rounds_per_phase, case.scenario.seed, top_logprobs_num=case.top_logprobs_num)
 
     def to_json(self) -> dict:
-        return {"phases": [list(p) for p in self.phases], "rounds_per_phase": self.rounds_per_phase, "seed": self.seed, "preempt": self.preempt}
+        out = {"phases": [list(p) for p in self.phases], "rounds_per_phase": self.rounds_per_phase, "seed": self.seed, "preempt": self.preempt}
+        if self.top_logprobs_num is not None:
+            out["top_logprobs_num"] = self.top_logprobs_num
+        return out
 
 
 def run_workload(session: SpecSession, wl: Workload) -> SpecSession:
@@ -154,7 +171,7 @@ def run_workload(session: SpecSession, wl: Workload) -> SpecSession:
                     cmds.append(("finish", live.pop(0)))
                 while len(live) < want:
                     prompt, max_new = request_prompt(wl.seed, next_rid, session.model.vocab_size)
-                    cmds.append(("add", next_rid, prompt, max_new, d))
+                    cmds.append(("add", next_rid, prompt, max_new, d, *logprob_params(next_rid, wl.top_logprobs_num)))
                     live.append(next_rid)
                     next_rid += 1
             session.step(cmds)
@@ -172,10 +189,12 @@ def oracle(session: SpecSession, reqs: Sequence[Request]) -> dict[int, GreedyOut
     reqs = list(reqs)
     if not reqs:
         return {}
+    top = max(r.top_logprobs_num for r in reqs)
+    top += 1 if top else 0  # one more than asked: whether the last compared entry is a near-tie (harness.props.logprobs)
     with one_torch_thread():
         (outs,) = SimulatedWorld(ParallelLayout()).run(
             lambda comm: target_greedy(session.model, [r.prompt for r in reqs], [r.max_new_tokens for r in reqs],
-                                       prepare=session.alignment.apply_target, comm=comm))
+                                       prepare=session.alignment.apply_target, comm=comm, top_logprobs_num=top))
     return {r.rid: o for r, o in zip(reqs, outs, strict=True)}
 
 
@@ -227,5 +246,5 @@ def case_session(case: Case, runner: str, proposer: str = "eagle", hook=None, ro
     """On a CUDA device the graph runner captures real CUDA graphs (GraphBackend "auto")."""
     sc = case.scenario
     s = SpecSession(sc.layout, sc.spec, sc.model, runner=runner, proposer=proposer, hook=hook, attention_backend=sc.attention_backend,
-                    device=device)
+                    device=device, keep_traces=sc.spec.dp_spec_prefill_coordination)  # mixed DP modes: P7 over every step
     return run_workload(s, Workload.from_case(case, rounds_per_phase))

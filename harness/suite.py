@@ -14,6 +14,7 @@ from harness.decode_props import probe_draft_decode, probe_draft_decode_backends
 from harness.layout import all_layouts
 from harness.p7 import probe_idle_ranks
 from harness.props.draft_probes import DRAFT_PROBES
+from harness.props.feature_probes import FEATURE_PROBES
 from harness.props.p1_metadata import check_metadata
 from harness.props.spec_probes import FILL_PROBES, SPEC_PROBES
 from harness.verdict import Verdict, merge_verdicts
@@ -99,6 +100,7 @@ PROBES: list[tuple[str, Probe]] = [
     *FILL_PROBES,
     ("case-one-graph", probe_case_one_graph),
     *DRAFT_PROBES,
+    *FEATURE_PROBES,
 ]
 if len({n for n, _ in PROBES}) != len(PROBES):
     raise ImportError("two probes share an id: " + ", ".join(n for n, _ in PROBES))

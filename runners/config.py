@@ -8,6 +8,8 @@ from enum import StrEnum
 
 import torch
 
+from runners.parallel.layout import ParallelLayout
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -111,6 +113,12 @@ class SpecConfig:
     draft_tp_size: int | None = None  # the draft's own TP size: 1 or the target's attn_tp_size (runners.draft_parallel)
     draft_max_position_embeddings: int | None = None  # the draft checkpoint's rotary rows (raised to the target's context)
     draft_rope_theta: float | None = None  # the draft checkpoint's rotary base
+    # SGLANG_ENABLE_DP_SPEC_PREFILL_COORDINATION: under DP attention one iteration may prefill on one DP group while
+    # another verifies (runners.mixed_modes); off, a group's prefill and its verify run in passes of their own
+    dp_spec_prefill_coordination: bool = False
+    # spec v2's overlap scheduler: the next iteration is launched before the host reads this one's verify results
+    # (runners.overlap); the draft's chain of tokens only (topk 1) and the multi-layer draft, as spec v2 began with
+    overlap_schedule: bool = False
 
     def __post_init__(self) -> None:
         """A config written by hand or read from a file names the enums by value; a frozen dataclass keeps the enums."""
@@ -146,6 +154,16 @@ class SpecConfig:
                 raise ValueError(f"spec.{name}: an integer >= 1, got {value}")
         if self.draft_rope_theta is not None and not 0 < self.draft_rope_theta < 1e12:
             raise ValueError(f"spec.draft_rope_theta: a number > 0, got {self.draft_rope_theta}")
+        if self.overlap_schedule and self.dp_spec_prefill_coordination:
+            raise ValueError("spec.overlap_schedule: false with dp_spec_prefill_coordination (the two schedulers are not combined here)")
+        if self.overlap_schedule and (self.topk != 1 or self.draft != "multi_layer"):
+            raise ValueError(f"spec.overlap_schedule: false unless topk = 1 and draft = multi_layer (the overlapped verify accepts a chain "
+                             f"on the device), not topk {self.topk}, draft {self.draft!r}")
+
+    def check_layout(self, layout: ParallelLayout) -> None:
+        """The rules that need the layout too (a ValueError "spec.<field>: rule", as __post_init__'s)."""
+        if self.dp_spec_prefill_coordination and layout.attn_dp_size == 1:
+            raise ValueError("spec.dp_spec_prefill_coordination: false without DP attention, dp_size > 1 (it mixes the DP groups' forward modes)")
 
     @property
     def num_tokens_per_bs(self) -> int:

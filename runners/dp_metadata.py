@@ -10,7 +10,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from runners.parallel.layout import Branch, ParallelLayout
+from runners.parallel.layout import Branch, DpPaddingMode, ParallelLayout
 
 
 @dataclass(frozen=True)
@@ -40,12 +40,15 @@ def gathered_metadata(
     tokens_per_dp_rank: Sequence[int],
     logprob_tokens_per_dp_rank: Sequence[int],
     dp_rank: int,
+    padding: DpPaddingMode = DpPaddingMode.MAX_LEN,
 ) -> GatheredMetadata:
-    """tokens_per_dp_rank: every DP group's token count (the MLP sync); lists of length dp."""
+    """tokens_per_dp_rank: every DP group's token count (the MLP sync); lists of length dp. The gathered buffer holds
+    every group padded to the longest (MAX_LEN) or their sum (SUM_LEN, a pass with an extending group)."""
     branch = layout.branch
     if branch is Branch.MLP_TP_GATHER:
         tokens = list(tokens_per_dp_rank)
-        return GatheredMetadata(tokens, list(logprob_tokens_per_dp_rank), max(tokens) * layout.attn_dp_size)
+        buffer_len = sum(tokens) if padding is DpPaddingMode.SUM_LEN else max(tokens) * layout.attn_dp_size
+        return GatheredMetadata(tokens, list(logprob_tokens_per_dp_rank), buffer_len)
     if branch is Branch.ATTN_TP_GATHER:
         own = tokens_per_dp_rank[dp_rank] if len(tokens_per_dp_rank) > 1 else tokens_per_dp_rank[0]
         own_lp = logprob_tokens_per_dp_rank[dp_rank] if len(logprob_tokens_per_dp_rank) > 1 else logprob_tokens_per_dp_rank[0]

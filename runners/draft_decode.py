@@ -43,6 +43,7 @@ from runners.draft_extend import (
     draft_extend_step,
     eager_forward_batch,
     run_eager,
+    without_logprob,
 )
 from runners.draft_extend_graph_driver import DraftExtendGraphDriver
 from runners.draft_parallel import draft_rank_context, handoff_proposals, has_idle_ranks
@@ -182,15 +183,19 @@ class EagleProposer:
         return proposals_from_steps(outs, finals)
 
     # ---- draft-extend after a verify ----
-    def extend(self, inp: Optional[DraftExtendInputs], num_requests: int) -> list[Proposal]:
+    def run_extend(self, inp: DraftExtendInputs, graphs: bool = True) -> list[StepOutputs]:
+        """The draft-extend's step outputs, on the device. graphs=False: eagerly, whatever the buckets (a DP-coordinated
+        step where a group extends, runners.mixed_modes)."""
+        inp = without_logprob(inp)  # the verify's batch carries the flag in; no draft pass runs with it
+        outs = self.driver.run(inp) if self.driver is not None and graphs else run_eager(self.worker, inp)[0]
+        self.last_outs = outs
+        return outs
+
+    def extend(self, inp: Optional[DraftExtendInputs], num_requests: int, graphs: bool = True) -> list[Proposal]:
         """`inp` None: this rank holds no draft, or every DP group is idle (then no rank calls it)."""
         props = None
         if self.worker is not None:
-            if self.driver is not None:
-                outs = self.driver.run(inp)
-            else:
-                outs = run_eager(self.worker, inp)[0]
-            self.last_outs = outs
+            outs = self.run_extend(inp, graphs)
             if self.single_layer:
                 rows = (torch.arange(inp.bs, device=self.device) * self.worker.tokens_per_bs + inp.accept_lens - 1).tolist()
                 props = self._decode(outs[0], list(range(inp.bs)), rows, inp.positions, inp.req_pool_indices.tolist())

@@ -39,10 +39,17 @@ class DraftExtendInputs:
     accept_lens: torch.Tensor  # [bs] num_accept_tokens, in 1..T
     dp_batch_sizes: list[int]  # every DP group's bs (from the MLP sync); [bs] without DP attention
     seq_lens_cpu: Optional[torch.Tensor] = None  # [bs] host copy of seq_lens, as the scheduler knows them
+    return_logprob: bool = False  # the batch's flag as the scheduler hands it over; a draft pass runs with it reset
 
     @property
     def bs(self) -> int:
         return int(self.seq_lens.shape[0])
+
+
+def without_logprob(inp: DraftExtendInputs) -> DraftExtendInputs:
+    """The batch as a draft pass runs it: return_logprob reset (runners.logprobs). The logprobs a request asked for are
+    the target's; a draft pass that kept the flag could replay no graph (captured with it off) and ran eagerly."""
+    return replace(inp, return_logprob=False) if inp.return_logprob else inp
 
 
 @dataclass
@@ -176,6 +183,7 @@ def eager_forward_batch(worker: DraftWorker, inp: DraftExtendInputs, input_ids: 
         extend_num_tokens=bs * T,
         num_token_non_padded=bs * T,
         seq_lens_sum=int(inp.seq_lens.sum()),
+        return_logprob=inp.return_logprob,
         **meta.forward_batch_fields(dev),
     )
 

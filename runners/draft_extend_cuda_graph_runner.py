@@ -96,6 +96,14 @@ class DraftExtendCudaGraphRunner(BaseCudaGraphRunner):
     def comm(self):
         return self.worker.ctx.comm
 
+    def can_run(self, inp: DraftExtendInputs) -> bool:
+        """A batch that carries return_logprob needs a logprob tail the graph, captured with the flag off, has not
+        (get_forward_batch bakes return_logprob False): it runs eagerly. The draft worker resets the flag
+        (runners.draft_extend.without_logprob), so a draft batch never carries it; one that did would make this a
+        DP group's own decision, and under the MLP-TP gather one group would replay while another ran eagerly,
+        their collectives apart (SGLang gathers can_run_draft_cuda_graph over the DP groups for that reason)."""
+        return not inp.return_logprob and super().can_run(inp)
+
     def _body(self, fb: ForwardBatch) -> StepOutputs:
         out = draft_extend_step(self.worker, self.step, fb)
         n = fb.batch_size * self.T

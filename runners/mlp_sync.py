@@ -29,7 +29,7 @@ import torch
 
 from runners.batch import EagleDraftInput, EagleVerifyInput, ForwardBatch
 from runners.memory import PADDING_ROW
-from runners.parallel.layout import ParallelLayout
+from runners.parallel.layout import DpPaddingMode, ParallelLayout
 
 SEQ_LEN_FILL_VALUE = 1  # the attention backend's get_cuda_graph_seq_len_fill_value(): padded lanes here and in every graph
 
@@ -44,8 +44,10 @@ class MlpSyncPadding:
 
 def needs_dp_padding(layout: ParallelLayout, fb: ForwardBatch) -> bool:
     """Only a batch that carries the gathered token counts is synced: without a gathered
-    buffer (the "neither" branch) every DP rank runs its own MLP on its own tokens."""
-    return layout.require_mlp_sync and layout.attn_dp_size > 1 and fb.global_num_tokens_cpu is not None
+    buffer (the "neither" branch) every DP rank runs its own MLP on its own tokens. A SUM_LEN
+    batch (a pass with an extending DP group, runners.mixed_modes) is gathered unpadded."""
+    return (layout.require_mlp_sync and layout.attn_dp_size > 1 and fb.global_num_tokens_cpu is not None
+            and fb.dp_padding_mode is DpPaddingMode.MAX_LEN)
 
 
 def padded_lane_len(fb: ForwardBatch, lane_len: Optional[int]) -> Optional[int]:

@@ -22,9 +22,11 @@ from runners.parallel.dp_attention import (
     attn_tp_gather,
     attn_tp_scatter,
     dp_gather,
+    dp_gather_sum_len,
     dp_scatter,
+    dp_scatter_sum_len,
 )
-from runners.parallel.layout import Branch, LayoutError, ParallelLayout
+from runners.parallel.layout import Branch, DpPaddingMode, LayoutError, ParallelLayout
 from runners.parallel.linear import merged_column_parallel, row_parallel, shard
 
 
@@ -162,7 +164,11 @@ class DecoderLayer:
             return attn_tp_gather(ctx, out, n)
         h = x + (ctx.comm.all_reduce(partial, Group.ATTN_TP) if ctx.attn_tp_size > 1 else partial)
         m_in = rms_norm(h, self.ln2, eps)
-        if self.branch is Branch.MLP_TP_GATHER:
+        if self.branch is Branch.MLP_TP_GATHER and fb.dp_padding_mode is DpPaddingMode.SUM_LEN:
+            counts = fb.global_num_tokens_cpu
+            gathered = dp_gather_sum_len(ctx, m_in, counts, fb.global_dp_buffer_len)
+            m = dp_scatter_sum_len(ctx, self.mlp_local(gathered), counts, n, sharded=self.mlp_size > 1)
+        elif self.branch is Branch.MLP_TP_GATHER:
             gathered = dp_gather(ctx, m_in, fb.global_dp_buffer_len)
             m = dp_scatter(ctx, self.mlp_local(gathered), n, sharded=self.mlp_size > 1)
         else:

@@ -44,6 +44,11 @@ class Request:
     sibling_accepts: list[bool] = field(default_factory=list)  # per round: the last accepted draft was a top-k sibling
     status: str = "new"  # new | running | waiting | finished
     preemptions: int = 0
+    return_logprob: bool = False  # SGLang's sampling params: the committed tokens' target logprobs (runners.logprobs) ...
+    top_logprobs_num: int = 0  # ... and, at each output position, the top_logprobs_num likeliest tokens
+    output_token_logprobs: list[float] = field(default_factory=list)  # per committed output token
+    output_top_logprobs_idx: list[list[int]] = field(default_factory=list)  # per committed output token (top_logprobs_num > 0)
+    output_top_logprobs_val: list[list[float]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not self.tokens:

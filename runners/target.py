@@ -10,7 +10,7 @@ joins every collective with the same rows (runners.mlp_sync).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 import torch
@@ -27,6 +27,7 @@ from runners.memory import ReqToTokenPool, TokenToKVPool, assign_out_cache_loc
 from runners.model import TargetModel, head_shard
 from runners.outputs import RunnerOutputs
 from runners.parallel.dp_attention import RankContext, mlp_sync_batch_sizes
+from runners.parallel.layout import DpPaddingMode, ParallelLayout
 from runners.verify import tree_depths, tree_mask
 
 
@@ -64,8 +65,10 @@ def verify_spec_info(lanes: Sequence[Lane], device: torch.device) -> Optional[Ea
     return EagleVerifyInput(T, torch.stack([tree_mask(lane.parents) for lane in lanes]).to(device))
 
 
-def extend_batch(ctx: RankContext, lanes: Sequence[Lane], dp_tokens: list[int], device: torch.device) -> ForwardBatch:
-    """An EXTEND batch; logits for every token (for_logprob = tokens, as in DRAFT_EXTEND_V2)."""
+def extend_batch(ctx: RankContext, lanes: Sequence[Lane], dp_tokens: list[int], device: torch.device,
+                 padding: DpPaddingMode = DpPaddingMode.MAX_LEN) -> ForwardBatch:
+    """An EXTEND batch; logits for every token (for_logprob = tokens, as in DRAFT_EXTEND_V2). `padding`: how the DP
+    groups' rows are gathered (SUM_LEN in a pass where a group extends, runners.mixed_modes)."""
     i64 = dict(dtype=torch.int64, device=device)
     lens = [len(lane.tokens) for lane in lanes]
     n = sum(lens)
@@ -73,7 +76,7 @@ def extend_batch(ctx: RankContext, lanes: Sequence[Lane], dp_tokens: list[int], 
     starts = [0]
     for m in lens[:-1]:
         starts.append(starts[-1] + m)
-    meta = gathered_metadata(ctx.layout, dp_tokens, dp_tokens, ctx.attn_dp_rank)
+    meta = gathered_metadata(ctx.layout, dp_tokens, dp_tokens, ctx.attn_dp_rank, padding)
     tree = verify_spec_info(lanes, device)
     return ForwardBatch(
         forward_mode=ForwardMode.EXTEND if tree is None else ForwardMode.TARGET_VERIFY,
@@ -90,6 +93,7 @@ def extend_batch(ctx: RankContext, lanes: Sequence[Lane], dp_tokens: list[int], 
         extend_num_tokens=n,
         num_token_non_padded=n,
         seq_lens_sum=sum(lane.seq_len for lane in lanes),
+        dp_padding_mode=padding,
         **meta.forward_batch_fields(device),
     )
 
@@ -130,10 +134,13 @@ class TargetRunner:
             return None
         return self.forward_synced(lanes, dp_tokens)
 
-    def forward_synced(self, lanes: Sequence[Lane], dp_tokens: list[int]) -> TargetOutput:
+    def forward_synced(self, lanes: Sequence[Lane], dp_tokens: list[int], padding: DpPaddingMode = DpPaddingMode.MAX_LEN) -> TargetOutput:
         """The eager pass once the MLP sync is done (the verify decides graph or eager from the same sync),
-        padded to the DP maximum around the forward (runners.mlp_sync)."""
-        fb = extend_batch(self.ctx, lanes, dp_tokens, self.device)
+        padded to the DP maximum around the forward (runners.mlp_sync; a SUM_LEN pass is not padded)."""
+        return self.run_batch(extend_batch(self.ctx, lanes, dp_tokens, self.device, padding), dp_tokens)
+
+    def run_batch(self, fb: ForwardBatch, dp_tokens: list[int]) -> TargetOutput:
+        """One eager pass over a built batch: the MLP-sync padding around the step body."""
         padded, pad = mlp_sync.prepare_mlp_sync_batch(fb, self.ctx.layout, dp_tokens, None)
         out = target_step(self, padded)
         (out.hidden, out.logits), _ = mlp_sync.post_forward_mlp_sync_batch(pad, (out.hidden, out.logits))
@@ -162,17 +169,19 @@ def top2_margin(logits: torch.Tensor) -> torch.Tensor:
 class GreedyOutput:
     tokens: list[int]  # generated tokens only
     margins: list[float]  # top-1 minus top-2 target logit at each generated token
+    logprobs: list[float] = field(default_factory=list)  # the target's logprob of each generated token
+    top_logprobs_idx: list[list[int]] = field(default_factory=list)  # at each generated token, the top_logprobs_num likeliest ids ...
+    top_logprobs_val: list[list[float]] = field(default_factory=list)  # ... and their logprobs (target_greedy's top_logprobs_num)
 
 
 def target_greedy(cfg: ModelConfig, prompts: Sequence[Sequence[int]], max_new: Sequence[int],
-                  prepare=None, device: str | torch.device = "cpu", comm=None) -> list[GreedyOutput]:
+                  prepare=None, device: str | torch.device = "cpu", comm=None, top_logprobs_num: int = 0) -> list[GreedyOutput]:
     """Target-only greedy decoding at TP1, every request in one batch: a prefill, then one token a step.
 
     `prepare(target_model)` lets the caller apply the same weight adjustments as its engine;
     `comm` is a one-rank communicator (TP1 calls no collective, but code under test may touch it).
+    Each generated token's logprob is kept, and the top_logprobs_num likeliest tokens at its position.
     """
-    from runners.parallel.layout import ParallelLayout
-
     device = torch.device(device)
     ctx = RankContext(ParallelLayout(), 0, comm=comm)
     need = [len(p) + m for p, m in zip(prompts, max_new, strict=True)]
@@ -194,11 +203,18 @@ def target_greedy(cfg: ModelConfig, prompts: Sequence[Sequence[int]], max_new: S
         ends = [s.stop - 1 for s in res.lane_rows(lanes)]
         last = res.logits[ends]
         nxt, margins = last.argmax(dim=-1).tolist(), top2_margin(last).tolist()
+        logprobs = torch.log_softmax(last.float(), dim=-1)
+        chosen = logprobs.gather(1, last.argmax(dim=-1, keepdim=True))[:, 0].tolist()
+        top_val, top_idx = logprobs.topk(top_logprobs_num, dim=-1)
         next_lanes = []
-        for lane, tok, mg in zip(lanes, nxt, margins, strict=True):
+        for b, (lane, tok, mg) in enumerate(zip(lanes, nxt, margins, strict=True)):
             i = rows.index(lane.req_pool_idx)
             outs[i].tokens.append(int(tok))
             outs[i].margins.append(float(mg))
+            outs[i].logprobs.append(chosen[b])
+            if top_logprobs_num:
+                outs[i].top_logprobs_idx.append(top_idx[b].tolist())
+                outs[i].top_logprobs_val.append(top_val[b].tolist())
             seqs[i].append(int(tok))
             if len(outs[i].tokens) < max_new[i]:
                 p = len(seqs[i]) - 1

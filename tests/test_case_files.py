@@ -73,11 +73,12 @@ def test_writer_round_trips_every_shipped_case(case, tmp_path):
     per = lambda f: [[[f(r) for r in g] for g in it.per_dp] for it in sc.iterations]  # noqa: E731
     text = case_toml(case.name, case.description, sc.layout, sc.spec, case.schedule, sc.seed, model=sc.model, dtype=sc.model.dtype,
                      backend=sc.attention_backend, rids=per(lambda r: r.rid), prefix_lens=per(lambda r: r.prefix_len),
-                     accept_lens=per(lambda r: r.accept_len), tolerances=case.tolerances)
+                     accept_lens=per(lambda r: r.accept_len), tolerances=case.tolerances, top_logprobs_num=case.top_logprobs_num)
     path = tmp_path / f"{case.name}.toml"
     path.write_text(text)
     again = load_case(path)
     assert again.scenario == sc and again.schedule == case.schedule and again.tolerances == case.tolerances
+    assert again.top_logprobs_num == case.top_logprobs_num
 
 
 def test_explicit_lengths_rids_and_tolerances(tmp_path):

@@ -79,7 +79,7 @@ def test_record_without_cases_names_the_kind(serial, capsys):
 
 def test_an_unknown_kind_names_the_allowed_ones(capsys):
     assert main(["golden", "check", "--kind", "trees"]) == 2
-    assert "--kind: expected one of arrays, acceptance, draft-tree, got 'trees'" in capsys.readouterr().err
+    assert "--kind: expected one of arrays, acceptance, draft-tree, logprobs, got 'trees'" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(("argv", "said"), [

@@ -159,6 +159,7 @@ def test_p6_acceptance_matches_the_golden_eager_and_graph(name):
     assert v["P3"], v["P3"].report()  # the graph run replayed every runner, its verify replays matched eager
     assert v["P5"], v["P5"].report()
     assert v["P6"], v["P6"].report()
+    assert all(x.ok for x in v.values()), {k: x.report() for k, x in v.items() if not x.ok}  # and what a feature adds (P7)
 
 
 def test_p6_alone_kills_a_hidden_state_from_the_wrong_step():

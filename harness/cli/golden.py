@@ -1,8 +1,9 @@
-"""`harness golden record|check [--kind arrays|acceptance|draft-tree]`: every kind of golden, one command.
+"""`harness golden record|check [--kind arrays|acceptance|draft-tree|logprobs]`: every kind of golden, one command.
 
 arrays: <golden-dir>/<case>.npz + .json, a graph run's metadata and outputs.
 acceptance: <golden-dir>/acceptance/<case>.json, the loop's accept lengths (P6).
-draft-tree: <golden-dir>/acceptance/<case>.draft_tree.json, the single-layer draft decode's trees (P6).
+draft-tree: <golden-dir>/acceptance/<case>.draft_tree.json, the draft decode's trees (P6).
+logprobs: <golden-dir>/acceptance/<case>.logprobs.json, the logprobs the loop's requests asked for (P6).
 The golden dir is the shipped goldens for the shipped cases, else <cases-dir>/golden/ (harness.golden.place).
 `record` records every kind a case's checks read unless --kind names one; `check` compares arrays unless --kind
 names another.
@@ -25,6 +26,7 @@ from harness.golden.base import GoldenError, GoldenFormatError, GoldenKind
 from harness.golden.case_goldens import needed_kinds, record_case_goldens
 from harness.golden.draft_tree import TREE_CASES, check_tree_case, needs_draft_tree
 from harness.golden.lifecycle import check_golden, iter_cases, refuse_under_xdist
+from harness.golden.logprobs import LOGPROB_CASES, check_logprob_case, needs_logprobs
 from harness.golden.place import case_golden_dir, check_writable
 from harness.props.p5_p6 import check_acceptance_case
 from harness.verdict import Verdict
@@ -32,6 +34,7 @@ from harness.verdict import Verdict
 LOOP_KINDS: dict[GoldenKind, tuple[tuple[str, ...], Callable[[Case], Verdict], Callable[[Case], bool]]] = {
     GoldenKind.ACCEPTANCE: (GOLDEN_CASES, check_acceptance_case, needs_acceptance),
     GoldenKind.DRAFT_TREE: (TREE_CASES, check_tree_case, needs_draft_tree),
+    GoldenKind.LOGPROBS: (LOGPROB_CASES, check_logprob_case, needs_logprobs),
 }
 KIND_OPTION = enum_option(GoldenKind)
 
@@ -119,12 +122,12 @@ def cmd_golden_check(args) -> int:
 
 def _add_kind(s: argparse.ArgumentParser, default: str) -> None:
     s.add_argument("--kind", type=KIND_OPTION, metavar=KIND_OPTION.choices_text, default=None,
-                   help=f"arrays: <golden-dir>/<case>.npz + .json; acceptance: the loop's accept lengths; draft-tree: the single-layer "
-                        f"draft decode's trees (both in <golden-dir>/acceptance/); default: {default}")
+                   help=f"arrays: <golden-dir>/<case>.npz + .json; acceptance: the loop's accept lengths; draft-tree: the draft decode's "
+                        f"trees; logprobs: the loop's returned logprobs (all three in <golden-dir>/acceptance/); default: {default}")
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    g = sub.add_parser("golden", help="record or check goldens: arrays (<case>.npz + .json), acceptance, draft trees")
+    g = sub.add_parser("golden", help="record or check goldens: arrays (<case>.npz + .json), acceptance, draft trees, logprobs")
     gsub = g.add_subparsers(dest="golden_command", required=True)
     s = gsub.add_parser("record", help="(re)record every golden a case's checks read, atomically, and show what changed; never under pytest-xdist")
     s.add_argument("cases", nargs="*", help="case names or paths")

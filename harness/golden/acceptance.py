@@ -46,7 +46,8 @@ def golden_identity(case: Case, wl: Workload, alignment: Alignment = DEFAULT_ALI
         "workload": wl.to_json(),
         "spec": {"num_steps": spec.num_steps, "topk": spec.topk, "num_tokens_per_bs": spec.num_tokens_per_bs, "capture_bs": list(spec.capture_bs),
                  "max_running_requests": spec.max_running_requests, "page_size": spec.page_size,
-                 **({"draft": spec.draft} if spec.draft != "multi_layer" else {}), **spec.draft_fields()},
+                 **({"draft": spec.draft} if spec.draft != "multi_layer" else {}), **spec.draft_fields(),
+                 **{flag: True for flag in ("dp_spec_prefill_coordination", "overlap_schedule") if getattr(spec, flag)}},
         "layout": sc.layout.describe(),
     }
 

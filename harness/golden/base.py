@@ -17,6 +17,7 @@ class GoldenKind(StrEnum):
     ARRAYS = "arrays"  # golden/<case>.npz + .json: one graph run's metadata and outputs, per rank, iteration, step
     ACCEPTANCE = "acceptance"  # golden/acceptance/<case>.json: the loop's accept lengths (P6)
     DRAFT_TREE = "draft-tree"  # golden/acceptance/<case>.draft_tree.json: the single-layer draft decode's trees (P6)
+    LOGPROBS = "logprobs"  # golden/acceptance/<case>.logprobs.json: the loop's returned logprobs (P6)
 
 # Record and check run the same fp32 CPU code: bitwise equal on one machine. Across CPUs, MKL /
 # oneDNN pick other kernels (AVX2 vs AVX-512) and reorder fp32 sums: a few ulps on logits of

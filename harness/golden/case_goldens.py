@@ -16,6 +16,7 @@ from harness.golden.acceptance import AcceptanceGoldenError, golden_path, needs_
 from harness.golden.base import GoldenError, GoldenKind, show
 from harness.golden.draft_tree import needs_draft_tree, record_tree_golden, tree_golden_path
 from harness.golden.lifecycle import record_golden
+from harness.golden.logprobs import logprob_golden_path, needs_logprobs, record_logprob_golden
 from harness.golden.place import GoldenWriteRefused, accept_dir_of, case_golden_dir, record_command
 from harness.golden.store import GoldenPaths
 from harness.spec_decode import spec_skip_reason
@@ -24,7 +25,7 @@ from harness.spec_decode import spec_skip_reason
 def needed_kinds(case: Case) -> tuple[GoldenKind, ...]:
     """The golden kinds some check of this case reads."""
     return (GoldenKind.ARRAYS, *((GoldenKind.ACCEPTANCE,) if needs_acceptance(case) else ()),
-            *((GoldenKind.DRAFT_TREE,) if needs_draft_tree(case) else ()))
+            *((GoldenKind.DRAFT_TREE,) if needs_draft_tree(case) else ()), *((GoldenKind.LOGPROBS,) if needs_logprobs(case) else ()))
 
 
 def kind_paths(case: Case, kind: GoldenKind, golden_dir: Optional[Path] = None) -> list[Path]:
@@ -35,6 +36,8 @@ def kind_paths(case: Case, kind: GoldenKind, golden_dir: Optional[Path] = None) 
         return [p.npz, p.json]
     if kind is GoldenKind.ACCEPTANCE:
         return [golden_path(case.name, accept_dir_of(case, d))]
+    if kind is GoldenKind.LOGPROBS:
+        return [logprob_golden_path(case.name, accept_dir_of(case, d))]
     return [tree_golden_path(case.name, accept_dir_of(case, d))]
 
 
@@ -74,6 +77,8 @@ def record_case_goldens(case: Case, golden_dir: Optional[Path] = None, kinds: Op
                 accept_dir = accept_dir_of(case, golden_dir) if golden_dir is not None else None
                 if kind is GoldenKind.ACCEPTANCE:
                     record_acceptance_golden(case, accept_dir, say=lines.append)
+                elif kind is GoldenKind.LOGPROBS:
+                    lines.append(f"{case.name}: logprobs -> {show(record_logprob_golden(case, accept_dir))}")
                 else:
                     lines.append(f"{case.name}: draft trees -> {show(record_tree_golden(case, accept_dir))}")
                 out.append(KindOutcome(kind, True, path.read_bytes() != before, "\n".join(lines)))

@@ -25,8 +25,8 @@ from harness.verdict import Verdict
 
 
 def needs_draft_tree(case: Case) -> bool:
-    """A single-layer draft's case the loop can run has a draft-tree golden."""
-    return case.scenario.spec.draft == "single_layer" and needs_acceptance(case)
+    """A case whose draft runs the draft decode (single-layer, EAGLE3) and that the loop can run has a draft-tree golden."""
+    return case.scenario.spec.draft.has_draft_decode and needs_acceptance(case)
 
 
 TREE_CASES = tuple(c.name for c in default_cases() if needs_draft_tree(c))  # the shipped single-layer cases

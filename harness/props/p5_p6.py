@@ -6,6 +6,9 @@ from harness import verify_props
 from harness.case import Case
 from harness.crash import crash_verdict
 from harness.golden.acceptance import AcceptanceGoldenError, load_acceptance_golden
+from harness.golden.logprobs import check_logprob_golden, compare_logprobs, logprob_arrays
+from harness.props.logprobs import check_draft_passes_replayed, check_logprobs
+from harness.props.mixed_modes import check_mixed_modes
 from harness.ranks.simulated import RankFailure
 from harness.spec_decode import (
     DEFAULT_MODEL,
@@ -56,6 +59,8 @@ def check_lossless(session: SpecSession, where: dict) -> Verdict:
                 if a != full:
                     v.fail("accept-all", "accept_len", {**w, "round": k}, full, a, "a draft that equals the target must accept its whole chain")
                     break
+    if any(r.return_logprob for r in reqs.values()):  # the committed tokens' logprobs are the oracle's too
+        v.merge(check_logprobs(reqs, ref, session.model.dtype, where))
     return v
 
 
@@ -95,6 +100,7 @@ def check_spec_case(case: Case, runners: Sequence[str] = ("eager", "graph"), pro
             golden = load_acceptance_golden(case)
         except AcceptanceGoldenError as e:
             out["P6"].fail("golden", "file", {"case": case.name}, "a golden for this case", "none usable", str(e))
+    logprobs_of: dict[str, dict] = {}  # per runner, the logprobs the case's requests asked for (P3: eager vs graph)
     for runner in runners:
         where = {"case": case.name, "layout": case.layout.describe(), "runner": runner}
         shadows: list[verify_props.VerifyShadow] = []  # graph: P3 / P1 on every TARGET_VERIFY replay
@@ -110,6 +116,17 @@ def check_spec_case(case: Case, runners: Sequence[str] = ("eager", "graph"), pro
             out["P5"].merge(check_lossless(s, where))
         if golden is not None:
             compare_acceptance(out["P6"], golden, s, where)
+        if s.keep_traces:  # mixed DP modes: every step's collectives agree across ranks (P7)
+            out.setdefault("P7", Verdict("P7")).merge(check_mixed_modes(s, where))
+        if case.top_logprobs_num is not None:  # requests asked for logprobs: the logprob golden, the draft graphs' replays
+            logprobs_of[runner] = logprob_arrays(s)
+            if "P6" in props:
+                check_logprob_golden(out["P6"], case, {runner: s})
+            replayed = check_draft_passes_replayed(s.engines, case.scenario.spec.max_running_requests, where) if runner == "graph" else None
+            if replayed is not None:
+                out.setdefault("P3", Verdict("P3")).merge(replayed)
+    if len(logprobs_of) == 2:
+        compare_logprobs(out.setdefault("P3", Verdict("P3")), f"{case.name} eager vs graph", logprobs_of["eager"], logprobs_of["graph"], "eager-vs-graph")
     return out
 
 

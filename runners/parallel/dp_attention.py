@@ -1,7 +1,10 @@
 """The collectives around a layer that depend on the layout branch (DESIGN.md §1, §6).
 
 - MLP-TP gather: DP-attention ranks gather every DP group's tokens (padded to the
-  longest, MAX_LEN) before a world-sharded MLP and scatter their own chunk back.
+  longest, MAX_LEN) before a world-sharded MLP and scatter their own chunk back; or, in a
+  pass whose DP groups' counts are uneven because one extends (SGLang's DpPaddingMode
+  SUM_LEN when is_extend_in_batch), concatenate them unpadded: each group's rows at the sum
+  of the groups' before it, summed over the world.
 - attn-TP gather: attention output is reduce-scattered over the attn-TP group so each
   rank runs the (replicated) MLP on a slice of tokens, then the slices are all-gathered.
 - neither: plain TP all-reduce inside the attn-TP group.
@@ -66,6 +69,29 @@ def dp_scatter(ctx: RankContext, gathered_partial: torch.Tensor, num_local: int,
         max_len = gathered_partial.shape[0] // ctx.layout.attn_dp_size
         mine = gathered_partial[ctx.attn_dp_rank * max_len : (ctx.attn_dp_rank + 1) * max_len]
     return mine[:num_local]
+
+
+def dp_offset(global_num_tokens: list[int] | tuple[int, ...], dp_rank: int) -> int:
+    return sum(global_num_tokens[:dp_rank])
+
+
+def dp_gather_sum_len(ctx: RankContext, local: torch.Tensor, global_num_tokens: list[int], global_dp_buffer_len: int) -> torch.Tensor:
+    """[N_local, H] -> [Σ N_r, H]: every DP group's rows at its offset, no padding (SUM_LEN). The rows are the same on
+    each attn-TP rank of a group, so its first writes them and an all-reduce over the world sums the buffer."""
+    buf = local.new_zeros(global_dp_buffer_len, *local.shape[1:])
+    if ctx.attn_tp_rank == 0:
+        start = dp_offset(global_num_tokens, ctx.attn_dp_rank)
+        buf[start : start + local.shape[0]] = local
+    return ctx.comm.all_reduce(buf, Group.WORLD)
+
+
+def dp_scatter_sum_len(ctx: RankContext, gathered_partial: torch.Tensor, global_num_tokens: list[int], num_local: int,
+                       sharded: bool) -> torch.Tensor:
+    """Sum the MLP partials over the world (if sharded) and keep this DP group's rows."""
+    if sharded:
+        gathered_partial = ctx.comm.all_reduce(gathered_partial, Group.WORLD)
+    start = dp_offset(global_num_tokens, ctx.attn_dp_rank)
+    return gathered_partial[start : start + num_local]
 
 
 def attn_tp_padded_len(num_tokens: int, attn_tp_size: int) -> int:
