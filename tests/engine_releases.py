@@ -15,3 +15,8 @@ def installed_release(version: str) -> Path:
         return ensure_installed(version, log=lambda m: print(m, file=sys.stderr))
     except InstallError as e:
         pytest.skip(f"cannot install sglang=={version} here: {e}")
+
+
+def require_engine_installs() -> None:
+    """Called by tests that download and install an engine release before they do: the opt-in gate for them (none yet:
+    such tests install as the others here do, and skip with the installer's reason)."""
