@@ -69,18 +69,21 @@ def test_unpack_keeps_the_python_tree_and_reads_the_pairing(tmp_path):
                                                     "csrc/kernel.cpp": "", "docs/source/community/versioning_policy.md":
                                                     "| v9.9.9 | v0.23.0 | x |\n"})
     (tmp_path / "t").mkdir()
-    assert _unpack(sdist, "9.9.9", tmp_path / "t") == "0.23.0"
+    assert _unpack(sdist, "9.9.9", tmp_path / "t") == ("0.23.0", "docs/source/community/versioning_policy.md, row v9.9.9")
     assert (tmp_path / "t/vllm_ascend/__init__.py").read_text() == "X = 1\n"
     assert (tmp_path / "t/vllm_ascend/worker/w.py").is_file()
     assert not (tmp_path / "t/csrc").exists()  # the compiled ops' sources: never built here
 
 
-def test_unpack_refuses_a_release_its_matrix_does_not_pair(tmp_path):
-    sdist = _sdist(tmp_path / "a.tar.gz", "9.9.9", {"vllm_ascend/__init__.py": "", "docs/source/community/versioning_policy.md":
-                                                    "| v9.9.8 | v0.22.0 | x |\n"})
+def test_unpack_pairs_a_release_missing_from_its_matrix_by_its_dockerfile(tmp_path):
+    matrix = {"vllm_ascend/__init__.py": "", "docs/source/community/versioning_policy.md": "| v9.9.8 | v0.22.0 | x |\n"}
+    sdist = _sdist(tmp_path / "a.tar.gz", "9.9.9", {**matrix, "Dockerfile": "FROM x\nARG VLLM_TAG=v0.25.1\nRUN y\n"})
     (tmp_path / "t").mkdir()
-    with pytest.raises(InstallError, match="no row for v9.9.9"):
-        _unpack(sdist, "9.9.9", tmp_path / "t")
+    assert _unpack(sdist, "9.9.9", tmp_path / "t") == ("0.25.1", "Dockerfile, ARG VLLM_TAG (no row for v9.9.9 in "
+                                                                 "docs/source/community/versioning_policy.md)")
+    (tmp_path / "u").mkdir()
+    with pytest.raises(InstallError, match="no row for v9.9.9 .* and no ARG VLLM_TAG"):
+        _unpack(_sdist(tmp_path / "b.tar.gz", "9.9.9", matrix), "9.9.9", tmp_path / "u")
 
 
 def test_engine_spec_names_vllm_ascend_only():
@@ -124,7 +127,7 @@ def _post_process_cudagraph_mode(tensor):
 def test_runner_methods_are_compiled_from_the_release_source(tmp_path):
     path = tmp_path / "model_runner_v1.py"
     path.write_text(RUNNER_SOURCE)
-    methods, where = compile_runner_methods(path, "9.9.9", {"torch": torch})
+    methods, where = compile_runner_methods(path, "9.9.9", {"torch": lambda: torch})
     runner = types.SimpleNamespace(graphs=True, pad=2)
     assert methods["_use_aclgraph"](runner) is True
     assert methods["_sync_metadata_across_dp"](runner, 7) == 3  # through the module function, min over the row
@@ -137,7 +140,7 @@ def test_a_runner_method_reading_an_unprovided_global_is_refused(tmp_path):
     path = tmp_path / "model_runner_v1.py"
     path.write_text(RUNNER_SOURCE.replace("return n + self.pad", "return n + get_pad()"))
     with pytest.raises(EngineAdapterError, match=r"model_runner_v1.py:11 _pad_query_start_loc_for_fia reads get_pad"):
-        compile_runner_methods(path, "9.9.9", {"torch": torch})
+        compile_runner_methods(path, "9.9.9", {"torch": lambda: torch})
 
 
 def _runtime() -> tuple[NpuRuntime, types.ModuleType, types.ModuleType]:

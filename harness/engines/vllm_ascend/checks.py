@@ -36,9 +36,6 @@ NOT_APPLICABLE = [
     "dense drafter and sets no DP metadata: each rank pads alone and no collective in the draft graph depends on the others",
     "MC2 mask / MoE dispatch sizes: the stand-in draft has no MoE layer (a MoE draft's DP agreement is driven, its experts not)",
     "paged attention (_npu_paged_attention): off under a speculative config (attention/utils.py:104-106)",
-    "model runner v2's speculator (worker/v2/spec_decode): on vllm 0.23.0 the worker falls back to the v1 runner "
-    "(worker/worker.py:160-163); its draft prefill graphs are captured from the target's captured attention states "
-    "(spec_decode/eagle/aclgraph.py:67-79), the protocol the vLLM adapter reports n/a for vLLM 0.22-0.24",
 ]
 
 
@@ -121,7 +118,7 @@ def check_capture(ln: ALine, world: World, rank: int, captures: dict, cfg: Ascen
                            "TND layout: the query lengths sum to the rows the kernel runs on")
 
 
-def check_step(lines: dict, world: World, reps: list[AscendReplay], captures: list[dict], cfg: AscendCheckConfig) -> None:
+def check_step(lines: dict, world: World, reps: list[AscendReplay], cfg: AscendCheckConfig) -> None:
     """One iteration, every rank."""
     q = 1 + cfg.num_speculative_tokens
     agreed = max(r.raw for r in reps) * q
@@ -189,7 +186,8 @@ def check_tasks(v: Verdict, r: AscendReplay, cap: Capture, cfg: AscendCheckConfi
                            "steps 1.. run one row per lane over all num_input_tokens rows")
             v.expect_equal("kv length", f"step {step} kv lengths (real lanes)", ws, [p + 1 for p in _lane_positions(r, step)],
                            kvlens[:raw], "a draft token at position p attends its request's KV up to p: its own length p + 1 "
-                           "(vLLM 0.23.0 subtracts the rejected tokens first: v1/spec_decode/llm_base_proposer.py:577-582)")
+                           "(vLLM's proposer subtracts the rejected drafts first: `common_attn_metadata.seq_lens -= "
+                           "num_rejected_tokens_gpu`, vllm/v1/spec_decode/llm_base_proposer.py)")
             v.expect_equal("padded tail", f"step {step} kv lengths", {**ws, "lanes": f"{raw}..{n - 1}"}, [0] * (n - raw), kvlens[raw:],
                            "padded lanes attend nothing")
         width = blocks_per_request(cfg)

@@ -46,10 +46,10 @@ def check_ascend(engine: AscendEngine, cfg: Optional[AscendCheckConfig] = None,
         for r in replays:
             by_iter.setdefault(r.iteration, []).append(r)
         for _, reps in sorted(by_iter.items()):
-            check_step(lines, world, reps, [d.captures for d in ranks], cfg)
+            check_step(lines, world, reps, cfg)
     order = [w.label for w in cfg.worlds()]
     ordered = sorted(lines.values(), key=lambda ln: (order.index(ln.world), ln.bucket != "capture", _tokens(ln.bucket)))
-    return AscendReport(engine.version, engine.vllm_version, engine.location, asdict(cfg), ordered, list(NOT_APPLICABLE),
+    return AscendReport(engine.version, engine.vllm_version, engine.location, asdict(cfg), ordered, [*NOT_APPLICABLE, engine.v2_note],
                         engine.stubbed, dict(engine.runner_where), time.perf_counter() - t0)
 
 

@@ -28,6 +28,7 @@ from harness.engines.vllm_ascend.npu import AclGraph
 from harness.engines.vllm_ascend.runner import ModelRunner
 from harness.engines.vllm_ascend.standins import (
     DRAFT_LAYER,
+    NUM_KV_BLOCKS,
     TARGET_LAYER,
     DraftModel,
     draft_attention,
@@ -56,7 +57,7 @@ class AscendReplay:
     iteration: int
     dp_raw: list[int]
     raw: int
-    live: dict[str, list[int]]  # per real request: seq_lens (after verify), positions sampled, rejected, next ids, block row
+    live: dict[str, list[int]]  # per real request: seq_lens (after verify), sampled rows and positions, rejected, next ids
     mode: str  # FULL / NONE (eager: no graph)
     num_input_tokens: int
     num_tokens_across_dp: Optional[list[int]]
@@ -117,7 +118,7 @@ class RankDriver:
     def _kv_cache_config(self) -> Any:
         kv = self.engine.modules["kv_cache_interface"]
         group = kv.KVCacheGroupSpec(layer_names=[TARGET_LAYER, DRAFT_LAYER], kv_cache_spec=kv_cache_spec(self.engine))
-        return kv.KVCacheConfig(num_blocks=512, kv_cache_tensors=[], kv_cache_groups=[group])
+        return kv.KVCacheConfig(num_blocks=NUM_KV_BLOCKS, kv_cache_tensors=[], kv_cache_groups=[group])
 
     def _graph_body(self, runnable: Any) -> Any:
         """ACLGraphWrapper's runnable: its call inside a capture becomes that graph's body (re-run at replay)."""

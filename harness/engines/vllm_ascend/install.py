@@ -1,25 +1,28 @@
 """Install a vllm-ascend release's Python tree for `harness engine-check --engine vllm-ascend==X`, and the vLLM it pairs with.
 
-PyPI serves most vllm-ascend releases as an sdist only, whose build needs the CANN toolkit
-(setup.py compiles the custom ops and asks npu-smi for the chip). What engine-check drives
-is plain Python on top of a vLLM release, so the install is: the sdist (PyPI's JSON API for
-its URL and sha256; a file already on disk when $SPECHARNESS_WHEELS names a directory
+Every vllm-ascend release is on PyPI as an sdist (some only so: 0.23.0.post1), whose build needs
+the CANN toolkit (setup.py compiles the custom ops and asks npu-smi for the chip). What
+engine-check drives is plain Python on top of a vLLM release, so the install is: the sdist (its URL and sha256
+from PyPI's simple index; a file already on disk when $SPECHARNESS_WHEELS names a directory
 holding it), its `vllm_ascend/` package copied to ROOT/vllm-ascend-VERSION, the
 `_build_info.py` its setup.py would generate for an Atlas A2 (SOC_VERSION=ascend910b1, the
 first example its setup.py gives), and release.json naming the vLLM release its own
-compatibility matrix (docs/source/community/versioning_policy.md) pairs it with, installed
+compatibility matrix (docs/source/community/versioning_policy.md; a release cut before its
+row was written: its Dockerfile's ARG VLLM_TAG) pairs it with, installed
 the vLLM adapter's way (harness/engines/vllm/install.py). Same cache, marker and lock
 discipline as the other installs.
 """
 from __future__ import annotations
 
 import hashlib
+import html.parser
 import json
 import os
 import re
 import shutil
 import tarfile
 import time
+import urllib.parse
 import urllib.request
 from pathlib import Path
 from typing import Callable, Optional
@@ -29,8 +32,9 @@ from harness.engines.vllm.install import ensure_vllm_installed, vllm_dir
 from harness.engines.vllm_ascend.loader import RELEASE_FILE
 
 PACKAGE = "vllm-ascend"
-PYPI_JSON = "https://pypi.org/pypi/vllm-ascend/{version}/json"
+SIMPLE_INDEX = "https://pypi.org/simple/vllm-ascend/"  # PEP 503: one link per file, its sha256 in the URL fragment
 MATRIX = "docs/source/community/versioning_policy.md"
+DOCKERFILE = "Dockerfile"
 BUILD_INFO = "__device_type__ = 'A2'\n"  # setup.py's gen_build_info for SOC_VERSION=ascend910b1
 _VERSION = re.compile(r"^[0-9][0-9A-Za-z.+!-]*$")
 
@@ -61,15 +65,7 @@ def _sdist(version: str, root: Optional[os.PathLike], log: Callable[[str], None]
     path = cache / name
     if path.is_file():
         return path
-    try:
-        with urllib.request.urlopen(PYPI_JSON.format(version=version), timeout=60) as r:
-            meta = json.load(r)
-    except OSError as e:
-        raise InstallError(f"cannot read {PACKAGE} {version}'s files from PyPI: {e}") from e
-    sdists = [u for u in meta.get("urls", []) if u.get("packagetype") == "sdist" and u.get("filename") == name]
-    if not sdists:
-        raise InstallError(f"PyPI has no sdist {name} for {PACKAGE} {version}")
-    url, sha = sdists[0]["url"], sdists[0]["digests"]["sha256"]
+    url, sha = sdist_link(version)
     cache.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f"{name}.tmp-{os.getpid()}")
     t0 = time.perf_counter()
@@ -89,28 +85,66 @@ def _sdist(version: str, root: Optional[os.PathLike], log: Callable[[str], None]
     return path
 
 
-def _unpack(sdist: Path, version: str, target: Path) -> str:
-    """The sdist's vllm_ascend/ into target (a fresh dir); the paired vLLM version from its matrix."""
+class _Links(html.parser.HTMLParser):
+    def __init__(self) -> None:
+        super().__init__()
+        self.links: dict[str, str] = {}  # file name -> href
+        self._href: Optional[str] = None
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, Optional[str]]]) -> None:
+        if tag == "a":
+            self._href = dict(attrs).get("href")
+
+    def handle_data(self, data: str) -> None:
+        if self._href is not None and data.strip():
+            self.links[data.strip()] = self._href
+            self._href = None
+
+
+def sdist_link(version: str, index: str = SIMPLE_INDEX) -> tuple[str, str]:
+    """(URL, sha256) of vllm_ascend-VERSION.tar.gz on the simple index."""
+    name = f"vllm_ascend-{version}.tar.gz"
+    try:
+        with urllib.request.urlopen(index, timeout=60) as r:
+            page = r.read().decode()
+    except OSError as e:
+        raise InstallError(f"cannot read {index}: {e}") from e
+    parser = _Links()
+    parser.feed(page)
+    href = parser.links.get(name)
+    if href is None:
+        raise InstallError(f"{index} lists no {name} (PyPI serves {PACKAGE} {version} without an sdist, or not at all)")
+    url, _, fragment = urllib.parse.urljoin(index, href).partition("#")
+    if not fragment.startswith("sha256="):
+        raise InstallError(f"{index}: the link to {name} carries no sha256")
+    return url, fragment[len("sha256="):]
+
+
+def _unpack(sdist: Path, version: str, target: Path) -> tuple[str, str]:
+    """The sdist's vllm_ascend/ into target (a fresh dir); the vLLM release it runs on and where that was read: its
+    compatibility matrix's row, or (a release cut before its row was written) its Dockerfile's ARG VLLM_TAG."""
     top = f"vllm_ascend-{version}/"
-    matrix = None
+    texts: dict[str, str] = {}
     with tarfile.open(sdist) as tar:
         members = []
         for m in tar.getmembers():
-            if m.name == top + MATRIX:
+            if m.name in (top + MATRIX, top + DOCKERFILE):
                 fh = tar.extractfile(m)
-                matrix = fh.read().decode() if fh else None
+                texts[m.name[len(top):]] = fh.read().decode() if fh else ""
             elif m.name.startswith(top + "vllm_ascend/") and (m.isdir() or m.isfile()):
                 m.name = m.name[len(top):]
                 members.append(m)
         if not members:
             raise InstallError(f"{sdist} holds no {top}vllm_ascend/")
         tar.extractall(target, members=members, filter="data")
-    if matrix is None:
-        raise InstallError(f"{sdist} holds no {MATRIX}: cannot tell which vLLM release it runs on")
-    vllm = paired_vllm(matrix, version)
-    if vllm is None:
-        raise InstallError(f"{sdist}'s {MATRIX} has no row for v{version}: cannot tell which vLLM release it runs on")
-    return vllm
+    vllm = paired_vllm(texts.get(MATRIX, ""), version)
+    if vllm is not None:
+        return vllm, f"{MATRIX}, row v{version}"
+    tag = re.search(r"^ARG VLLM_TAG=v([0-9][0-9A-Za-z.+-]*)\s*$", texts.get(DOCKERFILE, ""), re.M)
+    if tag is not None:
+        return tag.group(1), f"{DOCKERFILE}, ARG VLLM_TAG (no row for v{version} in {MATRIX})"
+    raise InstallError(f"{sdist}: no row for v{version} in {MATRIX} and no ARG VLLM_TAG in {DOCKERFILE}: cannot tell which vLLM "
+                       "release it runs on")
 
 
 def ensure_ascend_installed(version: str, root: Optional[os.PathLike] = None, log: Callable[[str], None] = print) -> Path:
@@ -125,9 +159,9 @@ def ensure_ascend_installed(version: str, root: Optional[os.PathLike] = None, lo
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
             try:
-                vllm = _unpack(sdist, version, tmp)
+                vllm, source = _unpack(sdist, version, tmp)
                 (tmp / "vllm_ascend" / "_build_info.py").write_text(BUILD_INFO)
-                release = {"version": version, "vllm": vllm, "vllm_source": f"{MATRIX}, row v{version}"}
+                release = {"version": version, "vllm": vllm, "vllm_source": source}
                 (tmp / RELEASE_FILE).write_text(json.dumps(release, indent=1) + "\n")
                 (tmp / MARKER).write_text(f"{sdist.name}\n")
             except BaseException:

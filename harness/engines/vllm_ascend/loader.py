@@ -22,7 +22,7 @@ What is swapped, process-wide (one engine per process), each for its reason:
   _NUM_VECTORCORE                      the vector-core count a kernel's grid is sized by (an A2's)
   acl_graph's parameter tables         one per DP rank (npu.RankTables: the ranks are threads of one process here)
   torch.Tensor.pin_memory              no pinned host memory without an accelerator: pinning returns the tensor
-  is_pin_memory_available (vLLM's proposer)  False, for the same reason
+  is_pin_memory_available / PIN_MEMORY (vLLM's proposer)  False, for the same reason
 """
 from __future__ import annotations
 
@@ -32,6 +32,7 @@ import importlib
 import json
 import logging
 import os
+import re
 import sys
 import types
 import warnings
@@ -39,6 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+import numpy as np
 import torch
 
 from harness.engines.install import write_engine_bytecode
@@ -94,6 +96,7 @@ class AscendEngine:
     runner_methods: dict[str, Callable[..., Any]]  # compiled from the release's model runner (module docstring)
     runner_where: dict[str, str]  # name -> file:line of its definition
     stubbed: list[str] = field(default_factory=list)
+    v2_note: str = ""  # why model runner v2's speculator is not driven, from the release's worker (v2_runner_note)
     world: Optional[DPWorld] = None
 
     def describe(self) -> str:
@@ -178,11 +181,29 @@ def load(tree: Path, vllm_target: Path, deps: list[Path]) -> AscendEngine:
         raise ReleaseNotCovered(f"vllm-ascend {release['version']} has no {'.'.join(GRAPH_BODY)} (the merged draft graph's body) "
                                 f"in {MODULES['proposer']}")
     methods, where = compile_runner_methods(tree / RUNNER_FILE, release["version"], runner_globals(mods))
-    _LOADED = AscendEngine(release["version"], vllm_version, str(tree), mods, runtime, methods, where, sorted(finder.served))
+    _LOADED = AscendEngine(release["version"], vllm_version, str(tree), mods, runtime, methods, where, sorted(finder.served),
+                           v2_runner_note(tree, vllm_version))
     runtime.rank_of = _current_rank
     runtime.forward_context = mods["vllm_forward_context"]
     _install_shims(_LOADED)
     return _LOADED
+
+
+WORKER_FILE = "vllm_ascend/worker/worker.py"
+V2_REFUSED = re.compile(r'use_v2_model_runner and vllm_version_is\("([^"]+)"\)')
+
+
+def v2_runner_note(tree: Path, vllm_version: str) -> str:
+    """Why the adapter drives the v1 model runner's proposer and not model runner v2's speculator (worker/v2): the
+    release's worker refuses v2 on the vLLM it pairs with, or v2 is off unless VLLM_USE_V2_MODEL_RUNNER asks for it."""
+    path = tree / WORKER_FILE
+    lines = path.read_text().splitlines() if path.is_file() else []
+    refusal = next(((i + 1, m.group(1)) for i, ln in enumerate(lines) if (m := V2_REFUSED.search(ln))), None)
+    if refusal is not None and refusal[1] == vllm_version:
+        return (f"model runner v2's speculator (worker/v2/spec_decode): on vllm {vllm_version} the worker falls back to the v1 runner "
+                f"({WORKER_FILE}:{refusal[0]}); the v1 runner's merged draft graph is what serves speculative decoding")
+    return ("model runner v2's speculator (worker/v2/spec_decode): not driven; it runs only under VLLM_USE_V2_MODEL_RUNNER=1 "
+            "(off by default: patch/platform/patch_use_v2_model_runner.py), the adapter drives the default v1 runner")
 
 
 def _install_npu(runtime: NpuRuntime) -> None:
@@ -208,10 +229,11 @@ def _unlaunched(op: str) -> Callable[..., Any]:
     return refuse
 
 
-def compile_runner_methods(path: Path, version: str, provided: dict[str, Any]) -> tuple[dict[str, Callable[..., Any]], dict[str, str]]:
+def compile_runner_methods(path: Path, version: str, provided: dict[str, Callable[[], Any]]
+                           ) -> tuple[dict[str, Callable[..., Any]], dict[str, str]]:
     """NPUModelRunner's RUNNER_METHODS and the module's RUNNER_FUNCTIONS, compiled from the release's source with their line
-    numbers (tracebacks point into it) over `provided`, which must hold every global they read (the compiled functions
-    see each other too)."""
+    numbers (tracebacks point into it). Every global they read must be a key of `provided` (its value resolved only when
+    read) or one of the compiled functions."""
     if not path.is_file():
         raise EngineAdapterError(f"vllm-ascend {version}: no {RUNNER_FILE}; teach harness/engines/vllm_ascend where the model runner went")
     tree = ast.parse(path.read_text(), filename=str(path))
@@ -228,13 +250,20 @@ def compile_runner_methods(path: Path, version: str, provided: dict[str, Any]) -
     missing = [m for m in (*RUNNER_METHODS, *RUNNER_FUNCTIONS) if m not in found]
     if missing:
         raise EngineAdapterError(f"vllm-ascend {version}: {path} lacks {', '.join(missing)}; teach harness/engines/vllm_ascend")
-    namespace: dict[str, Any] = dict(provided)
+    namespace: dict[str, Any] = {}
     where: dict[str, str] = {}
     for name, node in found.items():
-        free = _free_names(node) - set(provided) - set(found) - set(dir(builtins))
-        if free:
-            raise EngineAdapterError(f"vllm-ascend {version}: {RUNNER_FILE}:{node.lineno} {name} reads {', '.join(sorted(free))}, which "
-                                     "the adapter does not provide; teach harness/engines/vllm_ascend/loader.py")
+        free = _free_names(node) - set(found) - set(dir(builtins))
+        unknown = free - set(provided)
+        if unknown:
+            raise EngineAdapterError(f"vllm-ascend {version}: {RUNNER_FILE}:{node.lineno} {name} reads {', '.join(sorted(unknown))}, "
+                                     "which the adapter does not provide; teach harness/engines/vllm_ascend/loader.py")
+        for g in free - set(namespace):
+            try:
+                namespace[g] = provided[g]()
+            except AttributeError as e:
+                raise EngineAdapterError(f"vllm-ascend {version}: {RUNNER_FILE}:{node.lineno} {name} reads {g}, which this release "
+                                         f"does not have where model_runner_v1.py imports it from ({e})") from e
         node.decorator_list = []
         module = ast.Module(body=[node], type_ignores=[])
         exec(compile(module, str(path), "exec"), namespace)  # noqa: S102  (the release's own function, compiled from its file)
@@ -242,14 +271,14 @@ def compile_runner_methods(path: Path, version: str, provided: dict[str, Any]) -
     return {name: namespace[name] for name in found}, where
 
 
-def runner_globals(mods: dict[str, types.ModuleType]) -> dict[str, Any]:
-    """The module globals the compiled runner functions read, each what model_runner_v1.py imports under that name."""
-    import torch
-
-    cfg = mods["vllm_config"]
-    return {"torch": torch, "dist": dist_standin(), "CUDAGraphMode": cfg.CUDAGraphMode, "CompilationMode": cfg.CompilationMode,
-            "should_skip_allreduce_across_dp_group": mods["utils"].should_skip_allreduce_across_dp_group,
-            "copy_snapshot_to_gpu": mods["worker_utils"].copy_snapshot_to_gpu, "get_dp_group": _current_group}
+def runner_globals(mods: dict[str, types.ModuleType]) -> dict[str, Callable[[], Any]]:
+    """The module globals the compiled runner functions may read, each what model_runner_v1.py imports under that name
+    (resolved when a function reads it: releases differ in what they import)."""
+    return {"torch": lambda: torch, "np": lambda: np, "dist": dist_standin, "get_dp_group": lambda: _current_group,
+            "CUDAGraphMode": lambda: mods["vllm_config"].CUDAGraphMode, "CompilationMode": lambda: mods["vllm_config"].CompilationMode,
+            "should_skip_allreduce_across_dp_group": lambda: mods["utils"].should_skip_allreduce_across_dp_group,
+            "copy_snapshot_to_gpu": lambda: mods["worker_utils"].copy_snapshot_to_gpu,
+            "breakable_cudagraph": lambda: importlib.import_module("vllm.compilation.breakable_cudagraph")}
 
 
 def _free_names(fn: ast.FunctionDef) -> set[str]:
@@ -286,6 +315,9 @@ def _install_shims(engine: AscendEngine) -> None:
     engine.modules["acl_graph"].current_platform = types.SimpleNamespace(get_global_graph_pool=lambda: None)
     torch.Tensor.pin_memory = lambda self, *args, **kwargs: self  # type: ignore[method-assign]
     vllm_proposer = sys.modules["vllm.v1.spec_decode.llm_base_proposer"]
-    vllm_proposer.is_pin_memory_available = lambda: False
+    if hasattr(vllm_proposer, "is_pin_memory_available"):
+        vllm_proposer.is_pin_memory_available = lambda: False
+    if hasattr(vllm_proposer, "PIN_MEMORY"):  # from vLLM 0.24: the answer computed once at import
+        vllm_proposer.PIN_MEMORY = False
     engine.attr("triton_utils", "_NUM_VECTORCORE")
     engine.modules["triton_utils"]._NUM_VECTORCORE = VECTOR_CORES

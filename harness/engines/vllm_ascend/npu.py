@@ -3,15 +3,16 @@
 An ACL graph replays the kernels its capture launched, with that capture's buffer views and
 host scalars, except for attention: each fused-infer-attention (FIA) call captured inside a
 task group (graph_task_group_begin/end) is a task whose host parameters (the query and KV
-lengths, the block table) the host rewrites before each replay (graph_task_update_begin/end,
-vllm-ascend's update_graph_params). That is the mechanism checked here, so it is what this
-stand-in records:
+lengths, the block table) the host rewrites for each replay (graph_task_update_begin/end,
+vllm-ascend's update_graph_params, issued after the replay and ordered before the task by the
+events the capture recorded). That is the mechanism checked here, so it is what this stand-in
+records:
 
   AclGraph      one captured graph: its body (the call made inside the capture, re-run at
                 replay under the capture's forward context, as the vLLM adapter's graphs are),
                 its output (a replay writes into it), its FIA tasks in capture order
   FiaTask       one captured attention task: the parameters it was captured with and every
-                update the host issued, each stamped with the replay it preceded
+                update the host issued, each stamped with the graph's replay count then
   KvWrite       one _npu_reshape_and_cache launch: the slots it wrote (PADDING_SLOT_ID skipped)
 
 Every other torch_npu name resolves to an op that refuses to run, naming itself: a release
@@ -58,6 +59,7 @@ class AclGraph:
         self.body: Optional[Callable[[], Any]] = None
         self.output: Any = None
         self.context: Any = None  # the forward context the capture ran under (a copy)
+        self.baked: dict[str, Any] = {}  # the host values the captured call was made with (drive.py fills it)
         self.tasks: list[FiaTask] = []
         self.replays = 0
 
@@ -93,7 +95,6 @@ class _RankState:
     updating: Optional[FiaTask] = None
     group_open: Optional[dict[str, Any]] = None  # a task group begun in the capture, its FIA call not yet seen
     kv_writes: list[KvWrite] = field(default_factory=list)
-    eager_fia: list[dict[str, Any]] = field(default_factory=list)  # attention launched outside any graph
 
 
 class NpuRuntime:
@@ -179,22 +180,22 @@ class NpuRuntime:
         _fill_attention(kw["out"][0], query)
 
     def fia(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, **kw: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        """npu_fused_infer_attention_score: eager, or (inside a replayed graph's body) the graph's next captured task."""
+        """npu_fused_infer_attention_score: eager (a warm-up), or inside a replayed graph's body its next captured task (what
+        it runs with is the task's captured parameters as the host last rewrote them: FiaTask.updates)."""
         st = self.state()
         g = st.replaying_graph
         if g is not None:
             if st.replay_task >= len(g.tasks):
                 raise EngineAdapterError(f"an ACL graph replay launched more attention kernels than its {len(g.tasks)} tasks")
             st.replay_task += 1
-        else:
-            st.eager_fia.append({k: _host(kw.get(k)) for k in FIA_PARAMS})
         out = torch.empty_like(query)
         _fill_attention(out, query)
         return out, torch.empty(1, dtype=query.dtype)
 
     def reshape_and_cache(self, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                           slot_indices: torch.Tensor) -> None:
-        """_npu_reshape_and_cache: row i of key/value into slot slot_indices[i] of the paged cache; negative slots skipped."""
+        """_npu_reshape_and_cache: row i of key/value into slot slot_indices[i] of the paged cache; negative slots skipped.
+        A slot past the cache is recorded and not written (on a device it corrupts memory; here the checks name it)."""
         slots = [int(s) for s in slot_indices.tolist()]
         if len(slots) != key.shape[0]:
             raise EngineAdapterError(f"_npu_reshape_and_cache given {key.shape[0]} key rows and {len(slots)} slots")
@@ -204,7 +205,7 @@ class NpuRuntime:
         flat_k = key_cache.view(-1, *key_cache.shape[2:])
         flat_v = value_cache.view(-1, *value_cache.shape[2:])
         for i, s in enumerate(slots):
-            if s >= 0:
+            if 0 <= s < flat_k.shape[0]:
                 flat_k[s] = key[i]
                 flat_v[s] = value[i]
         st.kv_writes.append(KvWrite(len(slots), slots))

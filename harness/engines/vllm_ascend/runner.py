@@ -11,6 +11,7 @@ names its request and position and a token id names its request and step.
 """
 from __future__ import annotations
 
+import inspect
 import types
 from dataclasses import dataclass
 from typing import Any
@@ -67,7 +68,7 @@ class ModelRunner:
         self.state = Strict(
             "model_runner", vllm_config=vcfg, compilation_config=vcfg.compilation_config, model_config=vcfg.model_config,
             speculative_config=vcfg.speculative_config, max_num_reqs=n, max_num_tokens=max_tokens, pin_memory=False,
-            pcp_size=1, dcp_size=1, enable_enpu=False, use_eagle=True, uniform_decode_query_len=self.q, dp_size=world.dp,
+            pcp_size=1, dcp_size=1, pcp_rank=0, dcp_rank=0, enable_enpu=False, use_eagle=True, uniform_decode_query_len=self.q, dp_size=world.dp,
             dp_rank=rank, ascend_config=None, arange_np=np.arange(max_tokens + 1, dtype=np.int32),
             query_start_loc=cpu_gpu_buffer(engine, n + 2, torch.int32),  # + 2: room for _pad_query_start_loc_for_fia's dummy request
             seq_lens=torch.zeros(n, dtype=torch.int32), optimistic_seq_lens_cpu=torch.zeros(n, dtype=torch.int32),
@@ -79,6 +80,9 @@ class ModelRunner:
             input_batch=Strict("input_batch", lora_id_to_lora_request={}, block_table=[table],
                                num_computed_tokens_cpu_tensor=torch.zeros(n, dtype=torch.int32)),
             _make_buffer=lambda *size, dtype, numpy=True: cpu_gpu_buffer(engine, size[0], dtype),
+            # from 0.24: per-token group buffers of the KV-compression path (unused by a plain draft: zeros)
+            group_len=cpu_gpu_buffer(engine, max_tokens, torch.int32), group_key_idx=cpu_gpu_buffer(engine, max_tokens, torch.int32),
+            group_key_cache_idx=cpu_gpu_buffer(engine, max_tokens, torch.int32),
         )
         for name, fn in engine.runner_methods.items():
             if name in RUNNER_METHODS:  # (the module function among them is found by the methods as a global)
@@ -87,6 +91,15 @@ class ModelRunner:
     def _row(self, req: int) -> torch.Tensor:
         width = blocks_per_request(self.cfg)
         return FIRST_BLOCK + req * width + torch.arange(width, dtype=torch.int32)
+
+    def pad_for_fia(self, num_tokens_padded: int, num_reqs_padded: int, num_reqs: int, mode: Any, batch_desc_num_reqs: Any) -> int:
+        """The runner's _pad_query_start_loc_for_fia on its query_start_loc (a parameter from 0.23, the runner's own before)."""
+        fn = self.state._pad_query_start_loc_for_fia
+        args = dict(num_tokens_padded=num_tokens_padded, num_reqs_padded=num_reqs_padded, num_reqs=num_reqs,
+                    cudagraph_runtime_mode=mode, batch_desc_num_reqs=batch_desc_num_reqs)
+        if "query_start_loc" in inspect.signature(fn).parameters:
+            args["query_start_loc"] = self.state.query_start_loc
+        return fn(**args)
 
     def settle_cudagraph_mode(self, proposer: Any) -> None:
         """_check_and_update_cudagraph_mode (model_runner_v1.py:5045-5099): the mode and capture sizes settled by vLLM's rule
@@ -134,8 +147,7 @@ class ModelRunner:
         r.query_start_loc.np[0] = 0
         r.query_start_loc.np[1: num_reqs + 1] = np.cumsum(sched)
         r.query_start_loc.copy_to_gpu()
-        num_reqs_padded = r._pad_query_start_loc_for_fia(r.query_start_loc, num_tokens, num_reqs_padded, num_reqs, mode,
-                                                         batch_desc.num_reqs)  # 3519-3526
+        num_reqs_padded = self.pad_for_fia(num_tokens, num_reqs_padded, num_reqs, mode, batch_desc.num_reqs)  # 3519-3526
         if mode != self.cg.FULL:  # 3535-3538: a warm-up invalidates the slots; a capture keeps them
             r.input_batch.block_table[0].slot_mapping.gpu.fill_(-1)
         proposer.dummy_run(num_tokens=num_tokens, with_prefill=False, num_reqs=num_reqs_padded, num_tokens_across_dp=None,
@@ -157,8 +169,7 @@ class ModelRunner:
         qsl.np[1: raw + 1] = np.arange(1, raw + 1) * q
         qsl.copy_to_gpu()
         if target_mode == self.cg.FULL:  # 2212-2227
-            num_reqs_padded = r._pad_query_start_loc_for_fia(qsl, num_tokens_padded, num_reqs_padded, raw, target_mode,
-                                                             target_desc.num_reqs)
+            num_reqs_padded = self.pad_for_fia(num_tokens_padded, num_reqs_padded, raw, target_mode, target_desc.num_reqs)
         seq_after = torch.tensor([s + q for s in seq_before], dtype=torch.int32)
         r.seq_lens[:raw] = seq_after  # 1261-1264
         r.seq_lens[raw:] = 0

@@ -25,8 +25,10 @@ from harness.engines.vllm_ascend.config import AscendCheckConfig, GraphMode, Wor
 
 DRAFT_LAYER = "draft_model.layers.0.self_attn.attn"  # the draft's one attention layer
 TARGET_LAYER = "model.layers.0.self_attn.attn"  # the target's (its KV group is the draft's: one group)
-KV_BLOCK_SIZE = 16  # the kernel block size AscendAttentionBackend supports (get_supported_kernel_block_sizes)
-NUM_KV_BLOCKS = 512
+# the platform's default KV block (refresh_block_size, utils.py:1380-1381), the one kernel block size AscendAttentionBackend
+# supports (get_supported_kernel_block_sizes): the draft's slot mappings are computed with either, depending on the release
+KV_BLOCK_SIZE = 128
+NUM_KV_BLOCKS = 160  # the block-table rows use blocks 100 .. 131 (runner.py)
 HEAD_SIZE = 2  # a key row is (token id, position): what the KV cache holds tells who wrote a slot
 VOCAB = 4096  # token ids the check uses stay below it (drive.py)
 
@@ -64,11 +66,12 @@ def vllm_config(engine: Any, cfg: AscendCheckConfig, world: World, dp_rank: int)
     draft_model = Strict("draft_model_config", hf_config=draft_hf, hf_text_config=draft_hf, uses_mrope=False, uses_xdrope_dim=0,
                          get_hidden_size=lambda: 1, get_inputs_embeds_size=lambda: 1, max_model_len=cfg.max_model_len)
     spec = Strict("speculative_config", method="eagle", num_speculative_tokens=cfg.num_speculative_tokens, draft_model_config=draft_model,
-                  parallel_drafting=False, use_local_argmax_reduction=False, disable_padded_drafter_batch=False, enforce_eager=False,
+                  parallel_drafting=False, use_local_argmax_reduction=False, use_heterogeneous_vocab=False,
+                  disable_padded_drafter_batch=False, enforce_eager=False,
                   draft_tensor_parallel_size=1, rejection_sample_method="standard", draft_sample_method="greedy",
                   use_eagle=lambda: True, uses_draft_model=lambda: False, uses_extract_hidden_states=lambda: False)
     return Strict(
-        "vllm_config", model_config=model, speculative_config=spec, compilation_config=compilation_config(engine, cfg, world.mode),
+        "vllm_config", num_speculative_tokens=cfg.num_speculative_tokens, model_config=model, speculative_config=spec, compilation_config=compilation_config(engine, cfg, world.mode),
         scheduler_config=Strict("scheduler_config", max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_seqs * q,
                                 async_scheduling=False, enable_chunked_prefill=True),
         parallel_config=Strict("parallel_config", tensor_parallel_size=1, data_parallel_size=world.dp, data_parallel_rank=dp_rank,
