@@ -336,6 +336,9 @@ def build_modules(runtime: NpuRuntime) -> tuple[types.ModuleType, types.ModuleTy
     fia = _FiaOp(runtime)
     torch_npu = _Namespace(
         "torch_npu", npu=npu, npu_fused_infer_attention_score=fia, _npu_reshape_and_cache=runtime.reshape_and_cache,
+        # the KV write later releases' device adaptor calls: the same scatter by slot (cache_mode "Norm")
+        npu_scatter_pa_kv_cache=lambda key, value, key_cache, value_cache, slot_mapping, cache_mode="Norm":
+            runtime.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping),
         _npu_fused_infer_attention_score_get_max_workspace=lambda **kw: torch.empty(0),
         _C=_Namespace("torch_npu._C", _weak_ref_tensor=lambda t: t, _NPUTaskGroupHandle=FiaTask),
     )

@@ -11,6 +11,7 @@ names its request and position and a token id names its request and step.
 """
 from __future__ import annotations
 
+import contextlib
 import inspect
 import types
 from dataclasses import dataclass
@@ -83,6 +84,9 @@ class ModelRunner:
             # from 0.24: per-token group buffers of the KV-compression path (unused by a plain draft: zeros)
             group_len=cpu_gpu_buffer(engine, max_tokens, torch.int32), group_key_idx=cpu_gpu_buffer(engine, max_tokens, torch.int32),
             group_key_cache_idx=cpu_gpu_buffer(engine, max_tokens, torch.int32),
+            # from 0.25 (vLLM's GPUModelRunner.synchronize_input_prep): waits on prepare_inputs_event, None without async
+            # scheduling, when it only yields
+            synchronize_input_prep=contextlib.nullcontext,
         )
         for name, fn in engine.runner_methods.items():
             if name in RUNNER_METHODS:  # (the module function among them is found by the methods as a global)
@@ -108,7 +112,12 @@ class ModelRunner:
         eng, vcfg = self.engine, self.vcfg
         builder = eng.modules["attention"].AscendAttentionBackend.get_builder_cls()
         support = builder.get_cudagraph_support(vcfg, kv_cache_spec(eng))
-        mode = vcfg.compilation_config.resolve_cudagraph_mode_and_sizes(support, builder.__name__, self.q, 1, None, self.cfg.max_num_seqs)
+        resolve = vcfg.compilation_config.resolve_cudagraph_mode_and_sizes
+        args = dict(min_cg_support=support, min_cg_attn_backend=builder.__name__, uniform_decode_query_len=self.q,
+                    tensor_parallel_size=1, kv_cache_config=None, max_num_reqs=self.cfg.max_num_seqs)
+        if "use_v2_model_runner" in inspect.signature(resolve).parameters:  # from vLLM 0.25 (the runner passes False)
+            args["use_v2_model_runner"] = False
+        mode = resolve(**args)
         self.state.cudagraph_dispatcher.initialize_cudagraph_keys(mode, self.q)
         proposer.initialize_cudagraph_keys(mode)
         sizes = sorted({d.num_tokens for _, descs in self.state.cudagraph_dispatcher.get_capture_descs() for d in descs})
@@ -192,8 +201,8 @@ class ModelRunner:
             num_reqs=num_reqs_padded, num_actual_tokens=n, max_query_len=q, max_seq_len=int(seq_after.max()),
             block_table_tensor=self.block_table[:num_reqs_padded], slot_mapping=slots[:num_tokens_padded], causal=True,
             is_prefilling=torch.zeros(num_reqs_padded, dtype=torch.bool), num_input_tokens=num_tokens_padded,
-            actual_seq_lengths_q=r.actual_seq_lengths_q, positions=r.positions, positions_cpu=None, attn_state=r.attn_state,
-            decode_token_per_req=r.decode_token_per_req, prefill_context_parallel_metadata=None)
+            actual_seq_lengths_q=r.actual_seq_lengths_q, positions=r.positions, attn_state=r.attn_state,
+            decode_token_per_req=r.decode_token_per_req)  # positions_cpu (compressed models) and the PCP metadata: their None defaults
         cm = cm_base.unpadded(n, raw) if (raw != num_reqs_padded or n != num_tokens_padded) else cm_base  # 3343-3349
         return DecodeBatch(target_desc, cm,
                            Strict("spec_decode_metadata", cu_num_draft_tokens=torch.arange(1, raw + 1, dtype=torch.int32) * K),

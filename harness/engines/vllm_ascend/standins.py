@@ -76,7 +76,8 @@ def vllm_config(engine: Any, cfg: AscendCheckConfig, world: World, dp_rank: int)
                                 async_scheduling=False, enable_chunked_prefill=True),
         parallel_config=Strict("parallel_config", tensor_parallel_size=1, data_parallel_size=world.dp, data_parallel_rank=dp_rank,
                                pipeline_parallel_size=1, prefill_context_parallel_size=1, decode_context_parallel_size=1,
-                               is_moe_model=world.moe, enable_expert_parallel=False),
+                               is_moe_model=world.moe, enable_expert_parallel=False,
+                               use_sequence_parallel_moe=False),
         cache_config=Strict("cache_config", block_size=KV_BLOCK_SIZE, cache_dtype="auto"),
         additional_config={}, kv_transfer_config=None, lora_config=None, quant_config=None, use_v2_model_runner=False,
     )
