@@ -30,8 +30,8 @@ from harness.engines.vllm_ascend.checks import capture_keys, check_tasks, expect
 from harness.engines.vllm_ascend.command import parse_spec
 from harness.engines.vllm_ascend.config import AscendCheckConfig, GraphMode
 from harness.engines.vllm_ascend.drive import AscendReplay, Capture
-from harness.engines.vllm_ascend.install import _unpack, ensure_ascend_installed, paired_vllm
-from harness.engines.vllm_ascend.loader import compile_runner_methods
+from harness.engines.vllm_ascend.install import _unpack, ensure_ascend_installed, paired_vllm, sdist_link
+from harness.engines.vllm_ascend.loader import compile_runner_methods, v2_runner_note
 from harness.engines.vllm_ascend.npu import NpuRuntime, RankTables, build_modules
 from harness.engines.vllm_ascend.runner import FIRST_BLOCK, blocks_per_request
 from harness.verdict import Verdict
@@ -84,6 +84,26 @@ def test_unpack_pairs_a_release_missing_from_its_matrix_by_its_dockerfile(tmp_pa
     (tmp_path / "u").mkdir()
     with pytest.raises(InstallError, match="no row for v9.9.9 .* and no ARG VLLM_TAG"):
         _unpack(_sdist(tmp_path / "b.tar.gz", "9.9.9", matrix), "9.9.9", tmp_path / "u")
+
+
+def test_sdist_link_is_the_index_anchor_with_its_sha256(tmp_path):
+    index = tmp_path / "index.html"
+    index.write_text('<html><body><a href="../../files/x/vllm_ascend-9.9.9-cp311.whl#sha256=aa">vllm_ascend-9.9.9-cp311.whl</a>\n'
+                     '<a href="https://files.example/p/vllm_ascend-9.9.9.tar.gz#sha256=bb" data-requires-python="">'
+                     'vllm_ascend-9.9.9.tar.gz</a>\n<a href="../y/vllm_ascend-9.9.10.tar.gz">vllm_ascend-9.9.10.tar.gz</a></body></html>')
+    assert sdist_link("9.9.9", index.as_uri()) == ("https://files.example/p/vllm_ascend-9.9.9.tar.gz", "bb")
+    with pytest.raises(InstallError, match="carries no sha256"):
+        sdist_link("9.9.10", index.as_uri())
+    with pytest.raises(InstallError, match="lists no vllm_ascend-9.9.8.tar.gz"):
+        sdist_link("9.9.8", index.as_uri())
+
+
+def test_the_v2_runner_note_reads_the_workers_refusal(tmp_path):
+    worker = tmp_path / "vllm_ascend/worker/worker.py"
+    worker.parent.mkdir(parents=True)
+    worker.write_text("x = 1\n        if self.use_v2_model_runner and vllm_version_is(\"0.23.0\"):\n            pass\n")
+    assert "on vllm 0.23.0 the worker falls back to the v1 runner (vllm_ascend/worker/worker.py:2)" in v2_runner_note(tmp_path, "0.23.0")
+    assert "off by default" in v2_runner_note(tmp_path, "0.24.0")  # a refusal of another vLLM: v2 is merely off
 
 
 def test_engine_spec_names_vllm_ascend_only():
@@ -351,7 +371,8 @@ def test_release_holds_every_invariant_but_the_draft_steps_kv_length(results):
     # iteration 0: one request, 40 tokens, verified 4 at 40..43 and accepted none: step 1 writes position 41 and should
     # attend 42 entries; the release attends seq_len 44 + 1, the 3 rejected drafts' and one never-written entry included
     assert (first["where"]["iteration"], first["expected"], first["got"]) == (0, [42], [45])
-    assert any("worker/worker.py:160-163" in n for n in rep["not_applicable"])
+    # the v2 runner: the worker refuses it on the vLLM this release runs on (its line, read from the release)
+    assert any("on vllm 0.23.0 the worker falls back to the v1 runner (vllm_ascend/worker/worker.py:161)" in n for n in rep["not_applicable"])
 
 
 @INSTALLS
