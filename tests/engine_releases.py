@@ -8,6 +8,7 @@ SPECHARNESS_VLLM_TABLE=1, which CI does not set.
 """
 from __future__ import annotations
 
+import json
 import os
 import sys
 from pathlib import Path
@@ -17,6 +18,8 @@ import pytest
 
 from harness.engines.install import InstallError, deps_dir, engine_dir, engines_root, ensure_installed, is_installed
 from harness.engines.vllm.install import ensure_vllm_installed, vllm_deps_dir, vllm_dir
+from harness.engines.vllm_ascend.install import ascend_dir, ensure_ascend_installed
+from harness.engines.vllm_ascend.loader import RELEASE_FILE
 
 ENGINE_TESTS_ENV = "SPECHARNESS_ENGINE_TESTS"  # "1": tests may install the engine releases they check (network)
 VLLM_TABLE_ENV = "SPECHARNESS_VLLM_TABLE"  # "1": the vLLM release table's six extra releases too
@@ -52,3 +55,13 @@ def installed_vllm(version: str, opt_in: str = ENGINE_TESTS_ENV) -> Path:
     """vllm==version's install, or a skip (see the module docstring)."""
     return _provided(f"vllm=={version}", [deps_dir(), vllm_deps_dir(), vllm_dir(version)], lambda: ensure_vllm_installed(version, log=_log),
                      opt_in, "about 900 MB")
+
+
+def installed_ascend(version: str) -> Path:
+    """vllm-ascend==version's Python tree (and the vLLM it runs on), or a skip (see the module docstring)."""
+    tree = ascend_dir(version)
+    parts = [deps_dir(), vllm_deps_dir(), tree]
+    if (tree / RELEASE_FILE).exists():  # installed: its vLLM must be too
+        parts.append(vllm_dir(json.loads((tree / RELEASE_FILE).read_text())["vllm"]))
+    return _provided(f"vllm-ascend=={version}", parts, lambda: ensure_ascend_installed(version, log=_log), ENGINE_TESTS_ENV,
+                     "about 15 MB of source and its vLLM release (about 900 MB)")

@@ -34,6 +34,7 @@ from harness.engines.report import format_report
 from harness.engines.sglang.config import EngineConfig
 from harness.engines.sglang.loader import load
 from harness.engines.vllm.command import main as vllm_main
+from harness.engines.vllm_ascend.command import main as vllm_ascend_main
 from harness.layout import all_layouts
 
 
@@ -49,7 +50,8 @@ def add_parser(subparsers) -> None:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--engine", required=True, help="sglang[==VERSION] or vllm[==VERSION] (vLLM's EAGLE proposer: docs/engine-check.md)")
+    p.add_argument("--engine", required=True, help="sglang[==VERSION], vllm[==VERSION] (vLLM's EAGLE proposer: docs/engine-check.md) or "
+                   "vllm-ascend[==VERSION] (its merged draft ACL graph: docs/engine-check-vllm-ascend.md)")
     p.add_argument("--json", action="store_true", help="one JSON document on stdout")
     p.add_argument("--target", metavar="DIR", help="the sglang install to check (a pip --target dir); default .engines/sglang-VERSION")
     p.add_argument("--deps", metavar="DIR", help="where msgspec/dill/regex/packaging live (default .engines/deps)")
@@ -89,6 +91,8 @@ def main(args) -> int:
             return cannot_check(f"--releases picks the versions: give --engine {spec.name}, without ==VERSION or --target", args.json)
         extra = [flag for flag, on in (("--all-layouts", args.all_layouts), ("--eager", args.eager)) if on and spec.name == "sglang"]
         return run_releases(args.releases, args.json, extra, lambda m: print(m, file=sys.stderr, flush=True), PRODUCTS[spec.name])
+    if args.engine.strip().lower().startswith("vllm-ascend"):
+        return vllm_ascend_main(args)
     if args.engine.strip().lower().startswith("vllm"):
         if args.eager:
             return cannot_check("--eager checks SGLang's eager draft-extend path; vLLM's adapter has no eager check", args.json)
