@@ -64,6 +64,58 @@ class DraftExtendGraph(StrEnum):
         return f"{type(self).__name__}.{self.name}"
 
 
+class PaddingConvention(StrEnum):
+    """What a padded graph lane writes: the two engines' conventions (runners.memory holds their values).
+
+    SGLANG_DUMMY_SLOT: request row 0 is reserved as the padding row (every entry the dummy slot, slot 0); a padded lane
+    is given row 0, so its in-graph KV write lands in the dummy slot, written and never read by a live row.
+    VLLM_PAD_MINUS_ONE: no request row is reserved (every row may be a live request's, as vLLM's request states); a
+    padded lane is given the pad request index -1, its write slot is PAD_SLOT_ID (-1) and every KV write skips it;
+    slot 0 stays the null slot that padded lanes read (vLLM's null block) and nothing writes.
+    """
+
+    SGLANG_DUMMY_SLOT = "sglang_dummy_slot"
+    VLLM_PAD_MINUS_ONE = "vllm_pad_minus_one"
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}.{self.name}"
+
+
+class DraftExtendShape(StrEnum):
+    """How the multi-layer draft-extend lays its tokens out.
+
+    FIXED: SGLang's DRAFT_EXTEND_V2, num_tokens_per_bs tokens per request whether accepted or not; each request selects
+    its row by its accept length inside the graph. RAGGED: each request contributes its accepted tokens only, packed
+    back to back (runners.ragged_draft_extend), and the row of each request's last token comes from a per-request gather
+    index kept in a persistent buffer (vLLM's last_token_indices) that every replay rewrites, padded lanes included.
+    """
+
+    FIXED = "fixed"
+    RAGGED = "ragged"
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}.{self.name}"
+
+
+class CudaGraphMode(StrEnum):
+    """vLLM's CUDAGraphMode for the draft-extend graphs. FULL: the whole step body in one graph per bucket (every
+    runner here). PIECEWISE: the dense parts captured per token-count bucket, the graph broken at attention, which runs
+    eagerly on the live requests' metadata (runners.piecewise_draft_extend_cuda_graph_runner)."""
+
+    FULL = "full"
+    PIECEWISE = "piecewise"
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}.{self.name}"
+
+
+def _as_enum(cls: type[StrEnum], value: object, field_name: str) -> StrEnum:
+    try:
+        return cls(value)
+    except ValueError:
+        raise ValueError(f"{field_name} must be one of {', '.join(cls)}, got {value!r}") from None
+
+
 @dataclass(frozen=True)
 class SpecConfig:
     """EAGLE/MTP speculative config: one draft layer per step (multi-layer EAGLE), or one layer run num_steps times."""
@@ -76,16 +128,29 @@ class SpecConfig:
     page_size: int = 1  # KV slots per page of every rank's KV pools (a server arg, not part of the weights)
     draft: str = "multi_layer"  # EAGLE draft: "multi_layer" (MTP: a layer per step) or "single_layer" (one layer, graphed draft decode)
     draft_extend_graph: DraftExtendGraph = DraftExtendGraph.PER_STEP  # the multi-layer draft-extend's graph composite
+    padding_convention: PaddingConvention = PaddingConvention.SGLANG_DUMMY_SLOT  # what padded lanes write (every runner)
+    draft_extend_shape: DraftExtendShape = DraftExtendShape.FIXED  # the multi-layer draft-extend's token layout
+    cuda_graph_mode: CudaGraphMode = CudaGraphMode.FULL  # the multi-layer draft-extend's graphs
 
     def __post_init__(self) -> None:
-        """A config written by hand or read from a file names the composite by its value; a frozen dataclass keeps the enum."""
-        try:
-            graph = DraftExtendGraph(self.draft_extend_graph)
-        except ValueError:
-            raise ValueError(f"draft_extend_graph must be one of {', '.join(DraftExtendGraph)}, got {self.draft_extend_graph!r}") from None
+        """A config written by hand or read from a file names each option by its value; a frozen dataclass keeps the enum."""
+        graph = _as_enum(DraftExtendGraph, self.draft_extend_graph, "draft_extend_graph")
         if graph is DraftExtendGraph.ONE_GRAPH and self.draft != "multi_layer":
             raise ValueError(f"draft_extend_graph {graph.value!r} needs the multi-layer draft (the single-layer draft-extend is one step)")
         object.__setattr__(self, "draft_extend_graph", graph)
+        object.__setattr__(self, "padding_convention", _as_enum(PaddingConvention, self.padding_convention, "padding_convention"))
+        shape = _as_enum(DraftExtendShape, self.draft_extend_shape, "draft_extend_shape")
+        mode = _as_enum(CudaGraphMode, self.cuda_graph_mode, "cuda_graph_mode")
+        for name, value, default in (("draft_extend_shape", shape, DraftExtendShape.FIXED), ("cuda_graph_mode", mode, CudaGraphMode.FULL)):
+            if value is default:
+                continue
+            if self.draft != "multi_layer" or graph is not DraftExtendGraph.PER_STEP:
+                raise ValueError(f"{name} {value.value!r} needs the multi-layer draft with draft_extend_graph 'per_step' "
+                                 f"(got draft {self.draft!r}, draft_extend_graph {graph.value!r})")
+        if shape is DraftExtendShape.RAGGED and mode is CudaGraphMode.PIECEWISE:
+            raise ValueError("draft_extend_shape 'ragged' and cuda_graph_mode 'piecewise' are not combined: the ragged runner is a FULL graph")
+        object.__setattr__(self, "draft_extend_shape", shape)
+        object.__setattr__(self, "cuda_graph_mode", mode)
 
     @property
     def num_tokens_per_bs(self) -> int:

@@ -19,7 +19,7 @@ from runners.batch import EagleDraftInput, ForwardBatch, ForwardMode
 from runners.config import ModelConfig, SpecConfig
 from runners.dp_metadata import gathered_metadata
 from runners.logits import logits_processor
-from runners.memory import ReqToTokenPool, TokenToKVPool, assign_out_cache_loc
+from runners.memory import ReqToTokenPool, TokenToKVPool, assign_out_cache_loc, lane_padding
 from runners.mlp_sync import SEQ_LEN_FILL_VALUE as SEQ_LEN_FILL_VALUE
 from runners.model import DraftModel, head_shard
 from runners.outputs import RunnerOutputs
@@ -84,6 +84,7 @@ class DraftWorker:
         self.ctx, self.cfg, self.spec = ctx, model_cfg, spec_cfg
         self.device = torch.device(device)
         self.num_layers = spec_cfg.num_steps if num_layers is None else num_layers
+        self.pad = lane_padding(spec_cfg.padding_convention)  # what the graph runners' fills give padded lanes
         if not build_model:
             self.model = self.req_pool = self.kv_pool = self.attn = None
             return
@@ -91,7 +92,7 @@ class DraftWorker:
         if self.device.type != "cpu":
             _move_tensors(self.model, self.device)  # weights are generated on CPU (same bits everywhere)
         kv_heads = head_shard(model_cfg, ctx.attn_tp_rank, ctx.attn_tp_size).kv_count
-        self.req_pool = ReqToTokenPool(max_reqs, model_cfg.max_context_len, self.device)
+        self.req_pool = ReqToTokenPool(max_reqs, model_cfg.max_context_len, self.device, spec_cfg.padding_convention)
         self.kv_pool = TokenToKVPool(self.num_layers, num_slots, kv_heads, model_cfg.head_dim, model_cfg.torch_dtype, self.device,
                                      spec_cfg.page_size)
         self.attn = make_backend(attention_backend, req_pool=self.req_pool, kv_pool=self.kv_pool)
@@ -123,7 +124,8 @@ def draft_extend_step(worker: DraftWorker, step: int, fb: ForwardBatch) -> StepO
     """
     ctx, head = worker.ctx, worker.model.head
     T, bs = worker.tokens_per_bs, fb.batch_size
-    assign_out_cache_loc(worker.req_pool.req_to_token, fb.req_pool_indices, fb.positions, token_to_request(fb), fb.out_cache_loc)
+    assign_out_cache_loc(worker.req_pool.req_to_token, fb.req_pool_indices, fb.positions, token_to_request(fb), fb.out_cache_loc,
+                         worker.req_pool.pad_slot)
     meta = worker.attn.init_forward_metadata(fb)
     embeds = head.embed[fb.input_ids]
     hidden, normed = worker.model.layers[step].forward(embeds, fb.spec_info.hidden_states, fb, worker.attn, meta)
@@ -170,7 +172,7 @@ def eager_forward_batch(worker: DraftWorker, inp: DraftExtendInputs, input_ids: 
 def draft_extend_forward(worker: DraftWorker, step: int, fb: ForwardBatch, dp_batch_sizes: list[int]) -> StepOutputs:
     """One eager step: the MLP-sync padding to the DP maximum, the step body, then the original rows."""
     T = worker.tokens_per_bs
-    padded, pad = mlp_sync.prepare_mlp_sync_batch(fb, worker.ctx.layout, [b * T for b in dp_batch_sizes], T)
+    padded, pad = mlp_sync.prepare_mlp_sync_batch(fb, worker.ctx.layout, [b * T for b in dp_batch_sizes], T, worker.pad.row)
     out = draft_extend_step(worker, step, padded)
     (logits, hidden, next_ids), (logprobs, topk_p, topk_index) = mlp_sync.post_forward_mlp_sync_batch(
         pad, (out.logits, out.hidden, out.next_input_ids), (out.logprobs, out.topk_p, out.topk_index))

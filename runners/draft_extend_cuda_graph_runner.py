@@ -24,7 +24,6 @@ from runners.base_cuda_graph_runner import BaseCudaGraphRunner, compute_capture_
 from runners.batch import ForwardBatch
 from runners.draft_extend import SEQ_LEN_FILL_VALUE, DraftExtendInputs, DraftWorker, StepOutputs, draft_extend_step
 from runners.graph.backend import GraphBackend
-from runners.memory import PADDING_SLOT
 
 
 @dataclass
@@ -59,10 +58,10 @@ class DraftExtendInputBuffers:
         return cls(
             input_ids=torch.zeros(n, **i64),
             positions=torch.zeros(n, **i64),
-            out_cache_loc=torch.full((n,), PADDING_SLOT, **i64),
+            out_cache_loc=torch.full((n,), worker.pad.slot, **i64),
             seq_lens=torch.full((max_bs,), SEQ_LEN_FILL_VALUE, **i64),
             seq_lens_cpu=torch.full((max_bs,), SEQ_LEN_FILL_VALUE, dtype=torch.int64),
-            req_pool_indices=torch.zeros(max_bs, **i64),
+            req_pool_indices=torch.full((max_bs,), worker.pad.row, **i64),
             num_correct_drafts=torch.ones(max_bs, **i64),
             num_accept_tokens=torch.ones(max_bs, **i64),
             extend_seq_lens=torch.full((max_bs,), T, **i64),

@@ -17,7 +17,6 @@ from runners.batch import EagleDraftInput, ForwardBatch, ForwardMode, host_copy
 from runners.draft_extend import SEQ_LEN_FILL_VALUE, DraftExtendInputs, DraftWorker, StepOutputs
 from runners.draft_extend_cuda_graph_runner import DraftExtendCudaGraphRunner
 from runners.graph.backend import GraphBackend
-from runners.memory import PADDING_ROW, PADDING_SLOT
 from runners.replay_copy import grouped_foreach_copy_
 
 
@@ -89,10 +88,10 @@ class EAGLEDraftExtendCudaGraphRunner(DraftExtendCudaGraphRunner):
         buffers = self.buffers
         buffers.input_ids.zero_()
         buffers.positions.zero_()
-        buffers.out_cache_loc.fill_(PADDING_SLOT)
+        buffers.out_cache_loc.fill_(self.worker.pad.slot)
         buffers.seq_lens.fill_(SEQ_LEN_FILL_VALUE)
         buffers.seq_lens_cpu.fill_(SEQ_LEN_FILL_VALUE)
-        buffers.req_pool_indices.fill_(PADDING_ROW)
+        buffers.req_pool_indices.fill_(self.worker.pad.row)
         # the lane's own last row: this body selects in the graph by num_correct_drafts (a stale 0..T-1 selects in its own
         # lane too: no output differs); the engine's worker selects outside the graph, and its fill value (T) is no row there
         buffers.num_correct_drafts.fill_(self.T - 1)

@@ -33,7 +33,6 @@ from runners.dp_metadata import GatheredMetadata
 from runners.draft_extend import SEQ_LEN_FILL_VALUE, DraftExtendInputs, DraftWorker, StepOutputs, draft_extend_step
 from runners.draft_extend_cuda_graph_runner import DraftExtendCudaGraphRunner, DraftExtendInputBuffers
 from runners.graph.backend import GraphBackend
-from runners.memory import PADDING_ROW, PADDING_SLOT
 from runners.parallel.comm import Group
 
 
@@ -125,10 +124,10 @@ class MultiLayerEagleDraftExtendCudaGraphRunner(DraftExtendCudaGraphRunner):
         """
         self.input_ids.zero_()
         self.positions.zero_()
-        self.out_cache_loc.fill_(PADDING_SLOT)
+        self.out_cache_loc.fill_(self.worker.pad.slot)
         self.seq_lens.fill_(SEQ_LEN_FILL_VALUE)
         self.seq_lens_cpu.fill_(SEQ_LEN_FILL_VALUE)
-        self.req_pool_indices.fill_(PADDING_ROW)
+        self.req_pool_indices.fill_(self.worker.pad.row)  # vLLM's convention: the pad request -1, whose tokens write PAD_SLOT_ID
         self.num_correct_drafts[:raw_bs].copy_(accept_lens - 1)
         self.num_accept_tokens[:raw_bs].copy_(accept_lens)  # unread here (the body selects by num_correct_drafts); the engine's backends read it
 
@@ -146,7 +145,7 @@ class MultiLayerEagleDraftExtendCudaGraphRunner(DraftExtendCudaGraphRunner):
         """Reset, copy-in and replay fill; returns the bucket. Device work and host copies only: no device sync when inp carries its host lengths."""
         bs = self._choose_bucket(self._needed_bs(inp))
         if self.prepare_fill is PrepareFill.TRITON:
-            _fused_fill()(self.buffers, inp, bs, self.T)  # every device buffer the two methods below write
+            _fused_fill()(self.buffers, inp, bs, self.T, self.worker.pad)  # every device buffer the two methods below write
             self.seq_lens_cpu.fill_(SEQ_LEN_FILL_VALUE)  # the host mirror, as reset_for_iteration and _copy_live_inputs
             self.seq_lens_cpu[: inp.bs].copy_(host_copy(inp.seq_lens_cpu, inp.seq_lens))
             return bs

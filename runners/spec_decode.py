@@ -124,7 +124,7 @@ class SpecEngine:
         self.alignment = alignment
         num_slots = num_slots or slot_budget(spec, cfg.max_context_len)
         max_reqs = 1 + spec.max_running_requests  # the padding row and one row per request
-        self.req_pool = ReqToTokenPool(max_reqs, cfg.max_context_len, self.device)
+        self.req_pool = ReqToTokenPool(max_reqs, cfg.max_context_len, self.device, spec.padding_convention)
         self.target = TargetRunner(ctx, cfg, self.req_pool, num_slots, self.device, attention_backend, spec.page_size)
         self.book = KVBook(self.req_pool, num_slots, spec.page_size)  # one slot index space for the target's and the draft's pools
         self.sched = Scheduler(self.book, spec.max_running_requests)
