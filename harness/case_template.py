@@ -19,7 +19,7 @@ from harness.case import CASES_DIR, Case, CaseError, parse_case
 from harness.scenario import Scenario
 from harness.tolerances import Tol
 from runners.base_cuda_graph_runner import compute_capture_bs
-from runners.config import DraftExtendGraph, ModelConfig, SpecConfig
+from runners.config import CudaGraphMode, DraftExtendGraph, DraftExtendShape, ModelConfig, PaddingConvention, SpecConfig
 from runners.parallel.layout import ParallelLayout
 
 REPO = Path(__file__).resolve().parent.parent
@@ -86,6 +86,10 @@ def _spec_table(spec: SpecConfig) -> dict:
         out["draft"] = spec.draft
     if spec.draft_extend_graph is not DraftExtendGraph.PER_STEP:
         out["draft_extend_graph"] = spec.draft_extend_graph.value
+    for key, default in (("padding_convention", PaddingConvention.SGLANG_DUMMY_SLOT), ("draft_extend_shape", DraftExtendShape.FIXED),
+                         ("cuda_graph_mode", CudaGraphMode.FULL)):
+        if getattr(spec, key) is not default:
+            out[key] = getattr(spec, key).value
     return out
 
 
