@@ -42,9 +42,8 @@ from runners.draft_extend import (
     StepOutputs,
     draft_extend_step,
     eager_forward_batch,
-    run_eager,
 )
-from runners.draft_extend_graph_driver import DraftExtendGraphDriver
+from runners.draft_extend_graph_driver import DraftExtendGraphDriver, run_draft_extend_eager
 from runners.eagle_draft import (
     DraftDecodeInputs,
     DraftDecodeOutputs,
@@ -167,7 +166,7 @@ class EagleProposer:
         if self.driver is not None:
             outs = self.driver.run(inp)
         else:
-            outs = run_eager(self.worker, inp)[0]
+            outs = run_draft_extend_eager(self.worker, inp)[0]
         self.last_outs = outs
         if self.single_layer:
             rows = (torch.arange(inp.bs, device=self.device) * self.worker.tokens_per_bs + inp.accept_lens - 1).tolist()

@@ -165,9 +165,11 @@ class MultiLayerEagleMultiStepDraftExtendCudaGraphRunner:
     """Owns the one buffer set and the per-step runners that read it: prepare once per iteration (the first step's
     runner fills the set), then per step write the chain inputs and replay that step's graph."""
 
+    buffers_class: type[DraftExtendInputBuffers] = DraftExtendInputBuffers  # vLLM's shapes keep more (runners.ragged_*, piecewise_*)
+
     def __init__(self, worker: DraftWorker, backend: GraphBackend):
         self.worker, self.backend = worker, backend
-        self.buffers = DraftExtendInputBuffers.allocate(worker)
+        self.buffers = self.buffers_class.allocate(worker)
         self.raw_bs = self.bs = 0
         self.runners = [self._create_runner(k) for k in range(worker.num_layers)]
 

@@ -296,13 +296,15 @@ class SpecEngine:
         i64 = dict(dtype=torch.int64, device=dev)
         pos = [p for n in n0 for p in range(n - 1, n - 1 + T)]
         seq_lens = torch.tensor([n - 1 + T for n in n0], dtype=torch.int64)
+        accept = torch.tensor(accept_lens, dtype=torch.int64)
         return DraftExtendInputs(
             input_ids=torch.cat(ids).to(dev) if ids else torch.zeros(0, **i64),
             positions=torch.tensor(pos, **i64),
             seq_lens=seq_lens.to(dev),
             req_pool_indices=torch.tensor([r.req_pool_idx for r in reqs], **i64),
             hidden_states=torch.cat(hid) if hid else torch.zeros(0, H, dtype=self.cfg.torch_dtype, device=dev),
-            accept_lens=torch.tensor(accept_lens, **i64),
+            accept_lens=accept.to(dev),
             dp_batch_sizes=dp_sizes,
             seq_lens_cpu=seq_lens,
+            accept_lens_cpu=accept,
         )

@@ -6,6 +6,7 @@ import torch
 from harness import verify_props
 from harness.case import Case
 from harness.crash import crash_verdict
+from harness.props.p1_shapes import check_ragged_gather_index
 from harness.props.p2_decode import DecodePoison, install_decode_poison
 from harness.props.poison import RunnerPoison
 from harness.ranks.simulated import RankFailure
@@ -82,6 +83,8 @@ class LanePoison(RunnerPoison):
 
     def after_clean(self, r: MultiLayerEagleDraftExtendCudaGraphRunner, inp: DraftExtendInputs, rec) -> None:
         self._check_canonical(r, inp.bs, rec.bs)
+        if r.runner_kind is RunnerKind.RAGGED:
+            check_ragged_gather_index(self.v, r.buffers, inp, rec.bs, r.T, self._where(r, inp.bs, rec.bs))
         if self.one_graph is not None:
             self.clean_served = [out.sliced(inp.bs, r.T).cloned() for out in self.one_graph.served[1:]]
 
@@ -107,6 +110,9 @@ class LanePoison(RunnerPoison):
         raw_n = raw_bs * T
         if r.runner_kind is RunnerKind.SINGLE_LAYER and bs == raw_bs:
             self._check_gathered(r, bs, w)  # the single-layer fill resets nothing without padding, as the engine's
+            return
+        if r.runner_kind is RunnerKind.PIECEWISE:
+            self._check_gathered(r, bs, w)  # PIECEWISE pads no request (vLLM): padded lanes stay stale, the poison below proves it harmless
             return
         # the one graph writes the chain into every lane of the bucket as it runs: its fill is read from before the replay
         filled = self.before_replay["buf"] if self.one_graph is not None else {name: getattr(r, name) for name in self.buffers}
