@@ -15,9 +15,10 @@ corrupts live KV instead of landing in memory nobody holds.
 That is SGLang's convention (a reserved dummy slot). Under vLLM's (runners.config.PaddingConvention)
 no request row is reserved: a padded lane holds the pad request index PAD_REQUEST (-1), its
 write slot is PAD_SLOT_ID (-1), and every KV write skips that slot (`TokenToKVPool.write`, as
-vLLM's reshape_and_cache skips slot < 0); the pool's page 0 stays the null slot that padded
-lanes read through (`ReqToTokenPool.rows`, as vLLM zeroes a padded lane's block-table row) and
-that nothing writes.
+vLLM's reshape_and_cache skips slot < 0); page 0 stays reserved and nothing writes it. What a
+pad request's keys are read from reaches only its own rows: torch indexing wraps row -1 to the
+last row, in bounds; the triton kernels, which address rows by pointer, read the null slot 0
+instead (as vLLM zeroes a padded lane's block-table row), to stay inside req_to_token.
 """
 from __future__ import annotations
 
@@ -105,14 +106,6 @@ class ReqToTokenPool:
     def release(self, idx: int) -> None:
         """The row is handed out next; its entries stay (stale) until its next owner writes them."""
         self.free.append(idx)
-
-    def rows(self, req_pool_indices: torch.Tensor) -> torch.Tensor:
-        """Each lane's req_to_token row, for reading keys: a pad request's (-1) is the null row (every entry the null
-        slot), as vLLM gives a padded lane a zeroed block-table row. Graph-safe (gathers only)."""
-        if not self.minus_one:
-            return self.req_to_token[req_pool_indices]
-        rows = self.req_to_token[req_pool_indices.clamp(min=0)]
-        return rows.masked_fill(req_pool_indices[:, None] < 0, PADDING_SLOT)
 
 
 class TokenToKVPool:

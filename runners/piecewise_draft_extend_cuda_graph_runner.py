@@ -14,7 +14,7 @@ forward context (the breakable CUDA graph). So here, per draft step and bucket:
   (runners.graph.piecewise): everything before attention, then the attention as a graph break, then the rest; its
   attention backend is `PiecewiseAttention`, which bakes no metadata and, at each replay, attends over the live
   requests through the worker's backend with a batch built for them (`live_attention_batch`: the first
-  `buffers.live_bs` lanes, their tokens), the padded rows' attention output zero;
+  `buffers.live_bs` lanes, their tokens);
 - the dense pieces' own metadata (the gathered token counts the logits processor's DP gather reads) stays the padded
   count, baked at capture and filled at replay, as vLLM's num_tokens_across_dp counts padded tokens;
 - the replay fill copies the live tokens and lanes in and nothing else: with no request padding the lanes past the
@@ -141,7 +141,8 @@ class PiecewiseDraftExtendCudaGraphRunner(MultiLayerEagleDraftExtendCudaGraphRun
 
     def attend_live(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor) -> None:
         """The eager part of a replay: the live tokens' KV write slots and attention metadata, their attention into
-        out's first rows; the padded rows' zero."""
+        out's first rows. The padded rows keep what an earlier replay left: the pieces after the break are row-wise
+        and those rows are sliced off (P2 poisons the padded token rows they come from)."""
         w = self.worker
         fb = self.live_attention_batch()
         n = fb.num_tokens
@@ -149,7 +150,6 @@ class PiecewiseDraftExtendCudaGraphRunner(MultiLayerEagleDraftExtendCudaGraphRun
                              w.req_pool.pad_slot)
         o = w.attn.forward(layer, q[:n], k[:n], v[:n], fb, w.attn.init_forward_metadata(fb))
         out[:n].copy_(o)
-        out[n:].zero_()
 
     # ---- replay: live lanes in, no request padding ----
     def _fill_for_replay(self, inp: DraftExtendInputs) -> int:

@@ -65,7 +65,7 @@ class TorchAttnBackend:
     def init_forward_metadata(self, fb: ForwardBatch) -> AttnMetadata:
         token_to_req = token_to_request(fb)
         ps = self.kv_pool.page_size
-        page_table = self.req_pool.rows(fb.req_pool_indices)[:, ::ps] // ps  # [bs, ceil(C / ps)]
+        page_table = self.req_pool.req_to_token[fb.req_pool_indices, ::ps] // ps  # [bs, ceil(C / ps)]
         key_pos = torch.arange(self.req_pool.req_to_token.shape[1], device=page_table.device)
         kv_slots = page_table[token_to_req][:, key_pos // ps] * ps + key_pos % ps  # [N, C]
         seq_len = fb.seq_lens[token_to_req]
@@ -83,7 +83,7 @@ class TorchAttnBackend:
         bs, topk, steps = locs.shape
         n = bs * topk
         lane_req = torch.arange(n, device=locs.device) // topk
-        prefix = self.req_pool.rows(fb.req_pool_indices)[lane_req]  # [N, C]
+        prefix = self.req_pool.req_to_token[fb.req_pool_indices][lane_req]  # [N, C]
         key_pos = torch.arange(prefix.shape[1], device=prefix.device)
         prefix_mask = key_pos[None, :] < fb.seq_lens[lane_req][:, None]
         draft_mask = (torch.arange(steps, device=prefix.device) <= step)[None, :].expand(n, steps)
