@@ -27,6 +27,7 @@ from harness.mutants import (
     spec_loop,
     verify,
     verify_fill,
+    vllm_shapes,
 )
 from harness.mutants.base import Mutant, Wrap
 
@@ -35,7 +36,7 @@ CATALOG: tuple[Mutant, ...] = (
     *draft_extend.MUTANTS, *spec_loop.MUTANTS, *memory.MUTANTS, *verify_fill.MUTANTS, *recorded_graph.MUTANTS,
     *decode.MUTANTS, *draft_attention.MUTANTS, *shape.MUTANTS, *verify.MUTANTS, *dp.MUTANTS, *host_mirror.MUTANTS,
     *replay_fill.MUTANTS, *padding_rule.MUTANTS, *fused_fill.MUTANTS, *sharding.MUTANTS,
-    *one_graph.MUTANTS,
+    *one_graph.MUTANTS, *vllm_shapes.MUTANTS,
 )
 BY_ID: dict[str, Mutant] = {m.id: m for m in CATALOG}
 if len(BY_ID) != len(CATALOG):
