@@ -22,15 +22,7 @@ from harness.scenario import Iteration, RequestSpec, Scenario
 from harness.tolerances import Tol
 from runners.attention import BACKENDS
 from runners.attention.kinds import METADATA_IN_GRAPH, ONE_GRAPH_UNSUPPORTED, AttentionBackend
-from runners.config import (
-    DTYPES,
-    CudaGraphMode,
-    DraftExtendGraph,
-    DraftExtendShape,
-    ModelConfig,
-    PaddingConvention,
-    SpecConfig,
-)
+from runners.config import DTYPES, SPEC_OPTIONS, DraftExtendGraph, ModelConfig, SpecConfig
 from runners.draft_decode import DRAFTS
 from runners.model import check_model_fits_layout
 from runners.parallel.layout import LayoutError, ParallelLayout
@@ -83,11 +75,7 @@ _REQUIRED = ("name", "description", "layout", "schedule")
 _LAYOUT = {"tp_size": int, "dp_size": int, "enable_dp_attention": bool, "moe_dense_tp_size": int, "enable_dp_lm_head": bool, "moe_a2a_backend": str,
            "enable_two_batch_overlap": bool}
 _SPEC = {"num_steps": int, "topk": int, "num_tokens_per_bs": int, "capture_bs": list, "max_running_requests": int, "page_size": int, "draft": str, "draft_extend_graph": str,
-         "padding_convention": str, "draft_extend_shape": str, "cuda_graph_mode": str}
-# spec.<key> naming an option of runners.config by its value, and what each option is (for the error a typo gets)
-_SPEC_ENUMS = {"padding_convention": (PaddingConvention, "what padded graph lanes write: SGLang's dummy slot or vLLM's -1"),
-               "draft_extend_shape": (DraftExtendShape, "the draft-extend's token layout: num_tokens_per_bs per request, or the accepted ones"),
-               "cuda_graph_mode": (CudaGraphMode, "the draft-extend's graphs: the whole step, or the dense parts with attention eager")}
+         **dict.fromkeys(SPEC_OPTIONS, str)}
 PAGE_SIZES = (1, 2, 4, 8, 16, 32, 64)  # KV slots per page: a power of two (runners.memory.check_page_size), at most 64
 _MODEL = {f.name: f.type for f in fields(ModelConfig) if f.name not in ("dtype",)}
 _SCHEDULE = {"batches": list, "max_prefix_len": int, "prefix_lens": list, "accept_lens": list, "rids": list}
@@ -300,16 +288,14 @@ def parse_case(data: dict, path: Path | str = "<case>") -> Case:
             raise CaseError(path, "spec.draft_extend_graph", "per_step with draft = single_layer (its draft-extend is one step)", graph)
         if graph == DraftExtendGraph.ONE_GRAPH and backend not in METADATA_IN_GRAPH:
             raise CaseError(path, "spec.draft_extend_graph", f"per_step with backend = {backend} ({ONE_GRAPH_UNSUPPORTED})", graph)
-    for key, (enum, what) in _SPEC_ENUMS.items():
-        if key in spec_t and spec_t[key] not in set(enum):
-            raise CaseError(path, f"spec.{key}", f"one of {', '.join(enum)} ({what})", spec_t[key])
     if "num_tokens_per_bs" in spec_t:
         spec_t["num_draft_tokens"] = spec_t.pop("num_tokens_per_bs")
     try:
         spec = SpecConfig(**spec_t)
-    except ValueError as e:  # a rule across spec fields (runners.config.SpecConfig names them)
-        field = next((k for k in _SPEC_ENUMS if k in spec_t and str(e).startswith(k)), "spec")
-        raise CaseError(path, field if field == "spec" else f"spec.{field}", str(e)) from None
+        spec.check_layout(layout.attn_dp_size)
+    except ValueError as e:  # an option's value, or a rule across options: SpecConfig says "option: what it expects"
+        field, _, rule = str(e).partition(": ")
+        raise CaseError(path, f"spec.{field}", rule) from None
     if spec.draft == "single_layer" and spec.topk * (spec.num_steps - 1) > spec.num_tokens_per_bs:
         raise CaseError(path, "spec.topk", f"topk * (num_steps - 1) <= num_tokens_per_bs ({spec.num_tokens_per_bs}): the single-layer draft decode's slots", spec.topk)
     if spec.topk > model.vocab_size:

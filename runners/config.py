@@ -109,11 +109,16 @@ class CudaGraphMode(StrEnum):
         return f"{type(self).__name__}.{self.name}"
 
 
+# SpecConfig's fields that name an option by its value (a case file's spec.<key>)
+SPEC_OPTIONS: dict[str, type[StrEnum]] = {"draft_extend_graph": DraftExtendGraph, "padding_convention": PaddingConvention,
+                                          "draft_extend_shape": DraftExtendShape, "cuda_graph_mode": CudaGraphMode}
+
+
 def _as_enum(cls: type[StrEnum], value: object, field_name: str) -> StrEnum:
     try:
         return cls(value)
     except ValueError:
-        raise ValueError(f"{field_name} must be one of {', '.join(cls)}, got {value!r}") from None
+        raise ValueError(f"{field_name}: one of {', '.join(cls)}, got {value!r}") from None
 
 
 @dataclass(frozen=True)
@@ -145,12 +150,18 @@ class SpecConfig:
             if value is default:
                 continue
             if self.draft != "multi_layer" or graph is not DraftExtendGraph.PER_STEP:
-                raise ValueError(f"{name} {value.value!r} needs the multi-layer draft with draft_extend_graph 'per_step' "
+                raise ValueError(f"{name}: the multi-layer draft with draft_extend_graph 'per_step' for {value.value!r} "
                                  f"(got draft {self.draft!r}, draft_extend_graph {graph.value!r})")
         if shape is DraftExtendShape.RAGGED and mode is CudaGraphMode.PIECEWISE:
-            raise ValueError("draft_extend_shape 'ragged' and cuda_graph_mode 'piecewise' are not combined: the ragged runner is a FULL graph")
+            raise ValueError("draft_extend_shape: 'fixed' with cuda_graph_mode 'piecewise' (the ragged runner is a FULL graph)")
         object.__setattr__(self, "draft_extend_shape", shape)
         object.__setattr__(self, "cuda_graph_mode", mode)
+
+    def check_layout(self, attn_dp_size: int) -> None:
+        """The options a layout excludes: the eager ragged pass counts no other DP group's tokens (its MLP sync would
+        need every group's accepted-token count), so the ragged shape runs without DP attention."""
+        if self.draft_extend_shape is DraftExtendShape.RAGGED and attn_dp_size > 1:
+            raise ValueError(f"draft_extend_shape: 'fixed' under DP attention (dp {attn_dp_size}): the eager ragged pass is not MLP-synced")
 
     @property
     def num_tokens_per_bs(self) -> int:

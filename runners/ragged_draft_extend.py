@@ -116,13 +116,6 @@ def ragged_draft_extend_step(worker: DraftWorker, step: int, fb: ForwardBatch) -
     return StepOutputs(lo.next_token_logits, hidden, logprobs, topk_p, topk_index, next_ids, lo.rows_fed)
 
 
-def check_ragged_layout(worker: DraftWorker) -> None:
-    """The eager ragged pass counts no other DP group's tokens (its MLP sync would need them): refuse DP attention."""
-    if worker.ctx.layout.attn_dp_size > 1:
-        raise ValueError(f"draft_extend_shape 'ragged' runs without DP attention (layout {worker.ctx.layout.describe()}): "
-                         "the eager MLP sync of a ragged pass needs every DP group's accepted-token count")
-
-
 def ragged_forward_batch(worker: DraftWorker, inp: DraftExtendInputs, plan: RaggedPlan, input_ids: torch.Tensor,
                          hidden: torch.Tensor) -> ForwardBatch:
     """The live batch, packed (eager: no padding); input_ids and hidden request-major, as the scheduler hands them."""
@@ -153,7 +146,7 @@ def ragged_forward_batch(worker: DraftWorker, inp: DraftExtendInputs, plan: Ragg
 def run_eager_ragged(worker: DraftWorker, inp: DraftExtendInputs,
                      plan: Optional[RaggedPlan] = None) -> tuple[list[StepOutputs], list[ForwardBatch]]:
     """The reference: every draft layer in turn over the packed live batch; outputs request-major (`unpacked`)."""
-    check_ragged_layout(worker)
+    worker.spec.check_layout(worker.ctx.layout.attn_dp_size)
     plan = plan or RaggedPlan.of(inp, worker.tokens_per_bs)
     ids, hidden = inp.input_ids, inp.hidden_states
     outs, batches = [], []

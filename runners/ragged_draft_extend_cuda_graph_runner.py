@@ -34,7 +34,7 @@ from runners.multi_layer_eagle_draft_extend_cuda_graph_runner import (
     MultiLayerEagleDraftExtendCudaGraphRunner,
     MultiLayerEagleMultiStepDraftExtendCudaGraphRunner,
 )
-from runners.ragged_draft_extend import RaggedPlan, check_ragged_layout, ragged_draft_extend_step, unpacked
+from runners.ragged_draft_extend import RaggedPlan, ragged_draft_extend_step, unpacked
 
 
 @dataclass
@@ -63,7 +63,7 @@ class RaggedDraftExtendCudaGraphRunner(MultiLayerEagleDraftExtendCudaGraphRunner
     runner_kind = RunnerKind.RAGGED
 
     def __init__(self, worker: DraftWorker, step: int, backend: GraphBackend, buffers: Optional[RaggedDraftExtendInputBuffers] = None):
-        check_ragged_layout(worker)
+        worker.spec.check_layout(worker.ctx.layout.attn_dp_size)
         super().__init__(worker, step, backend, buffers if buffers is not None else RaggedDraftExtendInputBuffers.allocate(worker))
         self.plan: Optional[RaggedPlan] = None  # the live batch's layout, set by the fill
 
