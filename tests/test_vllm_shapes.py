@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import tomllib
+from dataclasses import replace
 
 import pytest
 import torch
@@ -17,6 +18,7 @@ from harness.props.p2 import check_padded_lanes
 from harness.props.shape_probes import PAD_MINUS_ONE_CASE, PIECEWISE_CASE, RAGGED_CASE
 from harness.props.spec_probes import CHURN_SCRIPT, run_churn_script
 from harness.scenario import materialize
+from harness.spec_decode import acceptance_stats, case_session
 from runners.base_cuda_graph_runner import RunnerKind
 from runners.config import CudaGraphMode, DraftExtendShape, PaddingConvention, SpecConfig
 from runners.draft_extend import DraftWorker, run_eager
@@ -114,6 +116,18 @@ def test_ragged_pass_equals_the_fixed_shape_pass_on_the_accepted_rows():
         torch.testing.assert_close(ragged.hidden[rows], fixed.hidden[rows], rtol=1e-5, atol=1e-5)
         assert torch.equal(ragged.topk_index, fixed.topk_index) and torch.equal(ragged.next_input_ids[rows], fixed.next_input_ids[rows])
         assert not ragged.logits[rejected].any() and not ragged.hidden[rejected].any()
+
+
+@pytest.mark.parametrize("name,option", [(RAGGED_CASE, "draft_extend_shape"), (PIECEWISE_CASE, "cuda_graph_mode")])
+def test_a_shape_changes_no_proposal_of_the_loop(name, option):
+    """The case's workload through the loop (graph runners) proposes what the same spec with SGLang's FULL, fixed-shape
+    draft-extend proposes: every request's accept lengths are the same (the shapes change where padding goes, not what
+    is computed for a live token)."""
+    case = load_case(name)
+    fixed = replace(case.scenario.spec, **{option: SpecConfig.__dataclass_fields__[option].default})
+    stats = [acceptance_stats(case_session(c, "graph", rounds_per_phase=2))["requests"]
+             for c in (case, replace(case, scenario=replace(case.scenario, spec=fixed)))]
+    assert stats[0] == stats[1]
 
 
 # ---------------------------------------------------------------- PIECEWISE graphs by hand
