@@ -164,7 +164,7 @@ class PiecewiseDraftExtendCudaGraphRunner(MultiLayerEagleDraftExtendCudaGraphRun
         b.seq_lens_cpu[:raw_bs].copy_(host_copy(inp.seq_lens_cpu, inp.seq_lens))
         b.req_pool_indices[:raw_bs].copy_(inp.req_pool_indices)
         b.num_correct_drafts[:raw_bs].copy_(inp.accept_lens - 1)
-        b.num_accept_tokens[:raw_bs].copy_(inp.accept_lens)
+        b.num_accept_tokens[:raw_bs].copy_(inp.accept_lens)  # unread here (the body selects by num_correct_drafts), as the fixed shape's
         if self.global_num_tokens_gpu is not None:
             self.global_num_tokens_gpu.fill_(bs * self.T)
             self.global_num_tokens_for_logprob_gpu.fill_(bs * self.T)

@@ -15,8 +15,8 @@ What the replay fill writes, once per iteration (`RaggedDraftExtendCudaGraphRunn
                            token sees keys up to its own position only); padded lanes the fill value
   req_pool_indices         live lanes their rows; padded lanes the convention's pad row
   gathered counts          bs * T, as baked
-The per-lane accept counts (num_correct_drafts, num_accept_tokens) are written for live lanes as the fixed-shape runner
-writes them; the ragged body reads the gather index instead.
+The per-lane accept counts of the fixed shape (num_correct_drafts, num_accept_tokens) are neither read nor written: the
+ragged body selects through the gather index.
 """
 from __future__ import annotations
 
@@ -88,7 +88,6 @@ class RaggedDraftExtendCudaGraphRunner(MultiLayerEagleDraftExtendCudaGraphRunner
         bs = self._choose_bucket(self._needed_bs(inp))
         self.plan = plan = RaggedPlan.of(inp, self.T)
         b, raw_bs, n, dev = self.buffers, inp.bs, plan.num_tokens, self.worker.device
-        i64 = dict(dtype=torch.int64, device=dev)
         rows = plan.index(dev)
         b.input_ids.zero_()
         b.positions.zero_()
@@ -99,12 +98,9 @@ class RaggedDraftExtendCudaGraphRunner(MultiLayerEagleDraftExtendCudaGraphRunner
         b.input_ids[:n].copy_(inp.input_ids[rows])
         b.positions[:n].copy_(inp.positions[rows])
         b.hidden_states[:n].copy_(inp.hidden_states[rows])
-        accept = torch.tensor(plan.accept_lens, **i64)
         b.seq_lens[:raw_bs].copy_(inp.seq_lens)  # as the verify's (vLLM's drafter reuses the target's): positions mask the rest
         b.seq_lens_cpu[:raw_bs].copy_(host_copy(inp.seq_lens_cpu, inp.seq_lens))
         b.req_pool_indices[:raw_bs].copy_(inp.req_pool_indices)
-        b.num_correct_drafts[:raw_bs].copy_(accept - 1)
-        b.num_accept_tokens[:raw_bs].copy_(accept)
         pad_starts, pad_lens, pad_last = plan.padded(bs)
         self._write_lanes(b.extend_start_loc, plan.starts + pad_starts, dev)
         self._write_lanes(b.extend_seq_lens, list(plan.accept_lens) + pad_lens, dev)
