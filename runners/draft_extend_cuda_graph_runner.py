@@ -24,6 +24,7 @@ from runners.base_cuda_graph_runner import BaseCudaGraphRunner, compute_capture_
 from runners.batch import ForwardBatch
 from runners.draft_extend import SEQ_LEN_FILL_VALUE, DraftExtendInputs, DraftWorker, StepOutputs, draft_extend_step
 from runners.graph.backend import GraphBackend
+from runners.memory import LanePadding
 
 
 @dataclass
@@ -72,6 +73,16 @@ class DraftExtendInputBuffers:
             global_num_tokens_for_logprob_gpu=gnt_lp,
         )
 
+    def reset_to_padding(self, pad: LanePadding) -> None:
+        """Every token row and lane to what a padded one holds: token 0 at position 0, the convention's write slot and
+        request row (runners.memory.lane_padding), the seq-len fill value (its host mirror too)."""
+        self.input_ids.zero_()
+        self.positions.zero_()
+        self.out_cache_loc.fill_(pad.slot)
+        self.seq_lens.fill_(SEQ_LEN_FILL_VALUE)
+        self.seq_lens_cpu.fill_(SEQ_LEN_FILL_VALUE)
+        self.req_pool_indices.fill_(pad.row)
+
 
 def _buffer(name: str) -> property:
     return property(lambda self: getattr(self.buffers, name), doc=f"the runner's view of buffers.{name}")
@@ -94,8 +105,12 @@ class DraftExtendCudaGraphRunner(BaseCudaGraphRunner):
     def comm(self):
         return self.worker.ctx.comm
 
+    def _step(self, fb: ForwardBatch) -> StepOutputs:
+        """The step body this runner graphs (vLLM's shapes: the ragged body, the PIECEWISE one)."""
+        return draft_extend_step(self.worker, self.step, fb)
+
     def _body(self, fb: ForwardBatch) -> StepOutputs:
-        out = draft_extend_step(self.worker, self.step, fb)
+        out = self._step(fb)
         n = fb.batch_size * self.T
         self.next_token_logits_buffer[:n].copy_(out.logits)
         out.logits = self.next_token_logits_buffer[:n]

@@ -122,12 +122,7 @@ class MultiLayerEagleDraftExtendCudaGraphRunner(DraftExtendCudaGraphRunner):
         or position would write KV into a live request's slot. out_cache_loc is written by the
         body for the whole bucket; its fill only keeps the rows past the bucket canonical.
         """
-        self.input_ids.zero_()
-        self.positions.zero_()
-        self.out_cache_loc.fill_(self.worker.pad.slot)
-        self.seq_lens.fill_(SEQ_LEN_FILL_VALUE)
-        self.seq_lens_cpu.fill_(SEQ_LEN_FILL_VALUE)
-        self.req_pool_indices.fill_(self.worker.pad.row)  # vLLM's convention: the pad request -1, whose tokens write PAD_SLOT_ID
+        self.buffers.reset_to_padding(self.worker.pad)  # vLLM's convention: the pad request -1, whose tokens write PAD_SLOT_ID
         self.num_correct_drafts[:raw_bs].copy_(accept_lens - 1)
         self.num_accept_tokens[:raw_bs].copy_(accept_lens)  # unread here (the body selects by num_correct_drafts); the engine's backends read it
 

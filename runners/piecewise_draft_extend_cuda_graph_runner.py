@@ -107,13 +107,9 @@ class PiecewiseDraftExtendCudaGraphRunner(MultiLayerEagleDraftExtendCudaGraphRun
     def _choose_bucket(self, needed: int) -> int:
         return self.padded_num_tokens(needed * self.T) // self.T
 
-    def _body(self, fb: ForwardBatch) -> StepOutputs:
+    def _step(self, fb: ForwardBatch) -> StepOutputs:
         self.buffers.live_bs = fb.batch_size  # capture and warm-up attend over the bucket; host code: no replay runs it
-        out = draft_extend_step(self.worker, self.step, fb, attn=self.attention)
-        n = fb.batch_size * self.T
-        self.next_token_logits_buffer[:n].copy_(out.logits)
-        out.logits = self.next_token_logits_buffer[:n]
-        return out
+        return draft_extend_step(self.worker, self.step, fb, attn=self.attention)
 
     # ---- the graph break: attention over the live requests ----
     def live_attention_batch(self) -> ForwardBatch:

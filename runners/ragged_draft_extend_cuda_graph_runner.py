@@ -27,7 +27,7 @@ import torch
 
 from runners.base_cuda_graph_runner import RunnerKind
 from runners.batch import EagleDraftInput, ForwardBatch, host_copy
-from runners.draft_extend import SEQ_LEN_FILL_VALUE, DraftExtendInputs, DraftWorker, StepOutputs
+from runners.draft_extend import DraftExtendInputs, DraftWorker, StepOutputs
 from runners.draft_extend_cuda_graph_runner import DraftExtendInputBuffers
 from runners.graph.backend import GraphBackend
 from runners.multi_layer_eagle_draft_extend_cuda_graph_runner import (
@@ -76,12 +76,8 @@ class RaggedDraftExtendCudaGraphRunner(MultiLayerEagleDraftExtendCudaGraphRunner
                                        self.buffers.last_token_indices[:bs])
         return fb
 
-    def _body(self, fb: ForwardBatch) -> StepOutputs:
-        out = ragged_draft_extend_step(self.worker, self.step, fb)
-        n = fb.batch_size * self.T
-        self.next_token_logits_buffer[:n].copy_(out.logits)
-        out.logits = self.next_token_logits_buffer[:n]
-        return out
+    def _step(self, fb: ForwardBatch) -> StepOutputs:
+        return ragged_draft_extend_step(self.worker, self.step, fb)
 
     # ---- the replay fill ----
     def _fill_for_replay(self, inp: DraftExtendInputs) -> int:
@@ -89,12 +85,7 @@ class RaggedDraftExtendCudaGraphRunner(MultiLayerEagleDraftExtendCudaGraphRunner
         self.plan = plan = RaggedPlan.of(inp, self.T)
         b, raw_bs, n, dev = self.buffers, inp.bs, plan.num_tokens, self.worker.device
         rows = plan.index(dev)
-        b.input_ids.zero_()
-        b.positions.zero_()
-        b.out_cache_loc.fill_(self.worker.pad.slot)
-        b.seq_lens.fill_(SEQ_LEN_FILL_VALUE)
-        b.seq_lens_cpu.fill_(SEQ_LEN_FILL_VALUE)
-        b.req_pool_indices.fill_(self.worker.pad.row)
+        b.reset_to_padding(self.worker.pad)
         b.input_ids[:n].copy_(inp.input_ids[rows])
         b.positions[:n].copy_(inp.positions[rows])
         b.hidden_states[:n].copy_(inp.hidden_states[rows])
