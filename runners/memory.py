@@ -87,7 +87,8 @@ class PageAllocator:
 
 
 class ReqToTokenPool:
-    """The request map, and the padding convention its rows follow (`pad_row`: what a padded lane holds)."""
+    """The request map, and the padding convention its rows follow: SGLang's reserves row 0 as the padding row, vLLM's
+    none (`pad_slot`: the write slot of a pad request's tokens, for write_slots)."""
 
     def __init__(self, max_reqs: int, max_context_len: int, device: torch.device,
                  padding: PaddingConvention = PaddingConvention.SGLANG_DUMMY_SLOT):

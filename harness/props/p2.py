@@ -62,6 +62,7 @@ class LanePoison(RunnerPoison):
     lanes get stale but in-domain values [0, T-1]: what the engine can leave there.
     """
 
+    runner = "draft_extend"
     buffers = _RUNNER_BUFFERS
 
     def __init__(self, engine: SpecEngine, verdict: Verdict):

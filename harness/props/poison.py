@@ -112,7 +112,7 @@ class RunnerPoison:
         return poison_slot
 
     def check_pad_slots_unwritten(self, g, w: dict, s0: dict, s1: dict) -> None:
-        """vLLM's convention: a padded lane writes no KV. The clean replay leaves the null slot 0 (what padded lanes read)
+        """vLLM's convention: a padded lane writes no KV. The clean replay leaves the null slot 0 (page 0, reserved)
         and the pool's last slot (where a write to -1 lands when a kernel does not skip it and indexes from the end) as
         they were, unless a running request owns them."""
         if not self.engine.req_pool.minus_one:
