@@ -185,6 +185,14 @@ def test_p2_holds_on_the_case(name):
     assert set(v) == {"P2"} and v["P2"] and v["P2"].checked > 200, v["P2"].report()
 
 
+def test_p2_holds_for_the_single_layer_runners_under_minus_one():
+    """The single-layer draft-extend and the draft-decode runners pad with -1 too (the draft decode's slots per step)."""
+    case = load_case("tp2_single_layer_shrink")
+    spec = replace(case.scenario.spec, padding_convention=PaddingConvention.VLLM_PAD_MINUS_ONE)
+    v = check_padded_lanes(replace(case, scenario=replace(case.scenario, spec=spec)))
+    assert set(v) == {"P2"} and v["P2"] and v["P2"].checked > 200, v["P2"].report()
+
+
 def test_p2_alone_sees_a_write_that_does_not_skip_minus_one():
     case = load_case(PAD_MINUS_ONE_CASE)
     with mutants.get("kv-write-pad-slot-not-skipped").planted():
