@@ -22,7 +22,7 @@ from harness.scenario import Scenario
 from harness.tolerances import Tol
 from runners.attention import BACKENDS
 from runners.attention.kinds import METADATA_IN_GRAPH, ONE_GRAPH_UNSUPPORTED, AttentionBackend
-from runners.config import DTYPES, DraftExtendGraph, ModelConfig, SpecConfig
+from runners.config import DTYPES, SPEC_OPTIONS, DraftExtendGraph, ModelConfig, SpecConfig
 from runners.draft_parallel import check_draft_config
 from runners.model import check_model_fits_layout
 from runners.parallel.layout import LayoutError, ParallelLayout
@@ -80,7 +80,8 @@ _LAYOUT = {"tp_size": int, "dp_size": int, "enable_dp_attention": bool, "moe_den
            "enable_two_batch_overlap": bool}
 _SPEC = {"num_steps": int, "topk": int, "num_tokens_per_bs": int, "capture_bs": list, "max_running_requests": int, "page_size": int, "draft": str, "draft_extend_graph": str,
          "eagle_aux_hidden_state_layer_ids": list, "draft_vocab_size": int, "draft_tp_size": int, "draft_max_position_embeddings": int, "draft_rope_theta": float,
-         "dp_spec_prefill_coordination": bool, "overlap_schedule": bool}
+         "dp_spec_prefill_coordination": bool, "overlap_schedule": bool,
+         **dict.fromkeys(SPEC_OPTIONS, str)}
 PAGE_SIZES = (1, 2, 4, 8, 16, 32, 64)  # KV slots per page: a power of two (runners.memory.check_page_size), at most 64
 _MODEL = {f.name: f.type for f in fields(ModelConfig) if f.name not in ("dtype",)}
 _SCHEDULE = {"batches": list, "max_prefix_len": int, "prefix_lens": list, "accept_lens": list, "rids": list, "top_logprobs_num": int}

@@ -26,7 +26,7 @@ from harness.case import (
     PAGE_SIZES,
 )
 from runners.attention.kinds import AttentionBackend
-from runners.config import DTYPES, DraftExtendGraph
+from runners.config import DTYPES, SPEC_OPTIONS, DraftExtendGraph
 from runners.draft_decode import DRAFTS
 
 _JSON_TYPE = {int: "integer", float: "number", str: "string", bool: "boolean", list: "array", dict: "object"}
@@ -55,7 +55,8 @@ def case_json_schema() -> dict:
     spec = _table(_SPEC, {k: {"minimum": 1, "maximum": hi} for k, hi in _SPEC_MAX.items()}
                   | {"capture_bs": {"minItems": 1, "items": {"type": "integer", "minimum": 1, "maximum": 1024}},
                      "page_size": {"enum": list(PAGE_SIZES)}, "draft": {"enum": list(DRAFTS)},
-                     "draft_extend_graph": {"enum": [g.value for g in DraftExtendGraph]}})
+                     "draft_extend_graph": {"enum": [g.value for g in DraftExtendGraph]}}
+                  | {k: {"enum": [o.value for o in enum]} for k, enum in SPEC_OPTIONS.items()})
     layout = _table(_LAYOUT, {"tp_size": {"minimum": 1, "maximum": 64}, "dp_size": {"minimum": 1, "maximum": 64},
                               "moe_a2a_backend": {"enum": ["none", "deepep", "mooncake", "flashinfer"]}}, required=("tp_size",))
     schedule = _table(_SCHEDULE, {"batches": {"minItems": 1, "maxItems": MAX_ITERATIONS,

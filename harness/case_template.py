@@ -21,7 +21,7 @@ from harness.golden.place import check_writable
 from harness.scenario import Scenario
 from harness.tolerances import Tol
 from runners.base_cuda_graph_runner import compute_capture_bs
-from runners.config import DraftExtendGraph, ModelConfig, SpecConfig
+from runners.config import CudaGraphMode, DraftExtendGraph, DraftExtendShape, ModelConfig, PaddingConvention, SpecConfig
 from runners.parallel.layout import ParallelLayout
 
 FAILURE_DIR_ENV = "SPECHARNESS_FAILURE_DIR"
@@ -91,6 +91,10 @@ def _spec_table(spec: SpecConfig) -> dict:
     if spec.draft_extend_graph is not DraftExtendGraph.PER_STEP:
         out["draft_extend_graph"] = spec.draft_extend_graph.value
     out.update({flag: True for flag in ("dp_spec_prefill_coordination", "overlap_schedule") if getattr(spec, flag)})
+    for key, default in (("padding_convention", PaddingConvention.SGLANG_DUMMY_SLOT), ("draft_extend_shape", DraftExtendShape.FIXED),
+                         ("cuda_graph_mode", CudaGraphMode.FULL)):
+        if getattr(spec, key) is not default:
+            out[key] = getattr(spec, key).value
     return out
 
 

@@ -35,8 +35,7 @@ from harness.ranks import run as ranks_run
 from harness.ranks.simulated import RankFailure
 from harness.records import ReplayRecord
 from harness.scenario import release
-from runners.draft_extend import run_eager
-from runners.draft_extend_graph_driver import DraftExtendGraphDriver
+from runners.draft_extend_graph_driver import DraftExtendGraphDriver, run_draft_extend_eager
 from runners.graph.backend import GraphBackend
 
 BUFFERS = ("input_ids", "positions", "out_cache_loc", "seq_lens", "req_pool_indices", "num_correct_drafts", "num_accept_tokens",
@@ -83,7 +82,7 @@ def _dump_rank(comm, case: Case, target_it: int, runner: str) -> dict[str, np.nd
         last = it == target_it
         if eager_worker is not None:
             batch = _prepare(eager_worker, sc, it)
-            outs, fbs = run_eager(eager_worker, batch.inputs)
+            outs, fbs = run_draft_extend_eager(eager_worker, batch.inputs)
             if last:
                 out.update({f"inputs.{n}": _np(getattr(batch.inputs, n)) for n in INPUTS})
                 out["inputs.rids"] = np.asarray(batch.rids, dtype=np.int64)

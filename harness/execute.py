@@ -13,8 +13,8 @@ import torch
 from harness.observe import observe_all
 from harness.records import ReplayRecord
 from harness.scenario import MaterializedBatch, Scenario, materialize, release
-from runners.draft_extend import DraftWorker, run_eager
-from runners.draft_extend_graph_driver import DraftExtendGraphDriver
+from runners.draft_extend import DraftWorker
+from runners.draft_extend_graph_driver import DraftExtendGraphDriver, run_draft_extend_eager
 from runners.draft_parallel import draft_rank_context
 from runners.graph.backend import GraphBackend, GraphStats
 from runners.parallel.comm import Communicator
@@ -80,7 +80,7 @@ def run_rank(
     for it in range(len(sc.iterations)):
         if eager_worker is not None:
             batch = _prepare(eager_worker, sc, it)
-            outs, fbs = run_eager(eager_worker, batch.inputs)
+            outs, fbs = run_draft_extend_eager(eager_worker, batch.inputs)
             result.eager.append([StepResult(_cpu(o), fb.host_metadata()) for o, fb in zip(outs, fbs, strict=True)])
             result.rids.append(batch.rids)
             release(eager_worker, batch)

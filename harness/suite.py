@@ -16,6 +16,7 @@ from harness.p7 import probe_idle_ranks
 from harness.props.draft_probes import DRAFT_PROBES
 from harness.props.feature_probes import FEATURE_PROBES
 from harness.props.p1_metadata import check_metadata
+from harness.props.shape_probes import SHAPE_PROBES
 from harness.props.spec_probes import FILL_PROBES, SPEC_PROBES
 from harness.verdict import Verdict, merge_verdicts
 from runners.config import SpecConfig
@@ -101,6 +102,7 @@ PROBES: list[tuple[str, Probe]] = [
     ("case-one-graph", probe_case_one_graph),
     *DRAFT_PROBES,
     *FEATURE_PROBES,
+    *SHAPE_PROBES,
 ]
 if len({n for n, _ in PROBES}) != len(PROBES):
     raise ImportError("two probes share an id: " + ", ".join(n for n, _ in PROBES))

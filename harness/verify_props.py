@@ -25,7 +25,7 @@ from harness.tolerances import eager_vs_graph
 from harness.verdict import Verdict
 from runners.decode_cuda_graph_runner import DecodeCudaGraphRunner, VerifyInputs
 from runners.draft_extend import SEQ_LEN_FILL_VALUE
-from runners.memory import PADDING_ROW, PADDING_SLOT
+from runners.memory import PADDING_ROW
 from runners.spec_decode import SpecEngine
 from runners.target import Lane, TargetOutput
 
@@ -202,8 +202,8 @@ class VerifyPoison(RunnerPoison):
         T, w = g.T, self.where(raw_bs, bs)
         raw_n = raw_bs * T
         # The fill covers the bucket's padded lanes only (lanes past the bucket are never read), so that is what is checked
-        for name, per_token, want in (("input_ids", True, 0), ("positions", True, 0), ("out_cache_loc", True, PADDING_SLOT),
-                                      ("seq_lens", False, SEQ_LEN_FILL_VALUE), ("req_pool_indices", False, PADDING_ROW)):
+        for name, per_token, want in (("input_ids", True, 0), ("positions", True, 0), ("out_cache_loc", True, g.pad.slot),
+                                      ("seq_lens", False, SEQ_LEN_FILL_VALUE), ("req_pool_indices", False, g.pad.row)):
             start, stop = (raw_n, bs * T) if per_token else (raw_bs, bs)
             tail = getattr(g, name)[start:stop]
             self.v.checked += 1

@@ -59,6 +59,8 @@ class RunnerKind(StrEnum):
     SINGLE_LAYER = "single_layer"  # EAGLEDraftExtendCudaGraphRunner
     DRAFT_DECODE = "draft_decode"  # EAGLEDraftCudaGraphRunner
     TARGET_VERIFY = "target_verify"  # the target's DecodeCudaGraphRunner in TARGET_VERIFY mode
+    RAGGED = "ragged"  # a step of the ragged draft-extend (vLLM's drafter prefill shape): RaggedDraftExtendCudaGraphRunner
+    PIECEWISE = "piecewise"  # a step of the multi-layer draft-extend under PIECEWISE graphs: PiecewiseDraftExtendCudaGraphRunner
 
 
 class LiveBatch(Protocol):
@@ -76,6 +78,7 @@ class BaseCudaGraphRunner:
 
     runner_kind: RunnerKind
     step = 0  # a multi-step runner's step (draft-extend layer); one-pass runners (verify) are step 0
+    piecewise_graphs = False  # vLLM's PIECEWISE mode: each bucket's graph broken at the body's graph breaks (runners.graph.piecewise)
     layout: ParallelLayout
     backend: GraphBackend
     capture_bs: list[int]
@@ -104,7 +107,7 @@ class BaseCudaGraphRunner:
             for _ in range(2):  # warm-up, as the engine does, with the capture-time metadata
                 self.backend.warmup(lambda fb=fb: self._body(fb))
                 self.comm.barrier(Group.WORLD)
-            self.graphs[bs] = self.backend.capture(lambda fb=fb: self._body(fb))
+            self.graphs[bs] = self.backend.capture(lambda fb=fb: self._body(fb), piecewise=self.piecewise_graphs)
 
     def can_run(self, inp: LiveBatch) -> bool:
         return self._needed_bs(inp) <= self.max_bs

@@ -48,6 +48,7 @@ class EagleDraftInput:
     num_correct_drafts: torch.Tensor  # [bs] accepted draft tokens = accept_len - 1
     num_accept_tokens: torch.Tensor  # [bs]
     topk: int = 1
+    last_token_indices: Optional[torch.Tensor] = None  # [bs] ragged draft-extend: each request's last token row (vLLM's)
 
 
 @dataclass

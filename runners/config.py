@@ -89,6 +89,63 @@ class DraftKind(StrEnum):
         return f"{type(self).__name__}.{self.name}"
 
 
+class PaddingConvention(StrEnum):
+    """What a padded graph lane writes: the two engines' conventions (runners.memory holds their values).
+
+    SGLANG_DUMMY_SLOT: request row 0 is reserved as the padding row (every entry the dummy slot, slot 0); a padded lane
+    is given row 0, so its in-graph KV write lands in the dummy slot, written and never read by a live row.
+    VLLM_PAD_MINUS_ONE: no request row is reserved (every row may be a live request's, as vLLM's request states); a
+    padded lane is given the pad request index -1, its write slot is PAD_SLOT_ID (-1) and every KV write skips it;
+    slot 0 stays the null slot that padded lanes read (vLLM's null block) and nothing writes.
+    """
+
+    SGLANG_DUMMY_SLOT = "sglang_dummy_slot"
+    VLLM_PAD_MINUS_ONE = "vllm_pad_minus_one"
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}.{self.name}"
+
+
+class DraftExtendShape(StrEnum):
+    """How the multi-layer draft-extend lays its tokens out.
+
+    FIXED: SGLang's DRAFT_EXTEND_V2, num_tokens_per_bs tokens per request whether accepted or not; each request selects
+    its row by its accept length inside the graph. RAGGED: each request contributes its accepted tokens only, packed
+    back to back (runners.ragged_draft_extend), and the row of each request's last token comes from a per-request gather
+    index kept in a persistent buffer (vLLM's last_token_indices) that every replay rewrites, padded lanes included.
+    """
+
+    FIXED = "fixed"
+    RAGGED = "ragged"
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}.{self.name}"
+
+
+class CudaGraphMode(StrEnum):
+    """vLLM's CUDAGraphMode for the draft-extend graphs. FULL: the whole step body in one graph per bucket (every
+    runner here). PIECEWISE: the dense parts captured per token-count bucket, the graph broken at attention, which runs
+    eagerly on the live requests' metadata (runners.piecewise_draft_extend_cuda_graph_runner)."""
+
+    FULL = "full"
+    PIECEWISE = "piecewise"
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}.{self.name}"
+
+
+# SpecConfig's fields that name an option by its value (a case file's spec.<key>)
+SPEC_OPTIONS: dict[str, type[StrEnum]] = {"draft_extend_graph": DraftExtendGraph, "padding_convention": PaddingConvention,
+                                          "draft_extend_shape": DraftExtendShape, "cuda_graph_mode": CudaGraphMode}
+
+
+def _as_enum(cls: type[StrEnum], value: object, field_name: str) -> StrEnum:
+    try:
+        return cls(value)
+    except ValueError:
+        raise ValueError(f"spec.{field_name}: one of {', '.join(cls)}, got {value!r}") from None
+
+
 @dataclass(frozen=True)
 class SpecConfig:
     """EAGLE/MTP speculative config: one draft layer per step (multi-layer EAGLE), or one layer run num_steps times.
@@ -120,21 +177,37 @@ class SpecConfig:
     # (runners.overlap); the draft's chain of tokens only (topk 1) and the multi-layer draft, as spec v2 began with
     overlap_schedule: bool = False
 
+    padding_convention: PaddingConvention = PaddingConvention.SGLANG_DUMMY_SLOT  # what padded lanes write (every runner)
+    draft_extend_shape: DraftExtendShape = DraftExtendShape.FIXED  # the multi-layer draft-extend's token layout
+    cuda_graph_mode: CudaGraphMode = CudaGraphMode.FULL  # the multi-layer draft-extend's graphs
+
     def __post_init__(self) -> None:
-        """A config written by hand or read from a file names the enums by value; a frozen dataclass keeps the enums."""
-        try:
-            graph = DraftExtendGraph(self.draft_extend_graph)
-        except ValueError:
-            raise ValueError(f"draft_extend_graph must be one of {', '.join(DraftExtendGraph)}, got {self.draft_extend_graph!r}") from None
+        """A config written by hand or read from a file names each option by its value; a frozen dataclass keeps the
+        enum. Messages name the field as a case file does (spec.<field>: the rule): the case loader reports them so."""
         try:
             draft = DraftKind(self.draft)
         except ValueError:
             raise ValueError(f"spec.draft: one of {', '.join(DraftKind)} (a layer per step, one layer with a graphed draft decode, or EAGLE3), "
                              f"got {self.draft!r}") from None
+        graph = _as_enum(DraftExtendGraph, self.draft_extend_graph, "draft_extend_graph")
         if graph is DraftExtendGraph.ONE_GRAPH and draft is not DraftKind.MULTI_LAYER:
-            raise ValueError(f"draft_extend_graph {graph.value!r} needs the multi-layer draft (the {draft.value} draft-extend is one step)")
+            raise ValueError(f"spec.draft_extend_graph: 'per_step' with the {draft.value} draft ({graph.value!r} needs the multi-layer draft: "
+                             f"the {draft.value} draft-extend is one step)")
         object.__setattr__(self, "draft_extend_graph", graph)
         object.__setattr__(self, "draft", draft)
+        object.__setattr__(self, "padding_convention", _as_enum(PaddingConvention, self.padding_convention, "padding_convention"))
+        shape = _as_enum(DraftExtendShape, self.draft_extend_shape, "draft_extend_shape")
+        mode = _as_enum(CudaGraphMode, self.cuda_graph_mode, "cuda_graph_mode")
+        for name, value, default in (("draft_extend_shape", shape, DraftExtendShape.FIXED), ("cuda_graph_mode", mode, CudaGraphMode.FULL)):
+            if value is default:
+                continue
+            if draft is not DraftKind.MULTI_LAYER or graph is not DraftExtendGraph.PER_STEP:
+                raise ValueError(f"spec.{name}: the multi-layer draft with draft_extend_graph 'per_step' for {value.value!r} "
+                                 f"(got draft {draft.value!r}, draft_extend_graph {graph.value!r})")
+        if shape is DraftExtendShape.RAGGED and mode is CudaGraphMode.PIECEWISE:
+            raise ValueError("spec.draft_extend_shape: 'fixed' with cuda_graph_mode 'piecewise' (the ragged runner is a FULL graph)")
+        object.__setattr__(self, "draft_extend_shape", shape)
+        object.__setattr__(self, "cuda_graph_mode", mode)
         layer_ids = tuple(self.eagle_aux_hidden_state_layer_ids)  # a case file's list
         if not all(isinstance(i, int) and not isinstance(i, bool) for i in layer_ids):
             raise ValueError(f"spec.eagle_aux_hidden_state_layer_ids: integer target layer ids, got {list(layer_ids)}")
@@ -164,6 +237,10 @@ class SpecConfig:
         """The rules that need the layout too (a ValueError "spec.<field>: rule", as __post_init__'s)."""
         if self.dp_spec_prefill_coordination and layout.attn_dp_size == 1:
             raise ValueError("spec.dp_spec_prefill_coordination: false without DP attention, dp_size > 1 (it mixes the DP groups' forward modes)")
+        # the eager ragged pass counts no other DP group's tokens (its MLP sync would need every group's accepted-token
+        # count), so the ragged shape runs without DP attention
+        if self.draft_extend_shape is DraftExtendShape.RAGGED and layout.attn_dp_size > 1:
+            raise ValueError(f"spec.draft_extend_shape: 'fixed' under DP attention (dp {layout.attn_dp_size}): the eager ragged pass is not MLP-synced")
 
     @property
     def num_tokens_per_bs(self) -> int:

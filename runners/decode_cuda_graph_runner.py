@@ -31,7 +31,7 @@ from runners.config import ModelConfig, SpecConfig, draft_input_hidden_size
 from runners.dp_metadata import gathered_metadata
 from runners.draft_extend import SEQ_LEN_FILL_VALUE
 from runners.graph.backend import GraphBackend
-from runners.memory import PADDING_SLOT
+from runners.memory import lane_padding
 from runners.parallel.dp_attention import RankContext
 from runners.replay_copy import grouped_foreach_copy_
 from runners.target import Lane, TargetOutput, TargetRunner, target_step
@@ -94,12 +94,13 @@ class DecodeCudaGraphRunner(BaseCudaGraphRunner):
         self.max_bs = max(self.capture_bs)
         n, dev = self.max_bs * self.T, torch.device(device)
         i64 = dict(dtype=torch.int64, device=dev)
+        self.pad = lane_padding(spec.padding_convention)
         self.input_ids = torch.zeros(n, **i64)
         self.positions = torch.zeros(n, **i64)
-        self.out_cache_loc = torch.full((n,), PADDING_SLOT, **i64)
+        self.out_cache_loc = torch.full((n,), self.pad.slot, **i64)
         self.seq_lens = torch.full((self.max_bs,), SEQ_LEN_FILL_VALUE, **i64)
         self.seq_lens_cpu = torch.full((self.max_bs,), SEQ_LEN_FILL_VALUE, dtype=torch.int64)  # host mirrors: a host plan reads these
-        self.req_pool_indices = torch.zeros(self.max_bs, **i64)
+        self.req_pool_indices = torch.full((self.max_bs,), self.pad.row, **i64)
         self.extend_seq_lens = torch.full((self.max_bs,), self.T, **i64)
         self.extend_start_loc = torch.arange(self.max_bs, **i64) * self.T
         self.chain_mask_cpu = chain_mask(self.T)  # the canonical mask of a padded lane
@@ -193,7 +194,7 @@ class DecodeCudaGraphRunner(BaseCudaGraphRunner):
         self.seq_lens[raw_bs:bs].fill_(SEQ_LEN_FILL_VALUE)
         self.input_ids[raw_n:n].zero_()
         self.positions[raw_n:n].zero_()
-        self.req_pool_indices[raw_bs:bs].zero_()
+        self.req_pool_indices[raw_bs:bs].fill_(self.pad.row)
         self.custom_mask[raw_bs:bs].copy_(self.chain_mask)
         self.seq_lens_cpu[raw_bs:bs].fill_(SEQ_LEN_FILL_VALUE)
         self.custom_mask_cpu[raw_bs:bs].copy_(self.chain_mask_cpu)

@@ -42,10 +42,9 @@ from runners.draft_extend import (
     StepOutputs,
     draft_extend_step,
     eager_forward_batch,
-    run_eager,
     without_logprob,
 )
-from runners.draft_extend_graph_driver import DraftExtendGraphDriver
+from runners.draft_extend_graph_driver import DraftExtendGraphDriver, run_draft_extend_eager
 from runners.draft_parallel import draft_rank_context, handoff_proposals, has_idle_ranks
 from runners.eagle_draft import (
     DraftDecodeInputs,
@@ -187,7 +186,7 @@ class EagleProposer:
         """The draft-extend's step outputs, on the device. graphs=False: eagerly, whatever the buckets (a DP-coordinated
         step where a group extends, runners.mixed_modes)."""
         inp = without_logprob(inp)  # the verify's batch carries the flag in; no draft pass runs with it
-        outs = self.driver.run(inp) if self.driver is not None and graphs else run_eager(self.worker, inp)[0]
+        outs = self.driver.run(inp) if self.driver is not None and graphs else run_draft_extend_eager(self.worker, inp)[0]
         self.last_outs = outs
         return outs
 

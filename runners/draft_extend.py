@@ -19,8 +19,8 @@ from runners.batch import EagleDraftInput, ForwardBatch, ForwardMode
 from runners.config import DraftKind, ModelConfig, SpecConfig, draft_input_hidden_size, draft_model_config
 from runners.dp_metadata import gathered_metadata
 from runners.llama_eagle3 import Eagle3DraftModel
-from runners.logits import logits_processor
-from runners.memory import ReqToTokenPool, TokenToKVPool, assign_out_cache_loc
+from runners.logits import LogitsOutput, logits_processor
+from runners.memory import ReqToTokenPool, TokenToKVPool, assign_out_cache_loc, lane_padding
 from runners.mlp_sync import SEQ_LEN_FILL_VALUE as SEQ_LEN_FILL_VALUE
 from runners.model import DraftModel, head_shard
 from runners.outputs import RunnerOutputs
@@ -40,6 +40,7 @@ class DraftExtendInputs:
     dp_batch_sizes: list[int]  # every DP group's bs (from the MLP sync); [bs] without DP attention
     seq_lens_cpu: Optional[torch.Tensor] = None  # [bs] host copy of seq_lens, as the scheduler knows them
     return_logprob: bool = False  # the batch's flag as the scheduler hands it over; a draft pass runs with it reset
+    accept_lens_cpu: Optional[torch.Tensor] = None  # [bs] host copy of accept_lens (the ragged layout is planned on the host)
 
     @property
     def bs(self) -> int:
@@ -96,6 +97,7 @@ class DraftWorker:
         self.num_layers = 1 if self.eagle3 else spec_cfg.num_steps if num_layers is None else num_layers
         self.input_hidden_size = draft_input_hidden_size(model_cfg, spec_cfg)  # what the target hands the draft-extend
         self.vocab_size = model_cfg.vocab_size if spec_cfg.draft_vocab_size is None else spec_cfg.draft_vocab_size  # the logits' width
+        self.pad = lane_padding(spec_cfg.padding_convention)  # what the graph runners' fills give padded lanes
         if not build_model:
             self.model = self.req_pool = self.kv_pool = self.attn = None
             return
@@ -103,7 +105,7 @@ class DraftWorker:
         if self.device.type != "cpu":
             _move_tensors(self.model, self.device)  # weights are generated on CPU (same bits everywhere)
         kv_heads = head_shard(model_cfg, ctx.attn_tp_rank, ctx.attn_tp_size).kv_count
-        self.req_pool = ReqToTokenPool(max_reqs, model_cfg.max_context_len, self.device)
+        self.req_pool = ReqToTokenPool(max_reqs, model_cfg.max_context_len, self.device, spec_cfg.padding_convention)
         self.kv_pool = TokenToKVPool(self.num_layers, num_slots, kv_heads, model_cfg.head_dim, model_cfg.torch_dtype, self.device,
                                      spec_cfg.page_size)
         self.attn = make_backend(attention_backend, req_pool=self.req_pool, kv_pool=self.kv_pool)
@@ -134,26 +136,38 @@ def _move_tensors(obj, device: torch.device) -> None:
             _move_tensors(val, device)
 
 
-def draft_extend_step(worker: DraftWorker, step: int, fb: ForwardBatch) -> StepOutputs:
+def draft_extend_step(worker: DraftWorker, step: int, fb: ForwardBatch, attn=None) -> StepOutputs:
     """The body shared by the eager path, graph warm-up, capture and (simulated) replay.
 
     The KV write locations are looked up here, in the graph, from the request rows and
     positions (fb.out_cache_loc is their buffer): the replay fill of req_pool_indices and
-    positions is what keeps a padded lane's writes in the padding slot.
+    positions is what keeps a padded lane's writes in the padding slot. `attn`: the backend
+    the layer attends with (default the worker's; a PIECEWISE graph breaks there).
     """
-    ctx, head = worker.ctx, worker.model.head
     T, bs = worker.tokens_per_bs, fb.batch_size
-    assign_out_cache_loc(worker.req_pool.req_to_token, fb.req_pool_indices, fb.positions, token_to_request(fb), fb.out_cache_loc)
-    meta = worker.attn.init_forward_metadata(fb)
-    embeds = head.embed[fb.input_ids]
-    hidden, normed = worker.model.layers[step].forward(embeds, fb.spec_info.hidden_states, fb, worker.attn, meta)
-    lo = logits_processor(ctx, head, normed, fb)
+    attn = worker.attn if attn is None else attn
+    assign_out_cache_loc(worker.req_pool.req_to_token, fb.req_pool_indices, fb.positions, token_to_request(fb), fb.out_cache_loc,
+                         worker.req_pool.pad_slot)
+    hidden, lo = draft_layer_logits(worker, step, fb, attn, attn.init_forward_metadata(fb))
     select_index = torch.arange(bs, device=hidden.device) * T + fb.spec_info.num_correct_drafts.to(torch.int64)
-    logprobs = torch.log_softmax(lo.next_token_logits[select_index].float(), dim=-1)
-    topk_p, topk_index = logprobs.exp().topk(fb.spec_info.topk, dim=-1)
+    logprobs, topk_p, topk_index = selected_top_k(lo, select_index, fb.spec_info.topk)
     shifted = torch.cat([fb.input_ids.view(bs, T)[:, 1:], topk_index[:, :1].to(fb.input_ids.dtype)], dim=1).reshape(-1)
     next_ids = shifted.index_put((select_index,), topk_index[:, 0].to(shifted.dtype))
     return StepOutputs(lo.next_token_logits, hidden, logprobs, topk_p, topk_index, next_ids, lo.rows_fed)
+
+
+def draft_layer_logits(worker: DraftWorker, step: int, fb: ForwardBatch, attn, meta) -> tuple[torch.Tensor, LogitsOutput]:
+    """Draft layer `step` over every token of the batch, then the logits processor: (layer output, logits)."""
+    head = worker.model.head
+    hidden, normed = worker.model.layers[step].forward(head.embed[fb.input_ids], fb.spec_info.hidden_states, fb, attn, meta)
+    return hidden, logits_processor(worker.ctx, head, normed, fb)
+
+
+def selected_top_k(lo: LogitsOutput, select_index: torch.Tensor, topk: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Log-softmax and top-k of one selected row per request: (logprobs, topk_p, topk_index)."""
+    logprobs = torch.log_softmax(lo.next_token_logits[select_index].float(), dim=-1)
+    topk_p, topk_index = logprobs.exp().topk(topk, dim=-1)
+    return logprobs, topk_p, topk_index
 
 
 def tokens_and_logprob_tokens(dp_batch_sizes: list[int], T: int) -> tuple[list[int], list[int]]:
@@ -191,7 +205,7 @@ def eager_forward_batch(worker: DraftWorker, inp: DraftExtendInputs, input_ids: 
 def draft_extend_forward(worker: DraftWorker, step: int, fb: ForwardBatch, dp_batch_sizes: list[int]) -> StepOutputs:
     """One eager step: the MLP-sync padding to the DP maximum, the step body, then the original rows."""
     T = worker.tokens_per_bs
-    padded, pad = mlp_sync.prepare_mlp_sync_batch(fb, worker.ctx.layout, [b * T for b in dp_batch_sizes], T)
+    padded, pad = mlp_sync.prepare_mlp_sync_batch(fb, worker.ctx.layout, [b * T for b in dp_batch_sizes], T, worker.pad.row)
     out = draft_extend_step(worker, step, padded)
     (logits, hidden, next_ids), (logprobs, topk_p, topk_index) = mlp_sync.post_forward_mlp_sync_batch(
         pad, (out.logits, out.hidden, out.next_input_ids), (out.logprobs, out.topk_p, out.topk_index))

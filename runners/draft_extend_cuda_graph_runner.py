@@ -24,7 +24,7 @@ from runners.base_cuda_graph_runner import BaseCudaGraphRunner, compute_capture_
 from runners.batch import ForwardBatch
 from runners.draft_extend import SEQ_LEN_FILL_VALUE, DraftExtendInputs, DraftWorker, StepOutputs, draft_extend_step
 from runners.graph.backend import GraphBackend
-from runners.memory import PADDING_SLOT
+from runners.memory import LanePadding
 
 
 @dataclass
@@ -59,10 +59,10 @@ class DraftExtendInputBuffers:
         return cls(
             input_ids=torch.zeros(n, **i64),
             positions=torch.zeros(n, **i64),
-            out_cache_loc=torch.full((n,), PADDING_SLOT, **i64),
+            out_cache_loc=torch.full((n,), worker.pad.slot, **i64),
             seq_lens=torch.full((max_bs,), SEQ_LEN_FILL_VALUE, **i64),
             seq_lens_cpu=torch.full((max_bs,), SEQ_LEN_FILL_VALUE, dtype=torch.int64),
-            req_pool_indices=torch.zeros(max_bs, **i64),
+            req_pool_indices=torch.full((max_bs,), worker.pad.row, **i64),
             num_correct_drafts=torch.ones(max_bs, **i64),
             num_accept_tokens=torch.ones(max_bs, **i64),
             extend_seq_lens=torch.full((max_bs,), T, **i64),
@@ -73,6 +73,16 @@ class DraftExtendInputBuffers:
             global_num_tokens_gpu=gnt,
             global_num_tokens_for_logprob_gpu=gnt_lp,
         )
+
+    def reset_to_padding(self, pad: LanePadding) -> None:
+        """Every token row and lane to what a padded one holds: token 0 at position 0, the convention's write slot and
+        request row (runners.memory.lane_padding), the seq-len fill value (its host mirror too)."""
+        self.input_ids.zero_()
+        self.positions.zero_()
+        self.out_cache_loc.fill_(pad.slot)
+        self.seq_lens.fill_(SEQ_LEN_FILL_VALUE)
+        self.seq_lens_cpu.fill_(SEQ_LEN_FILL_VALUE)
+        self.req_pool_indices.fill_(pad.row)
 
 
 def _buffer(name: str) -> property:
@@ -104,8 +114,12 @@ class DraftExtendCudaGraphRunner(BaseCudaGraphRunner):
         their collectives apart (SGLang gathers can_run_draft_cuda_graph over the DP groups for that reason)."""
         return not inp.return_logprob and super().can_run(inp)
 
+    def _step(self, fb: ForwardBatch) -> StepOutputs:
+        """The step body this runner graphs (vLLM's shapes: the ragged body, the PIECEWISE one)."""
+        return draft_extend_step(self.worker, self.step, fb)
+
     def _body(self, fb: ForwardBatch) -> StepOutputs:
-        out = draft_extend_step(self.worker, self.step, fb)
+        out = self._step(fb)
         n = fb.batch_size * self.T
         self.next_token_logits_buffer[:n].copy_(out.logits)
         out.logits = self.next_token_logits_buffer[:n]

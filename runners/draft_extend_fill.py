@@ -15,9 +15,9 @@ that (in Triton's interpreter on CPU, and on CUDA).
 
 What it writes, and what it leaves (the native path's values, runners.multi_layer_eagle_draft_extend_cuda_graph_runner):
   input_ids, positions       live rows from the batch, every other row 0
-  out_cache_loc              PADDING_SLOT in every row (the body writes the bucket's rows itself)
+  out_cache_loc              pad.slot in every row (the body writes the bucket's rows itself)
   seq_lens                   live lanes from the batch, every other lane SEQ_LEN_FILL_VALUE
-  req_pool_indices           live lanes from the batch, every other lane PADDING_ROW
+  req_pool_indices           live lanes from the batch, every other lane pad.row (the convention's: runners.memory)
   num_correct_drafts         live lanes accept_len - 1; other lanes keep what they held
   num_accept_tokens          live lanes accept_len; other lanes keep what they held
   hidden_states              live rows from the batch; other rows keep what they held
@@ -31,7 +31,7 @@ import torch
 from runners.attention.triton_launch import run_kernel, tl, triton
 from runners.draft_extend import SEQ_LEN_FILL_VALUE, DraftExtendInputs
 from runners.draft_extend_cuda_graph_runner import DraftExtendInputBuffers
-from runners.memory import PADDING_ROW, PADDING_SLOT
+from runners.memory import LanePadding
 
 __all__ = ["fill_prepare_buffers"]
 
@@ -100,7 +100,7 @@ def _source(src: torch.Tensor, dst: torch.Tensor, name: str, shape: tuple[int, .
     return src.to(device=dst.device).contiguous()
 
 
-def fill_prepare_buffers(buffers: DraftExtendInputBuffers, inp: DraftExtendInputs, bs: int, tokens_per_bs: int) -> None:
+def fill_prepare_buffers(buffers: DraftExtendInputBuffers, inp: DraftExtendInputs, bs: int, tokens_per_bs: int, pad: LanePadding) -> None:
     """The native reset, live copy-in and gathered fill of the device buffers, in one launch (bucket `bs`).
 
     Graph-safe only in the sense the native fill is: it runs outside the graphs, before each replay;
@@ -141,7 +141,7 @@ def fill_prepare_buffers(buffers: DraftExtendInputBuffers, inp: DraftExtendInput
         gathered if has_gathered else buffers.seq_lens, gathered_logprob if has_gathered else buffers.seq_lens,  # unread without
         *sources,
         live_tokens, token_rows, raw_bs, max_bs, hidden_live_numel, gathered_len, bs * T,
-        PADDING_SLOT, SEQ_LEN_FILL_VALUE, PADDING_ROW, token_programs,
+        pad.slot, SEQ_LEN_FILL_VALUE, pad.row, token_programs,
         TOKEN_BLOCK=TOKEN_BLOCK, REQ_BLOCK=triton.next_power_of_2(max_bs), HIDDEN_BLOCK=HIDDEN_BLOCK,
         GATHERED_BLOCK=triton.next_power_of_2(max(gathered_len, 1)), HAS_GATHERED=has_gathered,
     )

@@ -1,15 +1,18 @@
 """DraftExtendGraphDriver: runs a draft worker's draft-extend through its CUDA-graph runners, with eager fallback, and
-picks which runners: the multi-layer composite SpecConfig.draft_extend_graph names (a graph per step, or SGLang's one
-graph per bucket; runners.multi_layer_eagle_draft_extend_cuda_graph_runner) or the single-layer runner
+picks which runners: the multi-layer composite the spec names (a graph per step, or SGLang's one graph per bucket:
+SpecConfig.draft_extend_graph, runners.multi_layer_eagle_draft_extend_cuda_graph_runner; vLLM's shapes of the per-step
+one: SpecConfig.draft_extend_shape ragged, runners.ragged_draft_extend_cuda_graph_runner, or SpecConfig.cuda_graph_mode
+piecewise, runners.piecewise_draft_extend_cuda_graph_runner) or the single-layer runner
 (runners.eagle_draft_extend_cuda_graph_runner). The engine's draft worker makes the same choice when it builds its
 graphs; here it sits apart so that the proposer, the harness and the benchmarks drive the runners one way.
+`run_draft_extend_eager` is the eager pass of the same shape: the reference every graph of it is held to.
 """
 from __future__ import annotations
 
 from typing import Optional
 
 from runners.attention.kinds import METADATA_IN_GRAPH, ONE_GRAPH_UNSUPPORTED
-from runners.config import DraftExtendGraph, DraftKind
+from runners.config import CudaGraphMode, DraftExtendGraph, DraftExtendShape, DraftKind, SpecConfig
 from runners.draft_extend import DraftExtendInputs, DraftWorker, StepOutputs, run_eager, with_step_inputs
 from runners.draft_extend_cuda_graph_runner import DraftExtendCudaGraphRunner
 from runners.eagle_draft_extend_cuda_graph_runner import EAGLEDraftExtendCudaGraphRunner
@@ -18,11 +21,31 @@ from runners.multi_layer_eagle_draft_extend_cuda_graph_runner import (
     MultiLayerEagleMultiStepDraftExtendCudaGraphRunner,
     OneGraphMultiLayerEagleMultiStepDraftExtendCudaGraphRunner,
 )
+from runners.piecewise_draft_extend_cuda_graph_runner import PiecewiseMultiStepDraftExtendCudaGraphRunner
+from runners.ragged_draft_extend import run_eager_ragged
+from runners.ragged_draft_extend_cuda_graph_runner import RaggedMultiStepDraftExtendCudaGraphRunner
 
 COMPOSITES: dict[DraftExtendGraph, type[MultiLayerEagleMultiStepDraftExtendCudaGraphRunner]] = {
     DraftExtendGraph.PER_STEP: MultiLayerEagleMultiStepDraftExtendCudaGraphRunner,
     DraftExtendGraph.ONE_GRAPH: OneGraphMultiLayerEagleMultiStepDraftExtendCudaGraphRunner,
 }
+
+
+def multi_layer_composite(spec: SpecConfig) -> type[MultiLayerEagleMultiStepDraftExtendCudaGraphRunner]:
+    """The multi-layer composite of a spec: vLLM's shapes are per-step composites (SpecConfig validates the combination)."""
+    if spec.draft_extend_shape is DraftExtendShape.RAGGED:
+        return RaggedMultiStepDraftExtendCudaGraphRunner
+    if spec.cuda_graph_mode is CudaGraphMode.PIECEWISE:
+        return PiecewiseMultiStepDraftExtendCudaGraphRunner
+    return COMPOSITES[spec.draft_extend_graph]
+
+
+def run_draft_extend_eager(worker: DraftWorker, inp: DraftExtendInputs) -> tuple[list[StepOutputs], list]:
+    """The eager draft-extend of the worker's shape: the ragged pass for a ragged spec, DRAFT_EXTEND_V2 otherwise
+    (a PIECEWISE graph's eager pass is the fixed-shape one: the pieces are its body)."""
+    if worker.spec.draft_extend_shape is DraftExtendShape.RAGGED:
+        return run_eager_ragged(worker, inp)
+    return run_eager(worker, inp)
 
 
 class DraftExtendGraphDriver:
@@ -43,8 +66,7 @@ class DraftExtendGraphDriver:
         else:
             if worker.spec.draft_extend_graph is DraftExtendGraph.ONE_GRAPH and worker.attn.name not in METADATA_IN_GRAPH:
                 raise ValueError(f"attention backend {worker.attn.name}: {ONE_GRAPH_UNSUPPORTED}")
-            composite = COMPOSITES[worker.spec.draft_extend_graph]
-            self.multi_step = composite(worker, backend)
+            self.multi_step = multi_layer_composite(worker.spec)(worker, backend)
             self.runners = list(self.multi_step.runners)
 
     @property
@@ -60,7 +82,7 @@ class DraftExtendGraphDriver:
     def run(self, inp: DraftExtendInputs) -> list[StepOutputs]:
         if not all(r.can_run(inp) for r in self.runners):
             self.backend.stats.eager_fallbacks += 1
-            outs, _ = run_eager(self.worker, inp)
+            outs, _ = run_draft_extend_eager(self.worker, inp)
             return outs[: len(self.runners)]
         if self.multi_step is None:
             return [self.runners[0].replay(inp)]

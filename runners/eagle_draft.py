@@ -31,6 +31,7 @@ from runners.dp_metadata import gathered_metadata
 from runners.draft_extend import DraftWorker
 from runners.llama_eagle3 import draft_to_target
 from runners.logits import logits_processor
+from runners.memory import write_slots
 from runners.outputs import RunnerOutputs
 from runners.scheduler import Proposal
 
@@ -91,10 +92,11 @@ def check_draft_window(num_steps: int, topk: int, num_tokens_per_bs: int) -> Non
 
 
 def assign_draft_cache_locs(req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, topk: int,
-                            num_steps: int, out: torch.Tensor) -> torch.Tensor:
-    """out[b, t, s] = req_to_token[req_pool_indices[b], seq_lens[b] + t * num_steps + s]: each lane's slots, all steps."""
+                            num_steps: int, out: torch.Tensor, pad_slot: Optional[int] = None) -> torch.Tensor:
+    """out[b, t, s] = req_to_token[req_pool_indices[b], seq_lens[b] + t * num_steps + s]: each lane's slots, all steps
+    (a pad request's all pad_slot under vLLM's convention: runners.memory.write_slots)."""
     cols = torch.arange(topk * num_steps, device=seq_lens.device)
-    locs = req_to_token[req_pool_indices[:, None], seq_lens[:, None] + cols[None, :]]
+    locs = write_slots(req_to_token, req_pool_indices[:, None], seq_lens[:, None] + cols[None, :], pad_slot)
     return out.copy_(locs.reshape(-1))
 
 
@@ -143,7 +145,8 @@ def draft_decode_forward(worker: DraftWorker, fb: ForwardBatch) -> DraftDecodeOu
     k, S, bs = info.topk, worker.spec.num_steps, fb.batch_size
     n, steps = bs * k, S - 1
     layer, head, ctx, attn = worker.model.layers[0], worker.model.head, worker.ctx, worker.attn
-    locs = assign_draft_cache_locs(worker.req_pool.req_to_token, fb.req_pool_indices, fb.seq_lens, k, steps, fb.out_cache_loc).view(bs, k, steps)
+    locs = assign_draft_cache_locs(worker.req_pool.req_to_token, fb.req_pool_indices, fb.seq_lens, k, steps, fb.out_cache_loc,
+                                   worker.req_pool.pad_slot).view(bs, k, steps)
     per_step = locs.permute(2, 0, 1).reshape(steps, n)
     hot = worker.hot_token_id  # an EAGLE3 draft's top-k are draft ids: mapped to target ids before they are embedded or kept
     topk_p, topk_index, hidden, scores = info.topk_p, draft_to_target(hot, info.topk_index), info.hidden_states, None

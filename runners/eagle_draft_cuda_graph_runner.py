@@ -25,7 +25,6 @@ from runners.eagle_draft import (
     require_draft_decode,
 )
 from runners.graph.backend import GraphBackend
-from runners.memory import PADDING_ROW, PADDING_SLOT
 from runners.replay_copy import grouped_foreach_copy_
 
 
@@ -49,10 +48,10 @@ class EAGLEDraftCudaGraphRunner(BaseCudaGraphRunner):
         i64 = dict(dtype=torch.int64, device=dev)
         self.input_ids = torch.zeros(n, **i64)
         self.positions = torch.zeros(n, **i64)
-        self.out_cache_loc = torch.full((n * self.steps,), PADDING_SLOT, **i64)
+        self.out_cache_loc = torch.full((n * self.steps,), worker.pad.slot, **i64)
         self.seq_lens = torch.full((self.max_bs,), SEQ_LEN_FILL_VALUE, **i64)
         self.seq_lens_cpu = torch.full((self.max_bs,), SEQ_LEN_FILL_VALUE, dtype=torch.int64)  # host mirror: a host plan reads it
-        self.req_pool_indices = torch.full((self.max_bs,), PADDING_ROW, **i64)
+        self.req_pool_indices = torch.full((self.max_bs,), worker.pad.row, **i64)
         self.topk_p = torch.zeros(self.max_bs, self.topk, dtype=torch.float32, device=dev)
         self.topk_index = torch.zeros(self.max_bs, self.topk, **i64)
         self.hidden_states = torch.zeros(self.max_bs, cfg.hidden_size, dtype=cfg.torch_dtype, device=dev)
@@ -129,7 +128,7 @@ class EAGLEDraftCudaGraphRunner(BaseCudaGraphRunner):
             return
         self.seq_lens.fill_(SEQ_LEN_FILL_VALUE)
         self.seq_lens_cpu.fill_(SEQ_LEN_FILL_VALUE)
-        self.req_pool_indices.fill_(PADDING_ROW)
+        self.req_pool_indices.fill_(self.worker.pad.row)
         self.positions.zero_()
         self.topk_p.zero_()  # feeds only the padded lanes' own rows: keeps NaN out of the buffer, no output differs
         self.topk_index.zero_()

@@ -17,7 +17,6 @@ from runners.batch import EagleDraftInput, ForwardBatch, ForwardMode, host_copy
 from runners.draft_extend import SEQ_LEN_FILL_VALUE, DraftExtendInputs, DraftWorker, StepOutputs
 from runners.draft_extend_cuda_graph_runner import DraftExtendCudaGraphRunner
 from runners.graph.backend import GraphBackend
-from runners.memory import PADDING_ROW, PADDING_SLOT
 from runners.replay_copy import grouped_foreach_copy_
 
 
@@ -87,12 +86,7 @@ class EAGLEDraftExtendCudaGraphRunner(DraftExtendCudaGraphRunner):
         if bs * self.T == num_tokens:  # as the engine: padding is judged in tokens, the bucket's against the batch's
             return
         buffers = self.buffers
-        buffers.input_ids.zero_()
-        buffers.positions.zero_()
-        buffers.out_cache_loc.fill_(PADDING_SLOT)
-        buffers.seq_lens.fill_(SEQ_LEN_FILL_VALUE)
-        buffers.seq_lens_cpu.fill_(SEQ_LEN_FILL_VALUE)
-        buffers.req_pool_indices.fill_(PADDING_ROW)
+        buffers.reset_to_padding(self.worker.pad)
         # the lane's own last row: this body selects in the graph by num_correct_drafts (a stale 0..T-1 selects in its own
         # lane too: no output differs); the engine's worker selects outside the graph, and its fill value (T) is no row there
         buffers.num_correct_drafts.fill_(self.T - 1)

@@ -11,13 +11,42 @@ Both allocators are stacks: the most recently freed request row and page are han
 first, as the engine's free lists do. A padded lane holding a stale request row or position
 then points at memory that already belongs to a live request, so a missing replay fill
 corrupts live KV instead of landing in memory nobody holds.
+
+That is SGLang's convention (a reserved dummy slot). Under vLLM's (runners.config.PaddingConvention)
+no request row is reserved: a padded lane holds the pad request index PAD_REQUEST (-1), its
+write slot is PAD_SLOT_ID (-1), and every KV write skips that slot (`TokenToKVPool.write`, as
+vLLM's reshape_and_cache skips slot < 0); page 0 stays reserved and nothing writes it. What a
+pad request's keys are read from reaches only its own rows: torch indexing wraps row -1 to the
+last row, in bounds; the triton kernels, which address rows by pointer, read the null slot 0
+instead (as vLLM zeroes a padded lane's block-table row), to stay inside req_to_token.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Optional
+
 import torch
+
+from runners.config import PaddingConvention
 
 PADDING_SLOT = 0
 PADDING_ROW = 0
+PAD_SLOT_ID = -1  # vLLM's PAD_SLOT_ID: a write slot every KV write skips
+PAD_REQUEST = -1  # vLLM's idx_mapping value of a padded (dummy) request: it owns no row, its tokens write PAD_SLOT_ID
+
+
+@dataclass(frozen=True)
+class LanePadding:
+    """What a graph runner's replay fill (and the eager MLP-sync padding) gives a padded lane under a convention."""
+
+    row: int  # req_pool_indices: the padding row (SGLang) or the pad request -1 (vLLM)
+    slot: int  # out_cache_loc: the dummy slot (SGLang) or PAD_SLOT_ID (vLLM)
+
+
+def lane_padding(convention: PaddingConvention) -> LanePadding:
+    if PaddingConvention(convention) is PaddingConvention.VLLM_PAD_MINUS_ONE:
+        return LanePadding(PAD_REQUEST, PAD_SLOT_ID)
+    return LanePadding(PADDING_ROW, PADDING_SLOT)
 
 
 def check_page_size(page_size: int) -> None:
@@ -58,9 +87,17 @@ class PageAllocator:
 
 
 class ReqToTokenPool:
-    def __init__(self, max_reqs: int, max_context_len: int, device: torch.device):
+    """The request map, and the padding convention its rows follow: SGLang's reserves row 0 as the padding row, vLLM's
+    none (`pad_slot`: the write slot of a pad request's tokens, for write_slots)."""
+
+    def __init__(self, max_reqs: int, max_context_len: int, device: torch.device,
+                 padding: PaddingConvention = PaddingConvention.SGLANG_DUMMY_SLOT):
         self.req_to_token = torch.full((max_reqs, max_context_len), PADDING_SLOT, dtype=torch.int64, device=device)
-        self.free = list(range(max_reqs - 1, PADDING_ROW, -1))  # a stack, like PageAllocator; row 0 is the padding row
+        self.padding = PaddingConvention(padding)
+        self.minus_one = self.padding is PaddingConvention.VLLM_PAD_MINUS_ONE
+        self.pad_slot: Optional[int] = PAD_SLOT_ID if self.minus_one else None  # write_slots' pad_slot: None, no pad request
+        first = 0 if self.minus_one else PADDING_ROW + 1  # SGLang reserves row 0 as the padding row; vLLM reserves none
+        self.free = list(range(max_reqs - 1, first - 1, -1))  # a stack, like PageAllocator
 
     def alloc(self) -> int:
         if not self.free:
@@ -77,9 +114,12 @@ class TokenToKVPool:
 
     def __init__(self, num_layers: int, num_slots: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device,
                  page_size: int = 1):
-        shape = (num_slots, kv_heads, head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        # one spare row past the pool's end: where a write to PAD_SLOT_ID lands (`write`); k and v are views without it
+        shape = (num_slots + 1, kv_heads, head_dim)
+        self._stores = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(2 * num_layers)]
+        self.k = [t[:num_slots] for t in self._stores[:num_layers]]
+        self.v = [t[:num_slots] for t in self._stores[num_layers:]]
+        self.num_slots = num_slots
         self.allocator = PageAllocator(num_slots, page_size)
         self.page_size = page_size
 
@@ -91,16 +131,31 @@ class TokenToKVPool:
         self.allocator.release(pages_of(slots, self.page_size))
 
     def write(self, layer: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        self.k[layer].index_copy_(0, loc, k.to(self.k[layer].dtype))
-        self.v[layer].index_copy_(0, loc, v.to(self.v[layer].dtype))
+        """K and V of every token at its slot; a token at PAD_SLOT_ID (-1) writes nothing (vLLM's reshape_and_cache
+        returns on slot < 0). Graph-safe: the skip is a redirect into the spare row past the pool's end, which no slot
+        index reaches, not a data-dependent shape."""
+        skip = torch.where(loc < 0, self.num_slots, loc)
+        num_layers = len(self.k)
+        self._stores[layer].index_copy_(0, skip, k.to(self.k[layer].dtype))
+        self._stores[num_layers + layer].index_copy_(0, skip, v.to(self.v[layer].dtype))
+
+
+def write_slots(req_to_token: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor, pad_slot: Optional[int] = None) -> torch.Tensor:
+    """req_to_token[rows, cols] (broadcast): the KV write slots. pad_slot given (vLLM's convention): a pad request's
+    (row -1) slots are pad_slot, never a row's entry; None: every row is a request row (SGLang's padded lanes hold the
+    padding row, whose entries are the dummy slot)."""
+    if pad_slot is None:
+        return req_to_token[rows, cols]
+    return torch.where(rows < 0, pad_slot, req_to_token[rows.clamp(min=0), cols])
 
 
 def assign_out_cache_loc(req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, positions: torch.Tensor,
-                         token_to_req: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+                         token_to_req: torch.Tensor, out: torch.Tensor, pad_slot: Optional[int] = None) -> torch.Tensor:
     """KV write location of every token, req_to_token[req_pool_indices[lane], position], into `out`.
 
     Runs inside the step body (graph-safe: gathers only), so a padded lane's write location
     is whatever its request row and position point at: the replay fill (row 0, position 0)
-    makes it the padding slot.
+    makes it the padding slot; under vLLM's convention (pad_slot = PAD_SLOT_ID) the fill's
+    pad request (-1) makes it PAD_SLOT_ID.
     """
-    return out.copy_(req_to_token[req_pool_indices[token_to_req], positions])
+    return out.copy_(write_slots(req_to_token, req_pool_indices[token_to_req], positions, pad_slot))

@@ -59,11 +59,12 @@ def padded_lane_len(fb: ForwardBatch, lane_len: Optional[int]) -> Optional[int]:
 
 
 def prepare_mlp_sync_batch(fb: ForwardBatch, layout: ParallelLayout, dp_tokens: Sequence[int],
-                           lane_len: Optional[int]) -> tuple[ForwardBatch, Optional[MlpSyncPadding]]:
+                           lane_len: Optional[int], pad_row: int = PADDING_ROW) -> tuple[ForwardBatch, Optional[MlpSyncPadding]]:
     """fb padded to max(dp_tokens) tokens, and how to unpad; (fb, None) when nothing is padded.
 
     lane_len: tokens per padded lane (DRAFT_EXTEND_V2: num_tokens_per_bs, whole lanes); None
     for an EXTEND pass of lanes of any length, whose padding is one lane of the missing tokens.
+    pad_row: the padded lanes' request row, the convention's (runners.memory.lane_padding).
     """
     n, target = fb.num_tokens, max(dp_tokens)
     if not needs_dp_padding(layout, fb) or target <= n:
@@ -96,7 +97,7 @@ def prepare_mlp_sync_batch(fb: ForwardBatch, layout: ParallelLayout, dp_tokens: 
         input_ids=tokens(fb.input_ids),
         positions=tokens(fb.positions),
         seq_lens=lanes(fb.seq_lens, [SEQ_LEN_FILL_VALUE] * len(lens)),
-        req_pool_indices=lanes(fb.req_pool_indices, [PADDING_ROW] * len(lens)),
+        req_pool_indices=lanes(fb.req_pool_indices, [pad_row] * len(lens)),
         out_cache_loc=tokens(fb.out_cache_loc),
         extend_seq_lens=lanes(fb.extend_seq_lens, lens),
         extend_start_loc=lanes(fb.extend_start_loc, starts),

@@ -33,7 +33,6 @@ from runners.dp_metadata import GatheredMetadata
 from runners.draft_extend import SEQ_LEN_FILL_VALUE, DraftExtendInputs, DraftWorker, StepOutputs, draft_extend_step
 from runners.draft_extend_cuda_graph_runner import DraftExtendCudaGraphRunner, DraftExtendInputBuffers
 from runners.graph.backend import GraphBackend
-from runners.memory import PADDING_ROW, PADDING_SLOT
 from runners.parallel.comm import Group
 
 
@@ -123,12 +122,7 @@ class MultiLayerEagleDraftExtendCudaGraphRunner(DraftExtendCudaGraphRunner):
         or position would write KV into a live request's slot. out_cache_loc is written by the
         body for the whole bucket; its fill only keeps the rows past the bucket canonical.
         """
-        self.input_ids.zero_()
-        self.positions.zero_()
-        self.out_cache_loc.fill_(PADDING_SLOT)
-        self.seq_lens.fill_(SEQ_LEN_FILL_VALUE)
-        self.seq_lens_cpu.fill_(SEQ_LEN_FILL_VALUE)
-        self.req_pool_indices.fill_(PADDING_ROW)
+        self.buffers.reset_to_padding(self.worker.pad)  # vLLM's convention: the pad request -1, whose tokens write PAD_SLOT_ID
         self.num_correct_drafts[:raw_bs].copy_(accept_lens - 1)
         self.num_accept_tokens[:raw_bs].copy_(accept_lens)  # unread here (the body selects by num_correct_drafts); the engine's backends read it
 
@@ -146,7 +140,7 @@ class MultiLayerEagleDraftExtendCudaGraphRunner(DraftExtendCudaGraphRunner):
         """Reset, copy-in and replay fill; returns the bucket. Device work and host copies only: no device sync when inp carries its host lengths."""
         bs = self._choose_bucket(self._needed_bs(inp))
         if self.prepare_fill is PrepareFill.TRITON:
-            _fused_fill()(self.buffers, inp, bs, self.T)  # every device buffer the two methods below write
+            _fused_fill()(self.buffers, inp, bs, self.T, self.worker.pad)  # every device buffer the two methods below write
             self.seq_lens_cpu.fill_(SEQ_LEN_FILL_VALUE)  # the host mirror, as reset_for_iteration and _copy_live_inputs
             self.seq_lens_cpu[: inp.bs].copy_(host_copy(inp.seq_lens_cpu, inp.seq_lens))
             return bs
@@ -166,9 +160,11 @@ class MultiLayerEagleMultiStepDraftExtendCudaGraphRunner:
     """Owns the one buffer set and the per-step runners that read it: prepare once per iteration (the first step's
     runner fills the set), then per step write the chain inputs and replay that step's graph."""
 
+    buffers_class: type[DraftExtendInputBuffers] = DraftExtendInputBuffers  # vLLM's shapes keep more (runners.ragged_*, piecewise_*)
+
     def __init__(self, worker: DraftWorker, backend: GraphBackend):
         self.worker, self.backend = worker, backend
-        self.buffers = DraftExtendInputBuffers.allocate(worker)
+        self.buffers = self.buffers_class.allocate(worker)
         self.raw_bs = self.bs = 0
         self.runners = [self._create_runner(k) for k in range(worker.num_layers)]
 

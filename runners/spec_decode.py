@@ -142,7 +142,7 @@ class SpecEngine:
         self.alignment = alignment
         num_slots = num_slots or slot_budget(spec, cfg.max_context_len)
         max_reqs = 1 + spec.max_running_requests  # the padding row and one row per request
-        self.req_pool = ReqToTokenPool(max_reqs, cfg.max_context_len, self.device)
+        self.req_pool = ReqToTokenPool(max_reqs, cfg.max_context_len, self.device, spec.padding_convention)
         self.target = TargetRunner(ctx, cfg, self.req_pool, num_slots, self.device, attention_backend, spec.page_size)
         self.book = KVBook(self.req_pool, num_slots, spec.page_size)  # one slot index space for the target's and the draft's pools
         self.sched = Scheduler(self.book, spec.max_running_requests)
@@ -389,14 +389,16 @@ class SpecEngine:
         i64 = dict(dtype=torch.int64, device=dev)
         pos = [p for n in n0 for p in range(n - 1, n - 1 + T)]
         seq_lens = torch.tensor([n - 1 + T for n in n0], dtype=torch.int64)
+        accept = torch.tensor(accept_lens, dtype=torch.int64)
         return DraftExtendInputs(
             input_ids=torch.cat(ids).to(dev) if ids else torch.zeros(0, **i64),
             positions=torch.tensor(pos, **i64),
             seq_lens=seq_lens.to(dev),
             req_pool_indices=torch.tensor([r.req_pool_idx for r in reqs], **i64),
             hidden_states=torch.cat(hid) if hid else torch.zeros(0, H, dtype=self.cfg.torch_dtype, device=dev),
-            accept_lens=torch.tensor(accept_lens, **i64),
+            accept_lens=accept.to(dev),
             dp_batch_sizes=dp_sizes,
             seq_lens_cpu=seq_lens,
             return_logprob=return_logprob,
+            accept_lens_cpu=accept,
         )

@@ -23,7 +23,7 @@ from runners.config import ModelConfig
 from runners.dp_metadata import gathered_metadata
 from runners.draft_extend import _move_tensors
 from runners.logits import logits_processor
-from runners.memory import ReqToTokenPool, TokenToKVPool, assign_out_cache_loc
+from runners.memory import ReqToTokenPool, TokenToKVPool, assign_out_cache_loc, lane_padding
 from runners.model import TargetModel, head_shard
 from runners.outputs import RunnerOutputs
 from runners.parallel.dp_attention import RankContext, mlp_sync_batch_sizes
@@ -141,7 +141,7 @@ class TargetRunner:
 
     def run_batch(self, fb: ForwardBatch, dp_tokens: list[int]) -> TargetOutput:
         """One eager pass over a built batch: the MLP-sync padding around the step body."""
-        padded, pad = mlp_sync.prepare_mlp_sync_batch(fb, self.ctx.layout, dp_tokens, None)
+        padded, pad = mlp_sync.prepare_mlp_sync_batch(fb, self.ctx.layout, dp_tokens, None, lane_padding(self.req_pool.padding).row)
         out = target_step(self, padded)
         (out.hidden, out.logits), _ = mlp_sync.post_forward_mlp_sync_batch(pad, (out.hidden, out.logits))
         self.passes += 1
@@ -152,7 +152,8 @@ def target_step(runner: TargetRunner, fb: ForwardBatch) -> TargetOutput:
     """The body shared by the eager pass, the verify graph's warm-up, capture and replay: the KV
     write slots are looked up from the request map here, inside the graph, as every index is."""
     token_to_req = token_to_request(fb)
-    assign_out_cache_loc(runner.req_pool.req_to_token, fb.req_pool_indices, cache_positions(fb, token_to_req), token_to_req, fb.out_cache_loc)
+    assign_out_cache_loc(runner.req_pool.req_to_token, fb.req_pool_indices, cache_positions(fb, token_to_req), token_to_req, fb.out_cache_loc,
+                         runner.req_pool.pad_slot)
     meta = runner.attn.init_forward_metadata(fb)
     hidden, normed = runner.model.forward(fb, runner.attn, meta)
     lo = logits_processor(runner.ctx, runner.model.head, normed, fb)

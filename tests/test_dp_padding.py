@@ -93,8 +93,8 @@ def _count_paddings():
     real = mlp_sync.prepare_mlp_sync_batch
     seen = []
 
-    def spy(fb, layout, dp_tokens, lane_len):
-        padded, pad = real(fb, layout, dp_tokens, lane_len)
+    def spy(fb, layout, dp_tokens, lane_len, *pad_row):
+        padded, pad = real(fb, layout, dp_tokens, lane_len, *pad_row)
         seen.append(pad)
         return padded, pad
 

@@ -25,6 +25,7 @@ from runners.draft_extend import DraftExtendInputs, DraftWorker  # noqa: E402
 from runners.draft_extend_cuda_graph_runner import DraftExtendInputBuffers  # noqa: E402
 from runners.draft_extend_fill import fill_prepare_buffers  # noqa: E402
 from runners.graph.backend import GraphBackend  # noqa: E402
+from runners.memory import LanePadding  # noqa: E402
 from runners.multi_layer_eagle_draft_extend_cuda_graph_runner import (
     MultiLayerEagleDraftExtendCudaGraphRunner,  # noqa: E402
     PrepareFill,  # noqa: E402
@@ -35,6 +36,7 @@ from runners.parallel.layout import ParallelLayout as PL  # noqa: E402
 DEVICE_BUFFERS = ("input_ids", "positions", "out_cache_loc", "seq_lens", "req_pool_indices", "num_correct_drafts",
                   "num_accept_tokens", "hidden_states", "global_num_tokens_gpu", "global_num_tokens_for_logprob_gpu")
 ALL_BUFFERS = DEVICE_BUFFERS + ("seq_lens_cpu",)
+SGLANG_PAD = LanePadding(row=0, slot=0)  # SGLang's padding row and dummy slot
 _BITS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
@@ -92,7 +94,7 @@ def test_tiny_fill_written_by_hand(_kernel_runs):
         input_ids=torch.tensor([11, 12, 13, 14]), positions=torch.tensor([5, 6, 20, 21]), seq_lens=torch.tensor([7, 22]),
         req_pool_indices=torch.tensor([3, 9]), hidden_states=hidden, accept_lens=torch.tensor([2, 1]), dp_batch_sizes=[2, 3],
     )
-    fill_prepare_buffers(b, inp, bs=3, tokens_per_bs=2)
+    fill_prepare_buffers(b, inp, bs=3, tokens_per_bs=2, pad=SGLANG_PAD)
     assert b.input_ids.tolist() == [11, 12, 13, 14, 0, 0, 0, 0]
     assert b.positions.tolist() == [5, 6, 20, 21, 0, 0, 0, 0]
     assert b.out_cache_loc.tolist() == [0] * 8
@@ -111,7 +113,7 @@ def test_tiny_fill_of_an_idle_rank_by_hand(_kernel_runs):
     b = _tiny_buffers()
     inp = DraftExtendInputs(torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.int64),
                             torch.zeros(0, dtype=torch.int64), torch.zeros(0, 2), torch.zeros(0, dtype=torch.int64), [0, 4])
-    fill_prepare_buffers(b, inp, bs=4, tokens_per_bs=2)
+    fill_prepare_buffers(b, inp, bs=4, tokens_per_bs=2, pad=SGLANG_PAD)
     assert b.input_ids.tolist() == b.positions.tolist() == b.out_cache_loc.tolist() == [0] * 8
     assert b.seq_lens.tolist() == [1, 1, 1, 1] and b.req_pool_indices.tolist() == [0, 0, 0, 0]
     assert b.num_correct_drafts.tolist() == [1, 0, 1, 0] and b.num_accept_tokens.tolist() == [2, 1, 2, 1]
@@ -126,7 +128,7 @@ def test_fill_refuses_a_batch_the_buffers_cannot_hold(raw_bs, bs, bad, _kernel_r
                             torch.ones(raw_bs, dtype=torch.int64), torch.zeros(n, 2 + (bad == "hidden_states")),
                             torch.ones(raw_bs, dtype=torch.int64), [raw_bs])
     with pytest.raises(ValueError, match="input_ids|hidden_states" if bad != "bucket" else "bucket"):
-        fill_prepare_buffers(_tiny_buffers(), inp, bs=bs, tokens_per_bs=2)
+        fill_prepare_buffers(_tiny_buffers(), inp, bs=bs, tokens_per_bs=2, pad=SGLANG_PAD)
 
 
 # ---- the runner's two paths, compared ----

@@ -29,6 +29,7 @@ import runners.attention.triton_backend as triton_backend  # noqa: E402
 import runners.draft_extend_fill as fill_module  # noqa: E402
 from runners.batch import ForwardMode  # noqa: E402
 from runners.draft_extend import DraftExtendInputs  # noqa: E402
+from runners.memory import LanePadding  # noqa: E402
 
 HERE = Path(__file__).parent
 LAUNCHING_MODULES = (fill_module, kv_indices_module, triton_backend)  # every module of runners/ that calls run_kernel
@@ -61,7 +62,7 @@ def _launch_every_kernel() -> None:
     buffers = _tiny_buffers()
     inp = DraftExtendInputs(torch.tensor([5, 6, 7, 8]), torch.tensor([3, 4, 4, 5]), torch.tensor([5, 6]), torch.tensor([2, 3]),
                             torch.ones(4, 2), torch.tensor([2, 1]), [2])
-    fill_module.fill_prepare_buffers(buffers, inp, 3, 2)
+    fill_module.fill_prepare_buffers(buffers, inp, 3, 2, LanePadding(0, 0))
     req_to_token = torch.arange(40, dtype=torch.int32).view(4, 10)
     kv_indices_module.write_kv_indices(torch.tensor([0, 3, 5], dtype=torch.int32), torch.tensor([1, 2]), req_to_token,
                                        torch.zeros(8, dtype=torch.int32), 1, None, 0)

@@ -34,6 +34,7 @@ from harness.mutants import (
     spec_loop,
     verify,
     verify_fill,
+    vllm_shapes,
 )
 from harness.mutants.base import Mutant, Wrap
 
@@ -42,7 +43,7 @@ CATALOG: tuple[Mutant, ...] = (
     *draft_extend.MUTANTS, *spec_loop.MUTANTS, *memory.MUTANTS, *verify_fill.MUTANTS, *recorded_graph.MUTANTS,
     *decode.MUTANTS, *draft_attention.MUTANTS, *shape.MUTANTS, *verify.MUTANTS, *dp.MUTANTS, *host_mirror.MUTANTS,
     *replay_fill.MUTANTS, *padding_rule.MUTANTS, *fused_fill.MUTANTS, *sharding.MUTANTS,
-    *one_graph.MUTANTS, *eagle3.MUTANTS, *draft_parallel.MUTANTS, *logprobs.MUTANTS, *mixed_modes.MUTANTS, *overlap.MUTANTS,
+    *one_graph.MUTANTS, *eagle3.MUTANTS, *draft_parallel.MUTANTS, *logprobs.MUTANTS, *mixed_modes.MUTANTS, *overlap.MUTANTS, *vllm_shapes.MUTANTS,
 )
 """Every built-in mutant, one module per family, in the order `harness mutants` reports them (`harness.MUTANTS`)."""
 BY_ID: dict[str, Mutant] = {m.id: m for m in CATALOG}

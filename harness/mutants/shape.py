@@ -34,8 +34,8 @@ def _unpad_keeps_last_rows(pad, per_token, per_lane=()):
     return [last(t, pad.original_num_tokens) for t in per_token], [last(t, pad.original_batch_size) for t in per_lane]
 
 
-def _pad_with_last_live_row(fb, layout, dp_tokens, lane_len):
-    padded, pad = _REAL_PREPARE(fb, layout, dp_tokens, lane_len)
+def _pad_with_last_live_row(fb, layout, dp_tokens, lane_len, *pad_row):
+    padded, pad = _REAL_PREPARE(fb, layout, dp_tokens, lane_len, *pad_row)
     if pad is not None and pad.original_batch_size:
         padded.req_pool_indices[pad.original_batch_size :] = fb.req_pool_indices[-1]  # not the padding row
     return padded, pad

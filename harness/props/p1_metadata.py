@@ -7,12 +7,21 @@ import torch
 
 from harness.layout import branch_sibling
 from harness.observe import RunnerObserver
-from harness.props.p1_records import check_replay_record, verify_capture_bs
+from harness.props.p1_records import check_replay_record, record_where, verify_capture_bs
+from harness.props.p1_shapes import MULTI_STEP_KINDS, check_live_attention_batch, check_ragged_gather_index
 from harness.verdict import Verdict
 from runners.base_cuda_graph_runner import RunnerKind
-from runners.config import DEFAULT_MODEL, ModelConfig, SpecConfig, draft_input_hidden_size
+from runners.config import (
+    DEFAULT_MODEL,
+    CudaGraphMode,
+    DraftExtendShape,
+    ModelConfig,
+    SpecConfig,
+    draft_input_hidden_size,
+)
 from runners.decode_cuda_graph_runner import DecodeCudaGraphRunner, VerifyInputs, verify_inputs
 from runners.draft_extend import DraftExtendInputs, DraftWorker
+from runners.draft_extend_graph_driver import multi_layer_composite
 from runners.draft_parallel import draft_rank_context
 from runners.eagle_draft import DraftDecodeInputs
 from runners.eagle_draft_cuda_graph_runner import EAGLEDraftCudaGraphRunner
@@ -29,9 +38,12 @@ def _metadata_runners(layout: ParallelLayout, spec: SpecConfig, model: ModelConf
     backend = GraphBackend("sim")
     multi = DraftWorker(ctx, model, spec, build_model=False)
     single = DraftWorker(ctx, model, spec, num_layers=1, build_model=False)
-    runners: list[MultiLayerEagleDraftExtendCudaGraphRunner] = [
-        MultiLayerEagleDraftExtendCudaGraphRunner(multi, k, backend) for k in range(spec.num_steps)
-    ]
+    if spec.draft_extend_shape is DraftExtendShape.FIXED and spec.cuda_graph_mode is CudaGraphMode.FULL:
+        runners: list[MultiLayerEagleDraftExtendCudaGraphRunner] = [
+            MultiLayerEagleDraftExtendCudaGraphRunner(multi, k, backend) for k in range(spec.num_steps)
+        ]
+    else:  # vLLM's shapes: the composite's step runners over its one buffer set (and forward context)
+        runners = list(multi_layer_composite(spec)(multi, backend).runners)
     runners.append(EAGLEDraftExtendCudaGraphRunner(single, backend))
     return runners
 
@@ -81,7 +93,12 @@ def check_metadata(
                 rec = obs.prepare(inp)
                 dl = r.layout  # the draft's: the target's, or its own (SpecConfig.draft_tp_size)
                 needed = max(dp_sizes) if dl.require_mlp_tp_gather else raw_bs
-                check_replay_record(v, dl, rec, tp_rank, it, needed)
+                piecewise = r.runner_kind is RunnerKind.PIECEWISE
+                check_replay_record(v, dl, rec, tp_rank, it, needed, pads_requests=not piecewise)
+                if piecewise:
+                    check_live_attention_batch(v, dl, r, rec, tp_rank, it)
+                if r.runner_kind is RunnerKind.RAGGED:
+                    check_ragged_gather_index(v, r.buffers, inp, rec.bs, r.T, record_where(dl, rec, tp_rank, it))
                 host_lp = rec.capture.host["global_num_tokens_for_logprob_cpu"]
                 own = None if host_lp is None else host_lp[d if dl.require_mlp_tp_gather else 0]
                 lp_by_runner.setdefault((r.runner_kind, r.step), []).append(own)
@@ -90,7 +107,7 @@ def check_metadata(
         # I6: single-layer and multi-layer agree on for_logprob (each multi-layer step vs single)
         single = lp_by_runner.get((RunnerKind.SINGLE_LAYER, 0), [])
         for (kind, step), vals in lp_by_runner.items():
-            if kind is RunnerKind.MULTI_LAYER and any(x is not None for x in single + vals):  # the neither branch bakes no counts
+            if kind in MULTI_STEP_KINDS and any(x is not None for x in single + vals):  # the neither branch bakes no counts
                 v.expect_equal("I6", "global_num_tokens_for_logprob", {"layout": layout.describe(), "rank": tp_rank, "step": step}, single, vals,
                                "single-layer vs multi-layer runner, same batches")
     _check_branch_parity(v, layout, spec, schedule, model, seed)

@@ -7,7 +7,7 @@ from harness.execute import RankRun
 from harness.props.p1_records import check_replay_rows
 from harness.scenario import Scenario
 from harness.verdict import Verdict
-from runners.config import DraftExtendGraph
+from runners.config import DraftExtendGraph, DraftExtendShape
 
 
 def check_run_metadata(sc: Scenario, runs: Sequence[RankRun]) -> Verdict:
@@ -23,13 +23,21 @@ def check_run_metadata(sc: Scenario, runs: Sequence[RankRun]) -> Verdict:
         for it, steps in enumerate(run.eager):
             for step, res in enumerate(steps):
                 w = {"layout": layout.describe(), "runner": "eager", "rank": run.rank, "iteration": it, "step": step}
-                n = res.tensors["logits"].shape[0]
+                n = eager_logit_rows(sc, it, d, res.tensors["logits"].shape[0])
                 v.expect_equal("I2", "rows fed to lm_head (eager)", w, n, int(res.tensors["rows_fed"]))
                 lp = res.host["global_num_tokens_for_logprob_cpu"]
                 if lp is not None:
                     own = lp[d if layout.require_mlp_tp_gather else 0]
                     v.expect_equal("I7", "global_num_tokens_for_logprob (eager)", w, n, own, "our eager path counts tokens, like the graph")
     return v
+
+
+def eager_logit_rows(sc: Scenario, it: int, dp_rank: int, logits_rows: int) -> int:
+    """The rows an eager pass gives lm_head: every row of its logits (T per request), or under the ragged shape the
+    accepted tokens alone (its logits come back T rows per request, the rejected ones zero: runners.ragged_draft_extend)."""
+    if sc.spec.draft_extend_shape is not DraftExtendShape.RAGGED:
+        return logits_rows
+    return sum(r.accept_len for r in sc.iterations[it].per_dp[dp_rank])
 
 
 def check_graph_replayed(sc: Scenario, runs: Sequence[RankRun], expect_fallbacks: int = 0) -> Verdict:

@@ -6,6 +6,7 @@ import torch
 from harness import verify_props
 from harness.case import Case
 from harness.crash import crash_verdict
+from harness.props.p1_shapes import check_ragged_gather_index
 from harness.props.p2_decode import DecodePoison, install_decode_poison
 from harness.props.poison import RunnerPoison
 from harness.ranks.simulated import RankFailure
@@ -15,7 +16,7 @@ from harness.spec_decode import (
 from harness.verdict import Verdict
 from runners.base_cuda_graph_runner import RunnerKind
 from runners.draft_extend import SEQ_LEN_FILL_VALUE, DraftExtendInputs, StepOutputs
-from runners.memory import PADDING_SLOT, TokenToKVPool
+from runners.memory import TokenToKVPool
 from runners.multi_layer_eagle_draft_extend_cuda_graph_runner import (
     MultiLayerEagleDraftExtendCudaGraphRunner,
     OneGraphMultiLayerEagleMultiStepDraftExtendCudaGraphRunner,
@@ -32,6 +33,15 @@ SEQ_SENTINEL = 1 << 30  # seq_lens poisoned far out of range (a mask bound only)
 
 _RUNNER_BUFFERS = ("input_ids", "positions", "out_cache_loc", "seq_lens", "req_pool_indices", "num_correct_drafts",
                    "num_accept_tokens", "hidden_states", "next_token_logits_buffer")
+
+
+def _padded_row_rule(r) -> tuple:
+    """What a padded lane's req_pool_indices may hold: under vLLM's convention the pad request (-1) and nothing else (no
+    row is reserved: any other is a request's); under SGLang's a request row (the padding row, or a stale one P2 proves
+    harmless)."""
+    if r.worker.req_pool.minus_one:
+        return (lambda x: x == r.worker.pad.row), r.worker.pad.row
+    return (lambda x: (x >= 0) & (x < r.worker.req_pool.req_to_token.shape[0])), "a request row"
 
 
 class LanePoison(RunnerPoison):
@@ -52,6 +62,7 @@ class LanePoison(RunnerPoison):
     lanes get stale but in-domain values [0, T-1]: what the engine can leave there.
     """
 
+    runner = "draft_extend"
     buffers = _RUNNER_BUFFERS
 
     def __init__(self, engine: SpecEngine, verdict: Verdict):
@@ -73,6 +84,8 @@ class LanePoison(RunnerPoison):
 
     def after_clean(self, r: MultiLayerEagleDraftExtendCudaGraphRunner, inp: DraftExtendInputs, rec) -> None:
         self._check_canonical(r, inp.bs, rec.bs)
+        if r.runner_kind is RunnerKind.RAGGED:
+            check_ragged_gather_index(self.v, r.buffers, inp, rec.bs, r.T, self._where(r, inp.bs, rec.bs))
         if self.one_graph is not None:
             self.clean_served = [out.sliced(inp.bs, r.T).cloned() for out in self.one_graph.served[1:]]
 
@@ -99,9 +112,12 @@ class LanePoison(RunnerPoison):
         if r.runner_kind is RunnerKind.SINGLE_LAYER and bs == raw_bs:
             self._check_gathered(r, bs, w)  # the single-layer fill resets nothing without padding, as the engine's
             return
+        if r.runner_kind is RunnerKind.PIECEWISE:
+            self._check_gathered(r, bs, w)  # PIECEWISE pads no request (vLLM): padded lanes stay stale, the poison below proves it harmless
+            return
         # the one graph writes the chain into every lane of the bucket as it runs: its fill is read from before the replay
         filled = self.before_replay["buf"] if self.one_graph is not None else {name: getattr(r, name) for name in self.buffers}
-        for name, want in (("input_ids", 0), ("positions", 0), ("out_cache_loc", PADDING_SLOT)):
+        for name, want in (("input_ids", 0), ("positions", 0), ("out_cache_loc", r.worker.pad.slot)):
             tail = filled[name][raw_n:]
             self.v.checked += 1
             bad = (tail != want).nonzero()
@@ -112,7 +128,7 @@ class LanePoison(RunnerPoison):
         lanes = (("seq_lens", lambda x: x == SEQ_LEN_FILL_VALUE, SEQ_LEN_FILL_VALUE),
                  ("num_correct_drafts", lambda x: (x >= 0) & (x < T), f"in [0, {T - 1}]"),
                  ("num_accept_tokens", lambda x: (x >= 1) & (x <= T), f"in [1, {T}]"),
-                 ("req_pool_indices", lambda x: (x >= 0) & (x < r.worker.req_pool.req_to_token.shape[0]), "a request row"))
+                 ("req_pool_indices", *_padded_row_rule(r)))
         for name, ok, want in lanes:
             tail = filled[name][raw_bs:bs] if name != "seq_lens" else filled[name][raw_bs:]
             self.v.checked += 1

@@ -60,7 +60,7 @@ class DecodePoison(RunnerPoison):
         if bs == raw_bs:
             return  # no padded lane
         for name, per_lane, want in (("positions", True, 0), ("topk_index", False, 0), ("seq_lens", False, SEQ_LEN_FILL_VALUE),
-                                     ("req_pool_indices", False, PADDING_ROW)):
+                                     ("req_pool_indices", False, g.worker.pad.row)):
             start = raw_bs * k if per_lane else raw_bs
             tail = getattr(g, name)[start : bs * k if per_lane else bs]
             self.v.checked += 1

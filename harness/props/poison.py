@@ -84,6 +84,7 @@ class RunnerPoison:
             self.clean = False
             self.after_clean(g, inp, rec)
             s1 = self._snap(g)
+            self.check_pad_slots_unwritten(g, self.where(inp.bs, rec.bs), s0, s1)
             self._restore(g, s0)
             self.poison(g, inp.bs)
             out_p = replay(inp)
@@ -109,6 +110,24 @@ class RunnerPoison:
         for idx, n in zip(live_rows, live_lens, strict=True):
             rows[idx, :n] = keep[idx, :n]
         return poison_slot
+
+    def check_pad_slots_unwritten(self, g, w: dict, s0: dict, s1: dict) -> None:
+        """vLLM's convention: a padded lane writes no KV. The clean replay leaves the null slot 0 (page 0, reserved)
+        and the pool's last slot (where a write to -1 lands when a kernel does not skip it and indexes from the end) as
+        they were, unless a running request owns them."""
+        if not self.engine.req_pool.minus_one:
+            return  # SGLang's padded lanes write the dummy slot 0, by design
+        live_slots, _, _ = self.live()
+        kv = self.kv_pool(g)
+        last = kv.k[0].shape[0] - 1
+        for slot, what in ((0, "the null slot 0"), (last, f"slot {last}, where -1 lands from the end")):
+            if slot in live_slots:
+                continue
+            self.v.checked += 1
+            written = [i for i, (a, b) in enumerate(zip(s0["kv"], s1["kv"], strict=True)) if not torch.equal(a[slot], b[slot])]
+            if written:
+                self.v.fail("pad-slot", "KV write", {**w, "slot": slot, "kv": written[0]}, "no write (PAD_SLOT_ID is skipped)", "written",
+                            f"{what} was written by the replay: a padded lane's KV write was not skipped")
 
     def compare_live_kv(self, g, w: dict, s1: dict, what: str) -> None:
         live_slots, _, _ = self.live()

@@ -36,7 +36,7 @@ def _kv_indices_kernel(req_to_token, req_pool_indices, kv_indptr, own, out, widt
     for off in range(0, MAX_LEN, BLOCK):  # a constexpr bound (the interpreter needs one); slots past length are masked
         j = off + tl.arange(0, BLOCK)
         live = j < length
-        from_row = tl.load(req_to_token + row * width + j, mask=live & (j < prefix), other=0)
+        from_row = tl.load(req_to_token + row * width + j, mask=live & (j < prefix) & (row >= 0), other=0)  # a pad request (-1): the null slot
         from_own = tl.load(own + lane * own_stride + (j - prefix), mask=live & (j >= prefix), other=0)
         tl.store(out + start + j, tl.where(j < prefix, from_row, from_own), mask=live)
 

@@ -42,10 +42,12 @@ from runners.memory import ReqToTokenPool, TokenToKVPool
 @triton.jit
 def _kv_block(K, V, req_to_token, req, kv_len, kvh, n0, offs_d, d_mask,
               stride_kn, stride_kh, stride_vn, stride_vh, stride_rt, BLOCK_N: tl.constexpr):
-    """One block of a request's keys and values through its req_to_token row; keys >= kv_len read as 0 (masked)."""
+    """One block of a request's keys and values through its req_to_token row; keys >= kv_len read as 0 (masked).
+    A pad request (req -1, vLLM's convention) reads the null slot 0 for every key: its row would be memory before
+    req_to_token (bounds only: what it reads reaches the pad lane's own rows alone)."""
     offs_n = n0 + tl.arange(0, BLOCK_N)
     n_mask = offs_n < kv_len
-    slot = tl.load(req_to_token + req * stride_rt + offs_n, mask=n_mask, other=0).to(tl.int64)
+    slot = tl.load(req_to_token + req * stride_rt + offs_n, mask=n_mask & (req >= 0), other=0).to(tl.int64)
     kv_mask = n_mask[:, None] & d_mask[None, :]
     k = tl.load(K + slot[:, None] * stride_kn + kvh * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0)
     v = tl.load(V + slot[:, None] * stride_vn + kvh * stride_vh + offs_d[None, :], mask=kv_mask, other=0.0)

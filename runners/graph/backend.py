@@ -18,6 +18,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
+from runners.graph.piecewise import PiecewiseGraph
 from runners.graph.pool import RecordedPool
 from runners.graph.record import RecordedGraph
 
@@ -112,8 +113,14 @@ class GraphBackend:
             return out
         return body()
 
-    def capture(self, body: Callable[[], Any]) -> RecordedGraph | CudaGraph:
-        g = CudaGraph(body, self.pool, self.stream) if self.kind == "cuda" else RecordedGraph(body, self.pool)
+    def capture(self, body: Callable[[], Any], piecewise: bool = False) -> RecordedGraph | CudaGraph:
+        """One graph of `body`; piecewise: broken at the body's graph_break calls (runners.graph.piecewise)."""
+        if piecewise and self.kind == "cuda":
+            raise ValueError("PIECEWISE graphs are recorded on CPU only (the 'sim' graph backend): the CUDA kind captures FULL graphs")
+        if piecewise:
+            g: RecordedGraph | CudaGraph = PiecewiseGraph(body, self.pool)
+        else:
+            g = CudaGraph(body, self.pool, self.stream) if self.kind == "cuda" else RecordedGraph(body, self.pool)
         g.capture()
         self.stats.captures += 1
         return g

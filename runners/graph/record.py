@@ -338,7 +338,11 @@ class RecordedGraph:
         return self.output
 
     def replay(self) -> None:
-        for call, args, kwargs, refresh in self._calls:
+        self._replay_ops(0, len(self._calls))
+
+    def _replay_ops(self, start: int, stop: int) -> None:
+        """Re-issue recorded ops [start, stop) (a PIECEWISE graph replays its pieces apart: runners.graph.piecewise)."""
+        for call, args, kwargs, refresh in self._calls[start:stop]:
             out = call(*args, **kwargs)
             if refresh:
                 leaves = (out,) if isinstance(out, torch.Tensor) else tree_leaves(out)
