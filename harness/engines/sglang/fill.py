@@ -49,7 +49,8 @@ class FillObserver:
 
     engine_fill: Callable
     native: Optional[Callable]
-    kernel: bool = True  # run the engine's kernel (and the native twin beside it); False: the native twin alone
+    kernel: bool = True  # run the engine's kernel; False: the native twin alone
+    beside: bool = True  # where the kernel runs, also run the native twin beside it on clones (paths.FillPlan)
     last_native: Optional[dict[str, Optional[list[int]]]] = None
     calls: int = field(default=0)
     kernel_calls: int = field(default=0)
@@ -75,7 +76,7 @@ class FillObserver:
         if not self.kernel and self.native is not None:
             return self.native(*args, **kwargs)
         self.kernel_calls += 1
-        if self._sig is not None:
+        if self._sig is not None and self.beside:
             bound = self._sig.bind(*args, **kwargs)
             clones = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in bound.arguments.items()}
             self.native(**clones)
