@@ -28,7 +28,7 @@ from typing import Any, Callable, Optional
 from harness.engines.after_model import check_body
 from harness.engines.guard import guarded
 from harness.engines.install import version_key
-from harness.engines.lanes import FILLED_SINCE, STALE_SLOT, LiveBatch, check_lanes, live_batch, schedule
+from harness.engines.lanes import FILLED_SINCE, LiveBatch, check_lanes, live_batch, schedule
 from harness.engines.options import EVERYTHING, FillPath, Selection
 from harness.engines.record_checks import check_captures, check_parity, check_record, check_selected_parity
 from harness.engines.report import EngineReport, Line
@@ -222,12 +222,12 @@ def check_engine(engine: Engine, layouts: tuple[ParallelLayout, ...] = REPRESENT
         lay, runner, step, bs, _line_path(runner, rank_path.get((lay, rank), ""), plan)))
     skipped += plan.skipped(layouts) + selection.left_out(RUNNERS)
     kept = [ln for ln in book.lines.values() if selection.wants(ln.runner) or ln.runner == eager_check.KIND]
-    for ln in kept:  # a line's first failure is its most harmful: a padded token's KV write into a request's slot
-        ln.verdict.failures.sort(key=lambda f: f.check != STALE_SLOT)
     ordered = sorted(kept, key=lambda ln: (layouts.index(ln.layout), ln.runner != "multi_layer", ln.step,
                                            -1 if ln.bucket is None else ln.bucket, ln.path))
-    return EngineReport("sglang", engine.version, engine.generation, engine.location, ordered, engine.stubbed, time.perf_counter() - t0,
-                        skipped, plan.header(engine.version), selection)
+    rep = EngineReport("sglang", engine.version, engine.generation, engine.location, ordered, engine.stubbed, time.perf_counter() - t0,
+                       skipped, plan.header(engine.version), selection)
+    rep.order_failures()  # a line leads with its most severe failure (a crash, a raise, a KV write into a request's slot)
+    return rep
 
 
 def _build(engine: Engine, rank: _Rank, cfg: EngineConfig, with_one_graph: bool, dd_mod: Any, tv_mod: Any, tv_model_runner: Any) -> _Built:

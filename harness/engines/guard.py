@@ -25,17 +25,18 @@ T = TypeVar("T")
 
 class CallLog:
     """The guarded calls under way (a stack: innermost last). `sink` persists each entry and exit as it happens (isolate.py
-    reads them back from a process that died); `crashed` holds calls a process died in, which a re-run records, not makes."""
+    reads them back from a process that died); `crashed` holds the calls a process died in, which a re-run records as
+    failures instead of making them: call (and runner) -> (how the process died, where it died)."""
 
     def __init__(self) -> None:
-        self.open: list[str] = []
+        self.open: list[tuple[str, str]] = []
         self.sink: Optional[Callable[[str], None]] = None
-        self.crashed: dict[str, str] = {}  # call key -> how the process died in it
+        self.crashed: dict[str, tuple[str, str]] = {}
 
-    def enter(self, key: str) -> None:
-        self.open.append(key)
+    def enter(self, call: str, where: str) -> None:
+        self.open.append((call, where))
         if self.sink is not None:
-            self.sink("+" + key)
+            self.sink(f"+{call}\t{where}")
 
     def leave(self) -> None:
         self.open.pop()
@@ -50,14 +51,16 @@ def guarded(v: Verdict, call: str, where: dict, fn: Callable[[], T], engine_root
             reraise: tuple[type[BaseException], ...] = ()) -> Optional[T]:
     """fn(), or None with a `raised` failure on `v` naming the call, the exception and the engine frame it left.
     `reraise`: exception types that are not findings here (the pre-flight's adapter errors: drive.py)."""
-    key = f"{call} [{', '.join(f'{k}={x}' for k, x in where.items())}]"
-    if key in calls.crashed:  # an earlier process died in this very call (isolate.py): say so, do not make it again
+    at = ", ".join(f"{k}={x}" for k, x in where.items())
+    ident = f"{call} (runner {where['runner']})" if "runner" in where else call  # what a crash skips: this call of this runner
+    if ident in calls.crashed:  # a process died in this call (isolate.py): it is not made again, anywhere
+        how, died_at = calls.crashed[ident]
         v.checked += 1
-        v.fail(CRASHED, call, where, "the call returns", f"the check process died in it ({calls.crashed[key]})",
-               "re-run without this call: an engine bug that corrupts memory or kills the process (checks after it on the same "
-               "buffers ran without its effects)")
+        v.fail(CRASHED, call, where, "the call returns", f"the check process died ({how})" if died_at == at else "not made",
+               "an engine bug that kills the process (memory corruption, a signal)" + ("" if died_at == at else f": it died in this call "
+               f"at [{died_at}], so the re-run makes this call nowhere") + "; what ran after it ran without its effects")
         return None
-    calls.enter(key)
+    calls.enter(ident, at)
     try:
         return fn()
     except (MemoryError, ReleaseNotCovered, *reraise):

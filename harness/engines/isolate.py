@@ -5,9 +5,10 @@ Triton kernels) before it writes; this is the net under everything else. The loa
 forked (copy on write: no second import), the child runs the check and hands its report back
 pickled. If the child dies instead (a signal, or an exit with no report), the guarded call it
 died in is read back from its call log (guard.calls), and the check runs again in a new child
-that records that call as `crashed` rather than making it, so the report keeps every other
-finding and names the call. A child that dies outside any guarded call, or twice in the same
-one, is ChildDied: nothing left to skip.
+that makes that call nowhere (a bug that kills one replay usually kills them all; one re-run per
+call, not per replay) and records each place it would have been made as a `crashed` failure:
+the report keeps every other finding and names the call and where it died. A child that dies
+outside any guarded call, or in a call already skipped, is ChildDied: nothing left to skip.
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ import sys
 import tempfile
 import traceback
 from pathlib import Path
-from typing import Callable, Optional, TypeVar
+from typing import Any, Callable, Optional, TypeVar
 
 from harness.engines.guard import calls
 
@@ -32,21 +33,22 @@ class ChildDied(RuntimeError):
 
 def run_isolated(fn: Callable[[], T], log: Callable[[str], None]) -> T:
     """fn() in a forked child, re-run past the calls children died in (the module docstring). fn's exceptions re-raise here."""
-    crashed: dict[str, str] = {}
+    crashed: dict[str, tuple[str, str]] = {}
     while True:
         with tempfile.TemporaryDirectory(prefix="engine-check-") as tmp:
-            died, call = _run_child(fn, Path(tmp), crashed)
+            died, got = _run_child(fn, Path(tmp), crashed)
         if died is None:
-            return call  # type: ignore[return-value]  # the child's result
-        if call is None or call in crashed or len(crashed) >= MAX_CRASHES:
-            where = f"in {call}" if call else "outside any call into the engine"
+            return got  # type: ignore[return-value]  # the child's result
+        if got is None or got[0] in crashed or len(crashed) >= MAX_CRASHES:
+            where = f"in {got[0]} [{got[1]}]" if got else "outside any call into the engine"
             raise ChildDied(f"the check process died ({died}) {where}; calls it died in before: {list(crashed) or 'none'}")
-        crashed[call] = died
-        log(f"the check process died ({died}) in {call}; checking again without that call")
+        call, at = got
+        crashed[call] = (died, at)
+        log(f"the check process died ({died}) in {call} [{at}]; checking again without that call")
 
 
-def _run_child(fn: Callable[[], T], tmp: Path, crashed: dict[str, str]) -> tuple[Optional[str], object]:
-    """(None, fn's result) or (how the child died, the guarded call it died in or None)."""
+def _run_child(fn: Callable[[], T], tmp: Path, crashed: dict[str, tuple[str, str]]) -> tuple[Optional[str], Any]:
+    """(None, fn's result) or (how the child died, (the guarded call it died in, where) or None)."""
     result, call_log = tmp / "result.pickle", tmp / "calls"
     sys.stdout.flush()
     sys.stderr.flush()
@@ -90,13 +92,14 @@ def _dump(path: Path, outcome: tuple) -> None:
     tmp.rename(path)
 
 
-def _open_call(call_log: Path) -> Optional[str]:
-    """The innermost guarded call the child had entered and not left."""
-    stack: list[str] = []
+def _open_call(call_log: Path) -> Optional[tuple[str, str]]:
+    """The innermost guarded call the child had entered and not left: (call, where)."""
+    stack: list[tuple[str, str]] = []
     if call_log.exists():
         for line in call_log.read_text(errors="replace").splitlines():
-            if line.startswith("+"):
-                stack.append(line[1:])
+            if line.startswith("+") and "\t" in line:
+                call, at = line[1:].split("\t", 1)
+                stack.append((call, at))
             elif line == "-" and stack:
                 stack.pop()
     return stack[-1] if stack else None

@@ -10,6 +10,8 @@ from pathlib import Path
 from typing import Any, Optional
 
 from harness.engines.baseline import Baseline, Classified, Finding
+from harness.engines.guard import CRASHED, RAISED
+from harness.engines.lanes import STALE_SLOT
 from harness.engines.options import Selection
 from harness.verdict import Failure, Verdict
 from runners.parallel.layout import ParallelLayout
@@ -58,6 +60,16 @@ class LineVerdicts:
 
     # failure `where` keys that name a finding beside its line's identity (baseline.py)
     FINDING_KEYS: tuple[str, ...] = ()
+    # the checks a report leads with, most severe first (guard.py's: the engine killed the process, the engine raised)
+    LEAD_CHECKS: tuple[str, ...] = (CRASHED, RAISED)
+
+    def lead_rank(self, f: Failure) -> int:
+        return self.LEAD_CHECKS.index(f.check) if f.check in self.LEAD_CHECKS else len(self.LEAD_CHECKS)
+
+    def order_failures(self) -> None:
+        """Each line's failures, its most severe first (stable otherwise): the line's text shows the first."""
+        for ln in self.lines:
+            ln.verdict.failures.sort(key=self.lead_rank)
 
     @property
     def ok(self) -> bool:
@@ -92,12 +104,13 @@ class LineVerdicts:
         return "FAIL"
 
     def lead(self) -> Failure:
-        """The failure a report leads with: the first new one where a baseline is given, else the first."""
+        """The failure a report leads with: the most severe (LEAD_CHECKS), the first of them; where a baseline is given,
+        among the new ones."""
         failures = self.failures()
         if self.baseline is not None:
             new = [f for ln in self.lines for f in ln.verdict.failures if not self.baseline.known.get(self.finding(ln, f))]
             failures = new or failures
-        return failures[0]
+        return min(failures, key=self.lead_rank)
 
     def lines_json(self) -> list[dict]:
         """Each line's JSON, every failure marked "new" or "known" where a baseline is given."""
@@ -137,6 +150,7 @@ class LineVerdicts:
 @dataclass
 class EngineReport(LineVerdicts):
     FINDING_KEYS = ("page_size",)
+    LEAD_CHECKS = (CRASHED, RAISED, STALE_SLOT)  # then a padded token's KV write into a request's slot (lanes.py)
 
     engine: str
     version: str
@@ -156,7 +170,7 @@ class EngineReport(LineVerdicts):
             "seconds": round(self.seconds, 2), "stubbed_modules": self.stubbed, "paths": self.paths,
             "selected": {"paths": sorted(p.value for p in self.selection.paths),
                          "runners": None if self.selection.runners is None else sorted(self.selection.runners)},
-            "skipped": list(self.skipped), "summary": self.summary(),
+            "skipped": list(self.skipped), "summary": self.summary(), "first_failure": None if self.ok else asdict(self.lead()),
             **({"baseline": self.baseline.to_json()} if self.baseline is not None else {}),
             "lines": self.lines_json(),
         }

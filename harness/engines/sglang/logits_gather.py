@@ -232,8 +232,12 @@ class GatherCheck:
     def check(self, line: Callable[[str, int, int], Any], w: dict) -> Optional[str]:
         """The dp-gather check on every recorded launch: rank r's logits = lm_head(its own pruned rows)."""
         lay = self.layout
-        if not self.inputs:
-            raise EngineAdapterError(f"sglang {self.engine.version}: no runner launched on {lay.describe()}, whose logits processor gathers")
+        if not self.inputs:  # every replay of the layout failed before its launch (those failures are on their own lines)
+            v = line("multi_layer", 0, None).verdict
+            v.checked += 1
+            v.fail(CHECK, "launches", {**w, "runner": "multi_layer"}, "every runner's launches on every DP group", "none",
+                   "no replay of this layout reached its graph launch, so its logits processor's DP gather ran on nothing")
+            return None
         for (kind, step, bs), kept in sorted(self.inputs.items(), key=lambda kv: (kv[0][0] != "multi_layer", kv[0][1:])):
             it, per_group = kept.iteration, kept.groups
             v: Verdict = line(kind, step, bs).verdict

@@ -51,8 +51,10 @@ def check_vllm(engine: VllmEngine, cfg: Optional[VllmCheckConfig] = None, progre
         guarded(line_for(lines, dp, runners[0], None).verdict, "the checks of its records", w,
                 functools.partial(_check_world, lines, runners, caps, replays, ranks, world_cfg, dp, engine), engine.location)
     ordered = sorted(lines.values(), key=lambda ln: (ln.dp, RUNNERS.index(ln.runner), ln.bucket != "capture", _bucket_key(ln.bucket)))
-    return VllmReport(engine.version, engine.location, asdict(cfg), ordered, not_applicable, engine.stubbed, time.perf_counter() - t0,
-                      engine.api.name, engine.api.flags(cfg), selection.left_out(RUNNERS))
+    rep = VllmReport(engine.version, engine.location, asdict(cfg), ordered, not_applicable, engine.stubbed, time.perf_counter() - t0,
+                     engine.api.name, engine.api.flags(cfg), selection.left_out(RUNNERS))
+    rep.order_failures()
+    return rep
 
 
 def _check_world(lines: dict, runners: list[str], caps: list, replays: list, ranks: list, world_cfg: VllmCheckConfig, dp: int,

@@ -52,6 +52,7 @@ class VllmReport(LineVerdicts):
             "seconds": round(self.seconds, 2),
             "config": self.config, "stubbed_modules": self.stubbed, "not_applicable": self.not_applicable,
             "paths": "path: gpu (vLLM's adapter has no NPU path)", "skipped": list(self.skipped), "summary": self.summary(),
+            "first_failure": None if self.ok else asdict(self.lead()),
             **({"baseline": self.baseline.to_json()} if self.baseline is not None else {}),
             "lines": self.lines_json(),
         }
