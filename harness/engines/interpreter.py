@@ -18,12 +18,15 @@
 """
 from __future__ import annotations
 
+import gc
 import importlib
 import threading
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import numpy as np
+import torch
 
 
 class OutOfBoundsAccess(RuntimeError):
@@ -38,6 +41,7 @@ class _Launch:
     starts: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.uint64))
     ends: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.uint64))
     names: list[str] = field(default_factory=list)
+    indirect: bool = False  # the kernel made a pointer from an integer (create_int_to_ptr)
 
     def bind(self, named: list[tuple[str, Any]]) -> None:
         ranges: dict[int, tuple[int, list[str]]] = {}
@@ -65,6 +69,10 @@ class _Launch:
             inside = np.zeros(p.shape, dtype=bool)
         if bool(inside.all()):
             return
+        if self.indirect:  # through a pointer table: inside some live tensor is in bounds
+            inside[~inside] = _LIVE.holds(p[~inside], width)
+            if bool(inside.all()):
+                return
         bad = p[~inside]
         first, k = int(bad[0]), int(i[~inside][0])
         if k >= 0:
@@ -77,6 +85,49 @@ class _Launch:
         raise OutOfBoundsAccess(f"interpreted Triton kernel {self.kernel}, program {tuple(program)}: a masked {op} of {int(p.size)} "
                                 f"element(s) reaches {bad.size} outside every tensor argument's storage, the first {past}; "
                                 "stopped before the access (on a GPU: an illegal memory access or silent corruption)")
+
+
+class _LiveStorages:
+    """The storages of live tensors, by address: what a pointer loaded from memory may point into. Found by one scan of the
+    live objects when an address lies in none of those seen, which then holds them (a weak reference each: a storage
+    freed since is not one a pointer may use)."""
+
+    def __init__(self) -> None:
+        self._starts = np.zeros(0, dtype=np.uint64)
+        self._ends = np.zeros(0, dtype=np.uint64)
+        self._refs: list[weakref.ref] = []
+
+    def holds(self, addrs: np.ndarray, width: np.uint64) -> np.ndarray:
+        found = self._find(addrs, width)
+        if not bool(found.all()):
+            self._scan()
+            found = self._find(addrs, width)
+        return found
+
+    def _find(self, addrs: np.ndarray, width: np.uint64) -> np.ndarray:
+        if not self._starts.size:
+            return np.zeros(addrs.shape, dtype=bool)
+        i = np.searchsorted(self._starts, addrs, side="right").astype(np.int64) - 1
+        found = (i >= 0) & (addrs + width <= self._ends[np.maximum(i, 0)])
+        for k in set(i[found].tolist()):  # the storage must still be the one seen there
+            t = self._refs[k]()
+            if t is None or t.untyped_storage().data_ptr() != int(self._starts[k]):
+                found &= i != k
+        return found
+
+    def _scan(self) -> None:
+        seen: dict[int, tuple[int, weakref.ref]] = {}
+        for o in gc.get_objects():
+            if isinstance(o, torch.Tensor) and o.device.type == "cpu":
+                st = o.untyped_storage()
+                seen.setdefault(st.data_ptr(), (st.data_ptr() + st.nbytes(), weakref.ref(o)))
+        order = sorted(seen)
+        self._starts = np.array(order, dtype=np.uint64)
+        self._ends = np.array([seen[a][0] for a in order], dtype=np.uint64)
+        self._refs = [seen[a][1] for a in order]
+
+
+_LIVE = _LiveStorages()
 
 
 class _Current(threading.local):
@@ -148,6 +199,14 @@ def guard_interpreter_memory() -> None:
     executor.__call__, executor._init_args_hst = call, init_args_hst
     for method, ptr_at, mask_at, op in _MEMORY_OPS:
         setattr(builder, method, _guarded_op(getattr(builder, method), ptr_at, mask_at, op))
+    int_to_ptr = builder.create_int_to_ptr
+
+    def create_int_to_ptr(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if _CURRENT.launches:
+            _CURRENT.launches[-1].indirect = True
+        return int_to_ptr(self, *args, **kwargs)
+
+    builder.create_int_to_ptr = create_int_to_ptr
 
 
 def _guarded_op(original: Any, ptr_at: int, mask_at: Optional[int], op: str) -> Any:
