@@ -17,6 +17,7 @@ from harness.engines.drive import BaselineFiles, cannot_check, drive_engine
 from harness.engines.guard import guarded
 from harness.engines.install import EngineSpec, InstallError, deps_dir, engines_root, release_dir
 from harness.engines.options import EVERYTHING, Selection
+from harness.engines.sglang.errors import EngineAdapterError, MissingEngineAttribute
 from harness.engines.vllm.checks import NOT_APPLICABLE, check_capture, check_iteration, line_for
 from harness.engines.vllm.config import VllmCheckConfig
 from harness.engines.vllm.drive import DECODE_RUNNERS, DECODE_RUNS, RUNNERS, decode_paths, drive_world
@@ -42,9 +43,13 @@ def check_vllm(engine: VllmEngine, cfg: Optional[VllmCheckConfig] = None, progre
         if progress:
             progress(f"dp={dp} K={world_cfg.num_speculative_tokens} {DECODE_RUNNERS[fused]}")
         w = {"dp": dp, "runner": runners[0], "K": world_cfg.num_speculative_tokens}
-        # every call into the engine is guarded (harness/engines/guard.py): a world that raises is a finding of its runners' capture line
+        preflight = not lines
+        # every call into the engine is guarded (harness/engines/guard.py): a world that raises is a finding of its first runner's
+        # capture line; the first world driven is the pre-flight (no check has run yet), where an adapter error means the
+        # adapter cannot drive this release (exit 2)
         driven = guarded(line_for(lines, dp, runners[0], None).verdict, f"driving the dp={dp} world ({DECODE_RUNNERS[fused]})", w,
-                         lambda world_cfg=world_cfg, dp=dp, fused=fused: drive_world(engine, world_cfg, dp, fused), engine.location)
+                         lambda world_cfg=world_cfg, dp=dp, fused=fused: drive_world(engine, world_cfg, dp, fused), engine.location,
+                         (EngineAdapterError, MissingEngineAttribute) if preflight else ())
         if driven is None:
             continue
         caps, replays, ranks = driven
