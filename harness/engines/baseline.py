@@ -97,9 +97,12 @@ class Baseline:
         return cls(engine, findings, str(doc.get("written_from", "")))
 
     def write(self, path: Path) -> None:
-        doc = {"format": FORMAT, "engine": self.engine, "written_from": self.written_from,
-               "findings": [{**f.to_json(), **({"reason": r} if r else {})} for f, r in sorted(self.findings.items())]}
-        Path(path).write_text(json.dumps(doc, indent=1) + "\n")
+        """Sorted, one finding a line: a diff of two baselines is the findings that came and went."""
+        head = {"format": FORMAT, "engine": self.engine, "written_from": self.written_from}
+        entries = [json.dumps({**f.to_json(), **({"reason": r} if r else {})}) for f, r in sorted(self.findings.items())]
+        body = "".join(f'  "{k}": {json.dumps(v)},\n' for k, v in head.items())
+        Path(path).write_text("{\n" + body + '  "findings": [\n' + ",\n".join(f"    {e}" for e in entries)
+                              + ("\n" if entries else "") + "  ]\n}\n")
 
     def classify(self, found: list[Finding], lines: list[dict[str, Value]], file: str) -> "Classified":
         known = set(self.findings)
