@@ -5,7 +5,8 @@ engine's code is made through `guarded`: an exception there -- the engine's own 
 an interpreted kernel stopped before an out-of-bounds access (interpreter.py), or the engine
 reading something the adapter's stand-ins lack -- is recorded as a failure of the check that
 made the call (check `raised`, field the call, got the exception, detail the engine's own
-frame it came from), and the other checks go on. `calls` keeps the calls under way, so a
+frame it came from), and the other checks go on. An interpreted kernel it launched that reached
+out of bounds (masked off by interpreter.py) is a failure of the call too (`out of bounds`). `calls` keeps the calls under way, so a
 process that dies anyway can say in which call (isolate.py), and a re-run can skip that call,
 recording it as `crashed` instead.
 """
@@ -15,11 +16,13 @@ import traceback
 from pathlib import Path
 from typing import Callable, Optional, TypeVar
 
+from harness.engines import interpreter
 from harness.engines.sglang.errors import ReleaseNotCovered
 from harness.verdict import Verdict
 
 RAISED = "raised"
 CRASHED = "crashed"
+OUT_OF_BOUNDS = "out of bounds"
 T = TypeVar("T")
 
 
@@ -61,6 +64,7 @@ def guarded(v: Verdict, call: str, where: dict, fn: Callable[[], T], engine_root
                f"at [{died_at}], so the re-run makes this call nowhere") + "; what ran after it ran without its effects")
         return None
     calls.enter(ident, at)
+    mark = len(interpreter.VIOLATIONS)
     try:
         return fn()
     except (MemoryError, ReleaseNotCovered, *reraise):
@@ -71,6 +75,11 @@ def guarded(v: Verdict, call: str, where: dict, fn: Callable[[], T], engine_root
         return None
     finally:
         calls.leave()
+        for x in interpreter.VIOLATIONS[mark:]:  # the interpreted kernels this call launched that reached out of bounds
+            v.checked += 1
+            v.fail(OUT_OF_BOUNDS, call, {**where, "kernel": x.kernel, "argument": x.argument}, "every access inside its tensor arguments",
+                   x.message, f"an out-of-bounds {x.op} in {x.kernel}, masked off: the call ran on without it")
+        del interpreter.VIOLATIONS[mark:]
 
 
 def raised_from(e: BaseException, engine_root: Optional[str]) -> str:

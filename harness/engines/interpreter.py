@@ -8,9 +8,13 @@
   writes into whatever the heap holds there, and the checker dies (`munmap_chunk(): invalid
   pointer`, a segfault) with no verdict -- the very bug it exists to report. So every masked
   load, store and atomic of a launch is checked, before it touches memory, against the storages
-  of that launch's tensor arguments (the only memory a Triton kernel can address): an access
-  outside all of them raises OutOfBoundsAccess naming the kernel, the program, the operation and
-  the argument it ran past, which the adapter records as a finding (harness/engines/guard.py).
+  of that launch's tensor arguments (the only memory a Triton kernel can address). The lanes
+  outside all of them are masked off (a load reads the `other` value, a store writes nothing)
+  and the access is recorded in VIOLATIONS, naming the kernel, the program, the operation and
+  the argument it ran past; the kernel runs on, so the checks after it still see what the rest
+  of it did, and the call that launched it records each violation as a finding
+  (harness/engines/guard.py). An access that cannot be masked (a compare-and-swap has no mask)
+  raises OutOfBoundsAccess instead.
   In-process on purpose: the check costs a few numpy operations per access (the interpreter
   already spends milliseconds per program), where a child process per launch would pay a
   process and lose the launch memo (sglang/fill.py). Torch's own CPU indexing checks its
@@ -30,7 +34,21 @@ import torch
 
 
 class OutOfBoundsAccess(RuntimeError):
-    """An interpreted kernel reached for memory outside every tensor argument of its launch (stopped before the access)."""
+    """An interpreted kernel reached for memory outside every tensor argument of its launch, where no mask can drop it."""
+
+
+@dataclass(frozen=True)
+class Violation:
+    """One out-of-bounds access of one launch, masked off before it touched memory."""
+
+    kernel: str
+    op: str
+    argument: str
+    message: str
+
+
+# every violation as it happens, in order; guard.guarded takes those of its call (and removes them)
+VIOLATIONS: list[Violation] = []
 
 
 @dataclass
@@ -42,6 +60,7 @@ class _Launch:
     ends: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.uint64))
     names: list[str] = field(default_factory=list)
     indirect: bool = False  # the kernel made a pointer from an integer (create_int_to_ptr)
+    reported: set[tuple[str, str]] = field(default_factory=set)  # (operation, argument) already in VIOLATIONS
 
     def bind(self, named: list[tuple[str, Any]]) -> None:
         ranges: dict[int, tuple[int, list[str]]] = {}
@@ -54,13 +73,13 @@ class _Launch:
         self.ends = np.array([p + ranges[p][0] for p in order], dtype=np.uint64)
         self.names = ["/".join(ranges[p][1]) for p in order]
 
-    def check(self, op: str, ptrs: Any, mask: Optional[Any], program: Any) -> None:
-        p = np.asarray(ptrs.data)
-        if mask is not None:
-            p = p[np.broadcast_to(np.asarray(mask.data, dtype=bool), p.shape)]
-        p = p.reshape(-1).astype(np.uint64)
+    def check(self, op: str, ptrs: Any, mask: Optional[Any], program: Any) -> Optional[np.ndarray]:
+        """None: every active lane is in bounds; else the mask of the lanes that are (the others are recorded)."""
+        all_p = np.asarray(ptrs.data).astype(np.uint64)
+        active = np.ones(all_p.shape, dtype=bool) if mask is None else np.broadcast_to(np.asarray(mask.data, dtype=bool), all_p.shape)
+        p = all_p[active]
         if p.size == 0:
-            return
+            return None
         width = np.uint64(max(1, ptrs.get_element_ty().primitive_bitwidth // 8))
         i = np.searchsorted(self.starts, p, side="right").astype(np.int64) - 1
         if self.ends.size:
@@ -68,23 +87,32 @@ class _Launch:
         else:
             inside = np.zeros(p.shape, dtype=bool)
         if bool(inside.all()):
-            return
+            return None
         if self.indirect:  # through a pointer table: inside some live tensor is in bounds
             inside[~inside] = _LIVE.holds(p[~inside], width)
             if bool(inside.all()):
-                return
+                return None
         bad = p[~inside]
         first, k = int(bad[0]), int(i[~inside][0])
         if k >= 0:
             off = first - int(self.starts[k])
-            past = f"at bytes [{off}, {off + int(width)}) of argument `{self.names[k]}`, whose storage holds {int(self.ends[k] - self.starts[k])}"
+            arg, past = self.names[k], (f"at bytes [{off}, {off + int(width)}) of argument `{self.names[k]}`, whose storage holds "
+                                        f"{int(self.ends[k] - self.starts[k])}")
         elif self.starts.size:
-            past = f"{int(self.starts[0]) - first} byte(s) before argument `{self.names[0]}`"
+            arg, past = self.names[0], f"{int(self.starts[0]) - first} byte(s) before argument `{self.names[0]}`"
         else:
-            past = "and the launch has no tensor argument"
-        raise OutOfBoundsAccess(f"interpreted Triton kernel {self.kernel}, program {tuple(program)}: a masked {op} of {int(p.size)} "
-                                f"element(s) reaches {bad.size} outside every tensor argument's storage, the first {past}; "
-                                "stopped before the access (on a GPU: an illegal memory access or silent corruption)")
+            arg, past = "", "and the launch has no tensor argument"
+        message = (f"interpreted Triton kernel {self.kernel}, program {tuple(program)}: a masked {op} of {int(p.size)} element(s) "
+                   f"reaches {bad.size} outside every tensor argument's storage, the first {past}")
+        if mask is None:
+            raise OutOfBoundsAccess(message + "; stopped before the access")
+        if (op, arg) not in self.reported:  # once per operation and argument a launch
+            self.reported.add((op, arg))
+            VIOLATIONS.append(Violation(self.kernel, op, arg, message + "; masked off (on a GPU: an illegal memory access, or a "
+                                        "silent write into whatever lies there)"))
+        keep = active.copy()
+        keep[active] = inside
+        return keep
 
 
 class _LiveStorages:
@@ -118,7 +146,7 @@ class _LiveStorages:
     def _scan(self) -> None:
         seen: dict[int, tuple[int, weakref.ref]] = {}
         for o in gc.get_objects():
-            if isinstance(o, torch.Tensor) and o.device.type == "cpu":
+            if issubclass(type(o), torch.Tensor) and o.device.type == "cpu":  # type(): no proxy's __class__ is asked
                 st = o.untyped_storage()
                 seen.setdefault(st.data_ptr(), (st.data_ptr() + st.nbytes(), weakref.ref(o)))
         order = sorted(seen)
@@ -212,7 +240,10 @@ def guard_interpreter_memory() -> None:
 def _guarded_op(original: Any, ptr_at: int, mask_at: Optional[int], op: str) -> Any:
     def guarded(self: Any, *args: Any, **kwargs: Any) -> Any:
         if _CURRENT.launches:  # the interpreter's semantic layer passes them positionally
-            _CURRENT.launches[-1].check(op, args[ptr_at], None if mask_at is None else args[mask_at], self.grid_idx)
+            mask = None if mask_at is None else args[mask_at]
+            keep = _CURRENT.launches[-1].check(op, args[ptr_at], mask, self.grid_idx)
+            if keep is not None:  # the out-of-bounds lanes masked off (recorded in VIOLATIONS)
+                args = (*args[:mask_at], type(mask)(keep, mask.dtype), *args[mask_at + 1:])
         return original(self, *args, **kwargs)
 
     return guarded

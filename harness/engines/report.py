@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from harness.engines.baseline import Baseline, Classified, Finding
-from harness.engines.guard import CRASHED, RAISED
+from harness.engines.guard import CRASHED, OUT_OF_BOUNDS, RAISED
 from harness.engines.lanes import STALE_SLOT
 from harness.engines.options import Selection
 from harness.verdict import Failure, Verdict
@@ -60,8 +60,9 @@ class LineVerdicts:
 
     # failure `where` keys that name a finding beside its line's identity (baseline.py)
     FINDING_KEYS: tuple[str, ...] = ()
-    # the checks a report leads with, most severe first (guard.py's: the engine killed the process, the engine raised)
-    LEAD_CHECKS: tuple[str, ...] = (CRASHED, RAISED)
+    # the checks a report leads with, most severe first (guard.py's: the engine killed the process, wrote or read out of bounds,
+    # raised)
+    LEAD_CHECKS: tuple[str, ...] = (CRASHED, OUT_OF_BOUNDS, RAISED)
 
     def lead_rank(self, f: Failure) -> int:
         return self.LEAD_CHECKS.index(f.check) if f.check in self.LEAD_CHECKS else len(self.LEAD_CHECKS)
@@ -150,7 +151,7 @@ class LineVerdicts:
 @dataclass
 class EngineReport(LineVerdicts):
     FINDING_KEYS = ("page_size",)
-    LEAD_CHECKS = (CRASHED, RAISED, STALE_SLOT)  # then a padded token's KV write into a request's slot (lanes.py)
+    LEAD_CHECKS = (CRASHED, OUT_OF_BOUNDS, RAISED, STALE_SLOT)  # then a padded token's KV write into a request's slot (lanes.py)
 
     engine: str
     version: str
