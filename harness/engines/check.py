@@ -116,7 +116,7 @@ class _Rank:
              **(where or {})}
         v = Verdict("P1")
         got = guarded(v, call, w, functools.partial(fn, *args), self.engine_root, ADAPTER_ERRORS if self.preflight else ())
-        if v.failures:  # the whole-runner line exists only where a call raised
+        if v.failures:  # the whole-runner line exists only where a call raised (or launched a kernel out of bounds)
             self.line(runner, step, None).verdict.merge(v)
         return got
 
