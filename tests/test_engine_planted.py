@@ -326,6 +326,10 @@ def test_dp_groups_disagreeing_on_the_bucket_is_a_finding_not_an_adapter_error(n
     # the release's own NPU findings are still found, every one known
     assert {(c, fl) for c, fl, _b, mark in fails if mark == "known"} == {(f["check"], f["field"]) for f in NPU_BASELINE["findings"]}
     assert doc["baseline"]["new"] > 0 and not doc["baseline"]["ok"] and doc["selected"] == {"paths": ["npu"], "runners": ["multi_layer"]}
+    # the selection: the per-step composite's lines only, the rest said not checked
+    assert {(ln["runner"], ln["path"]) for ln in doc["lines"]} == {("multi_layer", "npu")}
+    assert {why.split(":")[0] for why in doc["skipped"] if "not checked (this run selected --runner multi_layer)" in why} == {
+        "multi_layer_1g", "single_layer", "draft_decode", "target_verify"}
     assert not [f for ln in doc["lines"] for f in ln["failures"] if f["check"] in ("raised", "crashed")]
 
 
