@@ -102,10 +102,12 @@ def test_fixed_release_passes_with_json():
 
 
 @pytest.fixture(scope="module")
-def newest_run() -> dict:
+def newest_run(tmp_path_factory) -> dict:
     """One process for the newest release (importing sglang is most of a check's cost): the check as the command runs
-    it (every representative layout), then bugs planted into the release's own code in memory, then a moved attribute."""
+    it (every representative layout), the same with --path gpu and with --path npu, a baseline written from the NPU run
+    and read back, then bugs planted into the release's own code in memory, then a moved attribute."""
     target = installed_release(NEWEST)
+    tmp = tmp_path_factory.mktemp("newest")
     proc = _python(f"""
         import json, sys
         from pathlib import Path
@@ -114,10 +116,29 @@ def newest_run() -> dict:
         from harness.engines.sglang.errors import MissingEngineAttribute
         from harness.engines.sglang.loader import load
         from runners.parallel.layout import ParallelLayout
+        from harness.engines.baseline import Baseline
+        from harness.engines.options import FillPath, Selection
         eng = load(Path({str(target)!r}), deps_dir())
         ml = eng.modules["ml"]
-        out = {{"unmodified": check_engine(eng).to_json()}}
+        unmodified = check_engine(eng)
+        out = {{"unmodified": unmodified.to_json()}}
         layouts = (ParallelLayout(4, 1, False, 1), ParallelLayout(4))
+
+        # what --path gpu and --path npu run (every representative layout; the kernel on every replay for gpu)
+        gpu = check_engine(eng, selection=Selection(frozenset({{FillPath.GPU}})))
+        npu = check_engine(eng, selection=Selection(frozenset({{FillPath.NPU}})))
+        out["gpu"], out["npu"] = gpu.to_json(), npu.to_json()
+        out["exit"] = {{"gpu": gpu.exit_code(), "npu": npu.exit_code()}}
+        # the baseline round trip: written from the NPU run, read back, the same findings known (exit 0), nothing stale;
+        # the default run (both paths) against it: its NPU findings are the same ones, so known too
+        base_file = Path({str(tmp)!r}) / "baseline.json"
+        npu.as_baseline("sglang", "sglang " + eng.version).write(base_file)
+        back = Baseline.load(base_file)
+        out["baseline_file"] = base_file.read_text()
+        out["roundtrip"] = {{"npu": npu.classify(back, str(base_file)).to_json(), "npu_exit": npu.exit_code(),
+                            "default": unmodified.classify(back, str(base_file)).to_json(), "default_exit": unmodified.exit_code(),
+                            "gpu": gpu.classify(back, str(base_file)).to_json(), "gpu_exit": gpu.exit_code()}}
+        out["default_with_baseline"] = unmodified.to_json()
 
         # 1. the seed bug, in get_forward_batch: the attn-TP-gather branch bakes [bs]
         Runner = ml.MultiLayerEagleDraftExtendCudaGraphRunner
@@ -129,7 +150,9 @@ def newest_run() -> dict:
             return fb
         Runner.get_forward_batch = seed_bug
         rep = check_engine(eng, layouts[:1], kernel_layouts=())
-        out["seed"] = [f.message() for f in rep.failures()][:1]
+        out["seed"] = [f.message() for f in rep.failures() if f.check == "I1"][:1]  # beside the twin's own (path npu)
+        out["seed_baseline"] = rep.classify(back, str(base_file)).to_json()  # the seed bug against the NPU baseline: new
+        out["seed_exit"] = rep.exit_code()
         Runner.get_forward_batch = real_gfb
 
         # 2. prepare() leaves the padded seq_lens stale
@@ -179,13 +202,66 @@ def test_newest_release_passes_on_the_gpu_path_and_fails_only_the_native_twins_t
     assert fails
     # the per-step composite only: the one graph (multi_layer_1g) is built only off NPU, its prepare() fills with the kernel
     assert {(f["check"], f["where"]["runner"], f["where"].get("path")) for f in fails} == {
-        (c, "multi_layer", "npu") for c in ("canonical", "pad value")}
+        (c, "multi_layer", "npu") for c in ("canonical", "pad value", "stale slot")}
+    assert {ln["path"] for ln in rep["lines"] if not ln["ok"]} == {"npu"}
     assert {f["field"] for f in fails if f["check"] == "canonical"} == {"input_ids", "positions", "out_cache_loc"}
     assert {f["field"] for f in fails if f["check"] == "pad value"} == {"positions", "out_cache_loc"}  # index buffers only
+    # out_cache_loc, the KV write of each padded token: after a larger batch it holds that batch's slots (stale slot, harmful at
+    # any page size); before any, the buffer's torch.ones: slot 1, live at page size 1 and on the dummy page 0 at the NPU's 128
+    slots = [f for f in fails if f["field"] == "out_cache_loc" and f["check"] != "canonical"]
+    assert {(f["check"], f["where"].get("page_size")) for f in slots} == {("stale slot", None), ("pad value", 1)}
+    assert {f["got"] for f in slots if f["check"] == "pad value"} == {1}
+    assert all(f["got"] >= 135 for f in slots if f["check"] == "stale slot")  # the live batches' slots (lanes.FIRST_LIVE_SLOT on)
+    # the report leads with a harmful write: its first failure is a stale slot
+    assert rep["first_failure"]["check"] == "stale slot", rep["first_failure"]
     single = [ln for ln in rep["lines"] if ln["runner"] == "single_layer"]
     assert single and all(ln["ok"] for ln in single)
     # past the model call: what it cannot reach is said, as a skip, never as a pass
     assert any(why.startswith("I7 ") for why in rep["skipped"]), rep["skipped"]
+
+
+def test_newest_release_gpu_path_passes_and_npu_path_fails_naming_the_stale_slot_writes(newest_run):
+    """--path gpu: the kernel on every replay of every layout, the one graph built, no twin: exit 0, and the NPU path said
+    not checked. --path npu: the twin on every replay, no one graph: exit 1, led by the stale-slot KV writes."""
+    gpu, npu = newest_run["gpu"], newest_run["npu"]
+    assert newest_run["exit"] == {"gpu": 0, "npu": 1}
+    assert gpu["ok"] and gpu["paths"].startswith("path: gpu") and "npu not checked: --path gpu" in gpu["paths"]
+    assert {ln["path"] for ln in gpu["lines"]} == {"gpu", ""} and "multi_layer_1g" in {ln["runner"] for ln in gpu["lines"]}
+    assert any(why.startswith("npu path") and "not checked: --path gpu" in why for why in gpu["skipped"]), gpu["skipped"]
+    # every layout's per-step composite ran the kernel (not only KERNEL_LAYOUTS' first DP group)
+    assert len({ln["layout"] for ln in gpu["lines"] if ln["runner"] == "multi_layer" and ln["path"] == "gpu"}) == 5
+    assert not npu["ok"] and {ln["path"] for ln in npu["lines"]} == {"npu", ""}
+    assert "multi_layer_1g" not in {ln["runner"] for ln in npu["lines"]}
+    assert any(why.startswith("multi_layer_1g") and "--path npu" in why for why in npu["skipped"]), npu["skipped"]
+    assert npu["first_failure"]["check"] == "stale slot" and npu["first_failure"]["field"] == "out_cache_loc"
+    fails = [f for ln in npu["lines"] for f in ln["failures"]]
+    assert {ln["runner"] for ln in npu["lines"] if not ln["ok"]} == {"multi_layer"}
+    stale = [f for f in fails if f["check"] == "stale slot"]
+    assert {f["where"]["branch"] for f in stale} == {"mlp_tp_gather", "attn_tp_gather", "neither"}, stale[:3]
+
+
+def test_baseline_round_trips_and_gates_on_new_findings_only(newest_run):
+    """A baseline written from a run classifies that run's findings as known (exit 0, nothing stale), the default run's
+    NPU findings too; a run that checks no NPU path leaves the NPU entries not checked (not stale); the seed bug planted
+    into the same release is new (exit 1)."""
+    rt = newest_run["roundtrip"]
+    assert rt["npu"]["ok"] and rt["npu"]["new"] == 0 and rt["npu"]["known"] > 0 and not rt["npu"]["stale"], rt["npu"]
+    assert rt["npu_exit"] == 0 and rt["default_exit"] == 0 and rt["gpu_exit"] == 0
+    assert rt["default"]["known"] == rt["npu"]["known"] and not rt["default"]["stale"], rt["default"]
+    assert rt["gpu"]["known"] == 0 and not rt["gpu"]["stale"] and len(rt["gpu"]["not_checked"]) == rt["npu"]["known"]
+    # the file: stable identities (runner, step, branch, path, page size), no bucket, rank, iteration or lane
+    doc = json.loads(newest_run["baseline_file"])
+    assert doc["format"] == "specharness-engine-check-baseline/1" and doc["engine"] == "sglang"
+    keys = {k for f in doc["findings"] for k in f}
+    assert keys <= {"prop", "check", "field", "runner", "step", "branch", "path", "page_size"}, keys
+    assert {"check": "stale slot", "field": "out_cache_loc", "prop": "P1", "runner": "multi_layer", "step": 0, "branch": "neither",
+            "path": "npu"} in doc["findings"]
+    # JSON marks each failure known or new
+    marks = {f["baseline"] for ln in newest_run["default_with_baseline"]["lines"] for f in ln["failures"]}
+    assert marks == {"known"}
+    seed = newest_run["seed_baseline"]
+    assert newest_run["seed_exit"] == 1 and not seed["ok"]
+    assert {(f["check"], f["runner"], f["branch"]) for f in seed["new_findings"]} >= {("I1", "multi_layer", "attn_tp_gather")}, seed
 
 
 def test_newest_release_one_graph_composite_is_driven_beside_the_per_step_one(newest_run):

@@ -127,8 +127,8 @@ def test_eager_flag_reaches_check_engine_and_is_refused_for_vllm(monkeypatch):
     assert command.main(parser.parse_args(["--engine", "vllm==0.34.0", "--eager"])) == 2
     seen = {}
     monkeypatch.setattr(command, "_resolve", lambda args: (None, None))
-    monkeypatch.setattr(command, "drive_engine", lambda spec, load, check, fmt, as_json: seen.setdefault("check", check) and 0)
-    monkeypatch.setattr(command, "check_engine", lambda engine, layouts, cfg, progress, eager: seen.setdefault("eager", eager))
+    monkeypatch.setattr(command, "drive_engine", lambda spec, load, check, fmt, as_json, baseline: seen.setdefault("check", check) and 0)
+    monkeypatch.setattr(command, "check_engine", lambda engine, layouts, cfg, progress, eager, selection: seen.setdefault("eager", eager))
     assert command.main(parser.parse_args(["--engine", "sglang==0.5.23", "--eager"])) == 0
     seen["check"](None, None)
     assert seen["eager"] is True

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 from engine_releases import installed_release
-from prewarmed import run_python
+from prewarmed import run_module, run_python
 
 REPO = Path(__file__).resolve().parent.parent
 NEWEST = os.environ.get("SPECHARNESS_SGLANG_NEWEST", "0.5.23")
@@ -77,7 +77,8 @@ COMPOSITES = {"multi_layer", ONE_GRAPH}
 # the unmodified NEWEST's only failures (tests/test_engine_check.py): its native fill twin leaves padded token rows stale,
 # so they depend on the history and, for the index buffers, point at a larger batch's slots and positions
 NATIVE_TAIL = ({("canonical", f, "multi_layer", "npu") for f in ("input_ids", "positions", "out_cache_loc")}
-               | {("pad value", f, "multi_layer", "npu") for f in ("positions", "out_cache_loc")})
+               | {("pad value", f, "multi_layer", "npu") for f in ("positions", "out_cache_loc")}
+               | {("stale slot", "out_cache_loc", "multi_layer", "npu")})
 
 
 def _added(fails: list[dict]) -> set[tuple]:
@@ -282,3 +283,78 @@ def test_one_graph_flag_off_builds_the_per_step_composite_only(newest):
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert "multi_layer" in out["runners"] and ONE_GRAPH not in out["runners"], out["runners"]
     assert any(why.startswith(f"{ONE_GRAPH}: not built") for why in out["skipped"]), out["skipped"]
+
+
+# ---- a bug never costs the verdict: the command's exit status and its one JSON document ----
+
+# The unmodified NEWEST's NPU-path finding identities, as a baseline names them, written by hand from NATIVE_TAIL and the
+# page sizes it is checked at (tests/test_engine_check.py holds the unmodified release to them): every branch's per-step
+# composite, step 0, path npu; out_cache_loc's pad value at page size 1 only (slot 1 is on the dummy page at 128).
+NPU_BASELINE = {"format": "specharness-engine-check-baseline/1", "engine": "sglang", "findings": [
+    {"prop": "P1", "check": check, "field": field, "runner": "multi_layer", "step": 0, "branch": branch, "path": "npu",
+     **({"page_size": 1} if (check, field) == ("pad value", "out_cache_loc") else {})}
+    for branch in ("mlp_tp_gather", "attn_tp_gather", "neither")
+    for check, field in (("canonical", "input_ids"), ("canonical", "positions"), ("canonical", "out_cache_loc"),
+                         ("pad value", "positions"), ("pad value", "out_cache_loc"), ("stale slot", "out_cache_loc"))]}
+
+
+def _cli(target: Path, *args: str) -> tuple[int, dict, str]:
+    """`harness engine-check --engine sglang --target TARGET --json ARGS`: its exit status, its one JSON document (the whole of
+    stdout: a second document or a stray line would not parse), its stderr."""
+    proc = run_module("harness.engine_check", "--engine", "sglang", "--target", str(target), "--json", *args, timeout=600)
+    try:
+        doc = json.loads(proc.stdout)
+    except json.JSONDecodeError:
+        pytest.fail(f"exit {proc.returncode}, stdout is not one JSON document:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
+    return proc.returncode, doc, proc.stderr
+
+
+def test_dp_groups_disagreeing_on_the_bucket_is_a_finding_not_an_adapter_error(newest, tmp_path):
+    # prepare() pads each DP group to its own batch, not the largest group's: in the MLP-TP branch the groups launch different
+    # buckets in one iteration. The DP gather used to raise an adapter error there and the run ended exit 2, its findings lost.
+    target = _plant(newest, tmp_path / "sglang", MULTI, "max_batch_size = max(forward_batch.original_global_num_tokens_cpu)",
+                    "max_batch_size = forward_batch.batch_size")
+    baseline = tmp_path / "npu-baseline.json"
+    baseline.write_text(json.dumps(NPU_BASELINE))
+    rc, doc, err = _cli(target, "--path", "npu", "--runner", "multi_layer", "--baseline", str(baseline))
+    assert rc == 1, err[-3000:]
+    fails = [(f["check"], f["field"], f["where"]["branch"], f["baseline"]) for ln in doc["lines"] for f in ln["failures"]]
+    new = {f[:3] for f in fails if f[3] == "new"}
+    assert ("dp-gather", "DP groups launching the bucket", "mlp_tp_gather") in new, new
+    assert ("padding", "bs >= raw_bs", "mlp_tp_gather") in new, new
+    assert {f[2] for f in fails if f[3] == "new"} == {"mlp_tp_gather"}  # only the branch whose groups pad together
+    # the release's own NPU findings are still found, every one known
+    assert {(c, fl) for c, fl, _b, mark in fails if mark == "known"} == {(f["check"], f["field"]) for f in NPU_BASELINE["findings"]}
+    assert doc["baseline"]["new"] > 0 and not doc["baseline"]["ok"] and doc["selected"] == {"paths": ["npu"], "runners": ["multi_layer"]}
+    # the selection: the per-step composite's lines only, the rest said not checked
+    assert {(ln["runner"], ln["path"]) for ln in doc["lines"]} == {("multi_layer", "npu")}
+    assert {why.split(":")[0] for why in doc["skipped"] if "not checked (this run selected --runner multi_layer)" in why} == {
+        "multi_layer_1g", "single_layer", "draft_decode", "target_verify"}
+    assert not [f for ln in doc["lines"] for f in ln["failures"] if f["check"] in ("raised", "crashed")]
+
+
+def test_kernel_writing_past_its_buffer_and_a_process_killing_bug_are_findings(newest, tmp_path):
+    # two plants: the Triton fill kernel stores each request's seq_len max_bs rows past it (past the end of seq_lens: under
+    # the interpreter, unguarded, a heap write, `malloc(): smallbin double linked list corrupted` and an abort); the
+    # single-layer replay fill reads address 0 (a segfault, which no bounds check sees)
+    target = _plant(newest, tmp_path / "sglang", KERNEL, "        tl.store(seq_lens_ptr + i, sl.to(tl.int32))\n",
+                    "        tl.store(seq_lens_ptr + i + max_bs, sl.to(tl.int32))\n")
+    (target / SINGLE).unlink()
+    (target / SINGLE).write_text((newest / SINGLE).read_text().replace("            buffers.req_pool_indices.zero_()\n",
+                                                                       "            __import__('ctypes').string_at(0)\n", 1))
+    rc, doc, err = _cli(target, "--path", "gpu", "--runner", "multi_layer", "--runner", "single_layer")
+    assert rc == 1, err[-3000:]
+    fails = [f for ln in doc["lines"] for f in ln["failures"]]
+    # the kernel's out-of-bounds stores are masked off and reported, once per replay that launched it, naming kernel and argument
+    oob = [f for f in fails if f["check"] == "out of bounds"]
+    assert oob and {(f["field"], f["where"]["runner"], f["where"]["kernel"]) for f in oob} == {
+        ("replay_multi_layer (prepare, every step's replay)", "multi_layer", "fill_draft_extend_prepare_buffers_kernel")}, fails[:3]
+    assert all("at bytes [64, 68) of argument `seq_lens_ptr" in f["got"] and "masked off" in f["got"] for f in oob), oob[0]
+    # the kernel ran on without those stores, and what they did not write is caught too: no real seq_lens
+    assert ("lanes", "seq_lens") in {(f["check"], f["field"]) for f in fails if f["where"]["runner"] == "multi_layer"}
+    crashed = [f for f in fails if f["check"] == "crashed"]
+    assert {(f["field"], f["where"]["runner"]) for f in crashed} == {("replay_single_layer", "single_layer")}, crashed[:2]
+    assert sum(f["got"].startswith("the check process died (signal SIGSEGV)") for f in crashed) == 1
+    assert "the check process died (signal SIGSEGV) in replay_single_layer" in err
+    assert not [f for f in fails if f["check"] == "raised"]
+    assert doc["first_failure"]["check"] == "crashed"  # the report leads with the worst

@@ -12,7 +12,7 @@ import pytest
 from engine_releases import installed_release
 from test_engine_planted import ATTN_TP, NEWEST, PLAIN, _failures, _plant
 
-from harness.engines.check import verify_capture_bs
+from harness.props.p1_records import verify_capture_bs
 from runners.parallel.layout import ParallelLayout
 
 VERIFY = "sglang/srt/model_executor/runner/decode_cuda_graph_runner.py"  # DecodeCudaGraphRunner: the target's decode / verify graphs

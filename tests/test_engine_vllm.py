@@ -9,6 +9,7 @@ once per session, since importing vLLM dominates their time.
 """
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import shutil
@@ -21,6 +22,7 @@ import torch
 from engine_releases import installed_vllm
 from prewarmed import Started
 
+from harness.engines.command import add_arguments
 from harness.engines.command import main as engine_check_main
 from harness.engines.install import engines_root
 from harness.engines.sglang.errors import EngineAdapterError
@@ -291,9 +293,9 @@ def test_token_keyed_release_passes_under_its_own_rules(token_keyed):
 
 def test_not_installed_is_exit_2(capsys, monkeypatch, tmp_path):
     monkeypatch.setenv("SPECHARNESS_ENGINES", str(tmp_path))
-    parser_args = type("Args", (), {"engine": "vllm==0.0.1", "json": False, "target": None, "deps": None, "install": False,
-                                    "all_layouts": False, "eager": False, "releases": None})()
-    assert engine_check_main(parser_args) == 2
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    assert engine_check_main(parser.parse_args(["--engine", "vllm==0.0.1"])) == 2
     assert "vllm==0.0.1 is not installed" in capsys.readouterr().err
     assert engines_root() == tmp_path
 

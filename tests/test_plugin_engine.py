@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import textwrap
 from types import SimpleNamespace
 
 import pytest
@@ -100,3 +101,48 @@ def test_a_release_outside_the_adapters_reach_is_one_skipped_item_with_the_reaso
     items = list(plugin_engine.EngineCheckNode.collect(node))
     assert [kw["name"] for kw in items] == ["n/a"]
     assert made[0]["reason"].startswith("vllm 0.29.0: vllm 0.29.0 carries model runner v2's EAGLE speculator graph path")
+
+
+def _line(runner: str, layout: str, path: str, failures: list[dict]) -> dict:
+    return {"runner": runner, "step": 0, "branch": layout.split("[")[1].rstrip("]"), "layout": layout, "path": path, "bucket": 2,
+            "tokens_per_bs": 4, "raw_bs": [1, 2], "ranks": [0], "pruned_logits": False, "ok": not failures, "checked": 10,
+            "failures": failures, "notes": []}
+
+
+def _failure(check: str, field: str, mark: str) -> dict:
+    return {"prop": "P1", "check": check, "field": field, "where": {"runner": "multi_layer", "iteration": 2}, "expected": 0, "got": 7,
+            "detail": "", "baseline": mark}
+
+
+# What `engine-check ... --baseline known.json --json` hands the plugin (the shape drive.py writes; its values made up): an NPU
+# line whose failure is known, a GPU line that passed, a path-free line with a new failure, and a stale baseline entry.
+PATHS_AND_BASELINE = {
+    "engine": "sglang", "version": "0.5.23", "location": "/nowhere", "ok": False, "skipped": [],
+    "baseline": {"file": "known.json", "ok": False, "new": 1, "known": 1, "new_findings": [], "not_checked": [],
+                 "stale": [{"prop": "P1", "check": "canonical", "field": "seq_lens", "runner": "multi_layer", "step": 0}]},
+    "lines": [_line("multi_layer", "tp4-dp2 [mlp_tp_gather]", "npu", [_failure("stale slot", "out_cache_loc", "known")]),
+              _line("multi_layer", "tp4 [neither]", "gpu", []),
+              _line("single_layer", "tp4-dp2 [mlp_tp_gather]", "", [_failure("I1", "global_num_tokens_gpu", "new")])],
+}
+
+
+def test_items_per_device_path_carry_its_marker_and_known_findings_are_expected_failures(project):
+    """A device path's lines are items of their own, named and marked by the path, so `-m "not npu"` (or -k) deselects the NPU
+    path; with --baseline an item whose failures are all known xfails, one with a new failure fails, a stale entry warns."""
+    (project / "engine-check.json").write_text(json.dumps(PATHS_AND_BASELINE))
+    (project / "conftest.py").write_text((project / "conftest.py").read_text() + textwrap.dedent("""
+        import json
+        from pathlib import Path
+        import harness.plugin.engine as engine_items  # the check's JSON document, canned: no engine runs here
+        engine_items.run_engine_check = lambda args: (1, json.loads((Path(__file__).parent / "engine-check.json").read_text()))
+    """))
+    arg = "--specharness-engine-check=--engine sglang --target /nowhere --baseline known.json"
+    rc, out = pytest_in(project, "-k", "engine-check", "-rA", "--strict-markers", arg)
+    assert rc == 1, out[-3000:]
+    assert _items(out, "XFAIL") == {".::specharness::engine-check::multi_layer[tp4-dp2-npu]"}, out[-3000:]
+    assert _items(out, "PASSED") == {".::specharness::engine-check::multi_layer[tp4-gpu]"}, out[-3000:]
+    assert _items(out, "FAILED") == {".::specharness::engine-check::single_layer[tp4-dp2]"}, out[-3000:]
+    assert "1 known finding(s) (baseline known.json)" in out and "a stale entry (checked, no longer found)" in out, out[-3000:]
+    # the marker deselects the NPU path (so does -k "not npu": the item's name says npu)
+    rc, out = pytest_in(project, "-k", "engine-check", "-m", "not npu", "-rA", "--strict-markers", arg)
+    assert not _items(out, "XFAIL") and _items(out, "PASSED") == {".::specharness::engine-check::multi_layer[tp4-gpu]"}, out[-3000:]

@@ -6,33 +6,42 @@ gather, attn-TP gather, neither), without a model or a GPU; runs the engine's ca
 for every bucket (get_forward_batch(bs) and the step body up to the model) and its replay /
 prepare path for every raw batch size up to each bucket; converts what the engine produced
 into our records (harness.records.CaptureRecord / ReplayRecord) and runs the same P1
-checks our runners pass: I1 capture = replay, I2 rows fed to lm_head = for_logprob, I3
-branch parity, I4 buffer = Σ for_logprob, I5 for_logprob vs num_tokens, I6 single- vs
-multi-layer, and the padding rules. The graphed draft decode (sglang/draft_decode.py) gets
-the same P1 record checks and padded-lane checks, on its own lines (runner draft_decode).
+checks our runners pass (record_checks.py): I1 capture = replay, I2 rows fed to lm_head =
+for_logprob, I3 branch parity, I4 buffer = Σ for_logprob, I5 for_logprob vs num_tokens, I6
+single- vs multi-layer, and the padding rules. The graphed draft decode and the target's verify
+graphs (sglang/draft_decode.py, sglang/target_verify.py) get the same record and lane checks on
+their own lines.
+
+What a run checks is an options.Selection: the device paths (sglang/paths.py: which fill code
+each replay runs) and the runners. Every call into the engine goes through guard.guarded: a
+call that raises is a finding of the check that made it and the others go on. The runners of
+the first layout's first DP group are built (construction and capture, before any check) as
+the pre-flight: an adapter error there means the adapter cannot drive this release (exit 2).
 """
 from __future__ import annotations
 
 import functools
 import time
-from fractions import Fraction
-from typing import Optional
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
 
-from harness.engines.after_model import check_body, next_token, selected_row, selected_tokens
+from harness.engines.after_model import check_body
+from harness.engines.guard import guarded
 from harness.engines.install import version_key
-from harness.engines.lanes import FILLED_SINCE, LiveBatch, check_lanes, live_batch
+from harness.engines.lanes import FILLED_SINCE, LiveBatch, check_lanes, live_batch, schedule
+from harness.engines.options import EVERYTHING, FillPath, Selection
+from harness.engines.record_checks import check_captures, check_parity, check_record, check_selected_parity
 from harness.engines.report import EngineReport, Line
 from harness.engines.sglang import draft_decode, eager_check, logits_gather, one_graph, target_verify
 from harness.engines.sglang.build import EngineRunners
 from harness.engines.sglang.config import EngineConfig
-from harness.engines.sglang.handle import MULTI_LAYER, ONE_GRAPH, RunnerHandle
+from harness.engines.sglang.errors import EngineAdapterError, MissingEngineAttribute
+from harness.engines.sglang.handle import ONE_GRAPH
 from harness.engines.sglang.loader import Engine
-from harness.layout import branch_sibling
-from harness.props.p1_records import check_replay_record, check_replay_rows, verify_capture_bs
-from harness.records import ReplayRecord
+from harness.engines.sglang.paths import FillPlan
 from harness.verdict import Verdict
 from runners.base_cuda_graph_runner import compute_capture_bs
-from runners.parallel.layout import Branch, ParallelLayout
+from runners.parallel.layout import ParallelLayout
 
 # One or two representative layouts per branch (DESIGN.md §6.1, "which layouts reach which branch").
 REPRESENTATIVE_LAYOUTS: tuple[ParallelLayout, ...] = (
@@ -64,26 +73,64 @@ I7_OFF = ("I7 (eager vs graph): not run (`harness engine-check --eager`, or chec
           "draft-extend batch, harness/engines/sglang/eager.py; docs/engine-check.md, I7, says what it finds)")
 
 
-# ----------------------------------------------------------------------------------------
-# the schedule of live batches
-# ----------------------------------------------------------------------------------------
+
+# The runners --runner selects among (the eager path is --eager's).
+RUNNERS: tuple[str, ...] = ("multi_layer", ONE_GRAPH, "single_layer", draft_decode.KIND, target_verify.KIND)
+# In the pre-flight these mean the adapter cannot drive the release; anywhere later, a finding of the check that hit one.
+ADAPTER_ERRORS = (EngineAdapterError, MissingEngineAttribute)
 
 
-def _schedule(layout: ParallelLayout, capture_bs: list[int]) -> list[list[int]]:
-    """Per iteration, each DP group's raw batch size: both ends of every bucket (the smallest batch it
-    takes and a full one), growing then shrinking (so a smaller batch follows a larger one and finds
-    its stale lanes). In the MLP-TP branch the bucket follows the largest group: each size also runs
-    with each group in turn the small one. Every group runs the same schedule: the logits gather
-    meets all groups' launches of one iteration."""
-    edges = sorted(set(capture_bs))
-    sizes = sorted({b for b in edges} | {a + 1 for a in [0, *edges[:-1]]})
-    dp = layout.attn_dp_size
-    out = []
-    for r in sizes + sizes[::-1][1:]:
-        out.append([r] * dp)
-        if layout.require_mlp_tp_gather and dp > 1 and r > 1:
-            out += [[1 if g == small else r for g in range(dp)] for small in range(dp)]
-    return out
+class _Book:
+    """The report's lines, one per (layout, runner, step, bucket, path)."""
+
+    def __init__(self) -> None:
+        self.lines: dict[tuple, Line] = {}
+
+    def line(self, layout: ParallelLayout, runner: str, step: int, bucket: Optional[int], path: str = "") -> Line:
+        key = (layout, runner, step, bucket, path)
+        if key not in self.lines:
+            self.lines[key] = Line(runner, step, layout, bucket, path)
+        return self.lines[key]
+
+
+@dataclass
+class _Rank:
+    """The first rank of one DP group of a layout: the lines its results go on and its guarded engine calls."""
+
+    book: _Book
+    layout: ParallelLayout
+    d: int
+    tp_rank: int
+    path: str  # the per-step composite's path here (paths.FillPlan.line_path)
+    plan: FillPlan
+    engine_root: str
+    preflight: bool
+    seen: dict = field(default_factory=dict)  # what the padded lanes held before (lanes.check_lanes)
+
+    def line(self, runner: str, step: int, bucket: Optional[int], path: Optional[str] = None) -> Line:
+        return self.book.line(self.layout, runner, step, bucket, _line_path(runner, self.path, self.plan) if path is None else path)
+
+    def call(self, runner: str, call: str, fn: Callable[..., Any], *args: Any, step: int = 0, where: Optional[dict] = None) -> Any:
+        """fn(*args), guarded: what it raises is a `raised` failure on the runner's whole-runner line (bucket None)."""
+        w = {"layout": self.layout.describe(), "branch": self.layout.branch.value, "runner": runner, "step": step, "rank": self.tp_rank,
+             **(where or {})}
+        v = Verdict("P1")
+        got = guarded(v, call, w, functools.partial(fn, *args), self.engine_root, ADAPTER_ERRORS if self.preflight else ())
+        if v.failures:  # the whole-runner line exists only where a call raised (or launched a kernel out of bounds)
+            self.line(runner, step, None).verdict.merge(v)
+        return got
+
+
+def _line_path(runner: str, composite_path: str, plan: FillPlan) -> str:
+    """The path a runner's lines carry on a rank whose per-step composite replays on composite_path."""
+    return composite_path if runner == "multi_layer" else plan.one_graph_path if runner == ONE_GRAPH else ""
+
+
+@dataclass
+class _Built:
+    runners: Optional[EngineRunners]
+    dd: Optional[draft_decode.DraftDecodeHandle] = None
+    tv: Optional[target_verify.TargetVerify] = None
 
 
 # ----------------------------------------------------------------------------------------
@@ -92,309 +139,163 @@ def _schedule(layout: ParallelLayout, capture_bs: list[int]) -> list[list[int]]:
 
 
 def check_engine(engine: Engine, layouts: tuple[ParallelLayout, ...] = REPRESENTATIVE_LAYOUTS, cfg: Optional[EngineConfig] = None, progress=None,
-                 kernel_layouts: tuple[ParallelLayout, ...] = KERNEL_LAYOUTS, eager: bool = False) -> EngineReport:
+                 kernel_layouts: tuple[ParallelLayout, ...] = KERNEL_LAYOUTS, eager: bool = False,
+                 selection: Selection = EVERYTHING) -> EngineReport:
     """P1's invariants and the padded-lane checks on a loaded engine's own graph runners, on a CPU (no model, no GPU)."""
     cfg = cfg or EngineConfig()
     t0 = time.perf_counter()
-    lines: dict[tuple, Line] = {}
+    book = _Book()
     # (layout, rank, runner, step) -> {bucket: (for_logprob per token at capture, rows fed to lm_head per token, bs * T)}, for I3 / I6
-    per_request: dict[tuple, dict[int, tuple[Optional[Fraction], Fraction, int]]] = {}
+    per_request: dict[tuple, dict] = {}
+    rank_path: dict[tuple[ParallelLayout, int], str] = {}
 
     # the buffers whose padded lanes this release's fill writes, per runner (lanes.FILLED_SINCE)
     filled = {kind: frozenset(b for (k, b), since in FILLED_SINCE.items() if k == kind and version_key(since) <= version_key(engine.version))
               for kind in ("multi_layer", "single_layer", draft_decode.KIND, target_verify.KIND)}
     filled[ONE_GRAPH] = filled["multi_layer"]  # the same prepare() fills both composites' buffers
+    plan = FillPlan.of(engine.fill, selection.paths, kernel_layouts)
 
-    def line(layout: ParallelLayout, runner: str, step: int, bucket: int) -> Line:
-        key = (layout, runner, step, bucket)
-        if key not in lines:
-            lines[key] = Line(runner, step, layout, bucket)
-        return lines[key]
-
-    dd_mod, dd_why = draft_decode.load(engine)
-    skipped = list(SKIPPED) + ([] if eager else [I7_OFF]) + ([] if dd_mod is not None else [f"draft_decode (EAGLEDraftCudaGraphRunner): n/a: {dd_why}"])
+    dd_mod, dd_why = draft_decode.load(engine) if selection.wants(draft_decode.KIND) else (None, "")
+    tv_mod, tv_model_runner, tv_why = target_verify.load(engine) if selection.wants(target_verify.KIND) else (None, None, "")
+    skipped = list(SKIPPED) + ([] if eager else [I7_OFF])
+    skipped += [f"draft_decode (EAGLEDraftCudaGraphRunner): n/a: {dd_why}"] if dd_why else []
+    skipped += [f"target_verify (the target's TARGET_VERIFY graphs): n/a: {tv_why}"] if tv_why else []
     gather_na: list[str] = []
     no_gather: list[str] = []  # layouts whose logits processor does not gather across DP groups
-    tv_mod, tv_model_runner, tv_why = target_verify.load(engine)
-    skipped += [] if tv_mod is not None else [f"target_verify (the target's TARGET_VERIFY graphs): n/a: {tv_why}"]
 
-    for layout in layouts:
+    for li, layout in enumerate(layouts):
         if progress:
             progress(f"{layout.describe()}")
         expected_capture_bs = compute_capture_bs(layout, cfg.capture_bs, cfg.max_running_requests)
-        gather, first = None, None
+        wl = {"layout": layout.describe(), "branch": layout.branch.value}
+        gather, first, first_rank = None, None, None
         for d in range(layout.attn_dp_size):
             tp_rank = d * layout.attn_tp_size
             own = d if layout.require_mlp_tp_gather else 0
-            if engine.fill is not None:
-                engine.fill.kernel = d == 0 and layout in kernel_layouts
-            runners = EngineRunners(engine, layout, tp_rank, cfg)
-            first = first or runners
+            kernel = plan.kernel_fills(layout, d)
+            plan.apply(engine.fill, kernel)
+            rank = _Rank(book, layout, d, tp_rank, plan.line_path(kernel), plan, engine.location, preflight=li == 0 and d == 0)
+            rank_path[(layout, tp_rank)] = rank.path
+            built = _build(engine, rank, cfg, selection.wants(ONE_GRAPH) and plan.one_graph, dd_mod, tv_mod, tv_model_runner)
+            rank.preflight = False  # built: from here on every call is a check
+            runners = built.runners
+            if runners is None:
+                continue
+            first, first_rank = first or runners, first_rank or rank
             if d == 0:
-                gather, why = logits_gather.setup(engine, layout, runners.server_args, cfg.vocab_size, cfg.hidden_size,
-                                                  line(layout, "multi_layer", 0, runners.multi[0].capture_bs[0]).verdict,
-                                                  {"layout": layout.describe(), "branch": layout.branch.value})
+                got = rank.call("multi_layer", "logits_gather.setup", logits_gather.setup, engine, layout, runners.server_args,
+                                cfg.vocab_size, cfg.hidden_size, rank.line("multi_layer", 0, runners.multi[0].capture_bs[0]).verdict, wl)
+                gather, why = got if got is not None else (None, None)
                 gather_na += [why] if why else []
-                no_gather += [layout.describe()] if gather is None and not why else []
+                no_gather += [layout.describe()] if gather is None and not why and got is not None else []
             for h in runners.handles:
                 h.on_launch = None if gather is None else gather.take
-            seen_lanes: dict = {}
-            driven: set[int] = set()
-            # replay first: a line's first failure is then the one our own P1 reports for the same bug (I1)
-            sched = _schedule(layout, runners.multi[0].capture_bs)
-            for it, dp_sizes in enumerate(sched):
-                raw = dp_sizes[d]
-                needed = max(dp_sizes) if layout.require_mlp_tp_gather else raw
-                live = live_batch(raw, dp_sizes, it, cfg.num_draft_tokens, cfg.max_running_requests)
-                # past the model call (after_model.py), where the interpreted kernels run, once per full bucket (every row
-                # real, the last request's too) and once at raw_bs 1 (the most padding): the body's checks are on the real
-                # rows, which no history may change (the padded lanes' history is lanes.py's)
-                drive = d == 0 and layout in kernel_layouts and raw not in driven and (raw == 1 or raw in runners.multi[0].capture_bs)
-                driven |= {raw} if drive else set()
-                for h in runners.handles:
-                    h.drive_body = drive
-                if gather is not None:
-                    gather.where = (it, d, tuple(dp_sizes))
-                results = runners.replay_multi_layer(live) + [runners.replay_single_layer(live)]
-                bodies = {}
-                for rec, returned, lane_recs, body in results:
-                    ln = line(layout, rec.runner, rec.step, rec.bs)
-                    _check_record(ln, layout, rec, returned, tp_rank, it, needed)
-                    w = {"layout": layout.describe(), "branch": layout.branch.value, "runner": rec.runner, "step": rec.step, "rank": tp_rank,
-                         "iteration": it, "raw_bs": rec.raw_bs, "bs": rec.bs}
-                    for lr in lane_recs:
-                        check_lanes(ln.verdict, lr, live, seen_lanes, w, filled[lr.runner])
-                    if body is not None:
-                        prev = bodies.get((rec.runner, rec.step - 1))
-                        check_body(ln.verdict, body, live.num_correct_drafts, prev, w)
-                        bodies[(rec.runner, rec.step)] = body
-                w_it = {"layout": layout.describe(), "branch": layout.branch.value, "rank": tp_rank, "iteration": it}
-                _check_selected_parity(bodies, live, functools.partial(line, layout), w_it)
-                og = runners.one_graph
-                for step, served in enumerate(og.served if og else []):
-                    h = og.handles[step]
-                    one_graph.check_served(line(layout, ONE_GRAPH, step, h.snapshots[-1].bs).verdict, step, served,
-                                           bodies.get((ONE_GRAPH, step)), live.num_correct_drafts,
-                                           {**w_it, "runner": ONE_GRAPH, "step": step, "raw_bs": raw, "bs": h.snapshots[-1].bs})
+            _replay_schedule(rank, runners, gather, filled, cfg, layout in kernel_layouts)
             if runners.one_graph is not None:
-                one_graph.check_restore(functools.partial(line, layout), runners.one_graph,
-                                        {"layout": layout.describe(), "branch": layout.branch.value, "runner": ONE_GRAPH, "step": 0, "rank": tp_rank})
-            if dd_mod is not None:
-                _check_draft_decode(draft_decode.DraftDecodeHandle(dd_mod, runners), layout, d, tp_rank, functools.partial(line, layout),
-                                    filled["draft_decode"])
+                rank.call(ONE_GRAPH, "the one graph's capture restore check", one_graph.check_restore, rank.line, runners.one_graph,
+                          {**wl, "runner": ONE_GRAPH, "step": 0, "rank": tp_rank})
+            if built.dd is not None:
+                rank.call(draft_decode.KIND, "the draft decode's replays", draft_decode.check, built.dd, layout, d, tp_rank, rank.line,
+                          filled[draft_decode.KIND])
             for h in runners.handles:
-                _check_captures(h, layout, tp_rank, functools.partial(line, layout), expected_capture_bs, per_request, own)
-            if tv_mod is not None:
-                _check_target_verify(target_verify.TargetVerify(tv_mod, tv_model_runner, runners), layout, d, tp_rank,
-                                     functools.partial(line, layout), filled[target_verify.KIND], per_request)
-        if eager:  # I7: the engine's eager batch for the same loads, against what the graphs baked (eager_check.py)
-            why = eager_check.check_eager(first, layout, _schedule(layout, first.multi[0].capture_bs), per_request, functools.partial(line, layout),
-                                            gather)
+                rank.call(h.kind, "the capture checks", check_captures, h, layout, tp_rank, rank.line, expected_capture_bs, per_request,
+                          own, step=h.step)
+            if built.tv is not None:
+                rank.call(target_verify.KIND, "the target verify's replays", target_verify.check, built.tv, layout, d, tp_rank, rank.line,
+                          filled[target_verify.KIND], per_request)
+        if eager and first is not None:  # I7: the engine's eager batch for the same loads, against what the graphs baked
+            why = first_rank.call(eager_check.KIND, "the eager draft-extend path (I7)", eager_check.check_eager, first, layout,
+                                  schedule(layout, first.multi[0].capture_bs), per_request, first_rank.line, gather)
             skipped += [why] if why and why not in skipped else []
         if gather is not None:
-            why = gather.check(functools.partial(line, layout), {"layout": layout.describe(), "branch": layout.branch.value})
+            why = first_rank.call("multi_layer", "the logits processor's DP gather", gather.check, first_rank.line, wl)
             gather_na += [why] if why else []
     skipped += sorted(set(gather_na))
-    if one_graph.available(engine):
+    if one_graph.available(engine) and plan.one_graph and selection.wants(ONE_GRAPH):
         skipped.append(ONE_GRAPH_LOGITS if one_graph.flag_on(engine) else ONE_GRAPH_OFF)
-        if one_graph.flag_on(engine) and engine.fill is not None and engine.fill.native is not None:
+        if one_graph.flag_on(engine) and plan.twin and FillPath.NPU in selection.paths:
             skipped.append(ONE_GRAPH_NATIVE)
     if no_gather:
         skipped.append(f"{logits_gather.CHECK} on {', '.join(no_gather)}: nothing to run: the engine's LogitsProcessor does not gather "
                        "logits rows across DP groups there (do_tensor_parallel_all_gather_dp_attn false: no DP attention, or dp lm_head), "
                        "so for_logprob reaches no DP gather (the attn-TP gather layouts, the seed bug's, are among them)")
-    _check_parity(lines, per_request, layouts, line)
-    ordered = sorted(lines.values(), key=lambda ln: (layouts.index(ln.layout), ln.runner != "multi_layer", ln.step, ln.bucket))
-    return EngineReport("sglang", engine.version, engine.generation, engine.location, ordered, engine.stubbed, time.perf_counter() - t0,
-                        skipped)
+    check_parity(per_request, layouts, lambda lay, rank, runner, step, bs: book.line(
+        lay, runner, step, bs, _line_path(runner, rank_path.get((lay, rank), ""), plan)))
+    skipped += plan.skipped(layouts) + selection.left_out(RUNNERS)
+    kept = [ln for ln in book.lines.values() if selection.wants(ln.runner) or ln.runner == eager_check.KIND]
+    ordered = sorted(kept, key=lambda ln: (layouts.index(ln.layout), ln.runner != "multi_layer", ln.step,
+                                           -1 if ln.bucket is None else ln.bucket, ln.path))
+    rep = EngineReport("sglang", engine.version, engine.generation, engine.location, ordered, engine.stubbed, time.perf_counter() - t0,
+                       skipped, plan.header(engine.version), selection)
+    rep.order_failures()  # a line leads with its most severe failure (a crash, a raise, a KV write into a request's slot)
+    return rep
 
 
-def _check_captures(h: RunnerHandle, layout: ParallelLayout, tp_rank: int, line, expected_capture_bs: list[int], per_request: dict,
-                    own: int, padding_mode: Optional[str] = "max_len") -> None:
-    """Per bucket, what the capture baked: the engine's branch and buckets, the DP buffer the body set, I2 at capture;
-    and each bucket's for_logprob per token for I3 / I6 (padding_mode None: the release picks the graph's DP padding)."""
-    for bs in h.capture_bs:
-        ln = line(h.kind, h.step, bs)
-        ln.tokens_per_bs, ln.ranks = h.tokens_per_bs, ln.ranks | {tp_rank}
-        w = {"layout": layout.describe(), "branch": layout.branch.value, "runner": h.kind, "step": h.step, "rank": tp_rank, "bs": bs}
-        v = ln.verdict
-        v.expect_equal("branch", "require_*_gather", w, layout.branch.value, h.engine_branch, "the engine's derived branch for this layout")
-        v.expect_equal("padding", "capture_bs", w, expected_capture_bs, h.capture_bs, "DESIGN.md §6.2: multiples of the base that fit the pool")
-        cap = h.captures[bs]
-        host = cap.host
-        rows_fed, logits_rows = h.capture_rows[bs]
-        n = bs * h.tokens_per_bs
-        ln.pruned = rows_fed == bs and n != bs
-        if padding_mode is not None:
-            v.expect_equal("padding", "dp_padding_mode", w, padding_mode, host["dp_padding_mode"], "draft-extend graphs pad every DP rank to the bucket")
-        v.expect_equal("padding", "local_dp_buffer_len", w, n, host["local_dp_buffer_len"], "the step body's DP buffer holds bs * T tokens")
-        if host["extend_num_tokens"] is not None:  # the single-layer runner leaves it unset
-            v.expect_equal("padding", "extend_num_tokens", w, n, host["extend_num_tokens"])
-        for name in ("global_num_tokens_cpu", "global_dp_buffer_len"):
-            if host[f"fb_{name}"] is not None:
-                v.expect_equal("capture", name, w, host[name], host[f"fb_{name}"], "forward batch vs the step body's set_dp_buffer_len")
-            if not layout.require_gathered_buffer:
-                v.expect_equal("padding", name, w, None, host[name], "no gathered buffer in this branch")
-        if cap.global_num_tokens_for_logprob_gpu is not None:
-            v.expect_equal("I2", "global_num_tokens_for_logprob_gpu (capture)", w, rows_fed, cap.global_num_tokens_for_logprob_gpu[own],
-                           "rows fed to lm_head in the warm-up and capture runs")
-        lp = cap.global_num_tokens_for_logprob_gpu
-        per_request.setdefault((layout, tp_rank, h.kind, h.step), {})[bs] = (None if lp is None else Fraction(lp[own], n), Fraction(rows_fed, n), n)
+def _build(engine: Engine, rank: _Rank, cfg: EngineConfig, with_one_graph: bool, dd_mod: Any, tv_mod: Any, tv_model_runner: Any) -> _Built:
+    """Every runner of one rank, constructed and captured before any of its replays (on the first rank: the pre-flight)."""
+    runners = rank.call("multi_layer", "building the draft-extend runners (construction and capture)",
+                        functools.partial(EngineRunners, one_graph=with_one_graph), engine, rank.layout, rank.tp_rank, cfg)
+    if runners is None:
+        return _Built(None)
+    dd = None if dd_mod is None else rank.call(draft_decode.KIND, "building EAGLEDraftCudaGraphRunner (construction and capture)",
+                                               draft_decode.DraftDecodeHandle, dd_mod, runners)
+    tv = None if tv_mod is None else rank.call(target_verify.KIND, "building the target's verify graph runner (construction and capture)",
+                                               target_verify.TargetVerify, tv_mod, tv_model_runner, runners)
+    return _Built(runners, dd, tv)
 
 
-def _check_target_verify(tv: target_verify.TargetVerify, layout: ParallelLayout, d: int, tp_rank: int, line, filled: frozenset[str],
-                         per_request: dict) -> None:
-    """The target verify graphs: P1 on every capture and replay as for the draft-extend runners (TARGET_VERIFY computes
-    logits for every token, so for_logprob = num_tokens = rows fed to lm_head = bs * T), its spec_info as baked, and
-    the padded lanes of the buffers its replay fill resets."""
-    T, cfg, seen, own = tv.tokens_per_bs, tv.cfg, {}, d if layout.require_mlp_tp_gather else 0
-    # replay first, as for the draft-extend runners: a line's first failure is then the one our own P1 reports first
-    for it, dp_sizes in enumerate(_schedule(layout, tv.capture_bs)):
-        raw = dp_sizes[d]
-        live = live_batch(raw, dp_sizes, it, T, cfg.max_running_requests)
-        rec, returned, lanes = tv.replay(live)
-        ln = line(target_verify.KIND, 0, rec.bs)
-        _check_record(ln, layout, rec, returned, tp_rank, it, max(dp_sizes) if layout.require_mlp_tp_gather else raw, tokens_aligned=True)
-        w = {"layout": layout.describe(), "branch": layout.branch.value, "runner": target_verify.KIND, "step": 0, "rank": tp_rank,
-             "iteration": it, "raw_bs": raw, "bs": rec.bs}
-        for lr in lanes:
-            check_lanes(ln.verdict, lr, live, seen, w, filled)
-    _check_captures(tv.handle, layout, tp_rank, line, verify_capture_bs(layout, cfg.capture_bs, cfg.max_running_requests, T), per_request,
-                    own, padding_mode=None)
-    for bs, spec in tv.spec.items():
-        v = line(target_verify.KIND, 0, bs).verdict
-        w = {"layout": layout.describe(), "branch": layout.branch.value, "runner": target_verify.KIND, "step": 0, "rank": tp_rank, "bs": bs}
-        v.expect_equal("capture", "spec_info.draft_token_num", w, T, spec.draft_token_num, "the verify tree's tokens per request")
-        if spec.hidden_rows is not None:
-            v.expect_equal("capture", "spec_info.hidden_states rows", w, bs * T, spec.hidden_rows, "one per token (MTP models read them)")
-        if spec.custom_mask_len is not None:
-            v.expect_equal("capture", "custom_mask covers the batch", w, True, spec.custom_mask_len >= T * (spec.seq_lens_sum + bs * T),
-                           f"T rows of seq_len + T per request: {T * (spec.seq_lens_sum + bs * T)} needed, {spec.custom_mask_len} held")
-
-
-def _check_draft_decode(dd: draft_decode.DraftDecodeHandle, layout: ParallelLayout, d: int, tp_rank: int, line, filled: frozenset[str]) -> None:
-    """P1 and the padded lanes of the engine's graphed draft decode: DECODE counts bs * topk tokens, a logits row each
-    (as runners.eagle_draft_cuda_graph_runner, harness.props.p1_metadata's draft-decode check), so for_logprob == num_tokens."""
-    k, cfg, seen = dd.tokens_per_bs, dd.cfg, {}
-    for it, dp_sizes in enumerate(_schedule(layout, dd.capture_bs)):
+def _replay_schedule(rank: _Rank, runners: EngineRunners, gather: Optional[logits_gather.GatherCheck], filled: dict, cfg: EngineConfig,
+                     kernel_layout: bool) -> None:
+    """Every iteration of the schedule through the draft-extend runners, each runner's replay and the checks of its records
+    guarded apart (replay first: a line's first failure is then the one our own P1 reports for the same bug, I1)."""
+    layout, d = rank.layout, rank.d
+    driven: set[int] = set()
+    for it, dp_sizes in enumerate(schedule(layout, runners.multi[0].capture_bs)):
         raw = dp_sizes[d]
         needed = max(dp_sizes) if layout.require_mlp_tp_gather else raw
         live = live_batch(raw, dp_sizes, it, cfg.num_draft_tokens, cfg.max_running_requests)
-        rec, lanes = dd.replay(live)
-        ln = line(draft_decode.KIND, 0, rec.bs)
-        ln.raw_bs.add(raw)
-        ln.ranks.add(tp_rank)
-        ln.tokens_per_bs = k
-        check_replay_record(ln.verdict, layout, rec, tp_rank, it, needed, require_host_lists=False)
-        w = {"layout": layout.describe(), "branch": layout.branch.value, "runner": draft_decode.KIND, "step": 0, "rank": tp_rank,
-             "iteration": it, "raw_bs": raw, "bs": rec.bs}
-        check_lanes(ln.verdict, lanes, live, seen, w, filled)
+        # past the model call (after_model.py), where the interpreted kernels run, once per full bucket (every row
+        # real, the last request's too) and once at raw_bs 1 (the most padding): the body's checks are on the real
+        # rows, which no history may change (the padded lanes' history is lanes.py's)
+        drive = d == 0 and kernel_layout and raw not in driven and (raw == 1 or raw in runners.multi[0].capture_bs)
+        driven |= {raw} if drive else set()
+        for h in runners.handles:
+            h.drive_body = drive
+        if gather is not None:
+            gather.where = (it, d, tuple(dp_sizes))
+        w_it = {"iteration": it, "raw_bs": raw}
+        results = rank.call("multi_layer", "replay_multi_layer (prepare, every step's replay)", runners.replay_multi_layer, live,
+                            where=w_it) or []
+        results += rank.call(ONE_GRAPH, "replay_one_graph (prepare, the one replay)", runners.replay_one_graph, live, where=w_it) or []
+        single = rank.call("single_layer", "replay_single_layer", runners.replay_single_layer, live, where=w_it)
+        results += [single] if single is not None else []
+        rank.call("multi_layer", "the checks of the iteration's records", _check_iteration, rank, runners, results, live, filled, needed, it,
+                  where=w_it)
 
 
-def _check_selected_parity(bodies: dict, live: LiveBatch, line, w: dict) -> None:
-    """I6 on what was selected past the model call (after_model.py): the single-layer runner and the multi-layer
-    runner's step 0 take each request's logits from its last accepted token, whichever of them prunes. At one
-    width both read the same live batch. A disagreement is put on the runner that departs from the row rule
-    applied to the live batch (the multi-layer one when both or neither do): never blind to a pruning runner."""
-    for kind in MULTI_LAYER:
-        _check_selected_pair(bodies.get(("single_layer", 0)), bodies.get((kind, 0)), live, line, w)
-
-
-def _check_selected_pair(single, multi, live: LiveBatch, line, w: dict) -> None:
-    if single is None or multi is None or single.tokens_per_bs != multi.tokens_per_bs:
-        return
-    W, ncd = single.tokens_per_bs, live.num_correct_drafts
-    fed = live.tokens(W)["input_ids"]
-    rule = [next_token(fed[selected_row(i, ncd[i], W, W, 0)]) for i in range(live.raw_bs)]
-    s_tok, m_tok = selected_tokens(single, ncd), selected_tokens(multi, ncd)
-    blamed = single if s_tok != rule and m_tok == rule else multi
-    ref, got = (m_tok, s_tok) if blamed is single else (s_tok, m_tok)
-    v = line(blamed.runner, blamed.step, blamed.bs).verdict
-    v.checked += 1
-    if ref != got:
-        i = next(i for i, (a, b) in enumerate(zip(ref, got, strict=False)) if a != b)
-        other = "multi-layer step 0" if blamed is single else "single-layer runner"
-        v.fail("I6", "selected logits", {**w, "runner": blamed.runner, "step": blamed.step, "raw_bs": live.raw_bs, "bs": blamed.bs,
-                                          "request": i}, ref[i], got[i],
-               f"the token request {i}'s handed-back logits peak at: {other} (expected) vs this runner, both from its last accepted row")
-
-
-def _check_record(ln: Line, layout: ParallelLayout, rec: ReplayRecord, returned: Optional[int], tp_rank: int, it: int, needed: int,
-                  tokens_aligned: bool = False) -> None:
-    v = ln.verdict
-    ln.raw_bs.add(rec.raw_bs)
-    ln.ranks.add(tp_rank)
-    n = rec.bs * rec.tokens_per_bs
-    pruned = rec.rows_fed == rec.bs and n != rec.bs  # measured: the engine's logits processor feeds lm_head one row per request
-    check_replay_record(v, layout, rec, tp_rank, it, needed, logprob_rows=rec.bs if pruned else None, require_host_lists=False,
-                        tokens_aligned=tokens_aligned)
-    check_replay_rows(v, layout, rec, tp_rank, it, expected_rows=rec.bs if pruned else n)
-    w = {"layout": layout.describe(), "branch": rec.branch, "runner": rec.runner, "step": rec.step, "rank": tp_rank, "iteration": it,
-         "raw_bs": rec.raw_bs, "bs": rec.bs}
-    if returned is None:  # the one-graph composite's replay hands back its raw output (ONE_GRAPH_LOGITS)
-        return
-    v.expect_equal("padding", "returned logits rows", w, rec.raw_bs if pruned else rec.raw_bs * rec.tokens_per_bs, returned,
-                   "rows handed back after replay: the real lanes only")
-
-
-def _check_parity(lines: dict, per_request: dict, layouts: tuple[ParallelLayout, ...], line) -> None:
-    """I3 (MLP-TP vs attn-TP branch, same tp/dp) and I6 (single- vs multi-layer runner), per bucket.
-
-    The comparable quantity is for_logprob per padded token, for_logprob / (bs * T): 1 for
-    DRAFT_EXTEND_V2 (the widths T differ between the runners of some releases, so raw values
-    would not compare). A difference that both runners explain by what they feed lm_head (I2
-    holds on both: one prunes logits to a row per request, 1/T, DESIGN.md §6.3) is the legal
-    pruned variant: it is reported as a note with its evidence, not hidden. Anything else fails.
-    """
-    for (layout, rank, kind, step), buckets in per_request.items():
-        # I3
-        sib = branch_sibling(layout)
-        if sib is not None and sib in layouts and layout.branch is Branch.ATTN_TP_GATHER:
-            theirs = per_request.get((sib, rank, kind, step), {})
-            for bs, (lp, rows, n) in buckets.items():
-                if bs not in theirs:
-                    continue
-                t_lp, t_rows, t_n = theirs[bs]
-                w = {"layout": layout.describe(), "sibling": sib.describe(), "branch": layout.branch.value, "runner": kind, "step": step,
-                     "rank": rank, "bs": bs}
-                _compare(line(layout, kind, step, bs).verdict, "I3", w, (t_lp, t_rows, t_n), (lp, rows, n),
-                         "for_logprob per padded token, MLP-TP gather sibling (expected) vs attn-TP gather")
-        # I6, both ways: a disagreement belongs to the runner whose for_logprob is not the rows it feeds lm_head
-        if kind not in MULTI_LAYER:
-            continue
-        single = per_request.get((layout, rank, "single_layer", 0), {})
-        for bs, (lp, rows, n) in buckets.items():
-            if bs not in single:
-                continue
-            s_lp, s_rows, s_n = single[bs]
-            w = {"layout": layout.describe(), "branch": layout.branch.value, "runner": kind, "step": step, "rank": rank, "bs": bs}
-            multi_wrong, single_wrong = lp != rows, s_lp is not None and s_lp != s_rows
-            if single_wrong and not multi_wrong:
-                _compare(line(layout, "single_layer", 0, bs).verdict, "I6", {**w, "runner": "single_layer", "step": 0, "vs_step": step},
-                         (lp, rows, n), single[bs], "for_logprob per padded token, multi-layer (expected) vs single-layer runner")
-            else:
-                _compare(line(layout, kind, step, bs).verdict, "I6", w, single[bs], (lp, rows, n),
-                         "for_logprob per padded token, single-layer (expected) vs multi-layer runner")
-
-
-def _compare(v: Verdict, check: str, w: dict, ref: tuple, got: tuple, what: str) -> None:
-    (r_lp, r_rows, r_n), (g_lp, g_rows, g_n) = ref, got
-    if r_lp is None and g_lp is None:
-        return
-    v.checked += 1
-    if r_lp == g_lp:
-        return
-    explained = r_lp is not None and g_lp is not None and r_lp == r_rows and g_lp == g_rows
-    if explained:
-        v.notes.append(
-            f"P1/{check} global_num_tokens_for_logprob: {_fmt(r_lp, r_n)} vs {_fmt(g_lp, g_n)}, each equal to the rows its runner feeds lm_head: "
-            f"the pruned-logits variant of DESIGN.md §6.3 (legal; reported) [{', '.join(f'{k}={x}' for k, x in w.items())}]"
-        )
-    else:
-        v.fail(check, "global_num_tokens_for_logprob", w, _fmt(r_lp, r_n), _fmt(g_lp, g_n), what)
-
-
-def _fmt(x: Optional[Fraction], n: int) -> str:
-    if x is None:
-        return "absent"
-    return f"{x * n} of {n} tokens" if x != 1 else f"all {n} tokens"
+def _check_iteration(rank: _Rank, runners: EngineRunners, results: list, live: LiveBatch, filled: dict, needed: int, it: int) -> None:
+    layout, tp_rank = rank.layout, rank.tp_rank
+    bodies = {}
+    for rec, returned, lane_recs, body in results:
+        ln = rank.line(rec.runner, rec.step, rec.bs)
+        check_record(ln, layout, rec, returned, tp_rank, it, needed)
+        w = {"layout": layout.describe(), "branch": layout.branch.value, "runner": rec.runner, "step": rec.step, "rank": tp_rank,
+             "iteration": it, "raw_bs": rec.raw_bs, "bs": rec.bs}
+        for lr in lane_recs:  # the twin's lanes beside the kernel's go on the NPU path's line of the same bucket
+            lane_line = ln if lr.path == ln.path else rank.line(rec.runner, rec.step, rec.bs, lr.path)
+            lane_line.raw_bs.add(rec.raw_bs)
+            lane_line.ranks.add(tp_rank)
+            lane_line.tokens_per_bs = rec.tokens_per_bs
+            check_lanes(lane_line.verdict, lr, live, rank.seen, w, filled[lr.runner])
+        if body is not None:
+            prev = bodies.get((rec.runner, rec.step - 1))
+            check_body(ln.verdict, body, live.num_correct_drafts, prev, w)
+            bodies[(rec.runner, rec.step)] = body
+    w_it = {"layout": layout.describe(), "branch": layout.branch.value, "rank": tp_rank, "iteration": it}
+    check_selected_parity(bodies, live, rank.line, w_it)
+    og = runners.one_graph
+    for step, served in enumerate(og.served if og else []):
+        h = og.handles[step]
+        one_graph.check_served(rank.line(ONE_GRAPH, step, h.snapshots[-1].bs).verdict, step, served, bodies.get((ONE_GRAPH, step)),
+                               live.num_correct_drafts, {**w_it, "runner": ONE_GRAPH, "step": step, "raw_bs": live.raw_bs,
+                                                         "bs": h.snapshots[-1].bs})

@@ -23,9 +23,28 @@ from dataclasses import dataclass
 from typing import Optional
 
 from harness.verdict import Verdict
+from runners.parallel.layout import ParallelLayout
 
 PER_REQUEST = ("req_pool_indices", "seq_lens", "num_correct_drafts", "num_accept_tokens", "select_index")
 PER_TOKEN = ("input_ids", "positions", "out_cache_loc")
+
+
+def schedule(layout: ParallelLayout, capture_bs: list[int]) -> list[list[int]]:
+    """Per iteration, each DP group's raw batch size: both ends of every bucket (the smallest batch it
+    takes and a full one), growing then shrinking (so a smaller batch follows a larger one and finds
+    its stale lanes). In the MLP-TP branch the bucket follows the largest group: each size also runs
+    with each group in turn the small one. Every group runs the same schedule: the logits gather
+    meets all groups' launches of one iteration."""
+    edges = sorted(set(capture_bs))
+    sizes = sorted({b for b in edges} | {a + 1 for a in [0, *edges[:-1]]})
+    dp = layout.attn_dp_size
+    out = []
+    for r in sizes + sizes[::-1][1:]:
+        out.append([r] * dp)
+        if layout.require_mlp_tp_gather and dp > 1 and r > 1:
+            out += [[1 if g == small else r for g in range(dp)] for small in range(dp)]
+    return out
+
 
 
 @dataclass
@@ -43,7 +62,7 @@ class LiveBatch:
         """The per-token inputs for a runner of width T: distinct per iteration, never 0."""
         n, it = self.raw_bs * T, self.iteration
         return {"input_ids": [3 + 101 * it + i for i in range(n)], "positions": [1 + it + i for i in range(n)],
-                "out_cache_loc": [7 + 211 * it + i for i in range(n)]}
+                "out_cache_loc": [FIRST_LIVE_SLOT + 211 * it + i for i in range(n)]}
 
     @property
     def num_correct_drafts(self) -> list[int]:
@@ -103,6 +122,22 @@ FILLED_SINCE: dict[tuple[str, str], str] = {
 # input_ids, num_correct_drafts and num_accept_tokens are absent: what a padded value may be there depends on how
 # the step reads it (input_ids is not read past the live tokens; the accept counts index rows outside the graph).
 PAD_VALUE: dict[str, int] = {"out_cache_loc": 0, "req_pool_indices": 0, "positions": 0}
+PAD_MEANS = {"req_pool_indices": "reads the reserved padding row",
+             "positions": "is in range of the rotary cache for any model (a stale position is a live request's, in range too, "
+                          "but depends on the history)"}
+
+# Where a padded token's KV write lands (out_cache_loc). SGLang's KV allocators hand out slots from page 1 on
+# (TokenToKVPoolAllocator.clear / PagedTokenToKVPoolAllocator.clear: "the padded slot 0 is used for writing dummy
+# outputs from padded tokens"), so at page size P the slots [0, P) -- page 0 -- are dummy space and a live request's
+# slots start at P. Page size 1 is SGLang's default and the strictest (only slot 0 is dummy); the NPU defaults to 128
+# (hardware_backend/npu/utils.py, set_default_server_args, when --page-size is not given), so the NPU path is checked at
+# both. Independent of the page size: a padded row that holds a slot an earlier live batch was given (`stale slot`)
+# writes its KV into a request's slot.
+SLOT_BUFFER = "out_cache_loc"
+STALE_SLOT = "stale slot"
+PAGE_SIZES: dict[str, tuple[int, ...]] = {"": (1,), "gpu": (1,), "npu": (1, 128)}
+# live requests' slots: past page 0 at every page size checked, distinct per iteration
+FIRST_LIVE_SLOT = max(max(sizes) for sizes in PAGE_SIZES.values()) + 7
 
 
 def check_lanes(v: Verdict, rec: LaneRecord, live: LiveBatch, seen: dict, where: dict, filled: frozenset[str]) -> None:
@@ -121,13 +156,15 @@ def check_lanes(v: Verdict, rec: LaneRecord, live: LiveBatch, seen: dict, where:
             v.fail("lanes", name, {**w, "row": i}, real[i], buf[i], "a real row after the replay fill: the live batch's value")
         lo, hi = (raw, bs) if name in PER_REQUEST else (raw * T, bs * T)
         pad = tuple(buf[lo:hi])
-        if name in filled and name in PAD_VALUE and pad:
+        if name in filled and name == SLOT_BUFFER and pad:
+            _check_slots(v, rec, pad, lo, seen, w)
+        elif name in filled and name in PAD_VALUE and pad:
             v.checked += 1
             bad = [i for i, x in enumerate(pad) if x != PAD_VALUE[name]]
             if bad:
                 v.fail("pad value", name, {**w, "lane": lo + bad[0]}, PAD_VALUE[name], pad[bad[0]],
                        f"a padded {'lane' if name in PER_REQUEST else 'token row'} of a buffer the release's fill writes "
-                       f"({len(bad)} of {len(pad)} padded); {PAD_VALUE[name]} points at nothing a live request owns")
+                       f"({len(bad)} of {len(pad)} padded); {PAD_VALUE[name]} {PAD_MEANS[name]}")
         key = (rec.runner, rec.step, rec.path, name, raw, bs, tuple(live.dp_batch_sizes))
         if key not in seen:
             seen[key] = (pad, live.iteration)
@@ -145,3 +182,30 @@ def check_lanes(v: Verdict, rec: LaneRecord, live: LiveBatch, seen: dict, where:
             seen[("noted", key[:4])] = True
             v.notes.append(f"P2/canonical {name}: left stale by this release's fill (by design): {detail} "
                            f"[{', '.join(f'{k}={x}' for k, x in w.items())}]")
+    if rec.buffers.get(SLOT_BUFFER) is not None:  # this batch's slots: a later padded row holding one writes into a request's slot
+        owners = seen.setdefault(("slots", rec.runner, rec.step, rec.path), {})
+        for row, slot in enumerate(want[SLOT_BUFFER]):
+            owners.setdefault(slot, (live.iteration, row))
+
+
+def _check_slots(v: Verdict, rec: LaneRecord, pad: tuple[int, ...], lo: int, seen: dict, w: dict) -> None:
+    """The padded token rows of out_cache_loc: where each padded token's KV write lands (the module doc's `stale slot`)."""
+    owners = seen.get(("slots", rec.runner, rec.step, rec.path), {})
+    v.checked += 1
+    stale = [(i, x) for i, x in enumerate(pad) if x in owners]
+    if stale:
+        i, x = stale[0]
+        it, row = owners[x]
+        v.fail(STALE_SLOT, SLOT_BUFFER, {**w, "lane": lo + i}, "a slot of the dummy page 0", x,
+               f"padded token row {lo + i} holds slot {x}, which iteration {it}'s live batch gave its token row {row}: this padded "
+               f"token's KV write lands in a slot a request was given, at any page size ({len(stale)} of {len(pad)} padded rows)")
+    for page_size in PAGE_SIZES[rec.path]:
+        v.checked += 1
+        bad = [(i, x) for i, x in enumerate(pad) if not 0 <= x < page_size and x not in owners]
+        if not bad:
+            continue
+        i, x = bad[0]
+        dummy = "only slot 0 is" if page_size == 1 else f"slots [0, {page_size}) (page 0) are"
+        v.fail("pad value", SLOT_BUFFER, {**w, "lane": lo + i, "page_size": page_size}, 0 if page_size == 1 else f"0..{page_size - 1}", x,
+               f"a padded token row of a buffer the release's fill writes ({len(bad)} of {len(pad)} padded); at page size {page_size} "
+               f"{dummy} dummy space (the KV allocator hands out slots from page 1 on), so slot {x} may be a live request's")

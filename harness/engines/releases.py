@@ -105,12 +105,10 @@ def check_release(version: str, extra: list[str], log: Callable[[str], None], pr
     if proc.returncode in (0, 1):
         rep = json_document(proc.stdout)
         api, nfail, nnotes = rep.get("api", "mrv2"), rep["summary"]["failures"], rep["summary"]["notes"]
-        for ln in rep["lines"]:
-            if ln["failures"]:
-                f = ln["failures"][0]
-                w = ", ".join(f"{k}={x}" for k, x in f["where"].items() if k in product.where_keys)
-                first = f"{f['prop']}/{f['check']} {f['field']}: expected {f['expected']}, got {f['got']} [{w}]"
-                break
+        lead = rep.get("first_failure") or next((f for ln in rep["lines"] for f in ln["failures"]), None)
+        if lead is not None:  # the failure the report leads with, its `where` shortened
+            w = ", ".join(f"{k}={x}" for k, x in lead["where"].items() if k in product.where_keys)
+            first = f"{lead['prop']}/{lead['check']} {lead['field']}: expected {lead['expected']}, got {lead['got']} [{w}]"
     elif proc.returncode == NOT_APPLICABLE:
         first = json_document(proc.stdout)["not_covered"]
     else:

@@ -1,10 +1,15 @@
 """engine-check as test items of an engine team's own pytest suite.
 
 `--specharness-engine-check="--engine sglang --target python"` (or ini `specharness_engine_check`)
-holds an engine-check command line; the plugin then collects one item per (runner, layout) the
-check drove on that engine build (SGLang: runner x representative layout; vLLM: runner x DP size),
-named `engine-check::<runner>[<layout>]`, plus one skipped item per thing the check says it did
-not check (never a pass). An item fails with the failures of its lines, as the CLI prints them.
+holds an engine-check command line; the plugin then collects one item per (runner, layout, device
+path) the check drove on that engine build (SGLang: runner x representative layout; vLLM: runner x
+DP size), named `engine-check::<runner>[<layout>]`, or `<runner>[<layout>-<path>]` for the lines
+of device-specific code, which also carry the marker of their path (`gpu`, `npu`): `-m "not npu"`
+or `-k "not npu"` deselects the NPU path (`--path gpu` in the arguments does not even run it).
+Plus one skipped item per thing the check says it did not check (never a pass). An item fails
+with the failures of its lines, as the CLI prints them; with `--baseline FILE` in the arguments,
+an item whose failures are all known is an expected failure (xfail) and a stale baseline entry
+a warning.
 
 The check runs once, at collection, in a process of its own (`python -m harness.engine_check
 ... --json`): loading an engine swaps module globals process-wide, so it can never run inside the
@@ -21,6 +26,7 @@ import io
 import shlex
 import subprocess
 import sys
+import warnings
 from collections import defaultdict
 from typing import Iterator, Optional
 
@@ -59,6 +65,9 @@ def engine_check_args(config: pytest.Config) -> Optional[list[str]]:
     if ns.releases:
         raise pytest.UsageError("--specharness-engine-check: --releases checks many releases, one process each; "
                                 "a session checks one engine build (run `harness engine-check --releases` for the table)")
+    if ns.write_baseline:
+        raise pytest.UsageError("--specharness-engine-check: --write-baseline writes a file; run `harness engine-check ... "
+                                "--write-baseline FILE` once and give the session --baseline FILE")
     return [a for a in args if a != "--json"]
 
 
@@ -77,10 +86,10 @@ def run_engine_check(args: list[str]) -> tuple[int, dict]:
 
 
 def _layout_id(line: dict) -> str:
-    """SGLang names a layout with its branch ("tp4-dp2 [mlp_tp_gather]"), vLLM lines carry a DP size."""
-    if "layout" in line:
-        return line["layout"].split(" [")[0]
-    return f"dp{line['dp']}"
+    """SGLang names a layout with its branch ("tp4-dp2 [mlp_tp_gather]"), vLLM lines carry a DP size; a device path's
+    lines add it ("tp4-dp2-npu")."""
+    layout = line["layout"].split(" [")[0] if "layout" in line else f"dp{line['dp']}"
+    return f"{layout}-{line['path']}" if line.get("path") else layout
 
 
 def _skip_name(reason: str, taken: set[str]) -> str:
@@ -111,8 +120,18 @@ class EngineCheckNode(pytest.Collector):
         for line in doc["lines"]:
             groups[(line["runner"], _layout_id(line))].append(line)
         what = f"{doc['engine']} {doc['version']} from {doc['location']}"
+        baseline = doc.get("baseline")
+        for f in (baseline or {}).get("stale", []):
+            warnings.warn(pytest.PytestWarning(f"engine-check baseline {baseline['file']}: a stale entry (checked, no longer found): {f}"),
+                          stacklevel=1)
         for (runner, layout), lines in groups.items():
-            yield LinesItem.from_parent(self, name=f"{runner}[{layout}]", lines=lines, what=what)
+            item = LinesItem.from_parent(self, name=f"{runner}[{layout}]", lines=lines, what=what,
+                                         baseline=None if baseline is None else baseline["file"])
+            path = lines[0].get("path")
+            if path:  # a device path's items carry its marker (registered here: a --strict-markers session accepts it)
+                self.config.addinivalue_line("markers", f"{path}: engine-check items of the {path} device path's code")
+                item.add_marker(path)
+            yield item
         taken: set[str] = set()
         for reason in [*doc.get("skipped", []), *doc.get("not_applicable", [])]:
             yield NotCheckedItem.from_parent(self, name=_skip_name(reason, taken), reason=reason)
@@ -122,23 +141,32 @@ class EngineCheckNode(pytest.Collector):
 
 
 class LinesItem(pytest.Item):
-    def __init__(self, *, lines: list[dict], what: str, **kw) -> None:
+    def __init__(self, *, lines: list[dict], what: str, baseline: Optional[str] = None, **kw) -> None:
         super().__init__(**kw)
-        self.lines, self.what = lines, what
+        self.lines, self.what, self.baseline = lines, what, baseline
 
     def runtest(self) -> None:
         failed = [ln for ln in self.lines if not ln["ok"]]
         if not failed:
             return
+        failures = [f for ln in failed for f in ln["failures"]]
+        new = [f for f in failures if f.get("baseline") != "known"]
+        if self.baseline is not None and not new:
+            pytest.xfail(f"{len(failures)} known finding(s) (baseline {self.baseline}), first: {_failure(failures[0]).message()}")
         v = Verdict(f"{self.what} ({len(failed)} of {len(self.lines)} lines failed)", sum(ln["checked"] for ln in self.lines),
-                    [Failure(**f) for ln in failed for f in ln["failures"]])
-        raise EngineCheckError(v.report())  # the failures as a verdict prints them, the first five then the count
+                    [_failure(f) for f in new])
+        known = f"\n(and {len(failures) - len(new)} known finding(s), baseline {self.baseline})" if len(new) < len(failures) else ""
+        raise EngineCheckError(v.report() + known)  # the failures as a verdict prints them, the first five then the count
 
     def repr_failure(self, excinfo):  # type: ignore[override]
         return str(excinfo.value) if isinstance(excinfo.value, EngineCheckError) else super().repr_failure(excinfo)
 
     def reportinfo(self):
         return self.path, None, f"{NODE} {self.name}"
+
+
+def _failure(f: dict) -> Failure:
+    return Failure(**{k: v for k, v in f.items() if k != "baseline"})
 
 
 class NotCheckedItem(pytest.Item):

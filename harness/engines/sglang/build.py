@@ -43,7 +43,7 @@ Replayed = tuple[ReplayRecord, Optional[int], list[LaneRecord], Optional[BodyRec
 class EngineRunners:
     """All draft-extend graph runners of one rank of one layout: multi-layer steps + single-layer."""
 
-    def __init__(self, engine: Engine, layout: ParallelLayout, tp_rank: int, cfg: EngineConfig) -> None:
+    def __init__(self, engine: Engine, layout: ParallelLayout, tp_rank: int, cfg: EngineConfig, one_graph: bool = True) -> None:
         self.engine, self.layout, self.tp_rank, self.cfg = engine, layout, tp_rank, cfg
         sa = make_server_args(engine, layout, cfg)
         configure_process(engine, sa, layout, tp_rank)
@@ -53,7 +53,7 @@ class EngineRunners:
         self._hidden_pool = torch.zeros(cfg.max_running_requests + 1, cfg.num_steps, cfg.hidden_size)
         self._req_to_token = 1000 + torch.arange((cfg.max_running_requests + 1) * 64, dtype=torch.int32).view(-1, 64)
         self.multi = self._build_multi_layer(sa)
-        self.one_graph = self._build_one_graph(sa)
+        self.one_graph = self._build_one_graph(sa) if one_graph else None  # off: the run checks no GPU path, or not this runner
         self.single = self._build_single_layer(sa)
 
     # ---- stand-ins ----
@@ -228,7 +228,7 @@ class EngineRunners:
         return fb
 
     def replay_multi_layer(self, live: LiveBatch) -> list[Replayed]:
-        """One decode iteration of the multi-layer draft-extend, as the worker drives it."""
+        """One decode iteration of the multi-layer draft-extend through the per-step composite, as the worker drives it."""
         eng, comp = self.engine, self.composite
         T0 = self.multi[0].tokens_per_bs
         fb = self._forward_batch(live, T0)
@@ -249,8 +249,6 @@ class EngineRunners:
                     b = comp.buffers
                     rotate(b.input_ids[: comp.raw_num_tokens], b.extend_start_loc[: comp.raw_bs], b.extend_seq_lens[: comp.raw_bs],
                            topk_index, b.select_index[: comp.raw_bs])
-            if self.one_graph is not None:
-                out += self.one_graph.replay(live, self._forward_batch(live, self.one_graph.handles[0].tokens_per_bs))
             return out
         can_run = comp.can_run(fb) if eng.generation == "legacy" else comp.can_run_graph(fb)
         if not can_run:
@@ -262,6 +260,12 @@ class EngineRunners:
             res = run(fb, init_state=(step == 0))
             out.append(self._records(h, live, res.next_token_logits))
         return out
+
+    def replay_one_graph(self, live: LiveBatch) -> list[Replayed]:
+        """The same iteration through the one-graph composite (0.5.16 on, where built): prepare and every step in one replay."""
+        if self.one_graph is None:
+            return []
+        return self.one_graph.replay(live, self._forward_batch(live, self.one_graph.handles[0].tokens_per_bs))
 
     def _worker_rotate(self) -> Optional[Callable]:
         """The worker's chain advance between steps; None where the composite rotates inside its graph (the one graph,

@@ -21,11 +21,13 @@ from typing import Any, Optional
 
 import torch
 
-from harness.engines.lanes import LaneRecord, LiveBatch
+from harness.engines.lanes import LaneRecord, LiveBatch, check_lanes, live_batch, schedule
 from harness.engines.sglang.errors import EngineAdapterError
 from harness.engines.sglang.graph import recording_set_dp_buffer_len, run_until_model, stop_at_model, tolist
 from harness.engines.sglang.standins import Strict, noop, patched
+from harness.props.p1_records import check_replay_record
 from harness.records import CaptureRecord, ReplayRecord
+from runners.parallel.layout import ParallelLayout
 
 MODULE = "sglang.srt.speculative.eagle_draft_cuda_graph_runner"
 KIND = "draft_decode"
@@ -214,3 +216,22 @@ class DraftDecodeHandle:
             seq_lens_sum_actual=sum(s["seq_lens"]), rows_fed=n, logits_rows=n, captured_bs=self.capture_bs,
         )
         return rec, LaneRecord(KIND, 0, "", live.raw_bs, s["bs"], self.tokens_per_bs, s["lanes"])
+
+
+def check(dd: DraftDecodeHandle, layout: ParallelLayout, d: int, tp_rank: int, line, filled: frozenset[str]) -> None:
+    """P1 and the padded lanes of the engine's graphed draft decode: DECODE counts bs * topk tokens, a logits row each
+    (as runners.eagle_draft_cuda_graph_runner, harness.props.p1_metadata's draft-decode check), so for_logprob == num_tokens."""
+    k, cfg, seen = dd.tokens_per_bs, dd.cfg, {}
+    for it, dp_sizes in enumerate(schedule(layout, dd.capture_bs)):
+        raw = dp_sizes[d]
+        needed = max(dp_sizes) if layout.require_mlp_tp_gather else raw
+        live = live_batch(raw, dp_sizes, it, cfg.num_draft_tokens, cfg.max_running_requests)
+        rec, lanes = dd.replay(live)
+        ln = line(KIND, 0, rec.bs)
+        ln.raw_bs.add(raw)
+        ln.ranks.add(tp_rank)
+        ln.tokens_per_bs = k
+        check_replay_record(ln.verdict, layout, rec, tp_rank, it, needed, require_host_lists=False)
+        w = {"layout": layout.describe(), "branch": layout.branch.value, "runner": KIND, "step": 0, "rank": tp_rank,
+             "iteration": it, "raw_bs": raw, "bs": rec.bs}
+        check_lanes(ln.verdict, lanes, live, seen, w, filled)

@@ -25,8 +25,10 @@ functions of their arguments (tensor contents, dtypes, shapes, strides, storage 
 which arguments share storage, and the plain scalars) whose only effects are writes into
 the memory of their tensor arguments and a None return. The key holds all of that, every
 byte of every storage the arguments view included (compared whole, not hashed), and a hit
-writes back every byte of those storages as the first launch left them. A call with an
-argument of any other kind, or one that returns something, is run, never memoized.
+writes back every byte of those storages as the first launch left them, and reports again
+the out-of-bounds accesses the first launch had masked off (interpreter.VIOLATIONS): the bug
+is in every launch, not only the one that ran. A call with an argument of any other kind, or
+one that returns something, is run, never memoized.
 """
 from __future__ import annotations
 
@@ -37,6 +39,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Hashable, Iterator, Optional
 
 import torch
+
+from harness.engines.interpreter import VIOLATIONS, Violation
 
 # The per-request and per-token buffers the fill writes, as the fill's parameters name them.
 FILLED = ("input_ids", "positions", "out_cache_loc", "seq_lens", "req_pool_indices", "num_correct_drafts",
@@ -49,7 +53,8 @@ class FillObserver:
 
     engine_fill: Callable
     native: Optional[Callable]
-    kernel: bool = True  # run the engine's kernel (and the native twin beside it); False: the native twin alone
+    kernel: bool = True  # run the engine's kernel; False: the native twin alone
+    beside: bool = True  # where the kernel runs, also run the native twin beside it on clones (paths.FillPlan)
     last_native: Optional[dict[str, Optional[list[int]]]] = None
     calls: int = field(default=0)
     kernel_calls: int = field(default=0)
@@ -75,7 +80,7 @@ class FillObserver:
         if not self.kernel and self.native is not None:
             return self.native(*args, **kwargs)
         self.kernel_calls += 1
-        if self._sig is not None:
+        if self._sig is not None and self.beside:
             bound = self._sig.bind(*args, **kwargs)
             clones = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in bound.arguments.items()}
             self.native(**clones)
@@ -94,7 +99,7 @@ def _bytes(storage: torch.UntypedStorage) -> bytes:
 class FillMemo:
     """A deterministic launcher's effect per exact input state (the module docstring says why replaying it is exact)."""
 
-    effects: dict[Hashable, list[bytes]] = field(default_factory=dict)
+    effects: dict[Hashable, tuple[list[bytes], list[Violation]]] = field(default_factory=dict)
     hits: int = 0
 
     @staticmethod
@@ -120,15 +125,18 @@ class FillMemo:
 
     def call(self, fn: Callable, args: tuple, kwargs: dict) -> Any:
         key, storages = self._state(args, kwargs)
-        after = None if key is None else self.effects.get(key)
-        if after is not None:
+        seen = None if key is None else self.effects.get(key)
+        if seen is not None:
+            after, violations = seen
             for s, b in zip(storages, after, strict=True):
                 s.copy_(torch.frombuffer(bytearray(b), dtype=torch.uint8).untyped_storage())
+            VIOLATIONS.extend(violations)
             self.hits += 1
             return None
+        mark = len(VIOLATIONS)
         ret = fn(*args, **kwargs)
         if key is not None and ret is None:
-            self.effects[key] = [_bytes(s) for s in storages]
+            self.effects[key] = ([_bytes(s) for s in storages], VIOLATIONS[mark:])
         return ret
 
 

@@ -253,10 +253,14 @@ class RunnerHandle:
         lanes = {name: tolist(next((getattr(buf, a) for a in LANE_ALIASES.get(name, (name,)) if hasattr(buf, a)), None))
                  for name in (*PER_REQUEST, *PER_TOKEN)}
         fill = self.engine.fill
-        if self.kind not in MULTI_LAYER or fill is None:
+        if self.kind not in MULTI_LAYER or fill is None:  # a Python fill: the same code on every device
             path, native = "", None
-        else:  # prepare()'s fused fill: the kernel ran (its twin beside it, on clones), or the twin alone
-            path, native = ("gpu", fill.last_native) if fill.kernel or fill.native is None else ("npu", None)
+        elif self.kind == ONE_GRAPH:  # built only off NPU: its prepare() fills with the kernel (FillObserver.kernel_alone)
+            path, native = "gpu", None
+        elif fill.native is None:  # the kernel and no twin (0.5.16): both devices fill with the kernel
+            path, native = "", None
+        else:  # the kernel ran (the twin perhaps beside it, on clones: last_native), or the twin alone (paths.py)
+            path, native = ("gpu", fill.last_native) if fill.kernel else ("npu", None)
         self.snapshots.append(Snapshot(bs, tolist(g), tolist(buf.global_num_tokens_for_logprob_gpu),
                                        None if g is None else tuple(g.shape), [int(x) for x in buf.seq_lens[:bs].tolist()],
                                        lanes, path, native))

@@ -29,7 +29,7 @@ from typing import Optional
 
 from harness.engines import lazy_compile
 from harness.engines.install import write_engine_bytecode
-from harness.engines.interpreter import patch_interpreter_index
+from harness.engines.interpreter import prepare_interpreter
 from harness.engines.sglang.errors import EngineAdapterError, require
 from harness.engines.sglang.fill import WORKER_ROTATE, FillObserver, InPlaceLauncher, fill_name
 from harness.engines.sglang.graph import AttnRecorder, recording_set_dp_buffer_len
@@ -82,7 +82,7 @@ def load(target: Optional[Path], deps: Optional[Path]) -> Engine:
             importlib.import_module(name)
         except ImportError as e:
             raise EngineAdapterError(f"the engine adapter needs {name} for real ({e}); run python -m harness.engine_install") from e
-    patch_interpreter_index()  # the worker's rotate_input_ids loops to a bound it loads
+    prepare_interpreter()  # loop bounds loaded from memory (rotate_input_ids); every access bounds-checked
     # SGLang logs and warns a lot at import on a CPU box ("only CUDA supports ..."): quiet it.
     logging.getLogger("sglang").setLevel(logging.ERROR)
     ml, sl = _import_runner_modules(finder)

@@ -232,14 +232,22 @@ class GatherCheck:
     def check(self, line: Callable[[str, int, int], Any], w: dict) -> Optional[str]:
         """The dp-gather check on every recorded launch: rank r's logits = lm_head(its own pruned rows)."""
         lay = self.layout
-        if not self.inputs:
-            raise EngineAdapterError(f"sglang {self.engine.version}: no runner launched on {lay.describe()}, whose logits processor gathers")
+        if not self.inputs:  # every replay of the layout failed before its launch (those failures are on their own lines)
+            v = line("multi_layer", 0, None).verdict
+            v.checked += 1
+            v.fail(CHECK, "launches", {**w, "runner": "multi_layer"}, "every runner's launches on every DP group", "none",
+                   "no replay of this layout reached its graph launch, so its logits processor's DP gather ran on nothing")
+            return None
         for (kind, step, bs), kept in sorted(self.inputs.items(), key=lambda kv: (kv[0][0] != "multi_layer", kv[0][1:])):
             it, per_group = kept.iteration, kept.groups
-            if sorted(per_group) != list(range(lay.attn_dp_size)):
-                raise EngineAdapterError(f"iteration {it}: the {kind} runner launched bucket {bs} on DP groups {sorted(per_group)} only")
             v: Verdict = line(kind, step, bs).verdict
             where = {**w, "runner": kind, "step": step, "iteration": it, "bs": bs}
+            if sorted(per_group) != list(range(lay.attn_dp_size)):  # the groups disagree on the bucket: nothing to gather together
+                v.checked += 1
+                v.fail(CHECK, "DP groups launching the bucket", {**where, "dp_batch_sizes": list(kept.dp_sizes)}, list(range(lay.attn_dp_size)),
+                       sorted(per_group), "every DP group replays the bucket the largest group's batch needs, so all of them launch "
+                       "it in the same iteration; a group missing here padded to another bucket (the gathered buffer would mix shapes)")
+                continue
             try:
                 outs = self.run(per_group)
             except RankFailure as e:

@@ -27,12 +27,15 @@ from typing import Any, Iterator, Optional
 
 import torch
 
-from harness.engines.lanes import LaneRecord, LiveBatch
+from harness.engines.lanes import LaneRecord, LiveBatch, check_lanes, live_batch, schedule
+from harness.engines.record_checks import check_captures, check_record
 from harness.engines.sglang.errors import EngineAdapterError
 from harness.engines.sglang.graph import FakeGraphBackend, ModelProbe, recording_set_dp_buffer_len
 from harness.engines.sglang.handle import RunnerHandle
 from harness.engines.sglang.standins import FakeGroup, Strict, noop, patched
+from harness.props.p1_records import verify_capture_bs
 from harness.records import ReplayRecord
+from runners.parallel.layout import ParallelLayout
 
 MODULE = "sglang.srt.model_executor.runner.decode_cuda_graph_runner"
 MODEL_RUNNER = "sglang.srt.model_executor.model_runner"
@@ -216,3 +219,33 @@ class TargetVerify:
         if not r.require_gathered_buffer:  # as at capture: unfilled, unread
             rec = dataclasses.replace(rec, global_num_tokens_gpu=None, global_num_tokens_for_logprob_gpu=None, gpu_shape=None)
         return rec, returned, lanes
+
+
+def check(tv: TargetVerify, layout: ParallelLayout, d: int, tp_rank: int, line, filled: frozenset[str],
+                         per_request: dict) -> None:
+    """The target verify graphs: P1 on every capture and replay as for the draft-extend runners (TARGET_VERIFY computes
+    logits for every token, so for_logprob = num_tokens = rows fed to lm_head = bs * T), its spec_info as baked, and
+    the padded lanes of the buffers its replay fill resets."""
+    T, cfg, seen, own = tv.tokens_per_bs, tv.cfg, {}, d if layout.require_mlp_tp_gather else 0
+    # replay first, as for the draft-extend runners: a line's first failure is then the one our own P1 reports first
+    for it, dp_sizes in enumerate(schedule(layout, tv.capture_bs)):
+        raw = dp_sizes[d]
+        live = live_batch(raw, dp_sizes, it, T, cfg.max_running_requests)
+        rec, returned, lanes = tv.replay(live)
+        ln = line(KIND, 0, rec.bs)
+        check_record(ln, layout, rec, returned, tp_rank, it, max(dp_sizes) if layout.require_mlp_tp_gather else raw, tokens_aligned=True)
+        w = {"layout": layout.describe(), "branch": layout.branch.value, "runner": KIND, "step": 0, "rank": tp_rank,
+             "iteration": it, "raw_bs": raw, "bs": rec.bs}
+        for lr in lanes:
+            check_lanes(ln.verdict, lr, live, seen, w, filled)
+    check_captures(tv.handle, layout, tp_rank, line, verify_capture_bs(layout, cfg.capture_bs, cfg.max_running_requests, T), per_request,
+                    own, padding_mode=None)
+    for bs, spec in tv.spec.items():
+        v = line(KIND, 0, bs).verdict
+        w = {"layout": layout.describe(), "branch": layout.branch.value, "runner": KIND, "step": 0, "rank": tp_rank, "bs": bs}
+        v.expect_equal("capture", "spec_info.draft_token_num", w, T, spec.draft_token_num, "the verify tree's tokens per request")
+        if spec.hidden_rows is not None:
+            v.expect_equal("capture", "spec_info.hidden_states rows", w, bs * T, spec.hidden_rows, "one per token (MTP models read them)")
+        if spec.custom_mask_len is not None:
+            v.expect_equal("capture", "custom_mask covers the batch", w, True, spec.custom_mask_len >= T * (spec.seq_lens_sum + bs * T),
+                           f"T rows of seq_len + T per request: {T * (spec.seq_lens_sum + bs * T)} needed, {spec.custom_mask_len} held")

@@ -51,7 +51,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from harness.engines.install import write_engine_bytecode
-from harness.engines.interpreter import patch_interpreter_index
+from harness.engines.interpreter import prepare_interpreter
 from harness.engines.sglang.errors import EngineAdapterError, ReleaseNotCovered
 from harness.engines.sglang.stubs import StubFinder
 from harness.engines.vllm.api import CaptureApi, capture_api
@@ -153,7 +153,7 @@ def load(target: Optional[Path], deps: list[Path]) -> VllmEngine:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         _import_real_triton()
-        patch_interpreter_index()
+        prepare_interpreter()
         vllm = importlib.import_module("vllm")
         location = str(Path(vllm.__file__).resolve().parent.parent)
         version = _version_of(vllm, location)

@@ -3,8 +3,9 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
+from harness.engines.baseline import Classified
 from harness.engines.report import LineVerdicts
 from harness.verdict import Verdict
 
@@ -20,6 +21,10 @@ class VLine:
     raw_bs: set[int] = field(default_factory=set)
     ranks: set[int] = field(default_factory=set)
     captured: list[int] = field(default_factory=list)  # a capture line: the graphs' request counts
+
+    def identity(self) -> dict[str, Any]:
+        """Where this line's findings sit, as a baseline names them (harness/engines/baseline.py)."""
+        return {"runner": self.runner, "dp": self.dp}
 
     def to_json(self) -> dict:
         return {"runner": self.runner, "dp": self.dp, "bucket": self.bucket, "raw_bs": sorted(self.raw_bs), "ranks": sorted(self.ranks),
@@ -38,14 +43,18 @@ class VllmReport(LineVerdicts):
     seconds: float = 0.0
     api: str = "mrv2"  # the capture API driven (api.py): mrv2 request-keyed, mrv2-tok token-keyed, mrv2-tkr that with the model runner's q
     flags: str = ""  # the capture-size flags as that API takes them
+    skipped: list[str] = field(default_factory=list)  # runners left out by the selection, with why
+    baseline: Optional[Classified] = None
 
     def to_json(self) -> dict:
         return {
             "engine": "vllm", "version": self.version, "api": self.api, "location": self.location, "ok": self.ok,
             "seconds": round(self.seconds, 2),
             "config": self.config, "stubbed_modules": self.stubbed, "not_applicable": self.not_applicable,
-            "summary": self.summary(),
-            "lines": [ln.to_json() for ln in self.lines],
+            "paths": "path: gpu (vLLM's adapter has no NPU path)", "skipped": list(self.skipped), "summary": self.summary(),
+            "first_failure": None if self.ok else asdict(self.lead()),
+            **({"baseline": self.baseline.to_json()} if self.baseline is not None else {}),
+            "lines": self.lines_json(),
         }
 
 
@@ -59,7 +68,9 @@ def format_report(rep: VllmReport) -> str:
            f"  EAGLE proposer graphs (target verify DP sync, draft prefill, draft decode): K={c['num_speculative_tokens']} "
            f"max_num_seqs={c['max_num_seqs']} "
            f"{rep.flags} dp={list(c['dp_sizes'])} ({rep.api}); no model, no GPU",
-           f"  stubbed imports: {', '.join(rep.stubbed)}"]
+           f"  stubbed imports: {', '.join(rep.stubbed)}",
+           "  path: gpu (vLLM's adapter has no NPU path)"]
+    sw = 5 if rep.baseline is not None else 4
     for ln in rep.lines:
         v = ln.verdict
         raw = sorted(ln.raw_bs)
@@ -68,7 +79,7 @@ def format_report(rep: VllmReport) -> str:
             tail_info = f" graphs at {','.join(map(str, ln.captured))} requests"
         else:
             tail_info = ""
-        head = f"{'ok  ' if v.ok else 'FAIL'} {ln.runner:<18} dp={ln.dp} {ln.bucket:<19} raw_bs {raws:<6} ranks {','.join(map(str, sorted(ln.ranks))):<8}"
+        head = f"{rep.status(ln):<{sw}} {ln.runner:<18} dp={ln.dp} {ln.bucket:<19} raw_bs {raws:<6} ranks {','.join(map(str, sorted(ln.ranks))):<8}"
         if v.ok:
             tail = f"{v.checked} checks" + (f"; {len(v.notes)} n/a note(s)" if v.notes else "") + tail_info
         else:
@@ -81,5 +92,6 @@ def format_report(rep: VllmReport) -> str:
     out.append("not applicable to vLLM's design (never counted as a pass):")
     out += [f"  {n}" for n in rep.not_applicable]
     out += [f"  {n} (+{sum(m.split(':')[1] == n.split(':')[1] for m in notes) - 1} like it)" for n in firsts]
+    out += [f"skipped (not checked, not passed): {why}" for why in rep.skipped]
     out += rep.verdict_text("(dp, runner, bucket)", "runner")
     return "\n".join(out)

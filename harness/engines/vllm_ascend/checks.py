@@ -16,7 +16,7 @@ at the rows the captured kernel runs on).
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 from harness.engines.vllm_ascend.config import AscendCheckConfig, GraphMode, World
 from harness.engines.vllm_ascend.drive import AscendReplay, Capture
@@ -49,6 +49,10 @@ class ALine:
     raw: set[int] = field(default_factory=set)
     ranks: set[int] = field(default_factory=set)
     captured: list[int] = field(default_factory=list)
+
+    def identity(self) -> dict[str, Any]:
+        """Where this line's findings sit, as a baseline names them (harness/engines/baseline.py)."""
+        return {"world": self.world}
 
     def to_json(self) -> dict:
         return {"world": self.world, "bucket": self.bucket, "raw_bs": sorted(self.raw), "ranks": sorted(self.ranks),

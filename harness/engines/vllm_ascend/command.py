@@ -14,6 +14,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Callable, Optional
 
+from harness.engines.baseline import BaselineFiles
 from harness.engines.drive import cannot_check, drive_engine
 from harness.engines.install import EngineSpec, InstallError, deps_dir, is_installed
 from harness.engines.vllm.install import vllm_deps_dir
@@ -86,6 +87,11 @@ def _resolve(spec: EngineSpec, args) -> Path:
 def main(args) -> int:
     if getattr(args, "eager", False):
         return cannot_check("--eager checks SGLang's eager draft-extend path; the vllm-ascend adapter has no eager check", args.json)
+    if args.path == "gpu":
+        return cannot_check("--path gpu: the vllm-ascend adapter drives the NPU path only (--path npu or all)", args.json)
+    if args.runner:
+        return cannot_check(f"--runner {args.runner[0]}: the vllm-ascend adapter drives one runner, the merged draft graph "
+                            "(leave --runner out)", args.json)
     try:
         spec = parse_spec(args.engine)
         tree = _resolve(spec, args)
@@ -94,4 +100,5 @@ def main(args) -> int:
         return cannot_check(str(e), args.json)
     deps = [Path(args.deps)] if args.deps else [deps_dir(), vllm_deps_dir()]
     return drive_engine(spec, lambda: load(tree, vllm_target, deps),
-                        lambda engine, progress: check_ascend(engine, AscendCheckConfig(), progress), format_report, args.json)
+                        lambda engine, progress: check_ascend(engine, AscendCheckConfig(), progress), format_report, args.json,
+                        BaselineFiles.from_args(args))

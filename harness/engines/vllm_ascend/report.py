@@ -1,10 +1,11 @@
 """What the vllm-ascend check reports: one line per (world, bucket), the n/a list, the verdict; text or one JSON document."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
+from harness.engines.baseline import Classified
 from harness.engines.report import LineVerdicts
 from harness.engines.vllm_ascend.checks import ALine
 
@@ -20,13 +21,16 @@ class AscendReport(LineVerdicts):
     stubbed: list[str]
     compiled: dict[str, str]  # the model runner's functions compiled from the release's source, with where they are
     seconds: float = 0.0
+    baseline: Optional[Classified] = None
 
     def to_json(self) -> dict:
         return {
             "engine": "vllm-ascend", "version": self.version, "vllm": self.vllm_version, "path": "v1 model runner, merged draft ACL graph",
             "location": self.location, "ok": self.ok, "seconds": round(self.seconds, 2), "config": self.config,
             "stubbed_modules": self.stubbed, "compiled_from_source": self.compiled, "not_applicable": self.not_applicable,
-            "summary": self.summary(), "lines": [ln.to_json() for ln in self.lines],
+            "summary": self.summary(), "first_failure": None if self.ok else asdict(self.lead()),
+            **({"baseline": self.baseline.to_json()} if self.baseline is not None else {}),
+            "lines": [ln.to_json() for ln in self.lines],
         }
 
 

@@ -1,0 +1,221 @@
+"""What engine-check needs from no engine at all: the baseline file, the path plan, the interpreter's bounds check, and the
+child process that a crash cannot take the report with (harness/engines/baseline.py, sglang/paths.py, interpreter.py,
+isolate.py). The engine-driven sides of each are in tests/test_engine_check.py and tests/test_engine_planted.py."""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import sys
+import textwrap
+
+import pytest
+from prewarmed import run_python
+
+from harness.engines.baseline import Baseline, BaselineError, Finding
+from harness.engines.options import ALL_PATHS, FillPath, Selection
+from harness.engines.report import EngineReport, Line
+from harness.engines.sglang.paths import FillPlan
+from harness.verdict import Failure
+from runners.parallel.layout import ParallelLayout
+
+FMT = "specharness-engine-check-baseline/1"
+STALE = {"prop": "P1", "check": "stale slot", "field": "out_cache_loc", "runner": "multi_layer", "step": 0, "branch": "neither", "path": "npu"}
+
+
+# ---- the file ----
+
+
+@pytest.mark.parametrize(("text", "names"), [
+    ("{not json", "not JSON"),
+    ('["a list"]', "the top level must be an object"),
+    (json.dumps({"format": "v0", "engine": "sglang", "findings": []}), "format: expected 'specharness-engine-check-baseline/1'"),
+    (json.dumps({"format": FMT, "findings": []}), "engine: expected the engine's name"),
+    (json.dumps({"format": FMT, "engine": "sglang", "findings": {}}), "findings: expected a list of findings, got dict"),
+    (json.dumps({"format": FMT, "engine": "sglang", "findings": [], "extra": 1}), "extra: not a field of a baseline"),
+    (json.dumps({"format": FMT, "engine": "sglang", "findings": [{**STALE, "check": ""}]}), "findings[0].check: expected a non-empty string"),
+    (json.dumps({"format": FMT, "engine": "sglang", "findings": [STALE, {**STALE, "lane": 4}]}),
+     "findings[1].lane: not part of a finding's identity"),
+    (json.dumps({"format": FMT, "engine": "sglang", "findings": [{**STALE, "step": [0]}]}), "findings[0].step: expected a string or an integer"),
+    (json.dumps({"format": FMT, "engine": "sglang", "findings": [STALE, dict(reversed(STALE.items()))]}),
+     "findings[1]: the same finding as an earlier entry"),
+])
+def test_a_bad_baseline_file_names_the_file_and_the_field(tmp_path, text, names):
+    path = tmp_path / "known.json"
+    path.write_text(text)
+    with pytest.raises(BaselineError) as e:
+        Baseline.load(path)
+    assert str(e.value).startswith(f"{path}: ") and names in str(e.value), str(e.value)
+
+
+def test_the_command_ends_2_on_a_bad_baseline_before_loading_an_engine(tmp_path):
+    """Exit 2 with the harness's error document, for a file it cannot use and for one written for another engine."""
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"format": FMT, "engine": "sglang", "findings": [{**STALE, "bucket": 4}]}))
+    other = tmp_path / "vllm.json"
+    other.write_text(json.dumps({"format": FMT, "engine": "vllm", "findings": []}))
+    for path, message in ((bad, f"{bad}: findings[0].bucket: not part of a finding's identity"),
+                          (other, f"{other}: engine: written for vllm, this run checks sglang"),
+                          (tmp_path / "missing.json", f"{tmp_path / 'missing.json'}: cannot read it")):
+        rc, out, err = _main("--engine", "sglang", "--target", str(tmp_path / "nowhere"), "--baseline", str(path), "--json")
+        doc = json.loads(out)
+        assert rc == 2 and doc["exit_code"] == 2 and message in doc["error"]["message"], (rc, doc)
+
+
+def test_findings_are_known_new_stale_or_not_checked():
+    """Hand-made lines: the run finds A (in the file) and B (not); the file also holds C, on a line the run checked, and D,
+    on the NPU path the run did not check."""
+    plain, dp2 = ParallelLayout(4), ParallelLayout(4, 2, True)
+    a = Failure("P1", "stale slot", "out_cache_loc", {"iteration": 3, "lane": 5, "path": "gpu"}, 0, 350)
+    b = Failure("P1", "I1", "global_num_tokens_gpu", {"iteration": 1}, [8], [2])
+    gpu = Line("multi_layer", 0, plain, 4, "gpu")
+    gpu.verdict.failures += [a, Failure("P1", "stale slot", "out_cache_loc", {"iteration": 9, "lane": 6}, 0, 561)]  # A again
+    single = Line("single_layer", 0, dp2, 2)
+    single.verdict.failures.append(b)
+    rep = EngineReport("sglang", "0.5.23", "prepare", "/x", [gpu, single, Line("multi_layer", 1, plain, 4, "gpu")], [])
+    known = {"prop": "P1", "check": "stale slot", "field": "out_cache_loc", "runner": "multi_layer", "step": 0, "branch": "neither",
+             "path": "gpu"}
+    stale = {"prop": "P1", "check": "canonical", "field": "seq_lens", "runner": "multi_layer", "step": 1, "branch": "neither", "path": "gpu"}
+    unchecked = {**known, "path": "npu"}
+    base = Baseline("sglang", {_finding(known): "", _finding(stale): "", _finding(unchecked): "tracked upstream"})
+    got = rep.classify(base, "known.json")
+    assert [f.to_json() for f in got.new] == [{"prop": "P1", "check": "I1", "field": "global_num_tokens_gpu", "runner": "single_layer",
+                                               "step": 0, "branch": "mlp_tp_gather"}]
+    assert [f.to_json() for f in got.stale] == [stale] and [f.to_json() for f in got.not_checked] == [unchecked]
+    assert rep.exit_code() == 1 and [rep.status(ln) for ln in rep.lines] == ["known", "FAIL", "ok"]
+    marks = [[f["baseline"] for f in ln["failures"]] for ln in rep.lines_json()]
+    assert marks == [["known", "known"], ["new"], []]
+    # with B known too the run is clean: exit 0, led by the first known failure
+    base.findings[_finding({"prop": "P1", "check": "I1", "field": "global_num_tokens_gpu", "runner": "single_layer", "step": 0,
+                            "branch": "mlp_tp_gather"})] = ""
+    rep.classify(base, "known.json")
+    assert rep.exit_code() == 0 and rep.lead() is a
+
+
+def test_a_written_baseline_reads_back_the_same_and_keeps_its_reasons(tmp_path):
+    base = Baseline("sglang", {_finding(STALE): "the NPU twin, reported upstream", _finding({**STALE, "branch": "mlp_tp_gather"}): ""},
+                    "sglang 0.5.23")
+    path = tmp_path / "known.json"
+    base.write(path)
+    back = Baseline.load(path)
+    assert back.findings == base.findings and back.engine == "sglang" and back.written_from == "sglang 0.5.23"
+    doc = json.loads(path.read_text())
+    assert doc["findings"][1] == {**STALE, "reason": "the NPU twin, reported upstream"}  # sorted by identity: mlp_tp_gather < neither
+    assert list(doc["findings"][0]) == ["prop", "check", "field", "runner", "step", "branch", "path"]  # a fixed, readable key order
+
+
+def _finding(entry: dict) -> Finding:
+    where = {k: v for k, v in entry.items() if k not in ("prop", "check", "field")}
+    return Finding.of(where, Failure(entry["prop"], entry["check"], entry["field"], {}, None, None), ())
+
+
+def _main(*args: str) -> tuple[int, str, str]:
+    from harness.engines.command import add_arguments, main
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        rc = main(parser.parse_args(list(args)))
+    assert "sglang" not in sys.modules, "an error path loaded an engine into the test process"
+    return rc, out.getvalue(), err.getvalue()
+
+
+# ---- the device paths (SGLang) ----
+
+
+def test_the_fill_plan_runs_each_path_where_the_release_has_it():
+    kernel_layouts = (ParallelLayout(4),)
+    tp4, dp2 = ParallelLayout(4), ParallelLayout(4, 2, True)
+    gpu, npu = frozenset({FillPath.GPU}), frozenset({FillPath.NPU})
+    # 0.5.17 on: the kernel and its native twin
+    both = FillPlan(True, True, ALL_PATHS, kernel_layouts)
+    assert [both.kernel_fills(lay, d) for lay, d in ((tp4, 0), (dp2, 0), (dp2, 1))] == [True, False, False]
+    assert both.twin_beside(True) and both.one_graph and both.line_path(True) == "gpu" and both.line_path(False) == "npu"
+    only_gpu = FillPlan(True, True, gpu, kernel_layouts)
+    assert only_gpu.kernel_fills(dp2, 1) and not only_gpu.twin_beside(True) and only_gpu.one_graph
+    only_npu = FillPlan(True, True, npu, kernel_layouts)
+    assert not only_npu.kernel_fills(tp4, 0) and not only_npu.one_graph and only_npu.line_path(False) == "npu"
+    assert any("--path npu" in why and why.startswith("multi_layer_1g") for why in only_npu.skipped((tp4,)))
+    # 0.5.16: the kernel, no twin: both devices run it, its lines carry no path; only the one graph is the GPU's
+    k16 = FillPlan(True, False, npu, kernel_layouts)
+    assert k16.kernel_fills(dp2, 1) and k16.line_path(True) == "" and not k16.twin_beside(True) and not k16.one_graph
+    # up to 0.5.15: Python fills, no path at all
+    py = FillPlan(False, False, gpu, kernel_layouts)
+    assert not py.kernel_fills(tp4, 0) and py.line_path(False) == "" and py.skipped((tp4,)) == []
+    assert Selection.from_args("npu", ["multi_layer"]).left_out(("multi_layer", "single_layer")) == [
+        "single_layer: not checked (this run selected --runner multi_layer)"]
+
+
+# ---- memory: the interpreter's bounds check, the child process ----
+
+
+def test_an_interpreted_kernel_that_writes_past_its_buffer_is_masked_off_and_reported():
+    """A kernel storing 4 elements past a 16-element buffer: those lanes are masked off before they touch memory and the
+    access is recorded, naming the kernel, the program, the argument; its 16 lanes in bounds are written. Through guarded()
+    it is a finding of the call that launched it; a launch within bounds records nothing."""
+    proc = run_python(textwrap.dedent("""
+        import json, torch, triton, triton.language as tl
+        from harness.engines import interpreter
+        from harness.engines.guard import guarded
+        from harness.verdict import Verdict
+        interpreter.prepare_interpreter()
+
+        @triton.jit
+        def fill(out_ptr, n, extra, BLOCK: tl.constexpr):
+            offs = tl.arange(0, BLOCK)
+            tl.store(out_ptr + offs, offs + 1, mask=offs < n + extra)
+
+        out = torch.zeros(16, dtype=torch.int32)
+        guard = torch.zeros(64, dtype=torch.int32)  # what the heap may hold past it
+        fill[(1,)](out, 16, 0, BLOCK=32)
+        clean = list(interpreter.VIOLATIONS)
+        out.zero_()
+        v = Verdict("P1")
+        guarded(v, "fill", {"runner": "r"}, lambda: fill[(1,)](out, 16, 4, BLOCK=32))
+        print(json.dumps({"clean": len(clean), "out": out.tolist(), "guard": guard.tolist(), "left": len(interpreter.VIOLATIONS),
+                          "failures": [[f.check, f.field, f.where, f.got] for f in v.failures]}))
+    """), timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got["clean"] == 0 and got["out"] == list(range(1, 17)) and got["guard"] == [0] * 64 and got["left"] == 0
+    [[check, field, where, message]] = got["failures"]
+    assert (check, field, where) == ("out of bounds", "fill", {"runner": "r", "kernel": "fill", "argument": "out_ptr"})
+    assert message.startswith("interpreted Triton kernel fill, program (0, 0, 0): a masked store of 20 element(s) reaches 4 outside")
+    assert "the first at bytes [64, 68) of argument `out_ptr`, whose storage holds 64; masked off" in message, message
+
+
+def test_a_call_the_process_dies_in_is_recorded_and_the_rest_still_reported():
+    """run_isolated: the child dies in a guarded call (a segfault); the re-run makes that call nowhere and records where it
+    died, the other calls' results intact. A death outside any guarded call has nothing to skip: ChildDied."""
+    proc = run_python(textwrap.dedent("""
+        import ctypes, json
+        from harness.engines.guard import guarded
+        from harness.engines.isolate import ChildDied, run_isolated
+        from harness.verdict import Verdict
+
+        def check():
+            v = Verdict("P1")
+            got = [guarded(v, "replay", {"runner": "r", "iteration": it}, lambda it=it: ctypes.string_at(0) if it == 1 else it)
+                   for it in range(3)]
+            return got, [(f.check, f.field, f.where["iteration"], f.got) for f in v.failures]
+
+        logs = []
+        got, failures = run_isolated(check, logs.append)
+        try:
+            run_isolated(lambda: ctypes.string_at(0), logs.append)
+            died = None
+        except ChildDied as e:
+            died = str(e)
+        print(json.dumps({"got": got, "failures": failures, "logs": logs, "died": died}))
+    """), timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    # iteration 0 ran before the crash; in the re-run the call is made nowhere, so 0 and 2 are "not made" and 1 is where it died
+    assert out["got"] == [None, None, None]
+    assert out["failures"] == [["crashed", "replay", 0, "not made"], ["crashed", "replay", 1, "the check process died (signal SIGSEGV)"],
+                               ["crashed", "replay", 2, "not made"]]
+    assert out["logs"] == ["the check process died (signal SIGSEGV) in replay (runner r) [runner=r, iteration=1]; checking again "
+                           "without that call"]
+    assert out["died"] and "outside any call into the engine" in out["died"], out["died"]
