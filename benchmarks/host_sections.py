@@ -17,7 +17,7 @@ import torch
 
 from harness.bench import _model, _Timer
 from harness.bench_runners import _runner_calls, build_rig, rig_spec
-from harness.scenario import release
+from harness.run.scenario import release
 from runners import cuda_graph, eagle_draft_graph, graph_backend, verify_graph
 
 _SPENT: dict[str, float] = defaultdict(float)

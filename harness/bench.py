@@ -31,9 +31,9 @@ from typing import Callable, Optional
 import torch
 
 from harness.bench_runners import bench_runners_backend, format_runner_table
-from harness.observe import observe_all
 from harness.ranks.simulated import SimulatedWorld
-from harness.scenario import Iteration, RequestSpec, Scenario, materialize, release
+from harness.run.observe import observe_all
+from harness.run.scenario import Iteration, RequestSpec, Scenario, materialize, release
 
 DEFAULT_BS = (1, 2, 4, 8, 16, 32, 64)
 PREFIX_LEN = 32

@@ -16,8 +16,8 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from harness.case import CASES_DIR, Case, CaseError, parse_case
-from harness.scenario import Scenario
-from harness.tolerances import Tol
+from harness.props.tolerances import Tol
+from harness.run.scenario import Scenario
 from runners.config import DraftExtendGraph, ModelConfig, SpecConfig
 from runners.cuda_graph import compute_capture_bs
 from runners.parallel.layout import ParallelLayout

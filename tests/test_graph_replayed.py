@@ -9,7 +9,7 @@ import pytest
 
 from harness.case import load_case
 from harness.golden.draft_tree import check_tree_case
-from harness.props.p5_p6 import check_acceptance_case
+from harness.props.p6 import check_acceptance_case
 from runners.cuda_graph import EagleDraftExtendCudaGraphRunner, MultiLayerEagleDraftExtendCudaGraphRunner
 from runners.eagle_draft_graph import EAGLEDraftCudaGraphRunner
 from runners.verify_graph import TargetVerifyCudaGraphRunner

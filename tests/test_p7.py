@@ -5,9 +5,9 @@ import dataclasses
 import time
 import unittest.mock as mock
 
-from harness.mutant_run import _is_timeout
 from harness.mutants import get
-from harness.p7 import (
+from harness.pipeline.mutants import _is_timeout, probes
+from harness.props.p7 import (
     ATTN_TP4_DP2,
     MLP_TP4_DP2,
     P7_SCHEDULES,
@@ -19,7 +19,6 @@ from harness.p7 import (
     run_with_traces,
 )
 from harness.ranks.trace import CollectiveCall
-from harness.suite import PROBES
 from runners.cuda_graph import DraftExtendGraphDriver
 from runners.draft_extend import run_eager
 
@@ -27,7 +26,7 @@ MUTANT = "idle-rank-skips-mlp-sync"
 
 
 def test_probe_passes_fast_and_is_registered():
-    assert ("p7-idle-ranks", probe_idle_ranks) in PROBES
+    assert any(p.id == "p7-idle-ranks" and p.run is probe_idle_ranks for p in probes())
     t0 = time.perf_counter()
     v = probe_idle_ranks()["P7"]
     assert v.ok, v.report()

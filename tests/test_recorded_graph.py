@@ -12,10 +12,10 @@ if "triton" not in sys.modules and not torch.cuda.is_available():  # as tests/te
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from harness.case import load_case  # noqa: E402
-from harness.execute import run_rank  # noqa: E402
 from harness.props.outputs import compare_outputs  # noqa: E402
+from harness.props.tolerances import cross_device  # noqa: E402
 from harness.ranks.simulated import SimulatedWorld  # noqa: E402
-from harness.tolerances import cross_device  # noqa: E402
+from harness.run.rig import run_rank  # noqa: E402
 from harness.verdict import Verdict  # noqa: E402
 from runners.graph_backend import GraphBackend, GraphCaptureError, RecordedGraph  # noqa: E402
 from runners.parallel.comm import Group  # noqa: E402
@@ -222,7 +222,7 @@ def test_triton_launch_is_a_recorded_op():
 
     if interpreter_error(torch.device("cpu")):
         pytest.skip(interpreter_error(torch.device("cpu")))
-    from harness.scenario import Iteration, RequestSpec, Scenario
+    from harness.run.scenario import Iteration, RequestSpec, Scenario
     from runners.config import ModelConfig, SpecConfig
     from runners.cuda_graph import DraftExtendGraphDriver
     from runners.draft_extend import DraftWorker

@@ -2,30 +2,36 @@
 from __future__ import annotations
 
 import json
+import sys
 import time
 
 from harness.cli.cases import add_cases_dir, named_cases
 from harness.cli.options import add_ranks
 from harness.cli.ranks import mutant_ctx
 from harness.errors import ExitCode, UsageError
+from harness.props import registry
 from harness.ranks.joined import check_world
 
 
 def cmd_check(args) -> int:
-    from harness.checks import check_case, parse_props, require_sim_for_spec_props  # torch: only when a check runs
-
+    from harness.pipeline.check import check_case, parse_props, require_ranks  # torch: only when a check runs
     try:
         props = parse_props(args.props)
-        require_sim_for_spec_props(props, args.ranks)  # before any case runs
+        require_ranks(props, args.ranks)  # before any case runs
     except ValueError as e:
         raise UsageError(f"harness check: {e}") from None
     cases = named_cases(args.cases, args)
     check_world([(c.name, c.layout) for c in cases])  # launched ranks: each case needs exactly that many
     reports = []
     t0 = time.perf_counter()
+    # what runs, on stderr, where a run is long: one case alone, or properties beyond the default (the loop's)
+    long_run = len(cases) == 1 or set(props) - set(registry.default_ids())
+    progress = None if args.json or not long_run else (lambda msg: print(f"... {msg}", file=sys.stderr, flush=True))
+    if not args.json and args.props and args.props.strip().lower() == "all":
+        print(f"... all the case properties ({','.join(props)}); not per case: {registry.elsewhere_note()}", file=sys.stderr, flush=True)
     with mutant_ctx(args.mutant):
         for i, case in enumerate(cases, 1):
-            rep = check_case(case, props=props, ranks=args.ranks)
+            rep = check_case(case, props=props, ranks=args.ranks, on_progress=progress)
             reports.append(rep)
             if not args.json:
                 verdicts = " ".join([f"{k}:{'ok' if v.ok else 'FAIL'}" for k, v in rep.verdicts.items()] + [f"{k}:skip" for k in rep.skipped])
@@ -54,7 +60,5 @@ def add_parser(subparsers) -> None:
     s.add_argument("--mutant", help="plant a mutant from the catalog first (see `harness mutants`)")
     add_ranks(s)
     add_cases_dir(s)
-    s.add_argument("--props", default="P1,P3,P4", metavar="LIST",
-                   help="properties per case: a comma list of P1,P3,P4 (one run of the runners; the default) and P2,P5,P6 "
-                        "(the case's workload through the speculative decoding loop; simulated ranks), or 'all'")
+    s.add_argument("--props", default=None, metavar="LIST", help=registry.props_help())
     s.set_defaults(func=cmd_check)

@@ -22,7 +22,7 @@ from harness.golden.acceptance import GOLDEN_CASES, record_acceptance
 from harness.golden.base import GoldenError, GoldenFormatError, GoldenKind
 from harness.golden.draft_tree import TREE_CASES, check_tree_case, record_tree_goldens
 from harness.golden.lifecycle import check_golden, iter_cases, record_golden, refuse_under_xdist
-from harness.props.p5_p6 import check_acceptance_case
+from harness.props.p6 import check_acceptance_case
 from harness.verdict import Verdict
 
 LOOP_KINDS: dict[GoldenKind, tuple[tuple[str, ...], Callable[[Case], Verdict]]] = {

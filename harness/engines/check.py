@@ -5,7 +5,7 @@ the single-layer one for a representative layout of every branch of DESIGN.md §
 gather, attn-TP gather, neither), without a model or a GPU; runs the engine's capture path
 for every bucket (get_forward_batch(bs) and the step body up to the model) and its replay /
 prepare path for every raw batch size up to each bucket; converts what the engine produced
-into our records (harness.records.CaptureRecord / ReplayRecord) and runs the same P1
+into our records (harness.run.records.CaptureRecord / ReplayRecord) and runs the same P1
 checks our runners pass: I1 capture = replay, I2 rows fed to lm_head = for_logprob, I3
 branch parity, I4 buffer = Σ for_logprob, I5 for_logprob vs num_tokens, I6 single- vs
 multi-layer, and the padding rules. The graphed draft decode (sglang/draft_decode.py) gets
@@ -27,9 +27,9 @@ from harness.engines.sglang.build import EngineRunners
 from harness.engines.sglang.config import EngineConfig
 from harness.engines.sglang.handle import MULTI_LAYER, ONE_GRAPH, RunnerHandle
 from harness.engines.sglang.loader import Engine
-from harness.layout import branch_sibling
 from harness.props.p1_records import check_replay_record, check_replay_rows, verify_capture_bs
-from harness.records import ReplayRecord
+from harness.run.layouts import branch_sibling
+from harness.run.records import ReplayRecord
 from harness.verdict import Verdict
 from runners.cuda_graph import compute_capture_bs
 from runners.parallel.layout import Branch, ParallelLayout

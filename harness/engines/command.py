@@ -34,7 +34,7 @@ from harness.engines.report import format_report
 from harness.engines.sglang.config import EngineConfig
 from harness.engines.sglang.loader import load
 from harness.engines.vllm.command import main as vllm_main
-from harness.layout import all_layouts
+from harness.run.layouts import all_layouts
 
 
 def add_parser(subparsers) -> None:

@@ -18,8 +18,10 @@ from harness.golden.acceptance import ACCEPT_DIR, AcceptanceGoldenError, read_go
 from harness.golden.base import GOLDEN_DIR
 from harness.golden.lifecycle import refuse_under_xdist
 from harness.golden.store import write_text_atomic
-from harness.spec_decode import SpecSession, case_session, check_graph_replayed
-from harness.tolerances import Tol
+from harness.props.p3 import check_loop_replayed
+from harness.props.p6 import P6
+from harness.props.tolerances import Tol
+from harness.run.loop import SpecSession, case_session
 from harness.verdict import Verdict
 
 TREE_CASES = ("tp2_single_layer_shrink", "tp4_dp2_single_layer_topk2")  # the shipped single-layer cases
@@ -60,7 +62,7 @@ def record_tree_golden(case: Case, accept_dir: Optional[Path] = None) -> Path:
     """From the eager run; refused when the graph run's tree differs (P3 would say where)."""
     refuse_under_xdist(GOLDEN_DIR if accept_dir is None else accept_dir)
     sessions = {r: case_session(case, r) for r in ("eager", "graph")}
-    v = Verdict("P6")
+    v = Verdict(P6)
     data = {"format": TREE_FORMAT, "case": case.name, "fingerprint": case.scenario.model.fingerprint(), "trees": tree_arrays(sessions["eager"])}
     compare_trees(v, case.name, data["trees"], tree_arrays(sessions["graph"]))
     if not v.ok:
@@ -100,8 +102,8 @@ def check_tree_golden(v: Verdict, case: Case, sessions: dict[str, SpecSession], 
 
 def check_tree_case(case: Case) -> Verdict:
     """The draft-tree golden alone, eager and graph (`harness golden check --kind draft-tree`)."""
-    v = Verdict("P6")
+    v = Verdict(P6)
     sessions = {r: case_session(case, r) for r in ("eager", "graph")}
-    check_graph_replayed(v, sessions["graph"], {"case": case.name, "runner": "graph"})
+    check_loop_replayed(v, sessions["graph"], {"case": case.name, "runner": "graph"})
     check_tree_golden(v, case, sessions)
     return v

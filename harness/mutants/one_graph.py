@@ -10,7 +10,7 @@ from runners.multi_layer_draft_extend_graph import MultiLayerEagleDraftExtendCud
 from runners.one_graph_draft_extend import OneGraphDraftExtendStepRunner
 from runners.one_graph_draft_extend import OneGraphMultiLayerEagleMultiStepDraftExtendCudaGraphRunner as OneGraph
 
-PROBE = "case-one-graph"  # harness.suite: P1, P3 and P4 over cases/tp2_shrink_one_graph.toml
+PROBE = "case-one-graph"  # harness.pipeline.mutants: P1, P3 and P4 over cases/tp2_shrink_one_graph.toml
 
 
 def _no_chain_in_graph(self: OneGraph, num_tokens: int, out: StepOutputs) -> None:

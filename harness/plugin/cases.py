@@ -22,11 +22,12 @@ from typing import Callable, Iterator, Optional, Sequence
 import pytest
 
 from harness.case import CASES_DIR, Case, CaseError, default_cases, load_case
-from harness.checks import CASE_PROPS, FAST_PROPS, CaseReport, check_case, parse_props
 from harness.golden import GOLDEN_DIR, GoldenError, check_golden, record_golden
 from harness.mutants import get as get_mutant
+from harness.pipeline.check import CaseReport, check_case, parse_props
 from harness.plugin.engine import NODE as ENGINE_NODE
 from harness.plugin.engine import EngineCheckNode, engine_check_args
+from harness.props import registry
 
 PLUGIN = "harness.plugin"
 GOLDEN_ITEM = "golden"
@@ -71,13 +72,13 @@ def specharness_golden_dir(pytestconfig: pytest.Config) -> Path:
 
 @pytest.fixture
 def specharness_check(pytestconfig: pytest.Config) -> Callable[..., CaseReport]:
-    """check(case or name, props=("P1", "P3", "P4"), mutant=None) -> CaseReport (report.ok, report.verdicts)."""
+    """check(case or name, props=None (those of one case run), mutant=None) -> CaseReport (report.ok, report.verdicts)."""
     cases_dir = _dir(pytestconfig, "cases_dir", CASES_DIR)
 
-    def check(case: Case | str, props: Sequence[str] = FAST_PROPS, mutant: Optional[str] = None) -> CaseReport:
+    def check(case: Case | str, props: Optional[Sequence[str]] = None, mutant: Optional[str] = None) -> CaseReport:
         case = case if isinstance(case, Case) else load_case(case, cases_dir)
         with get_mutant(mutant).planted() if mutant else contextlib.nullcontext():
-            return check_case(case, props=tuple(props))
+            return check_case(case, props=props)
 
     return check
 
@@ -144,7 +145,7 @@ class CaseNode(pytest.Collector):
         """The case checked once, for every property of it that this session runs."""
         if self._report is None:
             selected = {it.name for it in self.session.items if it.parent is self and it.name != GOLDEN_ITEM}
-            self._report = check_case(self.case, props=tuple(p for p in CASE_PROPS if p in selected))
+            self._report = check_case(self.case, props=tuple(p for p in registry.case_ids() if p in selected))
         return self._report
 
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 import pytest
 
 from harness.data import shipped_dir
-from harness.props.names import CASE_PROPS, FAST_PROPS
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -19,7 +18,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                 help=f"the cases to run (default: ini specharness_cases_dir, else the shipped ones: {shipped_dir('cases')})")
     g.addoption("--specharness-golden-dir", metavar="DIR", help="where the goldens are (default: ini specharness_golden_dir, else the shipped ones)")
     g.addoption("--specharness-props", metavar="LIST",
-                help=f"properties per case: a comma list of {', '.join(CASE_PROPS)} or 'all' (default: {','.join(FAST_PROPS)})")
+                help="properties per case: a comma list of property ids or 'all' (default: those of one run of the case's runners; "
+                     "`harness check --help` lists them)")
     g.addoption("--specharness-force-regen", action="store_true", help="rewrite the goldens and fail their items (never under pytest-xdist)")
     g.addoption("--specharness-mutant", metavar="ID", help="plant a mutant of the catalog for the whole session (see `harness mutants`)")
     g.addoption("--specharness-engine-check", metavar="ARGS",
@@ -28,4 +28,4 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addini("specharness_engine_check", "engine-check arguments, as --specharness-engine-check", default="")
     parser.addini("specharness_cases_dir", "directory of case files (relative to the ini file)", type="paths", default=[])
     parser.addini("specharness_golden_dir", "directory of goldens (relative to the ini file)", type="paths", default=[])
-    parser.addini("specharness_props", "properties per case, as --specharness-props", default=",".join(FAST_PROPS))
+    parser.addini("specharness_props", "properties per case, as --specharness-props (empty: the default)", default="")

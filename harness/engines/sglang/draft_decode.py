@@ -25,7 +25,7 @@ from harness.engines.lanes import LaneRecord, LiveBatch
 from harness.engines.sglang.errors import EngineAdapterError
 from harness.engines.sglang.graph import recording_set_dp_buffer_len, run_until_model, stop_at_model, tolist
 from harness.engines.sglang.standins import Strict, noop, patched
-from harness.records import CaptureRecord, ReplayRecord
+from harness.run.records import CaptureRecord, ReplayRecord
 
 MODULE = "sglang.srt.speculative.eagle_draft_cuda_graph_runner"
 KIND = "draft_decode"

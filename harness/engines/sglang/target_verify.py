@@ -32,7 +32,7 @@ from harness.engines.sglang.errors import EngineAdapterError
 from harness.engines.sglang.graph import FakeGraphBackend, ModelProbe, recording_set_dp_buffer_len
 from harness.engines.sglang.handle import RunnerHandle
 from harness.engines.sglang.standins import FakeGroup, Strict, noop, patched
-from harness.records import ReplayRecord
+from harness.run.records import ReplayRecord
 
 MODULE = "sglang.srt.model_executor.runner.decode_cuda_graph_runner"
 MODEL_RUNNER = "sglang.srt.model_executor.model_runner"

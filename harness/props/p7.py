@@ -22,7 +22,7 @@ or real ranks and checks, from the per-rank collective traces:
 
 P7 drives the draft-extend runners (`run_rank`): the iterations of a schedule are decode
 iterations, each a draft-extend over every DP group. The draft decode's and the verify's idle
-groups run inside the loop, where the DP churn script (harness.props.spec_probes) idles each group once.
+groups run inside the loop, where the DP churn script (harness.props.p8) idles each group once.
 """
 from __future__ import annotations
 
@@ -30,17 +30,20 @@ import contextlib
 from typing import Optional, Sequence
 
 from harness.case import seeded_requests
-from harness.crash import crash_detail, crash_name
-from harness.execute import RankRun, run_rank
 from harness.mutants import get
+from harness.props.base import Needs, Probe, Property
 from harness.ranks import RanksKind
 from harness.ranks import run as ranks_run
 from harness.ranks.simulated import RankFailure
 from harness.ranks.trace import CollectiveCall, CollectiveError
-from harness.scenario import Scenario
+from harness.run.crash import crash_detail, crash_name
+from harness.run.rig import RankRun, run_rank
+from harness.run.scenario import Scenario
 from harness.verdict import Verdict
 from runners.config import ModelConfig, SpecConfig
 from runners.parallel.layout import Branch, ParallelLayout
+
+P7 = "P7"
 
 # Small and fast: two draft steps, three buckets. (On a gathered layout the buckets are
 # multiples of attn_tp_size, so tp4 dp2 captures 2 and 4.)
@@ -121,7 +124,7 @@ def _describe(c: Optional[CollectiveCall]) -> str:
 
 def check_collective_agreement(layout: ParallelLayout, traces: Sequence[Sequence[CollectiveCall]], v: Optional[Verdict] = None) -> Verdict:
     """same-program and group-agreement over per-rank traces (simulated or real)."""
-    v = v or Verdict("P7")
+    v = v or Verdict(P7)
     where = {"layout": layout.describe()}
     # same-program: idle and busy ranks issue the same (op, group) sequence
     prog0 = [(c.op, c.group) for c in traces[0]]
@@ -162,7 +165,7 @@ def check_collective_agreement(layout: ParallelLayout, traces: Sequence[Sequence
 
 def check_idle_path(sc: Scenario, runs: Sequence[RankRun], v: Optional[Verdict] = None) -> Verdict:
     """Idle ranks ran the padded dummy path: a graph replay of a real bucket (eager: zero rows)."""
-    v = v or Verdict("P7")
+    v = v or Verdict(P7)
     layout = sc.layout
     for run in runs:
         d = layout.attn_dp_rank(run.rank)
@@ -176,7 +179,7 @@ def check_idle_path(sc: Scenario, runs: Sequence[RankRun], v: Optional[Verdict] 
             w = {"layout": layout.describe(), "rank": run.rank, "iteration": it, "dp_batch_sizes": sizes}
             if it < len(run.eager):
                 for step, res in enumerate(run.eager[it]):
-                    v.expect_equal("idle-path", "eager logits rows", {**w, "step": step}, 0, int(res.tensors["logits"].shape[0]))
+                    v.expect_equal("idle-path", "eager logits rows", {**w, "step": step}, 0, int(res.out.logits.shape[0]))
             if run.stats is None:
                 continue
             recs = run.records[it] if it < len(run.records) else []
@@ -199,7 +202,7 @@ def _where(sc: Scenario, ranks: str) -> dict:
 
 
 def run_verdict(sc: Scenario, err: BaseException, ranks: str) -> Verdict:
-    v = Verdict("P7", checked=1)
+    v = Verdict(P7, checked=1)
     v.fail("run", "collectives", _where(sc, ranks), "every rank issues the same collectives and completes", crash_name(err), crash_detail(err))
     return v
 
@@ -210,7 +213,7 @@ def check_idle_ranks(sc: Scenario, ranks: str = "sim", timeout_s: float = 60.0, 
         runs, traces = run_with_traces(sc, ranks, timeout_s, mutant=mutant)
     except (RankFailure, CollectiveError) as err:
         return run_verdict(sc, err, ranks)
-    v = Verdict("P7")
+    v = Verdict(P7)
     if not any(0 in it.dp_batch_sizes for it in sc.iterations):
         v.notes.append(f"{sc.name}: no idle DP group in this schedule")
     check_collective_agreement(sc.layout, traces, v)
@@ -220,7 +223,14 @@ def check_idle_ranks(sc: Scenario, ranks: str = "sim", timeout_s: float = 60.0, 
 
 def probe_idle_ranks() -> dict[str, Verdict]:
     """The `harness mutants` probe: P7 over the built-in idle schedules on simulated ranks (~2-3 s)."""
-    v = Verdict("P7")
+    v = Verdict(P7)
     for sc in p7_scenarios():
         v.merge(check_idle_ranks(sc, "sim", timeout_s=30.0))
-    return {"P7": v}
+    return {P7: v}
+
+
+PROPERTY = Property(
+    P7, "uneven DP load", Needs.SCHEDULES,
+    runs_under="pytest and `harness mutants`",
+    probes=(Probe("p7-idle-ranks", probe_idle_ranks),),
+)

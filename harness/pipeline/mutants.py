@@ -6,8 +6,10 @@ probe that raised, nor a child process that died or overran its time: those are 
 so they can't pass for a kill.
 
 Which probes: a mutant names the probes that can see it (`Mutant.probes`, cheapest
-first; unset: every probe in harness.suite.PROBES, the costly ones last). By default a
-mutant stops at the first probe that kills it; the report then names the killing
+first; unset: every probe, the costly ones last). The probes are the registered properties'
+(harness.props.registry) and the case probes below, which run the case pipeline with every
+property of one case run over named cases, so a new such property is probed with no edit here.
+By default a mutant stops at the first probe that kills it; the report then names the killing
 property and probe and lists the probes it did not run, so it never claims the other
 properties were checked.
 `all_properties=True` runs every listed probe: the full kill matrix; `every_probe=True`
@@ -32,16 +34,61 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
+from harness.case import load_case
 from harness.mutants import Mutant
-from harness.suite import COSTLY_PROBES, PROBES, Probe
+from harness.pipeline.check import check_case
+from harness.props import registry
+from harness.props.base import Probe, Verdicts
 from harness.verdict import Verdict, merge_verdicts
 
-# Which property a kill is put on: the first that failed in this order; "run" (a rank crashed or
-# desynced) last, so a property that saw the bug itself is named before the crash it caused.
-KILL_ORDER = ("P1", "P2", "P3", "P4", "P5", "P6", "P7", "P8", "run")
 CATALOG_REF = "harness.mutants:CATALOG"  # "module:attribute", resolved in the parent and again in each child
 DEFAULT_TIMEOUT_S = 300.0
 HEARTBEAT_S = 30.0
+
+# ---- the case probes: the case pipeline (every property of one case run) over named cases ----
+
+# One per branch family plus the shrink and idle-rank schedules, world sizes 1..8, DP attention in every branch.
+# `harness check` runs all shipped cases (world 16 and 32 too); the mutant run takes this subset: it is the costliest
+# probe, so mutants list it last.
+MUTANT_CASES = (
+    "tp1_neither",
+    "tp2_shrink",
+    "tp2_dp2_mlp_dp_lm_head",
+    "tp4_attn_tp_gather",
+    "tp4_dp2_mlp_tp_gather",
+    "tp4_dp2_attn_tp_gather",
+    "tp8_dp4_mlp_idle_rank",
+    "tp4_dp4_neither",  # DP attention without gathered counts: the eager pass must not be MLP-sync padded
+)
+
+
+def probe_cases() -> Verdicts:
+    out: Verdicts = {}
+    for case in (load_case(name) for name in MUTANT_CASES):
+        merge_verdicts(out, check_case(case).verdicts)
+    return out
+
+
+def probe_case_tp1() -> Verdicts:
+    """The smallest case: the multi-layer draft-extend runner, eager and graph."""
+    return check_case(load_case("tp1_neither")).verdicts
+
+
+def probe_case_one_graph() -> Verdicts:
+    """The one-graph composite's case (a shrink: padded lanes in every bucket but the first)."""
+    return check_case(load_case("tp2_shrink_one_graph")).verdicts
+
+
+CASE_PROBES = (Probe("case-tp1", probe_case_tp1), Probe("case-one-graph", probe_case_one_graph), Probe("cases", probe_cases, costly=True))
+
+
+def probes() -> tuple[Probe, ...]:
+    """Every probe a mutant can name: the properties' (registry order), then the case probes."""
+    out = registry.probes() + CASE_PROBES
+    ids = [p.id for p in out]
+    if len(set(ids)) != len(ids):
+        raise ValueError("two probes share an id: " + ", ".join(sorted({i for i in ids if ids.count(i) > 1})))
+    return out
 
 
 @dataclass
@@ -76,7 +123,8 @@ def _is_timeout(v: Verdict) -> bool:
 
 
 def _killing(verdicts: dict[str, Verdict]) -> list[str]:
-    return [p for p in KILL_ORDER if p in verdicts and not verdicts[p].ok and not _is_timeout(verdicts[p])]
+    """The properties that failed, in kill order (a property that saw the bug before the crash it caused: "run" last)."""
+    return [p for p in registry.kill_order() if p in verdicts and not verdicts[p].ok and not _is_timeout(verdicts[p])]
 
 
 def load_catalog(ref: str = CATALOG_REF) -> tuple[Mutant, ...]:
@@ -84,30 +132,31 @@ def load_catalog(ref: str = CATALOG_REF) -> tuple[Mutant, ...]:
     return tuple(getattr(importlib.import_module(module), attr))
 
 
-def probes_for(m: Mutant, every_probe: bool = False) -> list[tuple[str, Probe]]:
-    """The mutant's probes in its order (every_probe: all registered ones); every name must be registered."""
-    known = dict(PROBES)
-    default = [n for n in known if n not in COSTLY_PROBES] + [n for n in known if n in COSTLY_PROBES]
+def probes_for(m: Mutant, every_probe: bool = False) -> list[Probe]:
+    """The mutant's probes in its order (every_probe: all of them, the costly ones last); every name must be registered."""
+    known = {p.id: p for p in probes()}
+    default = [p.id for p in known.values() if not p.costly] + [p.id for p in known.values() if p.costly]
     names = list(m.probes) if m.probes is not None and not every_probe else default
     unknown = [n for n in names if n not in known]
     if unknown or not names:
         raise KeyError(f"mutant {m.id}: probes {unknown or names!r} not registered; known: {', '.join(known)}")
-    return [(n, known[n]) for n in names]
+    return [known[n] for n in names]
 
 
 def run_mutant(m: Mutant, all_properties: bool = False, every_probe: bool = False) -> MutantResult:
     """Plant m in this process and run its probes (the child's job; also usable in-process)."""
     t0 = time.perf_counter()
-    probes = probes_for(m, every_probe)
+    chosen = probes_for(m, every_probe)
     verdicts: dict[str, Verdict] = {}
     run: list[str] = []
     errors: list[str] = []
     killing_probe = None
     with m.planted():
-        for name, probe in probes:
+        for probe in chosen:
+            name = probe.id
             run.append(name)
             try:
-                out = probe()
+                out = probe.run()
             except Exception as err:  # noqa: BLE001 - reported as an error, never as a kill
                 errors.append(f"probe {name} raised {type(err).__name__}: {err}")
                 continue
@@ -120,7 +169,7 @@ def run_mutant(m: Mutant, all_properties: bool = False, every_probe: bool = Fals
     return MutantResult(
         m.id, m.description, bool(failed), failed[0] if failed else None, time.perf_counter() - t0, failed,
         verdicts[failed[0]].first() if failed else "", sum(1 for v in verdicts.values() if _is_timeout(v)),
-        killing_probe, run, [n for n, _ in probes if n not in run], "; ".join(errors),
+        killing_probe, run, [p.id for p in chosen if p.id not in run], "; ".join(errors),
     )
 
 
