@@ -95,9 +95,9 @@ def _max_diffs(a_steps, b_steps) -> list[dict]:
         for step, (a, b) in enumerate(zip(xa, xb, strict=True)):
             d = {"iteration": it, "step": step}
             for name in ("logits", "hidden", "logprobs"):
-                x, y = a.tensors[name].double(), b.tensors[name].double()
+                x, y = getattr(a.out, name).double(), getattr(b.out, name).double()
                 d[name] = float((x - y).abs().max()) if x.numel() and x.shape == y.shape else None
-            d["top1_equal"] = bool(torch.equal(a.tensors["topk_index"][:, :1], b.tensors["topk_index"][:, :1]))
+            d["top1_equal"] = bool(torch.equal(a.out.topk_index[:, :1], b.out.topk_index[:, :1]))
             out.append(d)
     return out
 
@@ -183,7 +183,7 @@ def test_cpu_simulation_agrees_with_real_graph(layout, backend, dtype, graph):
         _records_equal(v, where, real, other)
         for it, (xa, xb) in enumerate(zip(real.graph, other.graph, strict=True)):
             for step, (a, b) in enumerate(zip(xa, xb, strict=True)):
-                if not compare_outputs(v, "sim-vs-real", {**where, "iteration": it, "step": step}, b.tensors, a.tensors, tol,
+                if not compare_outputs(v, "sim-vs-real", {**where, "iteration": it, "step": step}, b.out.tensors(), a.out.tensors(), tol,
                                        lambda r: f"row {r} (token {r % T})"):
                     break
         _report("sim_vs_real", case, against=name, graph=graph.value, tol=tol, diffs=_max_diffs(real.graph, other.graph))

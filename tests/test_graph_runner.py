@@ -144,7 +144,7 @@ def test_tp1_graph_is_bitwise_equal_to_eager():
     assert [rec.bs for rec in run.records[0]] == [4] * len(run.graph[0])
     for e, g in zip(run.eager[0], run.graph[0], strict=True):
         for k in ("logits", "hidden", "logprobs", "topk_index", "next_input_ids"):
-            assert torch.equal(e.tensors[k], g.tensors[k]), k
+            assert torch.equal(getattr(e.out, k), getattr(g.out, k)), k
 
 
 def test_no_gc_during_capture_nests_across_threads_and_restores_the_collector():

@@ -85,7 +85,7 @@ def test_idle_path_checks_the_padded_dummy_path():
     assert check_idle_path(sc, runs).ok
     rec = runs[2].records[0][0]
     assert (rec.raw_bs, rec.bs) == (0, runs[0].records[0][0].bs) == (0, 4)  # idle rank 2 replays the busy group's bucket
-    assert runs[2].eager[0][0].tensors["logits"].shape[0] == 0  # eager: zero rows, every collective joined
+    assert runs[2].eager[0][0].out.logits.shape[0] == 0  # eager: zero rows, every collective joined
     runs[2].stats.eager_fallbacks = 1
     runs[3].records[0] = runs[3].records[0][:1]
     runs[2].records[0][0] = dataclasses.replace(rec, bs=2)

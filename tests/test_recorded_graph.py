@@ -264,7 +264,7 @@ def test_recorded_cpu_graph_agrees_with_the_real_cuda_graph():
             [[(r.bs, r.rows_fed, r.global_num_tokens_for_logprob_gpu) for r in recs] for recs in b.records]
         for it, (xa, xb) in enumerate(zip(a.graph, b.graph, strict=True)):
             for step, (sa, sb) in enumerate(zip(xa, xb, strict=True)):
-                compare_outputs(v, "recorded-vs-cuda", {"rank": a.rank, "iteration": it, "step": step}, sa.tensors, sb.tensors, tol)
+                compare_outputs(v, "recorded-vs-cuda", {"rank": a.rank, "iteration": it, "step": step}, sa.out.tensors(), sb.out.tensors(), tol)
     assert v.ok, v.first()
 
 

@@ -201,7 +201,7 @@ def test_case_runs_on_triton_backend_p1_p3_p4():
     for it, (a, b) in enumerate(zip(rep.runs[0].eager, torch_runs[0].eager, strict=True)):
         for step, (x, y) in enumerate(zip(a, b, strict=True)):
             for name in ("logits", "hidden", "logprobs"):
-                torch.testing.assert_close(x.tensors[name], y.tensors[name], rtol=10 * tol.rtol, atol=10 * tol.atol,
+                torch.testing.assert_close(getattr(x.out, name), getattr(y.out, name), rtol=10 * tol.rtol, atol=10 * tol.atol,
                                            msg=lambda m, it=it, step=step, name=name: f"iteration {it} step {step} {name}: {m}")
 
 

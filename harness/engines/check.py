@@ -27,7 +27,7 @@ from harness.engines.sglang.build import EngineRunners
 from harness.engines.sglang.config import EngineConfig
 from harness.engines.sglang.handle import MULTI_LAYER, ONE_GRAPH, RunnerHandle
 from harness.engines.sglang.loader import Engine
-from harness.props.p1_records import check_replay_record, check_replay_rows, verify_capture_bs
+from harness.props.p1_records import P1, check_replay_record, check_replay_rows, verify_capture_bs
 from harness.run.layouts import branch_sibling
 from harness.run.records import ReplayRecord
 from harness.verdict import Verdict
@@ -386,7 +386,7 @@ def _compare(v: Verdict, check: str, w: dict, ref: tuple, got: tuple, what: str)
     explained = r_lp is not None and g_lp is not None and r_lp == r_rows and g_lp == g_rows
     if explained:
         v.notes.append(
-            f"P1/{check} global_num_tokens_for_logprob: {_fmt(r_lp, r_n)} vs {_fmt(g_lp, g_n)}, each equal to the rows its runner feeds lm_head: "
+            f"{P1}/{check} global_num_tokens_for_logprob: {_fmt(r_lp, r_n)} vs {_fmt(g_lp, g_n)}, each equal to the rows its runner feeds lm_head: "
             f"the pruned-logits variant of DESIGN.md §6.3 (legal; reported) [{', '.join(f'{k}={x}' for k, x in w.items())}]"
         )
     else:

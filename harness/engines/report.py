@@ -5,6 +5,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from harness.props.p1_records import P1
 from harness.verdict import Failure, Verdict
 from runners.parallel.layout import ParallelLayout
 
@@ -18,7 +19,7 @@ class Line:
     layout: ParallelLayout
     bucket: int
     tokens_per_bs: int = 0
-    verdict: Verdict = field(default_factory=lambda: Verdict("P1"))
+    verdict: Verdict = field(default_factory=lambda: Verdict(P1))
     raw_bs: set[int] = field(default_factory=set)
     ranks: set[int] = field(default_factory=set)
     pruned: bool = False

@@ -183,7 +183,7 @@ def _check_branch_parity(v: Verdict, layout: ParallelLayout, spec: SpecConfig, s
         v.expect_agree(
             "I3", "global_num_tokens_for_logprob",
             {"layout": layout.describe(), "sibling": sib.describe(), "rank": d * layout.attn_tp_size},
-            {f"{layout.branch.value} branch (this layout)": ours, f"{sib.branch.value} sibling ({sib.describe()})": theirs},
+            {f"{layout.branch.value} branch (this layout)": ours, f"{sib.branch.value} sibling": theirs},
             [T] * len(both), f"T = {T} logprob rows per padded request (every DRAFT_EXTEND_V2 token) in both branches",
         )
 

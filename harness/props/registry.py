@@ -49,12 +49,18 @@ def properties() -> tuple[Property, ...]:
     return tuple(every[k] for k in sorted(every, key=_sort_key))
 
 
-@contextlib.contextmanager
-def registered(prop: Property) -> Iterator[Property]:
-    """`prop` in the registry for the block: a property added without a module (tests)."""
+def register(prop: Property) -> Property:
+    """Add a property that has no module here (a plugin's, a test's); its id must be new."""
     if prop.id in {p.id for p in properties()}:
         raise ValueError(f"property {prop.id!r} is registered already")
     _extra[prop.id] = prop
+    return prop
+
+
+@contextlib.contextmanager
+def registered(prop: Property) -> Iterator[Property]:
+    """`prop` in the registry for the block only."""
+    register(prop)
     try:
         yield prop
     finally:
@@ -148,13 +154,16 @@ def probes() -> tuple[Probe, ...]:
 
 
 def markdown() -> str:
-    """The properties as a reference table (the docs are generated from it)."""
-    rows = ["| id | property | needs | invariants | probes |", "|---|---|---|---|---|"]
+    """The properties and P1's invariants as reference tables (the docs are generated from them)."""
+    rows = ["| id | property | needs | runs under | mutant probes |", "|---|---|---|---|---|"]
     for p in properties():
         needs = ", ".join(n.name.lower().replace("_", " ") for n in Needs if n in p.needs)
-        inv = "; ".join(f"{i.id} {i.title}" for i in p.invariants) or "-"
-        where = f" (runs under {p.runs_under})" if p.runs_under else ""
-        rows.append(f"| {p.id} | {p.title}{where} | {needs} | {inv} | {', '.join(x.id for x in p.probes) or '-'} |")
+        where = p.runs_under or ("`harness check`, `harness replay`, the pytest plugin" if p.one_run else
+                                 f"`harness check --props {p.id}`, the pytest plugin")
+        rows.append(f"| {p.id} | {p.title} | {needs} | {where} | {', '.join(x.id for x in p.probes) or '-'} |")
+    inv = [(p.id, i) for p in properties() for i in p.invariants]
+    if inv:
+        rows += ["", "| invariant | of | what holds |", "|---|---|---|"] + [f"| {i.id} | {pid} | {i.title} |" for pid, i in inv]
     return "\n".join(rows) + "\n"
 
 

@@ -105,7 +105,7 @@ class CaseRun:
     def oracle(self) -> list[RankRun]:
         """TP1 eager over every DP group's requests: P4's reference. Always in this process, on simulated ranks."""
         if self._oracle is None:
-            self.say("TP1 eager oracle")
+            self.say("TP1 oracle: eager, every DP group's requests in one batch")
             self._oracle = run_spmd(self.sc.as_tp1(), runner="eager")
         return self._oracle
 
