@@ -186,12 +186,12 @@ def test_internal_error_exits_3_with_a_traceback_and_json(monkeypatch, capsys):
 
 def test_out_of_memory_is_its_own_error_never_a_property_failure(monkeypatch, capsys):
     """A rank's MemoryError (CPU) ends the run with exit 3, kind out-of-memory; no verdict is reported."""
-    import harness.pipeline.check
+    import harness.run.case_run
 
     def oom(*a, **k):
         raise MemoryError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 40000000000 bytes")
 
-    monkeypatch.setattr(harness.pipeline.check, "run_rank", oom)
+    monkeypatch.setattr(harness.run.case_run, "run_rank", oom)
     assert main(["check", "tp2_neither", "--json"]) == 3
     doc = one_json(capsys.readouterr().out)
     assert doc["error"]["kind"] == "out-of-memory" and "tp2_neither" in doc["error"]["message"]
