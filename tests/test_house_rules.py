@@ -8,6 +8,7 @@ as an import of the module.
 from __future__ import annotations
 
 import ast
+import re
 import warnings
 from pathlib import Path
 
@@ -117,3 +118,18 @@ def test_long_modules_are_reported_as_a_warning():
     if long:
         warnings.warn(f"modules over {MAX_LINES} lines (look at them; split only along an idea's seams): "
                       + ", ".join(f"{name} ({n})" for n, name in reversed(long)), stacklevel=1)
+
+
+PROPERTY_ID = re.compile(r"P\d+(/.*)?|(P\d+,)+P\d+")  # "P3", "P1/I3 ...", "P1,P3,P4"
+
+
+def test_no_property_id_literal_outside_the_registry():
+    """A property is named by its registered object (harness/props): a string "P3" anywhere else is the id spread again."""
+    bad = []
+    for name, path in _modules().items():
+        if not name.startswith("harness.") or name.startswith("harness.props"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and PROPERTY_ID.fullmatch(node.value):
+                bad.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.value!r}")
+    assert not bad, "\n".join(bad)

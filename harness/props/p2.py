@@ -11,6 +11,7 @@ from harness.props.draft_decode import probe_draft_decode
 from harness.props.poison import (
     NAN,
     P2,
+    SEQ_SENTINEL,
     DecodePoison,
     RunnerPoison,
     VerifyPoison,
@@ -31,12 +32,7 @@ from runners.graph_runner import RunnerKind
 from runners.memory import PADDING_SLOT, TokenToKVPool
 from runners.spec_decode import SpecEngine
 
-# ----------------------------------------------------------------------------------------
-# P2 padded lanes: canonical values after the replay fill; poisoned replays change nothing real
-# ----------------------------------------------------------------------------------------
-
 POS_SENTINEL_FROM_END = 1  # positions poisoned to max_context_len - 1: the body indexes req_to_token and the rotary table with them
-SEQ_SENTINEL = 1 << 30  # seq_lens poisoned far out of range (a mask bound only)
 
 _RUNNER_BUFFERS = ("input_ids", "positions", "out_cache_loc", "seq_lens", "req_pool_indices", "num_correct_drafts",
                    "num_accept_tokens", "hidden_states", "next_token_logits_buffer")
@@ -221,14 +217,14 @@ def _padded_lanes() -> Verdicts:
     return out
 
 
-# One run each, for the replay-fill mutants (harness.mutants.replay_fill): P2 on a shrinking case checks the canonical
-# fill of the padded lanes of its draft-extend and verify runners, so a mutant per fill line stays cheap.
 PROPERTY = Property(
     P2, "padded lanes", Needs.LOOP, check,
     probes=(
         Probe("padded-lanes", guarded("padded-lanes", _padded_lanes)),
         # the single-layer draft decode: P1 on every layout, P2 on poisoned padded lanes, P1 / P3 / P6 over its cases
         Probe("draft-decode", probe_draft_decode),
+        # one run each, for the replay-fill mutants (harness.mutants.replay_fill): P2 on a shrinking case checks the
+        # canonical fill of the padded lanes of its draft-extend and verify runners, so a mutant per fill line stays cheap
         Probe("padded-lanes-multi-layer", guarded("padded-lanes-multi-layer", lambda: check_padded_lanes(load_case("tp2_shrink")))),
         Probe("padded-lanes-single-layer", guarded("padded-lanes-single-layer", lambda: check_padded_lanes(load_case("tp2_single_layer_shrink")))),
     ),

@@ -34,6 +34,7 @@ from runners.verify_graph import TargetVerifyCudaGraphRunner, VerifyInputs
 
 P2 = "P2"  # the property these instruments report under (registered by harness.props.p2)
 NAN = float("nan")
+SEQ_SENTINEL = 1 << 30  # seq_lens poisoned far out of range (a mask bound only)
 
 
 class RunnerPoison:
@@ -138,7 +139,6 @@ class RunnerPoison:
 
 # ---- the TARGET_VERIFY runner ----
 
-SEQ_SENTINEL = 1 << 30  # seq_lens poisoned far out of range (a mask bound only)
 _VERIFY_BUFFERS = ("input_ids", "positions", "out_cache_loc", "seq_lens", "req_pool_indices", "custom_mask", "hidden_buffer", "logits_buffer")
 
 
