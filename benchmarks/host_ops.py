@@ -24,7 +24,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from harness.bench import _model
 from harness.bench_runners import RUNNERS, _runner_calls, build_rig, rig_spec
 from harness.ranks.simulated import SimulatedWorld
-from harness.scenario import release
+from harness.run.scenario import release
 from runners.graph import backend as graph_backend
 from runners.parallel.layout import ParallelLayout
 

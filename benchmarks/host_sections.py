@@ -17,7 +17,7 @@ import torch
 
 from harness.bench import _model, _Timer
 from harness.bench_runners import _runner_calls, build_rig, rig_spec
-from harness.scenario import release
+from harness.run.scenario import release
 from runners import (
     decode_cuda_graph_runner,
     draft_extend_graph_driver,

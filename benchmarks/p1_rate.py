@@ -1,6 +1,6 @@
 """Examples per second of the P1 metadata property (the issue asks >= 200/s).
 
-An example = one (layout, spec, schedule) drawn by harness.strategies, checked on every
+An example = one (layout, spec, schedule) drawn by harness.run.strategies, checked on every
 graph runner (each multi-layer step + the single-layer one) of one rank per DP group, at
 every iteration of the schedule, plus the branch-parity sibling.
 
@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from harness.props.p1_metadata import check_metadata
-from harness.strategies import layouts, schedules, specs
+from harness.run.strategies import layouts, schedules, specs
 
 
 def main() -> None:

@@ -34,9 +34,9 @@ import torch
 
 from harness.bench_runners import bench_runners_backend, format_runner_table
 from harness.bench_timer import INTERLEAVE_BLOCKS, Timer, load_warning, spread
-from harness.observe import observe_all
 from harness.ranks.simulated import SimulatedWorld
-from harness.scenario import Iteration, RequestSpec, Scenario, materialize, release
+from harness.run.observe import observe_all
+from harness.run.scenario import Iteration, RequestSpec, Scenario, materialize, release
 
 DEFAULT_BS = (1, 2, 4, 8, 16, 32, 64)
 CPU_BS = (1, 8)  # CPU: seconds, not minutes (the recorded graph's replay cost grows with bs as eager's does)

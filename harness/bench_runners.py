@@ -4,7 +4,7 @@ the whole speculative iteration, eager vs graph.
 A rig is one world-size-1 rank of a single-layer EAGLE engine: a DraftWorker (one draft layer:
 the single-layer draft-extend driver and the EAGLEDraftCudaGraphRunner) and a TargetRunner on the
 worker's request map (the DecodeCudaGraphRunner), its requests written by
-harness.scenario.materialize. Each runner gets the inputs it gets in the loop for the same
+harness.run.scenario.materialize. Each runner gets the inputs it gets in the loop for the same
 requests: the draft-extend the materialized batch; the draft decode a top-k and hidden state per
 request, its lanes starting at the prefix end (its topk * (num_steps - 1) draft slots lie inside
 the request's prefix + T slots); the verify T tokens per request at the prefix end. The inputs
@@ -20,7 +20,7 @@ from typing import Callable, Optional
 
 import torch
 
-from harness.scenario import Iteration, MaterializedBatch, RequestSpec, Scenario, materialize, release
+from harness.run.scenario import Iteration, MaterializedBatch, RequestSpec, Scenario, materialize, release
 from runners.config import ModelConfig, SpecConfig
 from runners.decode_cuda_graph_runner import DecodeCudaGraphRunner, VerifyInputs, verify_inputs
 from runners.draft_extend import DraftWorker, run_eager

@@ -15,11 +15,11 @@ from dataclasses import field as dc_field
 from pathlib import Path
 from typing import Any, Optional
 
-from harness.budget import MAX_ITERATIONS, over_budget
 from harness.case_requests import seeded_requests, with_explicit_lens
 from harness.data import shipped_dir
-from harness.scenario import Scenario
-from harness.tolerances import Tol
+from harness.props.tolerances import Tol
+from harness.run.budget import MAX_ITERATIONS, over_budget
+from harness.run.scenario import Scenario
 from runners.attention import BACKENDS
 from runners.attention.kinds import METADATA_IN_GRAPH, ONE_GRAPH_UNSUPPORTED, AttentionBackend
 from runners.config import DTYPES, SPEC_OPTIONS, DraftExtendGraph, ModelConfig, SpecConfig
@@ -60,7 +60,7 @@ class Case:
     path: str
     scenario: Scenario
     schedule: tuple[tuple[int, ...], ...]  # per iteration: raw bs of each DP group
-    # [tolerances]: "eager_vs_graph", "cross_layout", "golden.<field>" -> Tol (overrides of harness/tolerances.py)
+    # [tolerances]: "eager_vs_graph", "cross_layout", "golden.<field>" -> Tol (overrides of harness/props/tolerances.py)
     tolerances: dict[str, Tol] = dc_field(default_factory=dict)
     top_logprobs_num: Optional[int] = None  # schedule.top_logprobs_num: the loop's requests ask for logprobs (None: none)
 

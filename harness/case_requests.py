@@ -6,7 +6,7 @@ from __future__ import annotations
 import zlib
 from typing import Optional
 
-from harness.scenario import Iteration, RequestSpec
+from harness.run.scenario import Iteration, RequestSpec
 
 
 def with_explicit_lens(iterations: tuple[Iteration, ...], prefix: Optional[list], accept: Optional[list], rids: Optional[list] = None) -> tuple[Iteration, ...]:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from harness.budget import MAX_ITERATIONS
 from harness.case import (
     _LAYOUT,
     _MODEL,
@@ -25,6 +24,7 @@ from harness.case import (
     NAME_RE,
     PAGE_SIZES,
 )
+from harness.run.budget import MAX_ITERATIONS
 from runners.attention.kinds import AttentionBackend
 from runners.config import DTYPES, SPEC_OPTIONS, DraftExtendGraph
 from runners.draft_decode import DRAFTS

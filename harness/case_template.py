@@ -18,8 +18,8 @@ from typing import Any, Optional, Sequence
 from harness.case import CASES_DIR, Case, CaseError, parse_case
 from harness.data import checkout_root
 from harness.golden.place import check_writable
-from harness.scenario import Scenario
-from harness.tolerances import Tol
+from harness.props.tolerances import Tol
+from harness.run.scenario import Scenario
 from runners.base_cuda_graph_runner import compute_capture_bs
 from runners.config import CudaGraphMode, DraftExtendGraph, DraftExtendShape, ModelConfig, PaddingConvention, SpecConfig
 from runners.parallel.layout import ParallelLayout

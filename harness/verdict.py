@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Optional
 
 
 @dataclass
@@ -53,6 +53,22 @@ class Verdict:
             self.fail(check, field_, where, expected, got, detail)
             return False
         return True
+
+    def expect_agree(self, check: str, field_: Optional[str], where: dict, sides: dict[str, Any], rule: Any, rule_text: str) -> bool:
+        """A symmetric invariant: the named sides must agree. The failure names every side and blames the ones that break
+        `rule` (what each side must equal, `rule_text` says why), so the healthy side is never the one reported wrong:
+        expected is the rule, got the wrong side's value. field_ None: the wrong side's name is the field."""
+        self.checked += 1
+        values = list(sides.values())
+        if all(x == values[0] for x in values[1:]):
+            return True
+        wrong = {name: x for name, x in sides.items() if x != rule} or dict(sides)
+        names = " and ".join(wrong)
+        got = next(iter(wrong.values())) if len(wrong) == 1 else wrong
+        both = ", ".join(f"{name} {x}" for name, x in sides.items())
+        self.fail(check, field_ or names, where, rule, got,
+                  f"{both}: each must be {rule_text}; the {names} {'breaks' if len(wrong) == 1 else 'break'} it (see `harness explain {check}`)")
+        return False
 
     def merge(self, other: "Verdict") -> "Verdict":
         self.checked += other.checked

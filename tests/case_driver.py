@@ -1,7 +1,7 @@
 """A case's multi-layer draft-extend driver captured on the recorded CPU graph, for the tests that drive it alone."""
 from __future__ import annotations
 
-from harness.scenario import Scenario
+from harness.run.scenario import Scenario
 from runners.draft_extend import DraftWorker
 from runners.draft_extend_graph_driver import DraftExtendGraphDriver
 from runners.graph.backend import GraphBackend

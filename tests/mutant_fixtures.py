@@ -8,8 +8,9 @@ from __future__ import annotations
 import os
 import time
 
-from harness import mutants, suite
+from harness import mutants
 from harness.mutants import Mutant
+from harness.props import p1
 from runners.parallel.layout import ParallelLayout
 
 
@@ -29,7 +30,7 @@ def _raise(*args, **kwargs):
     raise RuntimeError("the harness itself broke")
 
 
-SMALL_GRID = (suite, "all_layouts", _one_layout)
+SMALL_GRID = (p1, "all_layouts", _one_layout)
 GRID = ("metadata-grid",)
 
 CATALOG: tuple[Mutant, ...] = (
@@ -37,7 +38,7 @@ CATALOG: tuple[Mutant, ...] = (
     Mutant("no-bug", "the one-layout grid alone: nothing to kill", "test", (SMALL_GRID,), GRID),
     Mutant("seed-bug-two-probes", "sglang-26416, the grid then P7", "test", mutants.get("sglang-26416").patches + (SMALL_GRID,),
            ("metadata-grid", "p7-idle-ranks")),
-    Mutant("child-exits", "the probe's process exits", "test", ((suite, "check_metadata", _exit_child),), GRID),
-    Mutant("child-hangs", "the probe never returns", "test", ((suite, "check_metadata", _hang),), GRID),
-    Mutant("probe-raises", "the probe raises", "test", ((suite, "check_metadata", _raise),), GRID),
+    Mutant("child-exits", "the probe's process exits", "test", ((p1, "check_metadata", _exit_child),), GRID),
+    Mutant("child-hangs", "the probe never returns", "test", ((p1, "check_metadata", _hang),), GRID),
+    Mutant("probe-raises", "the probe raises", "test", ((p1, "check_metadata", _raise),), GRID),
 )

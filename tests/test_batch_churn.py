@@ -9,8 +9,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from harness import mutants
-from harness.props.p8 import ChurnPair
-from harness.props.spec_probes import CHURN_RUNS, CHURN_SPEC, run_churn_script
+from harness.props.p8 import CHURN_RUNS, CHURN_SPEC, ChurnPair, run_churn_script
 from runners.config import SpecConfig
 from runners.parallel.layout import ParallelLayout as PL
 

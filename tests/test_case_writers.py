@@ -9,9 +9,9 @@ from hypothesis import strategies as st
 from harness.case import load_case
 from harness.case_template import write_failure_case
 from harness.cli import main
-from harness.replay import replay_case
-from harness.scenario import Iteration, RequestSpec, Scenario
-from harness.strategies import failure_case, layouts, schedules, specs
+from harness.pipeline.replay import replay_case
+from harness.run.scenario import Iteration, RequestSpec, Scenario
+from harness.run.strategies import failure_case, layouts, schedules, specs
 from runners.config import ModelConfig, SpecConfig
 from runners.parallel.layout import ParallelLayout
 

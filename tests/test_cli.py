@@ -171,12 +171,12 @@ def test_usage_error_without_json_exits_2_on_stderr(capsys):
 
 
 def test_internal_error_exits_3_with_a_traceback_and_json(monkeypatch, capsys):
-    import harness.checks
+    import harness.pipeline.check
 
     def boom(*a, **k):
         raise ZeroDivisionError("a bug of ours")
 
-    monkeypatch.setattr(harness.checks, "check_case", boom)
+    monkeypatch.setattr(harness.pipeline.check, "check_case", boom)
     assert main(["check", "tp1_neither", "--json"]) == 3
     cap = capsys.readouterr()
     doc = one_json(cap.out)
@@ -186,12 +186,12 @@ def test_internal_error_exits_3_with_a_traceback_and_json(monkeypatch, capsys):
 
 def test_out_of_memory_is_its_own_error_never_a_property_failure(monkeypatch, capsys):
     """A rank's MemoryError (CPU) ends the run with exit 3, kind out-of-memory; no verdict is reported."""
-    import harness.checks
+    import harness.run.case_run
 
     def oom(*a, **k):
         raise MemoryError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 40000000000 bytes")
 
-    monkeypatch.setattr(harness.checks, "run_rank", oom)
+    monkeypatch.setattr(harness.run.case_run, "run_rank", oom)
     assert main(["check", "tp2_neither", "--json"]) == 3
     doc = one_json(capsys.readouterr().out)
     assert doc["error"]["kind"] == "out-of-memory" and "tp2_neither" in doc["error"]["message"]

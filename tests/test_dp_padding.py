@@ -6,8 +6,8 @@ import torch
 
 from harness import mutants
 from harness.case import load_case
-from harness.checks import check_case
-from harness.props.p5_p6 import check_spec_case
+from harness.pipeline.check import check_case
+from harness.props.p5 import check_spec_case
 from runners import mlp_sync
 from runners.config import ModelConfig, SpecConfig
 from runners.draft_extend import SEQ_LEN_FILL_VALUE, DraftExtendInputs, DraftWorker, eager_forward_batch

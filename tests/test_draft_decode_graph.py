@@ -5,10 +5,10 @@ import torch
 
 from harness import mutants
 from harness.case import load_case
-from harness.decode_props import check_decode_case, check_decode_padded_lanes
-from harness.observe import RunnerObserver
+from harness.props.draft_decode import check_decode_case, check_decode_padded_lanes
 from harness.props.p1_metadata import check_decode_metadata
 from harness.ranks.simulated import SimulatedWorld
+from harness.run.observe import RunnerObserver
 from runners.config import ModelConfig, SpecConfig
 from runners.draft_extend import DraftWorker
 from runners.eagle_draft import (
@@ -172,7 +172,7 @@ def test_padded_lane_writes_only_the_padding_slot(topk):
         assert untouched  # no live request's KV moved
         for name in ("tokens", "parents", "child_index"):
             assert torch.equal(e.tensors()[name], g.tensors()[name]), name
-        assert torch.allclose(e.scores, g.scores, rtol=1e-5, atol=1e-5)  # another GEMM M than eager (harness.tolerances)
+        assert torch.allclose(e.scores, g.scores, rtol=1e-5, atol=1e-5)  # another GEMM M than eager (harness.props.tolerances)
         return True
 
     assert SimulatedWorld(PL()).run(fn) == [True]

@@ -7,13 +7,14 @@ import pytest
 import torch
 
 from harness.case import default_cases, load_case
-from harness.checks import check_case
-from harness.decode_props import check_decode_case
 from harness.golden.acceptance import GOLDEN_CASES
-from harness.props.draft_probes import DRAFT_TP_CASE, probe_draft_tp_group
+from harness.pipeline.check import check_case
+from harness.pipeline.mutants import single_group_case
+from harness.props.draft_decode import check_decode_case
+from harness.props.draft_probes import DRAFT_TP_CASE
 from harness.props.p2 import check_padded_lanes
 from harness.ranks.simulated import SimulatedWorld
-from harness.spec_decode import SpecSession, Workload, acceptance_stats, run_workload
+from harness.run.loop import SpecSession, Workload, acceptance_stats, run_workload
 from runners.config import ModelConfig, SpecConfig, draft_model_config
 from runners.draft_extend import DraftWorker
 from runners.draft_parallel import DraftRankContext, draft_rank_context, handoff_proposals, served_dp_rank
@@ -122,5 +123,5 @@ def test_p2_holds_where_some_ranks_hold_no_draft():
 
 def test_the_single_group_placement_matches_tp1():
     """SGLang's EAGLE3 under DP attention: the draft at TP2 inside each attention-TP group of TP4 DP2; P1, P3, P4."""
-    out = probe_draft_tp_group()
+    out = check_case(single_group_case()).verdicts
     assert set(out) == {"P1", "P3", "P4"} and all(v.ok for v in out.values()), {k: v.report(3) for k, v in out.items()}

@@ -5,14 +5,14 @@ import torch
 
 from harness import mutants
 from harness.case import CaseError, default_cases, load_case, parse_case
-from harness.checks import check_case
-from harness.decode_props import check_decode_case
 from harness.golden.acceptance import GOLDEN_CASES
-from harness.props.draft_probes import CHURN_EAGLE3_SPEC, EAGLE3_CASE, eager_tree
+from harness.pipeline.check import check_case
+from harness.props.draft_decode import check_decode_case
+from harness.props.draft_probes import EAGLE3_CASE, eager_tree
 from harness.props.p2 import check_padded_lanes
-from harness.props.spec_probes import CHURN_SCRIPT, run_churn_script
+from harness.props.p8 import CHURN_EAGLE3_SPEC, CHURN_SCRIPT, run_churn_script
+from harness.props.tolerances import cross_layout
 from harness.ranks.simulated import SimulatedWorld
-from harness.tolerances import cross_layout
 from runners.base_cuda_graph_runner import RunnerKind
 from runners.batch import ForwardBatch, ForwardMode
 from runners.config import DraftKind, ModelConfig, SpecConfig, draft_input_hidden_size
@@ -117,7 +117,7 @@ def test_every_rank_captures_the_full_residual_as_tp1_does(layout):
     tol = cross_layout(MODEL.dtype, "torch")
     for rank, got in enumerate(SimulatedWorld(layout).run(lambda comm: captured(comm, layout))):
         assert got.shape == (len(prompt), 3 * 64), rank
-        torch.testing.assert_close(got, ref, rtol=tol.rtol, atol=tol.atol)  # the reordered TP sums: harness/tolerances.py
+        torch.testing.assert_close(got, ref, rtol=tol.rtol, atol=tol.atol)  # the reordered TP sums: harness/props/tolerances.py
 
 
 # ---------------------------------------------------------------- the draft-to-target table
@@ -202,7 +202,7 @@ def test_harness_check_runs_the_eagle3_draft_extend_runner(name):
         kinds = {rec.runner for recs in run.records for rec in recs}
         assert kinds == {RunnerKind.SINGLE_LAYER} and run.stats.replays == len(run.records)
         assert all(len(steps) == 1 for steps in run.graph)
-        assert run.graph[0][0].tensors["logits"].shape[1] == (case.scenario.spec.draft_vocab_size or 512)  # the draft's vocabulary
+        assert run.graph[0][0].out.logits.shape[1] == (case.scenario.spec.draft_vocab_size or 512)  # the draft's vocabulary
 
 
 def test_p2_holds_on_the_eagle3_case():

@@ -7,13 +7,13 @@ What runs where (one GPU):
   (eager vs graph at raw_bs != bucket, graphs really replayed) and P4 (against TP1 eager),
   for torch, triton and flashinfer, fp32 and bf16;
 - the CPU simulation vs the real graph on the same cases: replay records (every host and
-  gpu metadata value) equal exactly, outputs within harness/tolerances.py's bounds; and the
+  gpu metadata value) equal exactly, outputs within harness/props/tolerances.py's bounds; and the
   simulated graph on the GPU vs the real one, same kernels;
 - every case file (larger layouts, simulated ranks as threads) on the GPU with the
   simulated graph backend (threads can't capture one CUDA graph together), torch backend;
 - the attention kernels (triton, flashinfer) against the torch reference on the GPU.
 Set SPECHARNESS_GPU_REPORT=path.json to collect the measured max differences (what the
-GPU tolerances in harness/tolerances.py were set from).
+GPU tolerances in harness/props/tolerances.py were set from).
 """
 from __future__ import annotations
 
@@ -26,15 +26,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from harness.execute import RankRun, run_rank
 from harness.props.outputs import compare_outputs
+from harness.props.p1 import check_run_metadata
 from harness.props.p1_metadata import check_metadata
-from harness.props.p1_run import check_run_metadata
 from harness.props.p3 import check_eager_vs_graph
 from harness.props.p4 import check_cross_layout
+from harness.props.tolerances import attn_vs_reference, cross_device, eager_vs_graph
 from harness.ranks.simulated import SimulatedWorld
-from harness.scenario import Scenario
-from harness.tolerances import attn_vs_reference, cross_device, eager_vs_graph
+from harness.run.rig import RankRun, run_rank
+from harness.run.scenario import Scenario
 from harness.verdict import Verdict
 from runners.attention import BACKENDS, unavailable_reason
 from runners.attention.kinds import METADATA_IN_GRAPH
@@ -95,9 +95,9 @@ def _max_diffs(a_steps, b_steps) -> list[dict]:
         for step, (a, b) in enumerate(zip(xa, xb, strict=True)):
             d = {"iteration": it, "step": step}
             for name in ("logits", "hidden", "logprobs"):
-                x, y = a.tensors[name].double(), b.tensors[name].double()
+                x, y = getattr(a.out, name).double(), getattr(b.out, name).double()
                 d[name] = float((x - y).abs().max()) if x.numel() and x.shape == y.shape else None
-            d["top1_equal"] = bool(torch.equal(a.tensors["topk_index"][:, :1], b.tensors["topk_index"][:, :1]))
+            d["top1_equal"] = bool(torch.equal(a.out.topk_index[:, :1], b.out.topk_index[:, :1]))
             out.append(d)
     return out
 
@@ -183,7 +183,7 @@ def test_cpu_simulation_agrees_with_real_graph(layout, backend, dtype, graph):
         _records_equal(v, where, real, other)
         for it, (xa, xb) in enumerate(zip(real.graph, other.graph, strict=True)):
             for step, (a, b) in enumerate(zip(xa, xb, strict=True)):
-                if not compare_outputs(v, "sim-vs-real", {**where, "iteration": it, "step": step}, b.tensors, a.tensors, tol,
+                if not compare_outputs(v, "sim-vs-real", {**where, "iteration": it, "step": step}, b.out.tensors(), a.out.tensors(), tol,
                                        lambda r: f"row {r} (token {r % T})"):
                     break
         _report("sim_vs_real", case, against=name, graph=graph.value, tol=tol, diffs=_max_diffs(real.graph, other.graph))

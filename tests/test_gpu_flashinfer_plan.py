@@ -18,7 +18,7 @@ from test_gpu import make_case, run_world
 
 from harness.props.p3 import check_eager_vs_graph
 from harness.ranks.simulated import SimulatedWorld
-from harness.scenario import Iteration, RequestSpec, Scenario, materialize, release
+from harness.run.scenario import Iteration, RequestSpec, Scenario, materialize, release
 from runners.attention import BACKENDS, unavailable_reason
 from runners.attention.flashinfer_plan import plan_inputs_key, plan_sources
 from runners.batch import EagleVerifyInput, ForwardMode
@@ -199,7 +199,7 @@ def test_flashinfer_draft_decode_attention_matches_the_reference(dtype, topk):
     _need_flashinfer()
     from test_gpu import _paged
 
-    from harness.tolerances import attn_vs_reference
+    from harness.props.tolerances import attn_vs_reference
     from runners.attention import make_backend
     from runners.attention.torch_ref import TorchAttnBackend
     from runners.batch import ForwardBatch

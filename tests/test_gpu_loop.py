@@ -11,7 +11,7 @@ import pytest
 from test_gpu import _assert_ok, _need, make_case
 
 from harness.props.p2 import check_padded_lanes
-from harness.props.p5_p6 import check_spec_case
+from harness.props.p5 import check_spec_case
 from runners.attention.kinds import METADATA_IN_GRAPH
 
 GRID = [("torch", "default"), ("triton", "default"), ("flashinfer", "hd64")]  # flashinfer: no head_dim-8 kernels

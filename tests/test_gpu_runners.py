@@ -3,7 +3,7 @@ under real CUDA graphs (marker `gpu`), on the world-size-1 layouts (a simulated 
 sit inside one CUDA graph): P1 (every replay's record against its capture record: I1 / I4 / I5, the
 padding rules, I2 rows fed), P3 (eager vs graph at raw_bs below, at and after a shrink to a bucket),
 for the torch, triton and flashinfer backends, fp32 and bf16; and the CPU recorded graph against the
-real CUDA graph on the same rig (records exactly, outputs within harness/tolerances.py cross_device).
+real CUDA graph on the same rig (records exactly, outputs within harness/props/tolerances.py cross_device).
 One CPU test runs the same checks with the recorded graph, so this file's logic runs in the CPU suite.
 """
 from __future__ import annotations
@@ -16,13 +16,13 @@ from test_gpu import _bench_args, _record  # the GPU report (SPECHARNESS_GPU_REP
 
 from harness.bench import format_table, run_bench
 from harness.bench_runners import RunnerRig, build_rig, format_runner_table, rig_spec
-from harness.decode_props import _compare_tree
-from harness.observe import RunnerObserver
+from harness.props.draft_decode import compare_tree
 from harness.props.outputs import first_bad_row
 from harness.props.p1_records import check_replay_record, check_replay_rows
+from harness.props.tolerances import Tol, cross_device, eager_vs_graph
 from harness.ranks.simulated import SimulatedWorld
-from harness.scenario import release
-from harness.tolerances import Tol, cross_device, eager_vs_graph
+from harness.run.observe import RunnerObserver
+from harness.run.scenario import release
 from harness.verdict import Verdict
 from runners.attention import BACKENDS, unavailable_reason
 from runners.config import ModelConfig
@@ -95,7 +95,7 @@ def _check_p1_p3(layout: ParallelLayout, steps, runner: str, rows_per_bs: int, t
         check_replay_record(p1, layout, rec, 0, it, raw_bs)  # world size 1: this rank's batch decides the bucket
         check_replay_rows(p1, layout, rec, 0, it, expected_rows=rec.bs * rows_per_bs)
         if runner == "decode":
-            _compare_tree(p3, where, ref, got, tol)
+            compare_tree(p3, where, ref, got, tol)
         else:
             _compare_rows(p3, where, ref, got, tol)
     p3.expect_equal("P3", "padded replays", {"runner": runner}, True, any(rec.bs > raw_bs for _, raw_bs, _, _, rec in steps),

@@ -11,7 +11,7 @@ from case_driver import captured_driver
 from harness.bench_runners import build_rig, rig_spec
 from harness.case import load_case
 from harness.ranks.simulated import SimulatedWorld
-from harness.scenario import materialize, release
+from harness.run.scenario import materialize, release
 from runners.config import ModelConfig
 from runners.parallel.layout import ParallelLayout
 

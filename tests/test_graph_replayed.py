@@ -9,7 +9,7 @@ import pytest
 
 from harness.case import load_case
 from harness.golden.draft_tree import check_tree_case
-from harness.props.p5_p6 import check_acceptance_case
+from harness.props.p6 import check_acceptance_case
 from runners.decode_cuda_graph_runner import DecodeCudaGraphRunner
 from runners.eagle_draft_cuda_graph_runner import EAGLEDraftCudaGraphRunner
 from runners.eagle_draft_extend_cuda_graph_runner import EAGLEDraftExtendCudaGraphRunner

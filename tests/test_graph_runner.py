@@ -5,8 +5,8 @@ import torch
 from case_driver import captured_driver
 
 from harness.case import load_case
-from harness.checks import run_spmd
-from harness.observe import RunnerObserver, observe_all
+from harness.run.case_run import run_spmd
+from harness.run.observe import RunnerObserver, observe_all
 from runners.base_cuda_graph_runner import compute_capture_bs
 from runners.config import ModelConfig, SpecConfig
 from runners.draft_extend import SEQ_LEN_FILL_VALUE, DraftExtendInputs, DraftWorker
@@ -122,7 +122,7 @@ def test_graph_really_replays_and_counts():
 
 
 def test_eager_fallback_when_batch_exceeds_buckets():
-    from harness.scenario import Iteration, RequestSpec, Scenario
+    from harness.run.scenario import Iteration, RequestSpec, Scenario
 
     spec = SpecConfig(num_steps=2, capture_bs=(1, 2), max_running_requests=2)
     sc = Scenario(ModelConfig(), spec, PL(2), (Iteration((tuple(RequestSpec(i, 3, 1) for i in range(3)),)),))
@@ -133,7 +133,7 @@ def test_eager_fallback_when_batch_exceeds_buckets():
 
 def test_tp1_graph_is_bitwise_equal_to_eager():
     """At TP1 with raw_bs == bucket nothing differs between the paths: bitwise."""
-    from harness.scenario import Iteration, RequestSpec, Scenario
+    from harness.run.scenario import Iteration, RequestSpec, Scenario
 
     sc = Scenario(ModelConfig(), SPEC, PL(1), (Iteration((tuple(RequestSpec(i, 2 + i, 1 + i % 4) for i in range(4)),)),))
     run = run_spmd(sc)[0]
@@ -142,7 +142,7 @@ def test_tp1_graph_is_bitwise_equal_to_eager():
     assert [rec.bs for rec in run.records[0]] == [4] * len(run.graph[0])
     for e, g in zip(run.eager[0], run.graph[0], strict=True):
         for k in ("logits", "hidden", "logprobs", "topk_index", "next_input_ids"):
-            assert torch.equal(e.tensors[k], g.tensors[k]), k
+            assert torch.equal(getattr(e.out, k), getattr(g.out, k)), k
 
 
 def test_no_gc_during_capture_nests_across_threads_and_restores_the_collector():
@@ -183,7 +183,7 @@ def test_no_gc_during_capture_nests_across_threads_and_restores_the_collector():
 def test_observed_driver_replays_the_same_outputs():
     """The observer (P1's host read-backs) changes nothing the runners compute: an unobserved run, as an engine's, gives the same outputs."""
     from harness.ranks.simulated import SimulatedWorld
-    from harness.scenario import materialize, release
+    from harness.run.scenario import materialize, release
 
     sc = load_case("tp1_neither").scenario
 
@@ -214,7 +214,7 @@ def test_multi_layer_steps_share_one_buffer_set_filled_once_per_iteration():
     from unittest import mock
 
     from harness.ranks.simulated import SimulatedWorld
-    from harness.scenario import materialize, release
+    from harness.run.scenario import materialize, release
 
     sc = load_case("tp1_neither").scenario
     fills = []

@@ -21,11 +21,11 @@ import numpy as np
 import pytest
 from prewarmed import run_module
 
-from harness.budget import MAX_ITERATIONS, estimate_bytes, memory_budget_bytes
 from harness.case import CASES_DIR, load_case
 from harness.case_template import toml_value
 from harness.cli import main
 from harness.golden import GOLDEN_DIR, npz_bytes
+from harness.run.budget import MAX_ITERATIONS, estimate_bytes, memory_budget_bytes
 
 BASE_CASE = "tp2_dp2_mlp_tp_gather"
 BASE = tomllib.loads((CASES_DIR / f"{BASE_CASE}.toml").read_text())

@@ -1,4 +1,5 @@
-"""House rules a reviewer would otherwise check by hand: no import cycle, no module over 400 lines.
+"""House rules a reviewer would otherwise check by hand: no import cycle (a failure), and modules over 400 lines (a
+warning: size is a smell to look at, never a reason to split one idea in two).
 
 The import graph counts every import of a project module, at any depth of the file (an import
 inside a function that dodges a cycle is still the cycle), and `from package import module`
@@ -7,9 +8,9 @@ as an import of the module.
 from __future__ import annotations
 
 import ast
+import re
+import warnings
 from pathlib import Path
-
-import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("harness", "runners")
@@ -110,8 +111,25 @@ def _sized() -> dict[str, Path]:
     return {**_modules(), **{str(p.relative_to(ROOT)): p for d in SIZE_ONLY for p in sorted((ROOT / d).rglob("*.py"))}}
 
 
-@pytest.mark.parametrize("name", sorted(_sized()))
-def test_module_size(name):
-    path = _sized()[name]
-    n = len(path.read_text().splitlines())
-    assert n <= MAX_LINES, f"{path.relative_to(ROOT)} has {n} lines (house limit {MAX_LINES}): split it along its seams"
+def test_long_modules_are_reported_as_a_warning():
+    sizes = {name: len(path.read_text().splitlines()) for name, path in _sized().items()}
+    assert "harness" in sizes and "runners" in sizes  # the packages were found: nothing to report would be a silent pass
+    long = sorted((n, name) for name, n in sizes.items() if n > MAX_LINES)
+    if long:
+        warnings.warn(f"modules over {MAX_LINES} lines (look at them; split only along an idea's seams): "
+                      + ", ".join(f"{name} ({n})" for n, name in reversed(long)), stacklevel=1)
+
+
+PROPERTY_ID = re.compile(r"P\d+(/.*)?|(P\d+,)+P\d+")  # "P3", "P1/I3 ...", "P1,P3,P4"
+
+
+def test_no_property_id_literal_outside_the_registry():
+    """A property is named by its registered object (harness/props): a string "P3" anywhere else is the id spread again."""
+    bad = []
+    for name, path in _modules().items():
+        if not name.startswith("harness.") or name.startswith("harness.props"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and PROPERTY_ID.fullmatch(node.value):
+                bad.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.value!r}")
+    assert not bad, "\n".join(bad)

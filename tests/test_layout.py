@@ -1,7 +1,7 @@
 """ParallelLayout derives the engine's flags (DESIGN.md §6.1); expectations written by hand from the spec."""
 import pytest
 
-from harness.layout import all_layouts, branch_sibling, deployed_layouts, layouts_by_branch
+from harness.run.layouts import all_layouts, branch_sibling, deployed_layouts, layouts_by_branch
 from runners.config import DEFAULT_MODEL
 from runners.model import check_model_fits_layout
 from runners.parallel.comm import Group

@@ -7,10 +7,11 @@ import torch
 
 from harness import mutants
 from harness.case import CaseError, default_cases, load_case, parse_case
-from harness.checks import check_case
 from harness.golden.logprobs import LOGPROB_CASES
+from harness.pipeline.check import check_case
 from harness.props.logprobs import check_draft_passes_replayed, check_logprobs
-from harness.spec_decode import SpecSession, logprob_params, oracle, request_prompt
+from harness.run.loop import SpecSession, logprob_params, oracle, request_prompt
+from harness.verdict import Verdict
 from runners.config import SpecConfig
 from runners.logprobs import NO_LOGPROBS, LogprobParams, SpecLogprobs, add_logprob_return_values, compute_spec_logprobs
 from runners.parallel.layout import ParallelLayout
@@ -76,19 +77,22 @@ def test_loop_logprobs_are_target_greedys_eager_and_graph():
         s = _session(runner)
         reqs = s.requests()
         assert sum(len(r.output_token_logprobs) for r in reqs.values()) > 10, "the workload committed tokens with logprobs"
-        v = check_logprobs(reqs, oracle(s, sorted(reqs.values(), key=lambda r: r.rid)), "float32", {"runner": runner})
-        assert v.ok, v.report()
+        v = Verdict("P5")
+        check_logprobs(v, reqs, oracle(s, sorted(reqs.values(), key=lambda r: r.rid)), "float32", {"runner": runner})
+        assert v.checked > 10 and v.ok, v.report()
         if runner == "graph":
-            replayed = check_draft_passes_replayed(s.engines, 4, {"runner": runner})
-            assert replayed is not None and replayed.ok, replayed.report()
+            replayed = Verdict("P3")
+            check_draft_passes_replayed(replayed, s.engines, 4, {"runner": runner})
+            assert replayed.checked == 1 and replayed.ok, replayed.report()  # checked: every batch fits the buckets
 
 
 def test_a_draft_pass_that_keeps_the_flag_replays_no_graph():
     """Off DP (one group: no desync to kill it first) the draft-extend of every batch that asked falls back to eager: P3."""
     with mutants.get("logprob-flag-not-reset-for-draft").planted():
         s = _session("graph")
-    v = check_draft_passes_replayed(s.engines, 4, {"runner": "graph"})
-    assert v is not None and not v.ok and "eager fallbacks" in v.first()
+    v = Verdict("P3")
+    check_draft_passes_replayed(v, s.engines, 4, {"runner": "graph"})
+    assert not v.ok and "eager fallbacks" in v.first()
 
 
 def test_case_file_top_logprobs_num_is_checked_and_feeds_the_workload():

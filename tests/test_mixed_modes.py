@@ -5,10 +5,10 @@ import torch
 
 from harness import mutants
 from harness.case import CaseError, load_case, parse_case
-from harness.checks import check_case
-from harness.props.mixed_modes import check_mixed_modes
+from harness.pipeline.check import check_case
+from harness.props.collectives import check_mixed_modes
 from harness.ranks.simulated import SimulatedWorld
-from harness.spec_decode import case_session
+from harness.run.loop import case_session
 from runners.batch import ForwardMode
 from runners.config import ModelConfig
 from runners.memory import ReqToTokenPool

@@ -5,9 +5,8 @@ from inspect import getattr_static
 
 import pytest
 
-from harness.mutant_run import load_catalog, probes_for, run_catalog
 from harness.mutants import CATALOG, Mutant
-from harness.suite import PROBES
+from harness.pipeline.mutants import load_catalog, probes, probes_for, run_catalog
 
 FIXTURES = "mutant_fixtures:CATALOG"  # tests/mutant_fixtures.py; on sys.path under pytest, so the children import it too
 
@@ -70,8 +69,8 @@ def test_every_catalog_mutant_plants_and_unplants_where_its_code_is():
 
 
 def test_a_mutant_without_probes_gets_every_probe_whole_cases_last():
-    names = [n for n, _ in probes_for(Mutant("x", "d", "k"))]
-    assert sorted(names) == sorted(n for n, _ in PROBES) and names[-1] == "cases" and names[0] == "metadata-grid"
+    names = [p.id for p in probes_for(Mutant("x", "d", "k"))]
+    assert sorted(names) == sorted(p.id for p in probes()) and names[-1] == "cases" and names[0] == "metadata-grid"
 
 
 def test_fixture_catalog_loads():

@@ -1,7 +1,7 @@
-"""The harness's observer of our graph runners (harness.observe): what it takes, and that it leaves the runner as it found it."""
+"""The harness's observer of our graph runners (harness.run.observe): what it takes, and that it leaves the runner as it found it."""
 import torch
 
-from harness.observe import RunnerObserver
+from harness.run.observe import RunnerObserver
 from runners.config import ModelConfig, SpecConfig
 from runners.draft_extend import DraftExtendInputs, DraftWorker
 from runners.graph.backend import GraphBackend

@@ -10,10 +10,10 @@ import torch
 from case_driver import captured_driver
 
 from harness.case import CaseError, load_case, parse_case
-from harness.execute import _prepare
 from harness.golden.base import GOLDEN_DIR
 from harness.ranks.simulated import SimulatedWorld
-from harness.scenario import Scenario
+from harness.run.rig import prepare
+from harness.run.scenario import Scenario
 from runners.config import DraftExtendGraph, SpecConfig
 from runners.draft_extend_graph_driver import DraftExtendGraphDriver
 from runners.multi_layer_eagle_draft_extend_cuda_graph_runner import (
@@ -31,7 +31,7 @@ def _run(sc: Scenario, after_capture=None) -> tuple[list[list[dict]], object]:
         driver = captured_driver(comm, sc)
         if after_capture is not None:
             after_capture(driver)
-        outs = [[o.cloned().tensors() for o in driver.run(_prepare(driver.worker, sc, it).inputs)] for it in range(len(sc.iterations))]
+        outs = [[o.cloned().tensors() for o in driver.run(prepare(driver.worker, sc, it).inputs)] for it in range(len(sc.iterations))]
         return outs, driver.stats
 
     return SimulatedWorld(sc.layout).run(fn)[0]

@@ -14,7 +14,7 @@ import pytest
 
 CASES = {
     # the multi-layer runner, the loop and its harness import the fused fill (and triton) only on the fused path
-    "runners": ("runners.draft_extend_graph_driver", "runners.spec_decode", "harness.spec_decode"),
+    "runners": ("runners.draft_extend_graph_driver", "runners.spec_decode", "harness.run.loop"),
     # the catalog names the triton backend's and the fused fill's code by string, imported when a mutant is planted
     "plugin-and-catalog": ("harness.plugin.cases", "harness.mutants"),
 }

@@ -7,9 +7,9 @@ import torch
 
 from harness import mutants
 from harness.case import CaseError, load_case, parse_case
-from harness.checks import check_case
-from harness.props.spec_probes import CHURN_SCRIPT, CHURN_SPEC, run_churn_script
-from harness.spec_decode import SpecSession, Workload, request_prompt, run_workload
+from harness.pipeline.check import check_case
+from harness.props.p8 import CHURN_SCRIPT, CHURN_SPEC, run_churn_script
+from harness.run.loop import SpecSession, Workload, request_prompt, run_workload
 from runners.config import SpecConfig
 from runners.overlap import FutureMap, chain_accept
 from runners.parallel.layout import ParallelLayout as PL

@@ -5,9 +5,9 @@ import dataclasses
 import time
 import unittest.mock as mock
 
-from harness.mutant_run import _is_timeout
 from harness.mutants import get
-from harness.p7 import (
+from harness.pipeline.mutants import _is_timeout, probes
+from harness.props.p7 import (
     ATTN_TP4_DP2,
     MLP_TP4_DP2,
     P7_SCHEDULES,
@@ -19,7 +19,6 @@ from harness.p7 import (
     run_with_traces,
 )
 from harness.ranks.trace import CollectiveCall
-from harness.suite import PROBES
 from runners.draft_extend import run_eager
 from runners.draft_extend_graph_driver import DraftExtendGraphDriver
 
@@ -27,7 +26,7 @@ MUTANT = "idle-rank-skips-mlp-sync"
 
 
 def test_probe_passes_fast_and_is_registered():
-    assert ("p7-idle-ranks", probe_idle_ranks) in PROBES
+    assert any(p.id == "p7-idle-ranks" and p.run is probe_idle_ranks for p in probes())
     t0 = time.perf_counter()
     v = probe_idle_ranks()["P7"]
     assert v.ok, v.report()
@@ -86,7 +85,7 @@ def test_idle_path_checks_the_padded_dummy_path():
     assert check_idle_path(sc, runs).ok
     rec = runs[2].records[0][0]
     assert (rec.raw_bs, rec.bs) == (0, runs[0].records[0][0].bs) == (0, 4)  # idle rank 2 replays the busy group's bucket
-    assert runs[2].eager[0][0].tensors["logits"].shape[0] == 0  # eager: zero rows, every collective joined
+    assert runs[2].eager[0][0].out.logits.shape[0] == 0  # eager: zero rows, every collective joined
     runs[2].stats.eager_fallbacks = 1
     runs[3].records[0] = runs[3].records[0][:1]
     runs[2].records[0][0] = dataclasses.replace(rec, bs=2)

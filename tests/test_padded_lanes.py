@@ -5,8 +5,8 @@ import pytest
 from harness import mutants
 from harness.case import load_case
 from harness.props.p2 import LanePoison, check_padded_lanes
-from harness.props.p5_p6 import check_spec_case
-from harness.spec_decode import SpecSession, Workload, run_workload
+from harness.props.p5 import check_spec_case
+from harness.run.loop import SpecSession, Workload, run_workload
 from harness.verdict import Verdict
 from runners.config import SpecConfig
 from runners.parallel.layout import ParallelLayout as PL

@@ -1,4 +1,4 @@
-"""P2 over the single-layer draft decode's graph runner inside the loop at TP2 (harness.props.p2_decode):
+"""P2 over the single-layer draft decode's graph runner inside the loop at TP2 (harness.props.poison):
 the replay fill's padded lanes are canonical, poisoning them changes no real tree and no live KV, and
 the draft-decode fill mutants are each seen, by the canonical check or by the poison alone."""
 from unittest import mock
@@ -7,9 +7,9 @@ import pytest
 
 from harness import mutants
 from harness.case import load_case
-from harness.props import p2_decode
+from harness.props import poison
 from harness.props.p2 import check_padded_lanes
-from harness.spec_decode import case_session
+from harness.run.loop import case_session
 
 CASE = "tp2_single_layer_shrink"  # TP2, attn-TP gather, a batch that shrinks across buckets
 
@@ -21,8 +21,8 @@ def _trees(session):
 def test_every_draft_decode_replay_is_poisoned_and_the_run_is_unchanged():
     case = load_case(CASE)
     assert case.layout.tp_size == 2 and case.scenario.spec.draft == "single_layer"
-    poisons: list[p2_decode.DecodePoison] = []
-    poisoned = case_session(case, "graph", hook=p2_decode.install_decode_poison(poisons), rounds_per_phase=2)
+    poisons: list[poison.DecodePoison] = []
+    poisoned = case_session(case, "graph", hook=poison.install_decode_poison(poisons), rounds_per_phase=2)
     clean = case_session(case, "graph", rounds_per_phase=2)
     assert len(poisons) == 2, "one per rank"
     for p in poisons:
@@ -44,7 +44,7 @@ def test_canonical_fill_kills_the_decode_fill_mutants_at_tp2(mutant, field):
 def test_poison_alone_sees_a_stale_request_row():
     """Without the canonical check: the stale row sends the padded lanes' in-graph KV writes, and with the poisoned
     seq_len their reads, into a live request's slots, and a real tree changes."""
-    with mock.patch.object(p2_decode.DecodePoison, "_check_canonical", lambda *a: None), \
+    with mock.patch.object(poison.DecodePoison, "_check_canonical", lambda *a: None), \
             mutants.get("decode-fill-req-pool-indices").planted():
         v = check_padded_lanes(load_case(CASE))["P2"]
     assert not v and v.failures[0].check == "poison" and v.failures[0].where["runner"] == "draft_decode", v.report()

@@ -5,14 +5,15 @@ from hypothesis import strategies as st
 
 from harness import mutants
 from harness.case import load_case, seeded_requests
-from harness.checks import check_case, run_spmd
-from harness.layout import all_layouts, deployed_layouts
+from harness.pipeline.check import check_case
+from harness.props.p1 import check_run_metadata
 from harness.props.p1_metadata import check_metadata
-from harness.props.p1_run import check_run_metadata
 from harness.props.p3 import check_eager_vs_graph
 from harness.props.p4 import check_cross_layout
-from harness.scenario import Scenario
-from harness.strategies import failure_case, layouts, schedules, specs
+from harness.run.case_run import run_spmd
+from harness.run.layouts import all_layouts, deployed_layouts
+from harness.run.scenario import Scenario
+from harness.run.strategies import failure_case, layouts, schedules, specs
 from runners.config import DraftExtendGraph, ModelConfig, SpecConfig
 from runners.parallel.layout import Branch
 from runners.parallel.layout import ParallelLayout as PL

@@ -18,10 +18,12 @@ from process_tree import live_children
 
 from harness import cli
 from harness.case import load_case
-from harness.checks import check_case, run_spmd
-from harness.crash import crash_name
-from harness.mutant_run import _is_timeout
-from harness.p7 import (
+from harness.pipeline.check import check_case
+from harness.pipeline.mutants import _is_timeout
+from harness.props.p1 import check_run_metadata
+from harness.props.p3 import check_eager_vs_graph
+from harness.props.p4 import check_cross_layout
+from harness.props.p7 import (
     MLP_TP2_DP2,
     check_collective_agreement,
     check_idle_path,
@@ -30,9 +32,7 @@ from harness.p7 import (
     run_verdict,
     run_with_traces,
 )
-from harness.props.p1_run import check_run_metadata
-from harness.props.p3 import check_eager_vs_graph
-from harness.props.p4 import check_cross_layout
+from harness.props.sim_vs_real import compare_run_traces, compare_runs, real_tolerance
 from harness.ranks import launcher
 from harness.ranks.launcher import (
     DistributedDeadlock,
@@ -40,7 +40,8 @@ from harness.ranks.launcher import (
     DistributedRankFailure,
     DistributedTimeout,
 )
-from harness.sim_vs_real import compare_run_traces, compare_runs, real_tolerance
+from harness.run.case_run import run_spmd
+from harness.run.crash import crash_name
 from harness.verdict import Verdict
 from runners.parallel.layout import ParallelLayout
 
@@ -177,12 +178,12 @@ def test_real_rank_errors_become_run_verdicts(monkeypatch):
     tb = "Traceback (most recent call last):\n  File \"x.py\", line 1, in f\nValueError: planted"
     assert crash_name(DistributedRankFailure("f", {1: tb, 2: "exited without reporting: exit code 1"})) == "ValueError"
     assert crash_name(DistributedRankFailure("f", {0: "exited without reporting: killed by SIGKILL"})) == "DistributedRankFailure"
-    import harness.checks as checks
+    import harness.run.case_run as case_run
 
     def timeout(*a, **k):
         raise DistributedTimeout("timed out: not every rank finished\nmore", {0: "stuck in all_reduce(...)", 1: "finished"})
 
-    monkeypatch.setattr(checks, "run_spmd", timeout)
+    monkeypatch.setattr(case_run, "run_spmd", timeout)
     rep = check_case(load_case("tp2_neither"), ranks="gloo")
     v = rep.verdicts["run"]
     assert not rep.ok and v.failures[0].got == "CollectiveTimeout" and _is_timeout(v)

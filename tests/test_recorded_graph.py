@@ -12,10 +12,10 @@ if "triton" not in sys.modules and not torch.cuda.is_available():  # as tests/te
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from harness.case import load_case  # noqa: E402
-from harness.execute import run_rank  # noqa: E402
 from harness.props.outputs import compare_outputs  # noqa: E402
+from harness.props.tolerances import cross_device  # noqa: E402
 from harness.ranks.simulated import SimulatedWorld  # noqa: E402
-from harness.tolerances import cross_device  # noqa: E402
+from harness.run.rig import run_rank  # noqa: E402
 from harness.verdict import Verdict  # noqa: E402
 from runners.graph.backend import GraphBackend  # noqa: E402
 from runners.graph.record import (
@@ -226,7 +226,7 @@ def test_triton_launch_is_a_recorded_op():
 
     if interpreter_error(torch.device("cpu")):
         pytest.skip(interpreter_error(torch.device("cpu")))
-    from harness.scenario import Iteration, RequestSpec, Scenario
+    from harness.run.scenario import Iteration, RequestSpec, Scenario
     from runners.config import ModelConfig, SpecConfig
     from runners.draft_extend import DraftWorker
     from runners.draft_extend_graph_driver import DraftExtendGraphDriver
@@ -268,7 +268,7 @@ def test_recorded_cpu_graph_agrees_with_the_real_cuda_graph():
             [[(r.bs, r.rows_fed, r.global_num_tokens_for_logprob_gpu) for r in recs] for recs in b.records]
         for it, (xa, xb) in enumerate(zip(a.graph, b.graph, strict=True)):
             for step, (sa, sb) in enumerate(zip(xa, xb, strict=True)):
-                compare_outputs(v, "recorded-vs-cuda", {"rank": a.rank, "iteration": it, "step": step}, sa.tensors, sb.tensors, tol)
+                compare_outputs(v, "recorded-vs-cuda", {"rank": a.rank, "iteration": it, "step": step}, sa.out.tensors(), sb.out.tensors(), tol)
     assert v.ok, v.first()
 
 

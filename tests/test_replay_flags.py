@@ -7,7 +7,7 @@ import numpy as np
 
 from harness.case import load_case
 from harness.cli import main
-from harness.replay import replay_case
+from harness.pipeline.replay import replay_case
 
 
 def test_runner_eager_alone_is_compared_with_the_oracle(capsys):
@@ -59,7 +59,7 @@ def test_dump_at_the_first_divergence_is_loadable_with_numpy(tmp_path, capsys):
 
 
 def test_dump_without_divergence_uses_the_requested_step(tmp_path):
-    from harness.dump import dump_case, target_of
+    from harness.pipeline.dump import dump_case, target_of
 
     case = load_case("tp2_dp2_mlp_dp_lm_head")
     rep = replay_case(case, runner="graph")

@@ -1,4 +1,4 @@
-"""House rule: runners/ carries no harness instrumentation; P1's records are taken from outside (harness.observe).
+"""House rule: runners/ carries no harness instrumentation; P1's records are taken from outside (harness.run.observe).
 
 Every identifier of runners/ (classes, functions, parameters, attributes, names, keywords) is
 checked for a record hook: a class named *Record, or a name with a `record` / `records` word
@@ -56,7 +56,7 @@ def record_hooks(root: Path) -> list[str]:
 
 def test_runners_carry_no_record_hooks():
     hooks = record_hooks(ROOT)
-    assert not hooks, "runners/ holds harness instrumentation; observe the runner from harness.observe instead:\n" + "\n".join(hooks)
+    assert not hooks, "runners/ holds harness instrumentation; observe the runner from harness.run.observe instead:\n" + "\n".join(hooks)
 
 
 def test_the_rule_sees_a_hook(tmp_path):

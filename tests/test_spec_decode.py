@@ -5,13 +5,14 @@ import json
 import pytest
 import torch
 
-from harness import mutants, spec_decode
+from harness import mutants
 from harness.case import load_case
 from harness.golden import GoldenError
 from harness.golden import acceptance as acceptance_golden
 from harness.golden.acceptance import GOLDEN_CASES, AcceptanceGoldenError, load_acceptance_golden
-from harness.props.p5_p6 import check_agreeing_draft, check_lossless, check_spec_case
-from harness.spec_decode import (
+from harness.props.p5 import check_agreeing_draft, check_lossless, check_spec_case
+from harness.run import loop
+from harness.run.loop import (
     SpecSession,
     Workload,
     acceptance_stats,
@@ -177,7 +178,7 @@ def test_p6_sees_the_seed_bug_as_acceptance_only():
     case = load_case("tp4_attn_tp_gather")
     golden = load_acceptance_golden(case)
     with mutants.get("sglang-26416").planted():
-        s = spec_decode.case_session(case, "graph")
+        s = loop.case_session(case, "graph")
     v = check_lossless(s, {})
     assert v, v.report()  # lossless ...
     got = acceptance_stats(s)["summary"]["mean_accept_len"]

@@ -13,12 +13,13 @@ import torch
 if "triton" not in sys.modules and not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from harness import mutants, spec_decode  # noqa: E402
+from harness import mutants
 from harness.case import load_case  # noqa: E402
-from harness.observe import RunnerObserver  # noqa: E402
 from harness.props.p2 import check_padded_lanes  # noqa: E402
-from harness.props.p5_p6 import check_lossless, check_spec_case  # noqa: E402
+from harness.props.p5 import check_lossless, check_spec_case  # noqa: E402
 from harness.ranks.simulated import RankFailure, SimulatedWorld  # noqa: E402
+from harness.run import loop  # noqa: E402
+from harness.run.observe import RunnerObserver  # noqa: E402
 from runners.attention import BACKENDS  # noqa: E402
 from runners.attention.flashinfer_backend import TREE_MASK_UNSUPPORTED  # noqa: E402
 from runners.config import ModelConfig, SpecConfig  # noqa: E402
@@ -246,20 +247,20 @@ def test_the_loop_properties_run_the_cases_backend():
     # would capture its graphs (interpreted Triton) before the hook sees it; test_p5_with_the_triton_backend_on_a_tree
     # builds and runs a graph session on triton
     with pytest.raises(RankFailure, match="_Built"):
-        spec_decode.case_session(_with_backend("tp1_neither", want), "eager", hook=hook)
+        loop.case_session(_with_backend("tp1_neither", want), "eager", hook=hook)
     assert seen == [(want, want)]
 
 
 def test_flashinfer_cases_skip_the_loop_properties_with_the_reason():
-    assert spec_decode.spec_skip_reason(_with_backend("tp1_neither", "flashinfer")) == TREE_MASK_UNSUPPORTED
-    assert spec_decode.spec_skip_reason(load_case(TREE_CASE)) is None
+    assert loop.spec_skip_reason(_with_backend("tp1_neither", "flashinfer")) == TREE_MASK_UNSUPPORTED
+    assert loop.spec_skip_reason(load_case(TREE_CASE)) is None
 
 
 @pytest.mark.skipif(not TRITON_ON_CPU, reason="needs triton's interpreter on CPU (the sessions run on CPU tensors)")
 def test_p5_with_the_triton_backend_on_a_tree():
     spec = SpecConfig(num_steps=2, topk=2, num_draft_tokens=4, capture_bs=(1, 2), max_running_requests=2)
-    s = spec_decode.run_workload(spec_decode.SpecSession(ParallelLayout(), spec, runner="graph", attention_backend="triton"),
-                                 spec_decode.Workload(((2,),), rounds_per_phase=2, preempt=False))
+    s = loop.run_workload(loop.SpecSession(ParallelLayout(), spec, runner="graph", attention_backend="triton"),
+                                 loop.Workload(((2,),), rounds_per_phase=2, preempt=False))
     assert s.engines[0].target.attn.name == "triton"
     v = check_lossless(s, {})
     assert v and v.checked >= 2, v.report()

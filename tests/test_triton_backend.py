@@ -26,7 +26,7 @@ triton_backend = pytest.importorskip("runners.attention.triton_backend", reason=
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from harness.tolerances import attn_vs_reference  # noqa: E402
+from harness.props.tolerances import attn_vs_reference  # noqa: E402
 from runners.attention import BACKENDS, make_backend  # noqa: E402
 from runners.attention.torch_ref import TorchAttnBackend  # noqa: E402
 from runners.attention.triton_launch import INTERPRET  # noqa: E402
@@ -190,7 +190,8 @@ def _triton_case(**over):
 def test_case_runs_on_triton_backend_p1_p3_p4():
     """A whole case (eager + simulated graph, P1/P3/P4) with the triton backend; and its eager rows
     equal the torch backend's rows of the same scenario within the attention tolerance."""
-    from harness.checks import check_case, run_spmd
+    from harness.pipeline.check import check_case
+    from harness.run.case_run import run_spmd
 
     case = _triton_case()
     rep = check_case(case)
@@ -200,13 +201,13 @@ def test_case_runs_on_triton_backend_p1_p3_p4():
     for it, (a, b) in enumerate(zip(rep.runs[0].eager, torch_runs[0].eager, strict=True)):
         for step, (x, y) in enumerate(zip(a, b, strict=True)):
             for name in ("logits", "hidden", "logprobs"):
-                torch.testing.assert_close(x.tensors[name], y.tensors[name], rtol=10 * tol.rtol, atol=10 * tol.atol,
+                torch.testing.assert_close(getattr(x.out, name), getattr(y.out, name), rtol=10 * tol.rtol, atol=10 * tol.atol,
                                            msg=lambda m, it=it, step=step, name=name: f"iteration {it} step {step} {name}: {m}")
 
 
 def test_case_tp2_attn_tp_gather_on_triton_backend():
     """Two simulated ranks (threads) sharing the interpreter: the launch lock keeps them apart."""
-    from harness.checks import check_case
+    from harness.pipeline.check import check_case
 
     case = _triton_case(layout={"tp_size": 2, "moe_dense_tp_size": 1})
     assert case.layout.branch.value == "attn_tp_gather"

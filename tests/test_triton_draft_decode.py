@@ -19,9 +19,9 @@ if "triton" not in sys.modules and not torch.cuda.is_available():
 
 triton_backend = pytest.importorskip("runners.attention.triton_backend", reason="triton is not installed (pip install triton==3.6.0)")
 
-from harness.decode_props import probe_draft_decode_backends  # noqa: E402
+from harness.props.p4 import PROPERTY as P4  # noqa: E402
+from harness.props.tolerances import attn_vs_reference, eager_vs_graph  # noqa: E402
 from harness.ranks.simulated import SimulatedWorld  # noqa: E402
-from harness.tolerances import attn_vs_reference, eager_vs_graph  # noqa: E402
 from runners import attention  # noqa: E402
 from runners.attention.torch_ref import TorchAttnBackend  # noqa: E402
 from runners.batch import ForwardBatch, ForwardMode  # noqa: E402
@@ -169,7 +169,8 @@ def test_triton_graph_runner_matches_eager():
 def test_triton_tree_matches_the_torch_reference():
     """The probe the triton draft-decode mutants die on (P4, triton vs the torch reference, topk 1 and 2, a padding-row
     lane) passes on the real kernel."""
-    out = probe_draft_decode_backends()
+    (probe,) = P4.probes
+    out = probe.run()
     assert set(out) == {"P4"} and out["P4"].ok and out["P4"].checked == 12, out
 
 

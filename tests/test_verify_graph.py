@@ -6,13 +6,13 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from harness import mutants
 from harness.case import load_case
-from harness.observe import RunnerObserver
 from harness.props.p1_metadata import check_metadata
-from harness.props.p5_p6 import check_spec_case
+from harness.props.p5 import check_spec_case
+from harness.props.verify_shadow import VerifyShadow
 from harness.ranks.simulated import SimulatedWorld
-from harness.spec_decode import SpecSession, Workload, run_workload
+from harness.run.loop import SpecSession, Workload, run_workload
+from harness.run.observe import RunnerObserver
 from harness.verdict import Verdict
-from harness.verify_props import VerifyShadow
 from runners.config import ModelConfig, SpecConfig
 from runners.decode_cuda_graph_runner import DecodeCudaGraphRunner, VerifyInputs, verify_inputs
 from runners.graph.backend import GraphBackend
@@ -129,7 +129,7 @@ def _one_rank_pass(raw_bs: int):
 def test_eager_and_graph_verify_agree_on_real_rows_at_a_padded_bucket():
     eager, graph, rec, eager_kv, graph_kv = _one_rank_pass(3)
     assert (rec.raw_bs, rec.bs) == (3, 4) and graph.logits.shape == eager.logits.shape == (12, MODEL.vocab_size)
-    # eager_vs_graph on CPU fp32: GEMM blocking depends on the padded M (harness/tolerances.py)
+    # eager_vs_graph on CPU fp32: GEMM blocking depends on the padded M (harness/props/tolerances.py)
     torch.testing.assert_close(graph.logits, eager.logits, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(graph.hidden, eager.hidden, rtol=1e-5, atol=1e-5)
     assert int(graph.rows_fed) == 16  # the whole bucket reached lm_head

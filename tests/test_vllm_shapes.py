@@ -12,13 +12,12 @@ import torch
 
 from harness import mutants
 from harness.case import CASES_DIR, CaseError, default_cases, load_case, parse_case
-from harness.checks import check_case
 from harness.cli import main
+from harness.pipeline.check import check_case
 from harness.props.p2 import check_padded_lanes
-from harness.props.shape_probes import PAD_MINUS_ONE_CASE, PIECEWISE_CASE, RAGGED_CASE
-from harness.props.spec_probes import CHURN_SCRIPT, run_churn_script
-from harness.scenario import materialize
-from harness.spec_decode import acceptance_stats, case_session
+from harness.props.p8 import CHURN_SCRIPT, run_churn_script
+from harness.run.loop import acceptance_stats, case_session
+from harness.run.scenario import materialize
 from runners.base_cuda_graph_runner import RunnerKind
 from runners.config import CudaGraphMode, DraftExtendShape, PaddingConvention, SpecConfig
 from runners.draft_extend import DraftWorker, run_eager
@@ -29,6 +28,7 @@ from runners.parallel.dp_attention import RankContext
 from runners.parallel.layout import ParallelLayout as PL
 from runners.ragged_draft_extend import RaggedPlan, run_eager_ragged
 
+PAD_MINUS_ONE_CASE, RAGGED_CASE, PIECEWISE_CASE = "tp2_dp2_pad_minus_one", "tp2_ragged_draft_extend", "tp2_piecewise"
 CASES = {PAD_MINUS_ONE_CASE: None, RAGGED_CASE: RunnerKind.RAGGED, PIECEWISE_CASE: RunnerKind.PIECEWISE}
 CHURN_BASE = dict(num_steps=3, topk=1, capture_bs=(1, 2, 4, 8), max_running_requests=8)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shlex
+import sys
 import time
 from pathlib import Path
 from typing import Optional
@@ -14,14 +15,20 @@ from harness.cli.options import add_ranks
 from harness.cli.ranks import mutant_ctx, quiet
 from harness.cli.select import select, update_last_failed
 from harness.errors import ExitCode, UsageError
+from harness.props import registry
 from harness.ranks.joined import check_world
+from harness.run.case_run import RUN
 from harness.verdict import Failure
 
-REPLAYED = ("run", "P1", "P3", "P4")  # what `harness replay` reruns step by step; the loop's properties rerun under check
+
+def _replayed() -> tuple[str, ...]:
+    """What `harness replay` reruns step by step: the run and the properties of one case run (the loop's rerun under check)."""
+    return (RUN,) + registry.default_ids()
 
 
 def _first_failure(rep) -> Optional[Failure]:
-    for name in sorted(rep.verdicts, key=lambda k: (k != "run", k)):  # the run first, then P1, P2, ... (the report's order)
+    order = registry.report_order()  # the run first, then the properties in registry order
+    for name in sorted(rep.verdicts, key=lambda k: (order.index(k) if k in order else len(order), k)):
         if rep.verdicts[name].failures:
             return rep.verdicts[name].failures[0]
     return None
@@ -35,7 +42,7 @@ def next_command(rep, case: Case, args) -> str:
     words = [case.name if in_dir else case.path]
     if in_dir and cases_dir(args).resolve() != CASES_DIR.resolve():
         words += ["--cases-dir", str(cases_dir(args))]
-    if f is None or f.prop in REPLAYED:
+    if f is None or f.prop in _replayed():
         head = ["harness", "replay"]
         for key in ("step", "rank"):
             if f is not None and isinstance(f.where.get(key), int):
@@ -51,11 +58,10 @@ def next_command(rep, case: Case, args) -> str:
 
 
 def cmd_check(args) -> int:
-    from harness.checks import check_case, parse_props, require_sim_for_spec_props  # torch: only when a check runs
-
+    from harness.pipeline.check import check_case, parse_props, require_ranks  # torch: only when a check runs
     try:
         props = parse_props(args.props)
-        require_sim_for_spec_props(props, args.ranks)  # before any case runs
+        require_ranks(props, args.ranks)  # before any case runs
     except ValueError as e:
         raise UsageError(f"harness check: {e}") from None
     cases, selected = select(named_cases(args.cases, args), args.keyword, args.last_failed)
@@ -64,9 +70,14 @@ def cmd_check(args) -> int:
     check_world([(c.name, c.layout) for c in cases])  # launched ranks: each case needs exactly that many
     reports = []
     t0 = time.perf_counter()
+    # what runs, on stderr, where a run is long: one case alone, or properties beyond the default (the loop's)
+    long_run = len(cases) == 1 or set(props) - set(registry.default_ids())
+    progress = None if args.json or not long_run else (lambda msg: print(f"... {msg}", file=sys.stderr, flush=True))
+    if not args.json and args.props and args.props.strip().lower() == "all":
+        print(f"... all the case properties ({','.join(props)}); not per case: {registry.elsewhere_note()}", file=sys.stderr, flush=True)
     with mutant_ctx(args.mutant):
         for i, case in enumerate(cases, 1):
-            rep = check_case(case, props=props, ranks=args.ranks)
+            rep = check_case(case, props=props, ranks=args.ranks, on_progress=progress)
             reports.append(rep)
             if not args.json:
                 verdicts = " ".join([f"{k}:{'ok' if v.ok else 'FAIL'}" for k, v in rep.verdicts.items()] + [f"{k}:skip" for k in rep.skipped])
@@ -111,7 +122,5 @@ def add_parser(subparsers) -> None:
                    help="only the cases that failed last time (all when none did; kept in ./.specharness_cache/)")
     add_ranks(s)
     add_cases_dir(s)
-    s.add_argument("--props", default="P1,P3,P4", metavar="LIST",
-                   help="properties per case: a comma list of P1,P3,P4 (one run of the runners; the default) and P2,P5,P6 "
-                        "(the case's workload through the speculative decoding loop; simulated ranks), or 'all'")
+    s.add_argument("--props", default=None, metavar="LIST", help=registry.props_help())
     s.set_defaults(func=cmd_check)

@@ -28,7 +28,7 @@ from harness.golden.draft_tree import TREE_CASES, check_tree_case, needs_draft_t
 from harness.golden.lifecycle import check_golden, iter_cases, refuse_under_xdist
 from harness.golden.logprobs import LOGPROB_CASES, check_logprob_case, needs_logprobs
 from harness.golden.place import case_golden_dir, check_writable
-from harness.props.p5_p6 import check_acceptance_case
+from harness.props.p6 import check_acceptance_case
 from harness.verdict import Verdict
 
 LOOP_KINDS: dict[GoldenKind, tuple[tuple[str, ...], Callable[[Case], Verdict], Callable[[Case], bool]]] = {

@@ -7,8 +7,8 @@ import time
 
 
 def cmd_mutants(args) -> int:
-    from harness.mutant_run import run_catalog  # torch: only when mutants run
     from harness.mutants import CATALOG, get
+    from harness.pipeline.mutants import run_catalog  # torch: only when mutants run
 
     if args.jobs is not None and args.jobs < 1:
         raise SystemExit("harness mutants: --jobs must be >= 1")

@@ -12,8 +12,8 @@ from harness.errors import UsageError
 
 
 def cmd_replay(args) -> int:
-    from harness.dump import dump_case, target_of  # torch: only when a replay runs
-    from harness.replay import check_filters, format_table, replay_case
+    from harness.pipeline.dump import dump_case, target_of  # torch: only when a replay runs
+    from harness.pipeline.replay import check_filters, format_table, replay_case
 
     case = load_case(args.case, cases_dir(args))
     try:

@@ -5,7 +5,7 @@ the single-layer one for a representative layout of every branch of DESIGN.md §
 gather, attn-TP gather, neither), without a model or a GPU; runs the engine's capture path
 for every bucket (get_forward_batch(bs) and the step body up to the model) and its replay /
 prepare path for every raw batch size up to each bucket; converts what the engine produced
-into our records (harness.records.CaptureRecord / ReplayRecord) and runs the same P1
+into our records (harness.run.records.CaptureRecord / ReplayRecord) and runs the same P1
 checks our runners pass (record_checks.py): I1 capture = replay, I2 rows fed to lm_head =
 for_logprob, I3 branch parity, I4 buffer = Σ for_logprob, I5 for_logprob vs num_tokens, I6
 single- vs multi-layer, and the padding rules. The graphed draft decode and the target's verify
@@ -39,6 +39,7 @@ from harness.engines.sglang.errors import EngineAdapterError, MissingEngineAttri
 from harness.engines.sglang.handle import ONE_GRAPH
 from harness.engines.sglang.loader import Engine
 from harness.engines.sglang.paths import FillPlan
+from harness.props.p1_records import P1
 from harness.verdict import Verdict
 from runners.base_cuda_graph_runner import compute_capture_bs
 from runners.parallel.layout import ParallelLayout
@@ -114,7 +115,7 @@ class _Rank:
         """fn(*args), guarded: what it raises is a `raised` failure on the runner's whole-runner line (bucket None)."""
         w = {"layout": self.layout.describe(), "branch": self.layout.branch.value, "runner": runner, "step": step, "rank": self.tp_rank,
              **(where or {})}
-        v = Verdict("P1")
+        v = Verdict(P1)
         got = guarded(v, call, w, functools.partial(fn, *args), self.engine_root, ADAPTER_ERRORS if self.preflight else ())
         if v.failures:  # the whole-runner line exists only where a call raised (or launched a kernel out of bounds)
             self.line(runner, step, None).verdict.merge(v)

@@ -40,7 +40,7 @@ from harness.engines.sglang.loader import load
 from harness.engines.vllm.command import main as vllm_main
 from harness.engines.vllm.drive import RUNNERS as VLLM_RUNNERS
 from harness.engines.vllm_ascend.command import main as vllm_ascend_main
-from harness.layout import all_layouts
+from harness.run.layouts import all_layouts
 
 
 def add_parser(subparsers) -> None:

@@ -22,6 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+from harness.props.poison import P2
 from harness.verdict import Verdict
 from runners.parallel.layout import ParallelLayout
 
@@ -180,7 +181,7 @@ def check_lanes(v: Verdict, rec: LaneRecord, live: LiveBatch, seen: dict, where:
             v.fail("canonical", name, {**w, "lane": lo + i}, first[i], pad[i], f"the release's replay fill writes {name}: {detail}")
         elif ("noted", key[:4]) not in seen:  # once per (runner, step, path, buffer) and rank
             seen[("noted", key[:4])] = True
-            v.notes.append(f"P2/canonical {name}: left stale by this release's fill (by design): {detail} "
+            v.notes.append(f"{P2}/canonical {name}: left stale by this release's fill (by design): {detail} "
                            f"[{', '.join(f'{k}={x}' for k, x in w.items())}]")
     if rec.buffers.get(SLOT_BUFFER) is not None:  # this batch's slots: a later padded row holding one writes into a request's slot
         owners = seen.setdefault(("slots", rec.runner, rec.step, rec.path), {})

@@ -1,6 +1,6 @@
 """The checks engine-check runs on the records an adapter produced: what the engine baked and what its replays left.
 
-Each takes our records (harness.records) and the report's lines, never the engine: P1 on a replay
+Each takes our records (harness.run.records) and the report's lines, never the engine: P1 on a replay
 (`check_record`) and on each captured bucket (`check_captures`), the parities across runners and
 branches (`check_parity`: I3, I6), and I6 on the logits the runners selected past the model call.
 """
@@ -13,9 +13,9 @@ from harness.engines.after_model import next_token, selected_row, selected_token
 from harness.engines.lanes import LiveBatch
 from harness.engines.report import Line
 from harness.engines.sglang.handle import MULTI_LAYER, RunnerHandle
-from harness.layout import branch_sibling
-from harness.props.p1_records import check_replay_record, check_replay_rows
-from harness.records import ReplayRecord
+from harness.props.p1_records import P1, check_replay_record, check_replay_rows
+from harness.run.layouts import branch_sibling
+from harness.run.records import ReplayRecord
 from harness.verdict import Verdict
 from runners.parallel.layout import Branch, ParallelLayout
 
@@ -150,8 +150,8 @@ def _compare(v: Verdict, check: str, w: dict, ref: tuple, got: tuple, what: str)
     explained = r_lp is not None and g_lp is not None and r_lp == r_rows and g_lp == g_rows
     if explained:
         v.notes.append(
-            f"P1/{check} global_num_tokens_for_logprob: {_fmt(r_lp, r_n)} vs {_fmt(g_lp, g_n)}, each equal to the rows its runner feeds lm_head: "
-            f"the pruned-logits variant of DESIGN.md §6.3 (legal; reported) [{', '.join(f'{k}={x}' for k, x in w.items())}]"
+            f"{P1}/{check} global_num_tokens_for_logprob: {_fmt(r_lp, r_n)} vs {_fmt(g_lp, g_n)}, each equal to the rows its runner feeds lm_head: "
+            f"the pruned-logits variant (legal, `harness explain I2`; reported) [{', '.join(f'{k}={x}' for k, x in w.items())}]"
         )
     else:
         v.fail(check, "global_num_tokens_for_logprob", w, _fmt(r_lp, r_n), _fmt(g_lp, g_n), what)

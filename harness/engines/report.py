@@ -13,6 +13,7 @@ from harness.engines.baseline import Baseline, Classified, Finding
 from harness.engines.guard import CRASHED, OUT_OF_BOUNDS, RAISED
 from harness.engines.lanes import STALE_SLOT
 from harness.engines.options import Selection
+from harness.props.p1_records import P1
 from harness.verdict import Failure, Verdict
 from runners.parallel.layout import ParallelLayout
 
@@ -29,7 +30,7 @@ class Line:
     bucket: Optional[int]
     path: str = ""
     tokens_per_bs: int = 0
-    verdict: Verdict = field(default_factory=lambda: Verdict("P1"))
+    verdict: Verdict = field(default_factory=lambda: Verdict(P1))
     raw_bs: set[int] = field(default_factory=set)
     ranks: set[int] = field(default_factory=set)
     pruned: bool = False

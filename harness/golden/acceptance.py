@@ -16,7 +16,7 @@ from harness.golden.base import GOLDEN_DIR, GoldenError, GoldenKind, show
 from harness.golden.lifecycle import refuse_under_xdist
 from harness.golden.place import accept_dir_of, check_writable, record_command
 from harness.golden.store import write_text_atomic
-from harness.spec_decode import Workload, acceptance_stats, case_session, spec_skip_reason
+from harness.run.loop import Workload, acceptance_stats, case_session, spec_skip_reason
 from runners.spec_decode import DEFAULT_ALIGNMENT, Alignment
 
 ACCEPT_DIR = GOLDEN_DIR / "acceptance"  # the shipped ones

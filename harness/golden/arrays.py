@@ -7,11 +7,11 @@ import numpy as np
 import torch
 
 from harness.case import GOLDEN_FLOAT_FIELDS, Case
-from harness.execute import RankRun, run_rank
 from harness.golden.base import INT_FIELDS, META_FIELDS
 from harness.ranks import RanksKind
 from harness.ranks import run as ranks_run
-from harness.records import ReplayRecord
+from harness.run.records import ReplayRecord
+from harness.run.rig import RankRun, run_rank
 
 # ----------------------------------------------------------------------------------------
 # what goes in
@@ -76,11 +76,11 @@ def collect(case: Case, runs: Sequence[RankRun]) -> dict[str, np.ndarray]:
             for s, res in enumerate(steps):
                 key = f"{base}.s{s}"
                 for name in GOLDEN_FLOAT_FIELDS:
-                    out[f"{key}.{name}"] = res.tensors[name].detach().to(torch.float32).numpy().copy()
+                    out[f"{key}.{name}"] = getattr(res.out, name).detach().to(torch.float32).numpy().copy()
                 for name in INT_FIELDS:
-                    out[f"{key}.{name}"] = res.tensors[name].detach().to(torch.int64).numpy().copy()
+                    out[f"{key}.{name}"] = getattr(res.out, name).detach().to(torch.int64).numpy().copy()
                 rec = recs[s] if s < len(recs) else None
-                out[f"{key}.meta"] = pack_meta(_record_meta(rec, int(res.tensors["rows_fed"])))
+                out[f"{key}.meta"] = pack_meta(_record_meta(rec, int(res.out.rows_fed)))
     return out
 
 

@@ -5,7 +5,7 @@ from enum import StrEnum
 from pathlib import Path
 
 from harness.data import shipped_dir
-from harness.tolerances import Tol
+from harness.props.tolerances import Tol
 
 GOLDEN_DIR = shipped_dir("golden")
 FORMAT = "specharness-golden/1"
@@ -21,7 +21,7 @@ class GoldenKind(StrEnum):
 
 # Record and check run the same fp32 CPU code: bitwise equal on one machine. Across CPUs, MKL /
 # oneDNN pick other kernels (AVX2 vs AVX-512) and reorder fp32 sums: a few ulps on logits of
-# magnitude ~3, three layers deep, as for eager vs graph (harness/tolerances.py EAGER_VS_GRAPH).
+# magnitude ~3, three layers deep, as for eager vs graph (harness/props/tolerances.py EAGER_VS_GRAPH).
 # Errors from a wrong or misplaced row are O(1). A case overrides these in [tolerances.golden].
 DEFAULT_TOLERANCES: dict[str, Tol] = {
     "logits": Tol(1e-5, 1e-5, "fp32 accumulation reorder across CPU kernels; wrong rows are O(1)"),
@@ -33,7 +33,7 @@ INT_FIELDS = ("topk_index", "next_input_ids")
 # Per step, every metadata int in one packed vector `r.i.s.meta`: for each field in this order, its
 # length then its values (length -1: None, no gathered buffer in this branch). One array instead of
 # fifteen keeps the .npz small (each entry costs ~250 bytes of zip and npy headers).
-# Named as in harness.records.ReplayRecord (capture.<field>: its CaptureRecord; the host lists under their ForwardBatch names).
+# Named as in harness.run.records.ReplayRecord (capture.<field>: its CaptureRecord; the host lists under their ForwardBatch names).
 META_FIELDS = ("graph_replayed", "raw_bs", "bs", "num_tokens", "global_num_tokens_cpu", "global_num_tokens_for_logprob_cpu",
                "global_dp_buffer_len", "capture.global_num_tokens_gpu", "capture.global_num_tokens_for_logprob_gpu",
                "global_num_tokens_gpu", "global_num_tokens_for_logprob_gpu", "padded_seq_lens", "seq_lens_sum", "rows_fed", "logits_rows")

@@ -19,7 +19,7 @@ from harness.golden.lifecycle import record_golden
 from harness.golden.logprobs import logprob_golden_path, needs_logprobs, record_logprob_golden
 from harness.golden.place import GoldenWriteRefused, accept_dir_of, case_golden_dir, record_command
 from harness.golden.store import GoldenPaths
-from harness.spec_decode import spec_skip_reason
+from harness.run.loop import spec_skip_reason
 
 
 def needed_kinds(case: Case) -> tuple[GoldenKind, ...]:

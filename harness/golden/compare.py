@@ -9,7 +9,7 @@ import numpy as np
 from harness.case import GOLDEN_FLOAT_FIELDS, Case
 from harness.golden.arrays import unpack_meta
 from harness.golden.base import DEFAULT_TOLERANCES, META_FIELDS
-from harness.tolerances import Tol
+from harness.props.tolerances import Tol
 
 # ----------------------------------------------------------------------------------------
 # compare

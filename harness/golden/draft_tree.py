@@ -19,8 +19,10 @@ from harness.golden.base import GoldenKind
 from harness.golden.lifecycle import refuse_under_xdist
 from harness.golden.place import accept_dir_of, check_writable, record_command
 from harness.golden.store import write_text_atomic
-from harness.spec_decode import SpecSession, case_session, check_graph_replayed
-from harness.tolerances import Tol
+from harness.props.p3 import check_loop_replayed
+from harness.props.p6_acceptance import P6
+from harness.props.tolerances import Tol
+from harness.run.loop import SpecSession, case_session
 from harness.verdict import Verdict
 
 
@@ -70,7 +72,7 @@ def record_tree_golden(case: Case, accept_dir: Optional[Path] = None) -> Path:
     check_writable(accept_dir)
     refuse_under_xdist(accept_dir)
     sessions = {r: case_session(case, r) for r in ("eager", "graph")}
-    v = Verdict("P6")
+    v = Verdict(P6)
     data = {"format": TREE_FORMAT, "case": case.name, "fingerprint": case.scenario.model.fingerprint(), "trees": tree_arrays(sessions["eager"])}
     compare_trees(v, case.name, data["trees"], tree_arrays(sessions["graph"]))
     if not v.ok:
@@ -113,8 +115,8 @@ def check_tree_golden(v: Verdict, case: Case, sessions: dict[str, SpecSession], 
 
 def check_tree_case(case: Case) -> Verdict:
     """The draft-tree golden alone, eager and graph (`harness golden check --kind draft-tree`)."""
-    v = Verdict("P6")
+    v = Verdict(P6)
     sessions = {r: case_session(case, r) for r in ("eager", "graph")}
-    check_graph_replayed(v, sessions["graph"], {"case": case.name, "runner": "graph"})
+    check_loop_replayed(v, sessions["graph"], {"case": case.name, "runner": "graph"})
     check_tree_golden(v, case, sessions)
     return v

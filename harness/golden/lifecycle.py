@@ -11,13 +11,13 @@ from typing import Optional, Sequence
 import numpy as np
 
 from harness.case import GOLDEN_FLOAT_FIELDS, Case, default_cases, load_case
-from harness.execute import RankRun
 from harness.golden.arrays import collect, run_for_golden
 from harness.golden.base import FORMAT, GOLDEN_DIR, META_FIELDS, GoldenError, show
 from harness.golden.compare import Comparison, compare, field_tol, parse_key
 from harness.golden.fingerprint import Fingerprint, config_changes, fingerprint, versions
 from harness.golden.place import case_golden_dir, check_writable, record_command
 from harness.golden.store import Golden, GoldenPaths, golden_lock, load_golden, recover, write_golden
+from harness.run.rig import RankRun
 
 # ----------------------------------------------------------------------------------------
 # record and check

@@ -22,8 +22,9 @@ from harness.golden.base import GoldenKind
 from harness.golden.lifecycle import refuse_under_xdist
 from harness.golden.place import accept_dir_of, check_writable, record_command
 from harness.golden.store import write_text_atomic
-from harness.spec_decode import SpecSession, Workload, case_session
-from harness.tolerances import Tol
+from harness.props.p6_acceptance import P6
+from harness.props.tolerances import Tol
+from harness.run.loop import SpecSession, Workload, case_session
 from harness.verdict import Verdict
 
 
@@ -87,7 +88,7 @@ def record_logprob_golden(case: Case, accept_dir: Optional[Path] = None) -> Path
     sessions = {r: case_session(case, r) for r in ("eager", "graph")}
     data = {"format": LOGPROB_FORMAT, "case": case.name, **golden_identity(case, Workload.from_case(case)),
             "requests": logprob_arrays(sessions["eager"])}
-    v = Verdict("P6")
+    v = Verdict(P6)
     compare_logprobs(v, case.name, data["requests"], logprob_arrays(sessions["graph"]))
     if not v.ok:
         raise AcceptanceGoldenError(f"{case.name}: eager and graph logprobs differ; not recording ({v.first()})")
@@ -132,6 +133,6 @@ def check_logprob_golden(v: Verdict, case: Case, sessions: dict[str, SpecSession
 
 def check_logprob_case(case: Case) -> Verdict:
     """The logprob golden alone, eager and graph (`harness golden check --kind logprobs`)."""
-    v = Verdict("P6")
+    v = Verdict(P6)
     check_logprob_golden(v, case, {r: case_session(case, r) for r in ("eager", "graph")})
     return v

@@ -2,7 +2,7 @@
 
 A mutant never edits a file: it monkeypatches one method or function of `runners` for
 the duration of a `with mutant.planted():` block. `harness mutants` plants each one in
-a child process, runs the probes that can see it (`probes`, ids from harness.suite.PROBES,
+a child process, runs the probes that can see it (`probes`, ids from harness.pipeline.mutants.probes(),
 cheapest first; unset: every probe) and reports which property killed it. A list holds
 every probe that fails with the mutant planted, and the comment beside it which properties
 fail; `harness mutants --all-probes --all-properties --only ID` re-derives it. A property that cannot

@@ -39,7 +39,8 @@ class Mutant:
     # (target, attribute, replacement); a str target ("pkg.mod:Class") is imported when planted, as mock.patch("pkg.mod.Class.attr")
     # does, so the catalog can name code in a module that imports an optional package (triton) without importing it
     patches: tuple[tuple[object, str, object], ...] = field(default=())
-    probes: Optional[tuple[str, ...]] = None  # probe ids (harness.suite.PROBES) that can see it, cheapest first; None: all
+    # probe ids that can see it, cheapest first (the properties' probes and the case probes: harness.pipeline.mutants.probes()); None: all
+    probes: Optional[tuple[str, ...]] = None
 
     @contextlib.contextmanager
     def planted(self) -> Iterator["Mutant"]:

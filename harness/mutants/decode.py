@@ -1,7 +1,7 @@
 """Mutants of the single-layer EAGLE draft decode (runners.eagle_draft, runners.eagle_draft_cuda_graph_runner).
 
 Each is one deviation from the real code, killed on CPU by the draft-decode probe
-(harness.decode_props.probe_draft_decode): P1 for metadata and fill values it records, P2 where a
+(harness.props.draft_decode.probe_draft_decode): P1 for metadata and fill values it records, P2 where a
 poisoned padded lane is read or writes live KV, P3 where
 the graph diverges from the eager reference, P6 where the step body itself (shared by both) is
 wrong and only the accept lengths can tell.

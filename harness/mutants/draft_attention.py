@@ -3,7 +3,7 @@
 The draft decode attends with the case's backend; each mutant makes the triton draft-decode kernel read
 another set of keys than the engine's multi-step draft backends do (the prefix below seq_len, then the
 lane's own draft slots of steps 0..s). Eager and graph run the same kernel, so P3 cannot see them: the
-draft-decode-backends probe (harness.decode_props.probe_draft_decode_backends) compares the triton tree
+draft-decode-backends probe (harness.props.p4) compares the triton tree
 with the torch reference's on the same inputs (P4, the reference as oracle).
 """
 from __future__ import annotations

@@ -5,8 +5,8 @@ from unittest import mock
 
 import torch
 
-from harness import execute
 from harness.mutants.base import Mutant, keeps
+from harness.run import rig
 from runners import draft_extend, model
 from runners.multi_layer_eagle_draft_extend_cuda_graph_runner import MultiLayerEagleDraftExtendCudaGraphRunner
 from runners.parallel.comm import Group
@@ -84,7 +84,7 @@ def _dp_scatter_wrong_chunk(ctx, gathered_partial, num_local, sharded):
     return gathered_partial[d * max_len : (d + 1) * max_len][:num_local]
 
 
-_REAL_MLP_SYNC = execute.mlp_sync_batch_sizes
+_REAL_MLP_SYNC = rig.mlp_sync_batch_sizes
 
 
 def _mlp_sync_idle_rank_skips(ctx, local_bs, device):
@@ -156,7 +156,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "idle-rank-skips-mlp-sync",
         "an idle DP rank (no requests) skips the MLP-sync all_gather of batch sizes over the attn-DP group: busy ranks wait in it while the idle rank runs on",
         "idle DP rank skips a collective",
-        ((execute, "mlp_sync_batch_sizes", _mlp_sync_idle_rank_skips),),
+        ((rig, "mlp_sync_batch_sizes", _mlp_sync_idle_rank_skips),),
         ("p7-idle-ranks", "cases"),  # P7, a desync (run) in cases; the other probes pass with it planted
     ),
 )

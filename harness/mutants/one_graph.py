@@ -15,7 +15,7 @@ from runners.multi_layer_eagle_draft_extend_cuda_graph_runner import (
     OneGraphMultiLayerEagleMultiStepDraftExtendCudaGraphRunner as OneGraph,
 )
 
-PROBE = "case-one-graph"  # harness.suite: P1, P3 and P4 over cases/tp2_shrink_one_graph.toml
+PROBE = "case-one-graph"  # harness.pipeline.mutants: P1, P3 and P4 over cases/tp2_shrink_one_graph.toml
 
 
 def _no_chain_in_graph(self: OneGraph, num_tokens: int, out: StepOutputs) -> None:

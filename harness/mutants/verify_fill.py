@@ -6,7 +6,7 @@ from runners.decode_cuda_graph_runner import DecodeCudaGraphRunner
 
 # ---- issue 20 item 3: the TARGET_VERIFY graph runner's replay fill (runners.decode_cuda_graph_runner) ----
 # Killed by: the seq_lens fill by P1 (padded seq_lens / seq_lens_sum); the req_pool_indices fill (in-graph slot
-# lookup) by P8 (a live request's KV overwritten changes later tokens), P3 (harness.verify_props: live target KV
+# lookup) by P8 (a live request's KV overwritten changes later tokens), P3 (harness.props.verify_shadow: live target KV
 # after the pass) and P5; the gathered fill by P1 (the replay fill). The other fill lines' mutants (input_ids,
 # positions and out_cache_loc of padded lanes, the copy-in) are harness.mutants.replay_fill's.
 

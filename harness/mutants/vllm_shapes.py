@@ -1,5 +1,6 @@
 """Mutants of vLLM's padding convention and of vLLM's shapes of the draft-extend (the ragged runner, PIECEWISE graphs):
-one per mechanism, each killed on CPU by the cheapest probe over the case that enables it (harness.props.shape_probes)."""
+one per mechanism, each killed on CPU by the cheapest probe over the case that enables it (the case probes of
+harness.pipeline.mutants; P2's padded-lanes-pad-minus-one)."""
 from __future__ import annotations
 
 import torch

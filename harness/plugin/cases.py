@@ -24,14 +24,16 @@ from typing import Callable, Iterator, Optional, Sequence
 import pytest
 
 from harness.case import CASES_DIR, Case, CaseError, default_cases, load_case
-from harness.checks import CASE_PROPS, FAST_PROPS, CaseReport, check_case, parse_props
 from harness.golden import GoldenError, check_golden
 from harness.golden.base import GoldenKind
 from harness.golden.case_goldens import needed_kinds, record_case_goldens
 from harness.golden.place import PYTEST_FLAGS, case_golden_dir, check_writable, golden_dir_for
 from harness.mutants import get as get_mutant
+from harness.pipeline.check import CaseReport, check_case, parse_props
 from harness.plugin.engine import NODE as ENGINE_NODE
 from harness.plugin.engine import EngineCheckNode, engine_check_args
+from harness.props import registry
+from harness.props.p6 import P6
 
 PLUGIN = "harness.plugin"
 GOLDEN_ITEM = "golden"
@@ -90,13 +92,13 @@ def specharness_golden_dir(pytestconfig: pytest.Config) -> Path:
 
 @pytest.fixture
 def specharness_check(pytestconfig: pytest.Config) -> Callable[..., CaseReport]:
-    """check(case or name, props=("P1", "P3", "P4"), mutant=None) -> CaseReport (report.ok, report.verdicts)."""
+    """check(case or name, props=None (those of one case run), mutant=None) -> CaseReport (report.ok, report.verdicts)."""
     cases_dir = _cases_dir(pytestconfig)
 
-    def check(case: Case | str, props: Sequence[str] = FAST_PROPS, mutant: Optional[str] = None) -> CaseReport:
+    def check(case: Case | str, props: Optional[Sequence[str]] = None, mutant: Optional[str] = None) -> CaseReport:
         case = case if isinstance(case, Case) else load_case(case, cases_dir)
         with get_mutant(mutant).planted() if mutant else contextlib.nullcontext():
-            return check_case(case, props=tuple(props))
+            return check_case(case, props=props)
 
     return check
 
@@ -163,7 +165,7 @@ class CaseNode(pytest.Collector):
         """The case checked once, for every property of it that this session runs."""
         if self._report is None:
             selected = {it.name for it in self.session.items if it.parent is self and it.name != GOLDEN_ITEM}
-            self._report = check_case(self.case, props=tuple(p for p in CASE_PROPS if p in selected))
+            self._report = check_case(self.case, props=tuple(p for p in registry.case_ids() if p in selected))
         return self._report
 
 
@@ -191,7 +193,7 @@ class PropertyItem(pytest.Item):
             check_writable(golden_dir or case_golden_dir(case), flags=PYTEST_FLAGS)
             props = parse_props(self.config.getoption("--specharness-props") or self.config.getini("specharness_props"))
             outcomes = record_case_goldens(case, golden_dir, [GoldenKind.ARRAYS], say=lambda _: None)
-            if "P6" in props:  # P6 reads the loop's goldens, always beside the case (--specharness-golden-dir is the arrays')
+            if P6 in props:  # P6 reads the loop's goldens, always beside the case (--specharness-golden-dir is the arrays')
                 outcomes += record_case_goldens(case, None, [k for k in needed_kinds(case) if k is not GoldenKind.ARRAYS], say=lambda _: None)
             if any(o.changed or not o.recorded for o in outcomes):
                 text = "\n".join(o.text for o in outcomes if o.changed or not o.recorded)

@@ -10,7 +10,6 @@ from __future__ import annotations
 import pytest
 
 from harness.data import shipped_dir
-from harness.props.names import CASE_PROPS, FAST_PROPS
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -22,7 +21,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                 help="where the array goldens are (default: ini specharness_golden_dir, else beside the cases: DIR/golden/ of "
                      "--specharness-cases-dir, the shipped ones for the shipped cases); P6's acceptance goldens are always beside the cases")
     g.addoption("--specharness-props", metavar="LIST",
-                help=f"properties per case: a comma list of {', '.join(CASE_PROPS)} or 'all' (default: {','.join(FAST_PROPS)})")
+                help="properties per case: a comma list of property ids or 'all' (default: those of one run of the case's runners; "
+                     "`harness check --help` lists them)")
     g.addoption("--specharness-force-regen", action="store_true",
                 help="rewrite the goldens the selected properties read and fail their items (never under pytest-xdist, never with "
                      "--specharness-mutant, never into the installed package)")
@@ -33,4 +33,4 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addini("specharness_engine_check", "engine-check arguments, as --specharness-engine-check", default="")
     parser.addini("specharness_cases_dir", "directory of case files (relative to the ini file)", type="paths", default=[])
     parser.addini("specharness_golden_dir", "directory of goldens (relative to the ini file)", type="paths", default=[])
-    parser.addini("specharness_props", "properties per case, as --specharness-props", default=",".join(FAST_PROPS))
+    parser.addini("specharness_props", "properties per case, as --specharness-props (empty: the default)", default="")

@@ -1,7 +1,11 @@
-"""The properties, as plain functions returning a Verdict (DESIGN.md §4, §6.6), one module per property or part.
+"""The properties: one module per property, each defining its `Property` (harness.props.base), which the registry
+(harness.props.registry) finds. `harness explain ID` and the docs list them from the registry.
 
-P1 metadata invariants: p1_records (one record's invariants, shared with engine-check),
-p1_metadata (the fast path: every graph runner driven without a model), p1_run (what reached
-lm_head). P3 eager vs graph (p3), P4 cross-layout against TP1 (p4); outputs holds the tensor
-comparison P3 and P4 share. Over the speculative decoding loop: p2, p5_p6, p8, and spec_probes (their probes).
+P1 metadata invariants (p1; the no-model drive in p1_metadata, one record's rules in p1_records, shared with
+engine-check), P2 padded lanes (p2; the loop's instruments in poison), P3 eager vs graph (p3), P4 cross-layout (p4),
+P5 lossless (p5) and P6 acceptance (p6) over the loop (loop_run, with the verify shadows of verify_shadow), P7 uneven
+DP load (p7), P8 batch churn (p8), simulated vs real ranks (sim_vs_real); draft_decode holds the draft decode's
+checks, outputs the tensor comparison P3 and P4 share, tolerances every bound with its reason.
+
+This package's own __init__ imports nothing: harness.props.p1_records is read by engine-check without the rest.
 """

@@ -9,9 +9,9 @@ that kept it can replay no graph captured with it off, and runs eagerly).
 """
 from __future__ import annotations
 
-from typing import Mapping, Optional
+from typing import Mapping
 
-from harness.tolerances import CROSS_LAYOUT, Tol
+from harness.props.tolerances import CROSS_LAYOUT, Tol
 from harness.verdict import Verdict
 from runners.scheduler import Request
 from runners.spec_decode import SpecEngine
@@ -71,22 +71,19 @@ def check_request_logprobs(v: Verdict, r: Request, ref: GreedyOutput, tol: Tol, 
             return
 
 
-def check_logprobs(reqs: Mapping[int, Request], ref: Mapping[int, GreedyOutput], dtype: str, where: dict) -> Verdict:
-    """P5 over every request of a session (ref: the oracle with top_logprobs_num + 1, harness.spec_decode.oracle)."""
-    v = Verdict("P5")
+def check_logprobs(v: Verdict, reqs: Mapping[int, Request], ref: Mapping[int, GreedyOutput], dtype: str, where: dict) -> None:
+    """Every request of a session into v, P5's verdict (ref: the oracle with top_logprobs_num + 1, harness.run.loop.oracle)."""
     tol = LOGPROB_TOL[dtype]
     for rid, r in sorted(reqs.items()):
         check_request_logprobs(v, r, ref[rid], tol, {**where, "request": rid})
-    return v
 
 
-def check_draft_passes_replayed(engines: list[SpecEngine], max_batch: int, where: dict) -> Optional[Verdict]:
-    """P3: no draft-extend batch of a graph run fell back to eager, when every batch fits the buckets (max_batch: the
-    most requests a DP group runs). None when the buckets cannot hold every batch (a fallback is then legitimate)."""
+def check_draft_passes_replayed(v: Verdict, engines: list[SpecEngine], max_batch: int, where: dict) -> None:
+    """Into v, P3's verdict: no draft-extend batch of a graph run fell back to eager, when every batch fits the buckets
+    (max_batch: the most requests a DP group runs). Nothing is checked when the buckets cannot hold every batch (a
+    fallback is then legitimate)."""
     drivers = [e.draft.driver for e in engines if getattr(e.draft, "driver", None) is not None]
     if not drivers or any(max(r.capture_bs) < max_batch for d in drivers for r in d.runners):
-        return None
-    v = Verdict("P3")
+        return
     v.expect_equal("replayed", "draft-extend eager fallbacks", where, 0, sum(d.stats.eager_fallbacks for d in drivers),
                    "a draft batch that carries return_logprob can replay no graph (the draft passes run with it reset)")
-    return v

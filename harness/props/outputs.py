@@ -1,6 +1,8 @@
 """Tensor comparison shared by P3 and P4: float fields within a tolerance, top-k ids exact up to the reference's ties."""
 from __future__ import annotations
 
+import math
+
 import torch
 
 from harness.verdict import Verdict
@@ -24,6 +26,23 @@ def first_bad_row(ref: torch.Tensor, got: torch.Tensor, tol) -> tuple[int, float
     return row, float((ref - got).abs().nan_to_num(float("inf")).max())
 
 
+def first_diffs(ref_row: torch.Tensor, got_row: torch.Tensor, tol, k: int = 3) -> tuple[list[int], list[float], list[float]]:
+    """The first k differing elements of one row: their columns, the reference's values and the compared ones."""
+    ref, got = ref_row.double().flatten(), got_row.double().flatten()
+    if tol is None:
+        bad = ~((ref == got) | (ref.isnan() & got.isnan()))
+    else:
+        bad = ~torch.isclose(got, ref, rtol=tol.rtol, atol=tol.atol, equal_nan=True)
+    cols = bad.nonzero().flatten()[:k].tolist()
+    return cols, [_value(ref[c]) for c in cols], [_value(got[c]) for c in cols]
+
+
+def _value(x: torch.Tensor) -> float | str:
+    """Six digits, what a person compares at a glance; a non-finite value as its name (JSON has no NaN)."""
+    f = float(x)
+    return float(f"{f:.6g}") if math.isfinite(f) else str(f)
+
+
 def compare_outputs(v: Verdict, check: str, where: dict, ref: dict[str, torch.Tensor], got: dict[str, torch.Tensor], tol,
                     row_label=lambda r: f"row {r}") -> bool:
     """Compare float fields with tol (None: bitwise) and top-k ids exactly up to ties of the reference.
@@ -41,8 +60,10 @@ def compare_outputs(v: Verdict, check: str, where: dict, ref: dict[str, torch.Te
         if bad is not None:
             row, err = bad
             tol_s = "bitwise" if tol is None else f"rtol={tol.rtol} atol={tol.atol}"
-            v.fail(check, name, where, "match", f"differs from {row_label(row) if name in ('logits', 'hidden') else f'request {row}'}",
-                   f"first differing {row_label(row) if name in ('logits', 'hidden') else f'request row {row}'}, max |diff| {err:.3g} ({tol_s})")
+            cols, want, have = first_diffs(ref[name][row], got[name][row], tol)
+            what = row_label(row) if name in ("logits", "hidden") else f"request row {row}"
+            v.fail(check, name, where, want, have,
+                   f"first differing {what} at column(s) {cols} (expected, got); max |diff| {err:.3g} over the tensor ({tol_s})")
     v.checked += 1
     ids_ref, ids_got = ref["topk_index"], got["topk_index"]
     if ids_ref.shape != ids_got.shape:

@@ -5,47 +5,19 @@ from typing import Optional, Sequence
 
 import torch
 
-from harness.layout import branch_sibling
-from harness.observe import RunnerObserver
-from harness.props.p1_records import check_replay_record, record_where, verify_capture_bs
+from harness.props.p1_records import P1, check_replay_record, record_where, verify_capture_bs
 from harness.props.p1_shapes import MULTI_STEP_KINDS, check_live_attention_batch, check_ragged_gather_index
+from harness.run.layouts import branch_sibling
+from harness.run.observe import RunnerObserver
+from harness.run.rig import decode_runner, draft_extend_runners, verify_runner
 from harness.verdict import Verdict
 from runners.base_cuda_graph_runner import RunnerKind
-from runners.config import (
-    DEFAULT_MODEL,
-    CudaGraphMode,
-    DraftExtendShape,
-    ModelConfig,
-    SpecConfig,
-    draft_input_hidden_size,
-)
-from runners.decode_cuda_graph_runner import DecodeCudaGraphRunner, VerifyInputs, verify_inputs
-from runners.draft_extend import DraftExtendInputs, DraftWorker
-from runners.draft_extend_graph_driver import multi_layer_composite
-from runners.draft_parallel import draft_rank_context
+from runners.config import DEFAULT_MODEL, ModelConfig, SpecConfig, draft_input_hidden_size
+from runners.decode_cuda_graph_runner import VerifyInputs, verify_inputs
+from runners.draft_extend import DraftExtendInputs
 from runners.eagle_draft import DraftDecodeInputs
-from runners.eagle_draft_cuda_graph_runner import EAGLEDraftCudaGraphRunner
-from runners.eagle_draft_extend_cuda_graph_runner import EAGLEDraftExtendCudaGraphRunner
-from runners.graph.backend import GraphBackend
-from runners.multi_layer_eagle_draft_extend_cuda_graph_runner import MultiLayerEagleDraftExtendCudaGraphRunner
-from runners.parallel.dp_attention import RankContext
 from runners.parallel.layout import ParallelLayout
 from runners.target import Lane
-
-
-def _metadata_runners(layout: ParallelLayout, spec: SpecConfig, model: ModelConfig, tp_rank: int) -> list[MultiLayerEagleDraftExtendCudaGraphRunner]:
-    ctx = draft_rank_context(RankContext(layout, tp_rank, comm=None), spec)  # the draft's own layout; no collectives on this path
-    backend = GraphBackend("sim")
-    multi = DraftWorker(ctx, model, spec, build_model=False)
-    single = DraftWorker(ctx, model, spec, num_layers=1, build_model=False)
-    if spec.draft_extend_shape is DraftExtendShape.FIXED and spec.cuda_graph_mode is CudaGraphMode.FULL:
-        runners: list[MultiLayerEagleDraftExtendCudaGraphRunner] = [
-            MultiLayerEagleDraftExtendCudaGraphRunner(multi, k, backend) for k in range(spec.num_steps)
-        ]
-    else:  # vLLM's shapes: the composite's step runners over its one buffer set (and forward context)
-        runners = list(multi_layer_composite(spec)(multi, backend).runners)
-    runners.append(EAGLEDraftExtendCudaGraphRunner(single, backend))
-    return runners
 
 
 def _synthetic_inputs(raw_bs: int, T: int, hidden: int, dp_batch_sizes: list[int], seed: int) -> DraftExtendInputs:
@@ -62,7 +34,6 @@ def _synthetic_inputs(raw_bs: int, T: int, hidden: int, dp_batch_sizes: list[int
     )
 
 
-
 def check_metadata(
     layout: ParallelLayout,
     spec: SpecConfig,
@@ -74,14 +45,15 @@ def check_metadata(
 
     Drives every graph runner of one rank per DP group (each multi-layer draft-extend step, the
     single-layer draft-extend, the target verify and the draft decode) through capture-time
-    get_forward_batch and replay-time prepare_replay, observed from outside (harness.observe).
+    get_forward_batch and replay-time prepare_replay, observed from outside (harness.run.observe).
     """
-    v = Verdict("P1")
+    v = Verdict(P1)
     T = spec.num_tokens_per_bs
     for d in range(layout.attn_dp_size):
         tp_rank = d * layout.attn_tp_size
-        runners = [RunnerObserver(r) for r in _metadata_runners(layout, spec, model, tp_rank)]
+        runners = [RunnerObserver(r) for r in draft_extend_runners(layout, spec, model, tp_rank)]
         lp_by_runner: dict[tuple[str, int], list[Optional[int]]] = {}
+        bs_by_runner: dict[tuple[str, int], list[int]] = {}
         for it, sizes in enumerate(schedule):
             dp_sizes = list(sizes) if layout.attn_dp_size > 1 else [sizes[0]]
             raw_bs = dp_sizes[d]
@@ -102,14 +74,20 @@ def check_metadata(
                 host_lp = rec.capture.host["global_num_tokens_for_logprob_cpu"]
                 own = None if host_lp is None else host_lp[d if dl.require_mlp_tp_gather else 0]
                 lp_by_runner.setdefault((r.runner_kind, r.step), []).append(own)
+                bs_by_runner.setdefault((r.runner_kind, r.step), []).append(rec.bs)
         _check_verify_metadata(v, layout, spec, schedule, model, tp_rank, seed)
         _check_decode_metadata(v, layout, spec, schedule, model, tp_rank, seed)
         # I6: single-layer and multi-layer agree on for_logprob (each multi-layer step vs single)
         single = lp_by_runner.get((RunnerKind.SINGLE_LAYER, 0), [])
+        single_bs = bs_by_runner.get((RunnerKind.SINGLE_LAYER, 0), [])
         for (kind, step), vals in lp_by_runner.items():
             if kind in MULTI_STEP_KINDS and any(x is not None for x in single + vals):  # the neither branch bakes no counts
-                v.expect_equal("I6", "global_num_tokens_for_logprob", {"layout": layout.describe(), "rank": tp_rank, "step": step}, single, vals,
-                               "single-layer vs multi-layer runner, same batches")
+                same_buckets = bs_by_runner[(kind, step)] == single_bs
+                v.expect_agree("I6", "global_num_tokens_for_logprob", {"layout": layout.describe(), "rank": tp_rank, "step": step},
+                               {"single-layer runner": single, f"multi-layer runner (step {step})": vals},
+                               [b * T for b in single_bs] if same_buckets else None,
+                               "bs * T per batch, every DRAFT_EXTEND_V2 token of the bucket it replays" if same_buckets else
+                               "one value for the same batches (the two runners replayed different buckets)")
     _check_branch_parity(v, layout, spec, schedule, model, seed)
     return v
 
@@ -117,7 +95,7 @@ def check_metadata(
 def _check_verify_metadata(v: Verdict, layout: ParallelLayout, spec: SpecConfig, schedule, model: ModelConfig, tp_rank: int, seed: int) -> None:
     """I1, I4, I5 and the padding rules for the TARGET_VERIFY runner of one rank: logits for every token, like DRAFT_EXTEND_V2."""
     d = layout.attn_dp_rank(tp_rank)
-    runner = DecodeCudaGraphRunner(RankContext(layout, tp_rank, comm=None), model, spec, None, GraphBackend("sim"))
+    runner = verify_runner(layout, spec, model, tp_rank)
     observer = RunnerObserver(runner)
     T = spec.num_tokens_per_bs
     trees = spec.topk > 1 and T >= 3  # fewer nodes make only chains
@@ -152,11 +130,9 @@ def _check_decode_metadata(v: Verdict, layout: ParallelLayout, spec: SpecConfig,
     if spec.num_steps < 2:
         return  # one draft step is the draft-extend's own: the engine builds no draft-decode runner
     k = spec.topk
-    ctx = draft_rank_context(RankContext(layout, tp_rank, comm=None), spec)
-    if ctx is None:
+    runner = decode_runner(layout, spec, model, tp_rank)
+    if runner is None:
         return  # no draft on this rank (SpecConfig.draft_tp_size)
-    worker = DraftWorker(ctx, model, spec, num_layers=1, build_model=False)
-    runner = EAGLEDraftCudaGraphRunner(worker, GraphBackend("sim"))
     observer = RunnerObserver(runner)
     d = layout.attn_dp_rank(tp_rank)
     for it, sizes in enumerate(schedule):
@@ -167,14 +143,15 @@ def _check_decode_metadata(v: Verdict, layout: ParallelLayout, spec: SpecConfig,
         inp = DraftDecodeInputs(torch.ones(raw_bs, k), torch.zeros(raw_bs, k, dtype=torch.int64), torch.zeros(raw_bs, model.hidden_size),
                                 seq, torch.arange(1, raw_bs + 1), seq.repeat_interleave(k), dp_sizes)
         if runner.can_run(inp):
-            needed = max(dp_sizes) if worker.ctx.layout.require_mlp_tp_gather else raw_bs
-            check_replay_record(v, worker.ctx.layout, observer.prepare(inp), tp_rank, it, needed)
+            dl = runner.worker.ctx.layout  # the draft's (SpecConfig.draft_tp_size)
+            needed = max(dp_sizes) if dl.require_mlp_tp_gather else raw_bs
+            check_replay_record(v, dl, observer.prepare(inp), tp_rank, it, needed)
 
 
 def check_decode_metadata(layout: ParallelLayout, spec: SpecConfig, schedule: Sequence[Sequence[int]], model: ModelConfig = DEFAULT_MODEL,
                           seed: int = 0) -> Verdict:
     """P1 of the draft-decode runner alone, on every rank of the layout."""
-    v = Verdict("P1")
+    v = Verdict(P1)
     for tp_rank in range(layout.world_size):
         _check_decode_metadata(v, layout, spec, schedule, model, tp_rank, seed)
     return v
@@ -182,7 +159,7 @@ def check_decode_metadata(layout: ParallelLayout, spec: SpecConfig, schedule: Se
 
 def _logprob_rows_per_request(layout: ParallelLayout, spec: SpecConfig, schedule, model: ModelConfig, d: int, seed: int) -> dict[int, int]:
     """for_logprob of DP group d's step-0 runner divided by its padded bs, per iteration it could replay."""
-    runner = _metadata_runners(layout, spec, model, d * layout.attn_tp_size)[0]
+    runner = draft_extend_runners(layout, spec, model, d * layout.attn_tp_size)[0]
     observer = RunnerObserver(runner)
     out = {}
     for it, sizes in enumerate(schedule):
@@ -213,9 +190,11 @@ def _check_branch_parity(v: Verdict, layout: ParallelLayout, spec: SpecConfig, s
         if not both:
             continue  # no batch both branches replay: nothing to compare (not a check)
         ours, theirs = [ours[i] for i in both], [theirs[i] for i in both]
-        v.expect_equal(
+        T = spec.num_tokens_per_bs
+        v.expect_agree(
             "I3", "global_num_tokens_for_logprob",
             {"layout": layout.describe(), "sibling": sib.describe(), "rank": d * layout.attn_tp_size},
-            theirs, ours, "logprob rows per padded request differ between the MLP-TP and attn-TP branches",
+            {f"{layout.branch.value} branch (this layout)": ours, f"{sib.branch.value} sibling": theirs},
+            [T] * len(both), f"T = {T} logprob rows per padded request (every DRAFT_EXTEND_V2 token) in both branches",
         )
 

@@ -3,11 +3,13 @@ from __future__ import annotations
 
 from typing import Optional, Sequence
 
-from harness.records import ReplayRecord
+from harness.run.records import ReplayRecord
 from harness.verdict import Verdict
 from runners.base_cuda_graph_runner import RunnerKind
 from runners.draft_extend import SEQ_LEN_FILL_VALUE
 from runners.parallel.layout import ParallelLayout
+
+P1 = "P1"  # the property these checks report under (registered by harness.props.p1)
 
 
 def verify_capture_bs(layout: ParallelLayout, configured: Sequence[int], max_running_requests: int, T: int) -> list[int]:
@@ -55,7 +57,7 @@ def check_replay_record(
 ) -> None:
     """I1, I4, I5 and the padding rules on one replay's record.
 
-    The keyword parameters describe legal engine variants (DESIGN.md §6.3, §6.5); their
+    The keyword parameters describe legal engine variants (`harness explain I5`, `harness explain I4`); their
     defaults are our runners' behaviour, and `harness engine-check` passes them for SGLang:
 
     logprob_rows: the logit rows per rank lm_head sees in this bucket. None (ours): every
@@ -68,7 +70,7 @@ def check_replay_record(
     require_host_lists: our runners bake both host lists, global_num_tokens_cpu and
         global_num_tokens_for_logprob_cpu, into the forward batch. An engine that gives only
         the gpu tensors for one of them (the logits processor then sizes its gather from
-        global_dp_buffer_len and reads counts from the gpu tensor, §6.5) passes False: an
+        global_dp_buffer_len and reads counts from the gpu tensor) passes False: an
         absent host list is not compared in I1, and I4 / I5 use the capture-time gpu value
         in its place, which is what the graph holds. A host list that is given is checked.
     tokens_aligned: the target verify's buckets are aligned by their tokens (bs * T a multiple
@@ -153,15 +155,16 @@ def check_replay_rows(v: Verdict, layout: ParallelLayout, rec: ReplayRecord, tp_
     """I2 on one replayed record: rows fed to lm_head == this rank's for_logprob == logits rows produced.
 
     expected_rows: the logits rows the bucket must produce; bs * T for our runners (every
-    DRAFT_EXTEND_V2 token), bs for a pruned-logits engine (DESIGN.md §6.3). Shared by
+    DRAFT_EXTEND_V2 token), bs for a pruned-logits engine (`harness explain I2`). Shared by
     check_run_metadata and `harness engine-check`.
     """
     w = record_where(layout, rec, tp_rank, iteration)
     d = layout.attn_dp_rank(tp_rank)
     lp = rec.global_num_tokens_for_logprob_gpu
+    rule = f"the {expected_rows} rows this bucket gives lm_head" + (f" ({rec.bs} x {rec.tokens_per_bs} tokens)" if expected_rows == rec.bs * rec.tokens_per_bs else "")
     if lp is not None:
         own = lp[d if layout.require_mlp_tp_gather else 0]
-        v.expect_equal("I2", "global_num_tokens_for_logprob", w, rec.rows_fed, own, "rows fed to lm_head on this rank")
-    v.expect_equal("I2", "rows fed to lm_head", w, rec.logits_rows, rec.rows_fed, "every DRAFT_EXTEND_V2 token needs a logits row")
+        v.expect_agree("I2", None, w, {"global_num_tokens_for_logprob": own, "rows fed to lm_head": rec.rows_fed}, expected_rows, rule)
+    v.expect_agree("I2", None, w, {"rows fed to lm_head": rec.rows_fed, "logits rows": rec.logits_rows}, expected_rows, rule)
     v.expect_equal("padding", "logits rows", w, expected_rows, rec.logits_rows)
 

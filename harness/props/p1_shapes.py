@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from harness.props.p1_records import record_where
-from harness.records import ReplayRecord
+from harness.run.records import ReplayRecord
 from harness.verdict import Verdict
 from runners.base_cuda_graph_runner import RunnerKind
 from runners.draft_extend import DraftExtendInputs

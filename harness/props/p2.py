@@ -1,19 +1,29 @@
-"""P2 padded lanes: after the replay fill the padded lanes hold canonical values, and poisoning them and every stale region changes no real row and no live KV."""
-
+"""P2 padded lanes: after the replay fill the padded lanes hold canonical values, and poisoning them and every stale
+region changes no real row and no live KV. `LanePoison` instruments the draft-extend runners; the loop's other graphed
+runners have theirs in harness.props.poison, the hand-built draft-decode replay in harness.props.draft_decode."""
+from __future__ import annotations
 
 import torch
 
-from harness import verify_props
-from harness.case import Case
-from harness.crash import crash_verdict
+from harness.case import Case, load_case
+from harness.props.base import Needs, Probe, Property, Verdicts
+from harness.props.draft_decode import probe_draft_decode
 from harness.props.p1_shapes import check_ragged_gather_index
-from harness.props.p2_decode import DecodePoison, install_decode_poison
-from harness.props.poison import RunnerPoison
-from harness.ranks.simulated import RankFailure
-from harness.spec_decode import (
-    case_session,
+from harness.props.poison import (
+    NAN,
+    P2,
+    SEQ_SENTINEL,
+    DecodePoison,
+    RunnerPoison,
+    VerifyPoison,
+    install_decode_poison,
+    install_verify_poison,
 )
-from harness.verdict import Verdict
+from harness.ranks.simulated import RankFailure
+from harness.run.case_run import RUN, CaseRun
+from harness.run.crash import crash_verdict, guarded
+from harness.run.loop import case_session
+from harness.verdict import Verdict, merge_verdicts
 from runners.base_cuda_graph_runner import RunnerKind
 from runners.draft_extend import SEQ_LEN_FILL_VALUE, DraftExtendInputs, StepOutputs
 from runners.memory import TokenToKVPool
@@ -23,13 +33,7 @@ from runners.multi_layer_eagle_draft_extend_cuda_graph_runner import (
 )
 from runners.spec_decode import SpecEngine
 
-# ----------------------------------------------------------------------------------------
-# P2 padded lanes: canonical values after the replay fill; poisoned replays change nothing real
-# ----------------------------------------------------------------------------------------
-
-NAN = float("nan")
 POS_SENTINEL_FROM_END = 1  # positions poisoned to max_context_len - 1: the body indexes req_to_token and the rotary table with them
-SEQ_SENTINEL = 1 << 30  # seq_lens poisoned far out of range (a mask bound only)
 
 _RUNNER_BUFFERS = ("input_ids", "positions", "out_cache_loc", "seq_lens", "req_pool_indices", "num_correct_drafts",
                    "num_accept_tokens", "hidden_states", "next_token_logits_buffer")
@@ -146,18 +150,7 @@ class LanePoison(RunnerPoison):
     def _poison(self, r, raw_bs: int) -> None:
         T, w = r.T, r.worker
         raw_n = raw_bs * T
-        live_slots, live_rows, live_lens = self.live()
-        num_slots = w.kv_pool.k[0].shape[0]
-        dead = torch.ones(num_slots, dtype=torch.bool)
-        dead[live_slots] = False
-        poison_slot = int(dead.nonzero().max())
-        for t in w.kv_pool.k + w.kv_pool.v:
-            t[dead] = NAN
-        rows = w.req_pool.req_to_token
-        keep = rows.clone()
-        rows.fill_(poison_slot)
-        for idx, n in zip(live_rows, live_lens, strict=True):
-            rows[idx, :n] = keep[idx, :n]
+        poison_slot = self.poison_stale(r)
         r.hidden_states[raw_n:] = NAN
         r.next_token_logits_buffer.fill_(NAN)
         r.input_ids[raw_n:] = w.cfg.vocab_size - 1
@@ -201,26 +194,58 @@ class LanePoison(RunnerPoison):
                     return
 
 
-def check_padded_lanes(case: Case, rounds_per_phase: int = 2, device: str = "cpu") -> dict[str, Verdict]:
+def check_padded_lanes(case: Case, rounds_per_phase: int = 2, device: str = "cpu") -> Verdicts:
     poisons: list[LanePoison] = []  # one per rank, each with its own verdict (ranks are threads)
-    verify: list[verify_props.VerifyPoison] = []  # the TARGET_VERIFY runner's, likewise
+    verify: list[VerifyPoison] = []  # the TARGET_VERIFY runner's, likewise
     decode: list[DecodePoison] = []  # the single-layer draft's draft-decode runner's, likewise
     where, crash = {"case": case.name, "layout": case.layout.describe()}, {}
-    hook = lambda e: (getattr(e.draft, "worker", None) is not None and poisons.append(LanePoison(e, Verdict("P2"))),  # noqa: E731 (a rank may hold no draft)
-                      verify_props.install_poison(verify)(e),
+    hook = lambda e: (getattr(e.draft, "worker", None) is not None and poisons.append(LanePoison(e, Verdict(P2))),  # noqa: E731 (a rank may hold no draft)
+                      install_verify_poison(verify)(e),
                       install_decode_poison(decode)(e))
     try:
         case_session(case, "graph", hook=hook, rounds_per_phase=rounds_per_phase, device=device)
     except RankFailure as err:
-        crash = {"run": crash_verdict("run", where, err)}
-    v = Verdict("P2")
+        crash = {RUN: crash_verdict(RUN, where, err)}
+    v = Verdict(P2)
     for p in sorted(poisons + verify + decode, key=lambda p: p.engine.ctx.tp_rank):
         v.merge(p.v)
     if crash:
-        return {"P2": v, **crash}
+        return {P2: v, **crash}
     for what, ps in (("draft-extend", poisons), ("target verify", verify), *((("draft decode", decode),) if decode else ())):
         v.checked += 1
         if not any(p.replays for p in ps):
             v.fail("replayed", f"{what} graph replays", where, "> 0", 0, f"no {what} replayed a graph: nothing was checked")
-    return {"P2": v}
+    return {P2: v}
 
+
+def check(run: CaseRun) -> Verdicts:
+    return check_padded_lanes(run.case)
+
+
+# ---- probes (each a few seconds on 2 cores) ----
+
+PAD_MINUS_ONE_CASE = "tp2_dp2_pad_minus_one"  # vLLM's padding convention (SpecConfig.padding_convention)
+P2_CASES = ("tp2_shrink", "tp4_dp2_mlp_tp_gather", "tp2_page4_tree", "tp2_single_layer_shrink")  # the last: the draft-decode runner at TP2
+
+
+def _padded_lanes() -> Verdicts:
+    out: Verdicts = {}
+    for name in P2_CASES:
+        merge_verdicts(out, check_padded_lanes(load_case(name)))
+    return out
+
+
+PROPERTY = Property(
+    P2, "padded lanes", Needs.LOOP, check,
+    probes=(
+        Probe("padded-lanes", guarded("padded-lanes", _padded_lanes)),
+        # the single-layer draft decode: P1 on every layout, P2 on poisoned padded lanes, P1 / P3 / P6 over its cases
+        Probe("draft-decode", probe_draft_decode),
+        # one run each, for the replay-fill mutants (harness.mutants.replay_fill): P2 on a shrinking case checks the
+        # canonical fill of the padded lanes of its draft-extend and verify runners, so a mutant per fill line stays cheap
+        Probe("padded-lanes-multi-layer", guarded("padded-lanes-multi-layer", lambda: check_padded_lanes(load_case("tp2_shrink")))),
+        Probe("padded-lanes-single-layer", guarded("padded-lanes-single-layer", lambda: check_padded_lanes(load_case("tp2_single_layer_shrink")))),
+        # vLLM's padding convention: a pad request -1 whose KV writes are skipped (its case: DP2, eager MLP-sync padding)
+        Probe("padded-lanes-pad-minus-one", guarded("padded-lanes-pad-minus-one", lambda: check_padded_lanes(load_case(PAD_MINUS_ONE_CASE)))),
+    ),
+)

@@ -1,28 +1,26 @@
-"""P8 batch churn: eager and graph engines side by side under adds, finishes, preemptions and resumes; ChurnPair is the state tests/test_batch_churn.py drives."""
+"""P8 batch churn: eager and graph engines side by side under adds, finishes, preemptions and resumes; ChurnPair is the
+state a stateful test drives, and the churn scripts below are the mutant probes' fixed schedules."""
+from __future__ import annotations
 
+from typing import Sequence
 
 import torch
 
+from harness.props.base import Needs, Probe, Property, Verdicts
 from harness.props.outputs import compare_outputs, first_bad_row
-from harness.props.p5_p6 import TIE_MARGIN
-from harness.spec_decode import (
-    DEFAULT_MODEL,
-    SpecSession,
-    check_graph_replayed,
-    oracle,
-    request_prompt,
-)
-from harness.tolerances import eager_vs_graph
-from harness.verdict import Verdict
+from harness.props.p3 import check_loop_replayed
+from harness.props.p5 import TIE_MARGIN
+from harness.props.tolerances import eager_vs_graph
+from harness.ranks.simulated import RankFailure
+from harness.run.case_run import RUN
+from harness.run.crash import crash_verdict, guarded
+from harness.run.loop import DEFAULT_MODEL, SpecSession, oracle, request_prompt
+from harness.verdict import Verdict, merge_verdicts
 from runners.config import ModelConfig, SpecConfig
 from runners.parallel.layout import ParallelLayout
 
+P8 = "P8"
 TREE_EXACT, TREE_CLOSE = ("tokens", "parents", "child_index"), ("scores", "child_p")  # the draft-decode tree, per request
-
-# ----------------------------------------------------------------------------------------
-# P8 batch churn: eager and graph side by side
-# ----------------------------------------------------------------------------------------
-
 
 class ChurnPair:
     """Eager and graph engines on one layout fed the same commands; `check()` after every step.
@@ -36,7 +34,7 @@ class ChurnPair:
         self.layout, self.spec, self.model, self.seed = layout, spec, model, seed
         self.eager = SpecSession(layout, spec, model, runner="eager")
         self.graph = SpecSession(layout, spec, model, runner="graph")
-        self.v = Verdict("P8")
+        self.v = Verdict(P8)
         self.pending: list[tuple] = []
         self.next_rid = 0
         dp = layout.attn_dp_size
@@ -185,7 +183,63 @@ class ChurnPair:
                             "committed token differs from target-only greedy")
 
     def finish_check(self) -> Verdict:
-        check_graph_replayed(self.v, self.graph, {"layout": self.layout.describe()})
+        check_loop_replayed(self.v, self.graph, {"layout": self.layout.describe()})
         return self.v
 
 
+# ---- the probes: fixed churn scripts (each a few seconds on 2 cores) ----
+
+CHURN_SPEC = SpecConfig(num_steps=3, topk=1, capture_bs=(1, 2, 4, 8), max_running_requests=8)
+# Fixed schedules crossing every bucket boundary (8 -> 4 -> 2 -> 1 and back) with a preemption;
+# (rule, dp_group, arg). The DP one keeps the groups uneven and idles each group once.
+CHURN_SCRIPT: tuple[tuple, ...] = (
+    ("add", 0, 3), ("step",), ("add", 0, 4), ("step",), ("step",),  # 3 (bucket 4), then 7 (bucket 8)
+    ("finish", 0, 0), ("finish", 0, 0), ("step",),  # 5 in bucket 8: padded lanes 5, 6 held requests now at lanes 3, 4
+    ("finish", 0, 0), ("finish", 0, 1), ("step",),  # 3 in bucket 4: lane 3 stale, its request alive at lane 1
+    ("preempt", 0, 0), ("step",), ("resume", 0), ("add", 0, 3), ("step",),  # 2, then the preempted one back and 6
+    ("finish", 0, 1), ("finish", 0, 1), ("finish", 0, 1), ("step",), ("step",),  # 3 in bucket 4 again
+    ("finish", 0, 0), ("step",), ("add", 0, 1), ("step",),
+)
+CHURN_SCRIPT_DP2: tuple[tuple, ...] = (  # two DP groups, uneven, each idle at some point (MLP-TP gather: one bucket for both)
+    ("add", 0, 3), ("step",), ("add", 0, 4), ("add", 1, 2), ("step",),
+    ("finish", 0, 0), ("finish", 0, 0), ("finish", 1, 0), ("step",),
+    ("finish", 0, 0), ("finish", 0, 1), ("add", 1, 2), ("step",),
+    ("preempt", 0, 0), ("finish", 1, 0), ("step",), ("resume", 0), ("add", 0, 2), ("step",),
+    ("finish", 0, 1), ("finish", 0, 1), ("finish", 1, 0), ("step",), ("finish", 1, 0), ("step",), ("step",),
+)
+# The single-layer draft (draft-extend, then the graphed draft decode), topk 2: a tree whose lanes the buckets pad.
+CHURN_DECODE_SPEC = SpecConfig(num_steps=3, topk=2, capture_bs=(1, 2, 4, 8), max_running_requests=8, draft="single_layer")
+# P8 over the EAGLE3 draft at TP1: the default model's two layers, both captured (the embeddings and layer 0's output)
+CHURN_EAGLE3_SPEC = SpecConfig(num_steps=3, topk=2, capture_bs=(1, 2, 4, 8), max_running_requests=8, draft="eagle3",
+                               eagle_aux_hidden_state_layer_ids=(-1, 0), draft_vocab_size=256)
+CHURN_RUNS = ((ParallelLayout(), CHURN_SCRIPT, CHURN_SPEC), (ParallelLayout(tp_size=2, dp_size=2, enable_dp_attention=True), CHURN_SCRIPT_DP2, CHURN_SPEC),
+              (ParallelLayout(), CHURN_SCRIPT, CHURN_DECODE_SPEC))
+
+
+def run_churn_script(layout: ParallelLayout, script: Sequence[tuple], spec: SpecConfig = CHURN_SPEC) -> dict[str, Verdict]:
+    try:
+        pair = ChurnPair(layout, spec)
+        for name, *args in script:
+            getattr(pair, name)(*args)
+    except RankFailure as err:
+        return {RUN: crash_verdict(RUN, {"layout": layout.describe(), "probe": f"{P8} churn"}, err)}
+    return {P8: pair.finish_check()}
+
+
+def _churn() -> Verdicts:
+    out: Verdicts = {}
+    for layout, script, spec in CHURN_RUNS:
+        merge_verdicts(out, run_churn_script(layout, script, spec))
+    return out
+
+
+PROPERTY = Property(
+    P8, "batch churn", Needs.SCHEDULES,
+    runs_under="pytest and `harness mutants`",
+    probes=(
+        Probe("batch-churn", guarded("batch-churn", _churn)),
+        # P8 on the single-layer draft at TP1 replays every runner but the multi-layer one (draft-extend, draft decode,
+        # verify) eager and graph side by side: one run, for the replay-fill mutants (harness.mutants.replay_fill)
+        Probe("churn-single-layer", guarded("churn-single-layer", lambda: run_churn_script(*CHURN_RUNS[2]))),
+    ),
+)

@@ -1,5 +1,6 @@
-"""P2's replay-twice instrumentation, shared by the graph runners observed inside the loop (the
-TARGET_VERIFY runner, harness.verify_props; the draft decode, harness.props.p2_decode).
+"""P2's replay-twice instrumentation, and its instruments for the graph runners observed inside the loop: the
+TARGET_VERIFY runner (`VerifyPoison`) and the single-layer draft decode (`DecodePoison`); the draft-extend runners'
+is harness.props.p2's `LanePoison`.
 
 Every replay runs twice from the same state: clean (the subclass checks the canonical fill), and
 with the padded lanes and every stale region poisoned; real outputs and the live KV of the
@@ -7,6 +8,12 @@ runner's pool must be bit-identical. The clean run's state is what the loop cont
 Stale regions: every KV slot no running request owns is NaN, and every req_to_token entry outside
 the running requests' positions points at one of them, so an index that leaves the live data
 reads poison.
+
+The draft decode looks its KV write slots up inside the graph from req_to_token[req_pool_indices,
+seq_lens + ...], gathers the rotary table by position and the embedding by token id: a padded lane's
+request row, seq_len and position decide where it writes and what it reads. `DecodePoison` instruments
+every replay of a running loop, so the gathered branches (attn-TP, MLP-TP gather, DP groups padded to
+one bucket) are covered too (harness.props.draft_decode poisons one TP1 replay built by hand).
 """
 from __future__ import annotations
 
@@ -14,13 +21,20 @@ from typing import Callable
 
 import torch
 
-from harness.observe import RunnerObserver
 from harness.props.outputs import first_bad_row
+from harness.run.observe import RunnerObserver
 from harness.verdict import Verdict
-from runners.memory import TokenToKVPool
+from runners.decode_cuda_graph_runner import DecodeCudaGraphRunner, VerifyInputs
+from runners.draft_extend import SEQ_LEN_FILL_VALUE
+from runners.eagle_draft import DraftDecodeInputs, DraftDecodeOutputs
+from runners.eagle_draft_cuda_graph_runner import EAGLEDraftCudaGraphRunner
+from runners.memory import PADDING_ROW, TokenToKVPool
 from runners.spec_decode import SpecEngine
+from runners.target import TargetOutput
 
+P2 = "P2"  # the property these instruments report under (registered by harness.props.p2)
 NAN = float("nan")
+SEQ_SENTINEL = 1 << 30  # seq_lens poisoned far out of range (a mask bound only)
 
 
 class RunnerPoison:
@@ -140,3 +154,177 @@ class RunnerPoison:
                 self.v.fail("poison", what, {**w, "kv": i, "slot": slot}, "bit-identical live KV", "differs",
                             f"live slot {slot} was written differently when the padded lanes were poisoned")
                 return
+
+
+# ---- the TARGET_VERIFY runner ----
+
+_VERIFY_BUFFERS = ("input_ids", "positions", "out_cache_loc", "seq_lens", "req_pool_indices", "custom_mask", "hidden_buffer", "logits_buffer")
+
+
+class VerifyPoison(RunnerPoison):
+    """Instruments one engine's verify runner (P2): after the clean replay the
+    padded lanes must hold the canonical fill (tokens and positions 0, the padding row and slot, the
+    seq-len fill value, the chain mask); with them and every stale region poisoned, the real rows'
+    logits and hidden states and the live target KV must be bit-identical.
+
+    Padded lanes' poison: positions at max_context_len - T (in bounds for the rotary table and the
+    node slots root + i, and there a poisoned entry), their mask all True (every node sees every
+    node), seq_lens out of range, input_ids vocab_size - 1, the output buffers NaN.
+    """
+
+    runner = "target_verify"
+    buffers = _VERIFY_BUFFERS
+
+    def __init__(self, engine: SpecEngine, verdict: Verdict):
+        if engine.verify_graph is None:
+            raise ValueError("VerifyPoison needs the graph runner (runner='graph')")
+        super().__init__(engine, verdict, engine.verify_graph)
+
+    def kv_pool(self, g: DecodeCudaGraphRunner):
+        return self.engine.target.kv_pool
+
+    def after_clean(self, g: DecodeCudaGraphRunner, inp: VerifyInputs, rec) -> None:
+        raw_bs, bs = inp.bs, rec.bs
+        T, w = g.T, self.where(raw_bs, bs)
+        raw_n = raw_bs * T
+        # The fill covers the bucket's padded lanes only (lanes past the bucket are never read), so that is what is checked
+        for name, per_token, want in (("input_ids", True, 0), ("positions", True, 0), ("out_cache_loc", True, g.pad.slot),
+                                      ("seq_lens", False, SEQ_LEN_FILL_VALUE), ("req_pool_indices", False, g.pad.row)):
+            start, stop = (raw_n, bs * T) if per_token else (raw_bs, bs)
+            tail = getattr(g, name)[start:stop]
+            self.v.checked += 1
+            bad = (tail != want).nonzero()
+            if bad.numel():
+                at = start + int(bad[0, 0])
+                self.v.fail("canonical", name, {**w, "row" if per_token else "lane": at}, want, int(getattr(g, name)[at]),
+                            f"padded {'token row' if per_token else 'lane'} {at} after the verify replay fill")
+        self.v.checked += 1
+        stale = (g.custom_mask[raw_bs:bs] != g.chain_mask).flatten(1).any(dim=1).nonzero()
+        if stale.numel():
+            lane = raw_bs + int(stale[0, 0])
+            self.v.fail("canonical", "custom_mask", {**w, "lane": lane}, "the chain mask", "another mask",
+                        f"padded lane {lane}'s tree mask after the verify replay fill")
+        if g.global_num_tokens_gpu is not None:
+            self.v.expect_equal("canonical", "global_num_tokens_gpu (replay fill)", w, [bs * T] * g.global_num_tokens_gpu.shape[0],
+                                g.global_num_tokens_gpu.tolist())
+
+    def poison(self, g: DecodeCudaGraphRunner, raw_bs: int) -> None:
+        T, cfg = g.T, g.cfg
+        raw_n = raw_bs * T
+        poison_slot = self.poison_stale(g)
+        g.input_ids[raw_n:] = cfg.vocab_size - 1
+        g.positions[raw_n:] = cfg.max_context_len - T
+        g.out_cache_loc[raw_n:] = poison_slot
+        g.seq_lens[raw_bs:] = SEQ_SENTINEL
+        g.req_pool_indices[raw_bs:] = PADDING_ROW
+        g.custom_mask[raw_bs:] = True
+        g.hidden_buffer.fill_(NAN)
+        g.logits_buffer.fill_(NAN)
+
+    def compare(self, g: DecodeCudaGraphRunner, raw_bs: int, bs: int, clean: TargetOutput, poisoned: TargetOutput, s1: dict) -> None:
+        w, T = self.where(raw_bs, bs), g.T
+        for name in ("logits", "hidden"):
+            self.v.checked += 1
+            bad = first_bad_row(getattr(clean, name), getattr(poisoned, name), None)
+            if bad is not None:
+                row = bad[0]
+                nan = bool(getattr(poisoned, name)[row].isnan().any())
+                self.v.fail("poison", name, {**w, "row": row}, "bit-identical to the clean replay", "NaN (a poisoned value)" if nan else "differs",
+                            f"real verify token row {row} (request lane {row // T}) {'read a poisoned value' if nan else 'changed'} "
+                            "when the padded lanes and stale regions were poisoned")
+        self.compare_live_kv(g, w, s1, "target KV")
+
+
+def install_verify_poison(poisons: list[VerifyPoison]) -> Callable[[SpecEngine], None]:
+    """A SpecSession hook: one VerifyPoison per rank (each with its own verdict)."""
+
+    def hook(engine: SpecEngine) -> None:
+        poisons.append(VerifyPoison(engine, Verdict(P2)))
+
+    return hook
+
+
+# ---- the single-layer draft decode ----
+
+_DECODE_BUFFERS = ("input_ids", "positions", "out_cache_loc", "seq_lens", "req_pool_indices", "topk_p", "topk_index", "hidden_states")
+
+
+class DecodePoison(RunnerPoison):
+    """Instruments one engine's draft-decode runner (P2): when the clean replay's
+    graph starts, the padded lanes must hold the canonical fill (the padding row, the seq-len fill
+    value, position 0, token 0); with them and every stale region poisoned, the real requests' trees
+    and the live draft KV must be bit-identical.
+
+    Padded lanes' poison: a live request's row and a seq_len inside its prefix (a write through them
+    lands in live KV), positions at the end of the rotary table less the steps the graph advances
+    them, token id vocab_size - 1, NaN top-k probabilities and hidden states.
+    """
+
+    runner = "draft_decode"
+    buffers = _DECODE_BUFFERS
+
+    def __init__(self, engine: SpecEngine, verdict: Verdict):
+        g = engine.draft.decode_graph
+        if g is None:
+            raise ValueError("DecodePoison needs the single-layer draft's graph runner (runner='graph', draft='single_layer')")
+        fill = g._fill_for_replay
+        g._fill_for_replay = lambda inp: self._checked_fill(g, fill, inp)
+        super().__init__(engine, verdict, g)
+
+    def kv_pool(self, g: EAGLEDraftCudaGraphRunner):
+        return g.worker.kv_pool
+
+    def _checked_fill(self, g: EAGLEDraftCudaGraphRunner, fill: Callable, inp: DraftDecodeInputs) -> int:
+        """The replay fill, then (clean run) the padded lanes as the graph will read them: it advances the positions in place."""
+        bs = fill(inp)
+        if self.clean:
+            self._check_canonical(g, inp.bs, bs)
+        return bs
+
+    def _check_canonical(self, g: EAGLEDraftCudaGraphRunner, raw_bs: int, bs: int) -> None:
+        k, w = g.T, self.where(raw_bs, bs)
+        if bs == raw_bs:
+            return  # no padded lane
+        for name, per_lane, want in (("positions", True, 0), ("topk_index", False, 0), ("seq_lens", False, SEQ_LEN_FILL_VALUE),
+                                     ("req_pool_indices", False, g.worker.pad.row)):
+            start = raw_bs * k if per_lane else raw_bs
+            tail = getattr(g, name)[start : bs * k if per_lane else bs]
+            self.v.checked += 1
+            bad = (tail != want).reshape(tail.shape[0], -1).any(dim=1).nonzero()
+            if bad.numel():
+                at = start + int(bad[0, 0])
+                self.v.fail("canonical", name, {**w, "lane" if per_lane else "request": at}, want, getattr(g, name)[at].tolist(),
+                            f"padded {'lane' if per_lane else 'request'} {at} after the draft-decode replay fill")
+
+    def poison(self, g: EAGLEDraftCudaGraphRunner, raw_bs: int) -> None:
+        k, cfg = g.T, g.worker.cfg
+        self.poison_stale(g)
+        _, live_rows, _ = self.live()
+        g.req_pool_indices[raw_bs:] = live_rows[0] if live_rows else PADDING_ROW
+        g.seq_lens[raw_bs:] = 1  # with a live row: the draft slots from its position 1 on are live KV
+        g.positions[raw_bs * k :] = cfg.max_context_len - g.steps - 1
+        g.topk_index[raw_bs:] = cfg.vocab_size - 1
+        g.topk_p[raw_bs:] = NAN
+        g.hidden_states[raw_bs:] = NAN
+
+    def compare(self, g: EAGLEDraftCudaGraphRunner, raw_bs: int, bs: int, clean: DraftDecodeOutputs, poisoned: DraftDecodeOutputs,
+                s1: dict) -> None:
+        w = self.where(raw_bs, bs)
+        for name, t_c in clean.tensors().items():
+            t_p = getattr(poisoned, name)
+            self.v.checked += 1
+            bad = first_bad_row(t_c.reshape(1, -1) if t_c.dim() == 0 else t_c, t_p.reshape(1, -1) if t_p.dim() == 0 else t_p, None)
+            if bad is not None:
+                self.v.fail("poison", name, {**w, "row": bad[0]}, "bit-identical to the clean replay", f"max |diff| {bad[1]:.3g}",
+                            "a real request's draft tree changed when the padded lanes and stale regions were poisoned")
+        self.compare_live_kv(g, w, s1, "draft KV")
+
+
+def install_decode_poison(poisons: list[DecodePoison]) -> Callable[[SpecEngine], None]:
+    """A SpecSession hook: one DecodePoison per rank whose draft has a draft-decode graph (each with its own verdict)."""
+
+    def hook(engine: SpecEngine) -> None:
+        if getattr(engine.draft, "decode_graph", None) is not None:
+            poisons.append(DecodePoison(engine, Verdict(P2)))
+
+    return hook

@@ -1,6 +1,6 @@
 """What a launched rank posts back to rank 0 (harness.ranks.joined), and the one error rank 0
 raises when not every rank finished: the same classes the spawning launcher raises, so
-verdicts name a joined failure exactly as they name a spawned one (harness.checks.crash_name).
+verdicts name a joined failure exactly as they name a spawned one (harness.run.crash.crash_name).
 
 Root causes first: a rank that raised on its own is the failure; a rank whose collective
 failed because a peer closed its sockets (it failed, or returned from fn while this rank

@@ -5,7 +5,7 @@ modules are plain Python; what they compute on the host -- the forward batch tha
 `get_forward_batch(bs)` / the capture path bakes per bucket, what replay / prepare fills in,
 the bucket it picks -- is exactly where the seed bug lived. This package is the only place
 that knows SGLang; harness/engines/check.py sees only our own records
-(harness.records.CaptureRecord / ReplayRecord) and runs harness.props on them.
+(harness.run.records.CaptureRecord / ReplayRecord) and runs harness.props on them.
 
 What is real: the runner classes and their __init__; the multi-step composite that owns the
 shared buffers (its _init_and_capture, reset_buffers / prepare, replay);

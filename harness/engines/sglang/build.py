@@ -33,7 +33,7 @@ from harness.engines.sglang.one_graph import CLASS as ONE_GRAPH_CLASS
 from harness.engines.sglang.one_graph import OneGraph, available, prepare, selects_one_graph
 from harness.engines.sglang.process import configure_process, make_server_args
 from harness.engines.sglang.standins import FakeGroup, Strict, noop, patched
-from harness.records import ReplayRecord
+from harness.run.records import ReplayRecord
 from runners.parallel.layout import ParallelLayout
 
 # one runner's replay: our record, the logits rows it handed back, its lanes per fill path, its body past the model call

@@ -26,7 +26,7 @@ from harness.engines.sglang.errors import EngineAdapterError
 from harness.engines.sglang.graph import recording_set_dp_buffer_len, run_until_model, stop_at_model, tolist
 from harness.engines.sglang.standins import Strict, noop, patched
 from harness.props.p1_records import check_replay_record
-from harness.records import CaptureRecord, ReplayRecord
+from harness.run.records import CaptureRecord, ReplayRecord
 from runners.parallel.layout import ParallelLayout
 
 MODULE = "sglang.srt.speculative.eagle_draft_cuda_graph_runner"

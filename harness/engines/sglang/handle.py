@@ -4,7 +4,7 @@ The capture path is the engine's own, stopped at the model call (graph.ModelProb
 step body baked by then -- the batch from get_forward_batch(bs), the DP buffer it set, the
 gathered gpu tensors -- is what the graph would bake. At the graph launch of a replay the
 static buffers the graph would read are snapshotted; `record()` turns both into our
-harness.records.CaptureRecord / ReplayRecord, which harness.props checks.
+harness.run.records.CaptureRecord / ReplayRecord, which harness.props checks.
 """
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ from harness.engines.sglang.graph import (
 )
 from harness.engines.sglang.loader import Engine
 from harness.engines.sglang.standins import Strict
-from harness.records import CaptureRecord, ReplayRecord
+from harness.run.records import CaptureRecord, ReplayRecord
 from runners.parallel.layout import Branch, ParallelLayout
 
 # Older names of the same buffers: 0.5.11 says num_accepted_*, releases up to 0.5.10 accept_length (drafts + bonus).

@@ -34,7 +34,7 @@ from harness.engines.sglang.graph import FakeGraphBackend, ModelProbe, recording
 from harness.engines.sglang.handle import RunnerHandle
 from harness.engines.sglang.standins import FakeGroup, Strict, noop, patched
 from harness.props.p1_records import verify_capture_bs
-from harness.records import ReplayRecord
+from harness.run.records import ReplayRecord
 from runners.parallel.layout import ParallelLayout
 
 MODULE = "sglang.srt.model_executor.runner.decode_cuda_graph_runner"

@@ -4,7 +4,7 @@
 code (vllm/v1/worker/gpu/): the speculator's graph managers and their capture tables, the
 DP agreement every rank pads through, the proposer's multi-step decode drive and its
 input-prep and slot-mapping Triton kernels. harness/engines/vllm/checks.py sees our records
-(harness.records.CaptureRecord / ReplayRecord) plus the input lanes, and names the
+(harness.run.records.CaptureRecord / ReplayRecord) plus the input lanes, and names the
 invariants that do not apply to vLLM's design instead of passing them.
 
   stubs.py     third-party imports never exercised; what is installed for real (pydantic)

@@ -44,7 +44,7 @@ from harness.engines.vllm.standins import (
     next_id_model,
     next_id_sampler,
 )
-from harness.records import CaptureRecord, ReplayRecord
+from harness.run.records import CaptureRecord, ReplayRecord
 
 RUNNERS = ("target_verify", "draft_prefill", "draft_decode", "draft_decode_fused")
 DECODE_RUNNERS = RUNNERS[2:]  # the per-step loop, the fused multi-step graph

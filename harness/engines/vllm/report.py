@@ -7,6 +7,7 @@ from typing import Any, Optional
 
 from harness.engines.baseline import Classified
 from harness.engines.report import LineVerdicts
+from harness.props.p1_records import P1
 from harness.verdict import Verdict
 
 
@@ -17,7 +18,7 @@ class VLine:
     runner: str
     dp: int
     bucket: str  # "capture", "reqs=N tokens=M" (a FULL graph) or "eager"
-    verdict: Verdict = field(default_factory=lambda: Verdict("P1"))
+    verdict: Verdict = field(default_factory=lambda: Verdict(P1))
     raw_bs: set[int] = field(default_factory=set)
     ranks: set[int] = field(default_factory=set)
     captured: list[int] = field(default_factory=list)  # a capture line: the graphs' request counts

@@ -21,6 +21,7 @@ from typing import Any, Optional
 from harness.engines.vllm_ascend.config import AscendCheckConfig, GraphMode, World
 from harness.engines.vllm_ascend.drive import AscendReplay, Capture
 from harness.engines.vllm_ascend.runner import FIRST_BLOCK, blocks_per_request, slot_of
+from harness.props.p1_records import P1
 from harness.verdict import Verdict
 
 PADDING_SLOT_ID = -1  # vllm.v1.spec_decode.utils.PADDING_SLOT_ID: a KV write the kernel skips
@@ -45,7 +46,7 @@ class ALine:
 
     world: str
     bucket: str
-    verdict: Verdict = field(default_factory=lambda: Verdict("P1"))
+    verdict: Verdict = field(default_factory=lambda: Verdict(P1))
     raw: set[int] = field(default_factory=set)
     ranks: set[int] = field(default_factory=set)
     captured: list[int] = field(default_factory=list)

@@ -22,7 +22,7 @@ or real ranks and checks, from the per-rank collective traces:
 
 P7 drives the draft-extend runners (`run_rank`): the iterations of a schedule are decode
 iterations, each a draft-extend over every DP group. The draft decode's and the verify's idle
-groups run inside the loop, where the DP churn script (harness.props.spec_probes) idles each group once.
+groups run inside the loop, where the DP churn script (harness.props.p8) idles each group once.
 """
 from __future__ import annotations
 
@@ -30,14 +30,17 @@ import contextlib
 from typing import Optional, Sequence
 
 from harness.case import seeded_requests
-from harness.crash import crash_detail, crash_name
-from harness.execute import RankRun, run_rank
 from harness.mutants import get
+from harness.props.base import Needs, Probe, Property
+from harness.props.collectives import P7, check_collective_agreement
+from harness.props.p5 import feature_case
 from harness.ranks import RanksKind
 from harness.ranks import run as ranks_run
 from harness.ranks.simulated import RankFailure
 from harness.ranks.trace import CollectiveCall, CollectiveError
-from harness.scenario import Scenario
+from harness.run.crash import crash_detail, crash_name, guarded
+from harness.run.rig import RankRun, run_rank
+from harness.run.scenario import Scenario
 from harness.verdict import Verdict
 from runners.config import ModelConfig, SpecConfig
 from runners.parallel.layout import Branch, ParallelLayout
@@ -109,60 +112,9 @@ def run_with_traces(sc: Scenario, ranks: RanksKind | str = RanksKind.SIM, timeou
 # ---------------------------------------------------------------------------------------
 
 
-def _key(c: CollectiveCall) -> tuple:
-    """What every member of a group instance must agree on (all_gather_v: members may hold different row counts)."""
-    shape = (-1,) + tuple(c.shape[1:]) if c.op == "all_gather_v" and c.shape else tuple(c.shape)
-    return (c.op, c.group, shape, c.dtype)
-
-
-def _describe(c: Optional[CollectiveCall]) -> str:
-    return "nothing (its trace on this group ends here)" if c is None else f"{c.describe()} [its collective #{c.seq}]"
-
-
-def check_collective_agreement(layout: ParallelLayout, traces: Sequence[Sequence[CollectiveCall]], v: Optional[Verdict] = None) -> Verdict:
-    """same-program and group-agreement over per-rank traces (simulated or real)."""
-    v = v or Verdict("P7")
-    where = {"layout": layout.describe()}
-    # same-program: idle and busy ranks issue the same (op, group) sequence
-    prog0 = [(c.op, c.group) for c in traces[0]]
-    for r, t in enumerate(traces[1:], 1):
-        v.checked += 1
-        prog = [(c.op, c.group) for c in t]
-        if prog != prog0:
-            i = next((i for i, (a, b) in enumerate(zip(prog0, prog, strict=False)) if a != b), min(len(prog0), len(prog)))
-            c0 = traces[0][i] if i < len(traces[0]) else None
-            cr = t[i] if i < len(t) else None
-            v.fail("same-program", f"collective #{i}", {**where, "rank": r}, f"rank 0: {_describe(c0)}", f"rank {r}: {_describe(cr)}",
-                   f"rank {r} issued {len(prog)} collectives, rank 0 {len(prog0)}")
-            break
-    # group-agreement: the k-th call on each group instance matches across members
-    per_instance: dict[tuple[int, ...], dict[int, list[CollectiveCall]]] = {}
-    for r, t in enumerate(traces):
-        for c in t:
-            per_instance.setdefault(tuple(c.group_ranks), {}).setdefault(r, []).append(c)
-    for inst, by_rank in sorted(per_instance.items()):
-        members = [m for m in inst]
-        calls = {m: by_rank.get(m, []) for m in members}
-        ref_rank = members[0]
-        ref = calls[ref_rank]
-        longest = max(len(x) for x in calls.values())
-        for k in range(longest):
-            v.checked += 1
-            a = ref[k] if k < len(ref) else None
-            bad = next((m for m in members[1:] if (calls[m][k] if k < len(calls[m]) else None) is None or a is None
-                        or _key(calls[m][k]) != _key(a)), None)
-            if bad is not None:
-                b = calls[bad][k] if k < len(calls[bad]) else None
-                v.fail("group-agreement", f"collective #{k} of group instance ranks {inst}", {**where, "rank": bad},
-                       f"rank {ref_rank}: {_describe(a)}", f"rank {bad}: {_describe(b)}",
-                       f"rank {bad} called {_describe(b)} where rank {ref_rank} called {_describe(a)}")
-                break
-    return v
-
-
 def check_idle_path(sc: Scenario, runs: Sequence[RankRun], v: Optional[Verdict] = None) -> Verdict:
     """Idle ranks ran the padded dummy path: a graph replay of a real bucket (eager: zero rows)."""
-    v = v or Verdict("P7")
+    v = v or Verdict(P7)
     layout = sc.layout
     for run in runs:
         d = layout.attn_dp_rank(run.rank)
@@ -176,7 +128,7 @@ def check_idle_path(sc: Scenario, runs: Sequence[RankRun], v: Optional[Verdict] 
             w = {"layout": layout.describe(), "rank": run.rank, "iteration": it, "dp_batch_sizes": sizes}
             if it < len(run.eager):
                 for step, res in enumerate(run.eager[it]):
-                    v.expect_equal("idle-path", "eager logits rows", {**w, "step": step}, 0, int(res.tensors["logits"].shape[0]))
+                    v.expect_equal("idle-path", "eager logits rows", {**w, "step": step}, 0, int(res.out.logits.shape[0]))
             if run.stats is None:
                 continue
             recs = run.records[it] if it < len(run.records) else []
@@ -199,7 +151,7 @@ def _where(sc: Scenario, ranks: str) -> dict:
 
 
 def run_verdict(sc: Scenario, err: BaseException, ranks: str) -> Verdict:
-    v = Verdict("P7", checked=1)
+    v = Verdict(P7, checked=1)
     v.fail("run", "collectives", _where(sc, ranks), "every rank issues the same collectives and completes", crash_name(err), crash_detail(err))
     return v
 
@@ -210,7 +162,7 @@ def check_idle_ranks(sc: Scenario, ranks: str = "sim", timeout_s: float = 60.0, 
         runs, traces = run_with_traces(sc, ranks, timeout_s, mutant=mutant)
     except (RankFailure, CollectiveError) as err:
         return run_verdict(sc, err, ranks)
-    v = Verdict("P7")
+    v = Verdict(P7)
     if not any(0 in it.dp_batch_sizes for it in sc.iterations):
         v.notes.append(f"{sc.name}: no idle DP group in this schedule")
     check_collective_agreement(sc.layout, traces, v)
@@ -220,7 +172,20 @@ def check_idle_ranks(sc: Scenario, ranks: str = "sim", timeout_s: float = 60.0, 
 
 def probe_idle_ranks() -> dict[str, Verdict]:
     """The `harness mutants` probe: P7 over the built-in idle schedules on simulated ranks (~2-3 s)."""
-    v = Verdict("P7")
+    v = Verdict(P7)
     for sc in p7_scenarios():
         v.merge(check_idle_ranks(sc, "sim", timeout_s=30.0))
-    return {"P7": v}
+    return {P7: v}
+
+
+MIXED_MODES_CASE = "tp3_dp3_mixed_modes"  # DP groups extending, verifying and idle in one step (runners.mixed_modes)
+
+PROPERTY = Property(
+    P7, "uneven DP load", Needs.SCHEDULES,
+    runs_under="pytest and `harness mutants`",
+    probes=(
+        Probe("p7-idle-ranks", probe_idle_ranks),
+        # mixed DP modes through the loop: every step's collectives (P7; the acceptance golden, P6), a few seconds
+        Probe("mixed-modes-case", guarded("mixed-modes-case", lambda: feature_case(MIXED_MODES_CASE))),
+    ),
+)

@@ -23,7 +23,7 @@ from typing import Any, Callable, Iterable, Optional, Protocol
 
 import torch
 
-from harness.records import CaptureRecord, ReplayRecord, tensor_values
+from harness.run.records import CaptureRecord, ReplayRecord, tensor_values
 from runners.base_cuda_graph_runner import RunnerKind
 from runners.batch import ForwardBatch
 from runners.draft_decode import EagleProposer

@@ -6,7 +6,7 @@
   each phase runs `rounds_per_phase` steps. Requests arrive to fill a group, the oldest are
   finished early to shrink it (so lanes shift and padded lanes go stale), requests also finish
   on their own token budget, and one is preempted and resumed at every phase change.
-* `acceptance_stats`: what P6 compares with the case's acceptance golden (harness.golden.acceptance).
+* `acceptance_stats`: the accept lengths the acceptance goldens hold (harness.golden.acceptance).
 """
 from __future__ import annotations
 
@@ -18,10 +18,9 @@ from typing import Callable, Iterator, Optional, Sequence
 import torch
 
 from harness.case import Case
-from harness.observe import LoopObserver, LoopRecords
 from harness.ranks.simulated import SimulatedWorld
 from harness.ranks.trace import CollectiveCall
-from harness.verdict import Verdict
+from harness.run.observe import LoopObserver, LoopRecords
 from runners.attention.kinds import TREE_MASK_UNSUPPORTED
 from runners.config import DEFAULT_MODEL, ModelConfig, SpecConfig
 from runners.parallel.dp_attention import RankContext
@@ -179,7 +178,7 @@ def run_workload(session: SpecSession, wl: Workload) -> SpecSession:
 
 
 # ----------------------------------------------------------------------------------------
-# the oracle (P5): target-only greedy at TP1, with the session's weight adjustment
+# the oracle: target-only greedy at TP1, with the session's weight adjustment
 # ----------------------------------------------------------------------------------------
 
 
@@ -199,7 +198,7 @@ def oracle(session: SpecSession, reqs: Sequence[Request]) -> dict[int, GreedyOut
 
 
 # ----------------------------------------------------------------------------------------
-# acceptance statistics and goldens (P6)
+# acceptance statistics (the acceptance goldens hold them)
 # ----------------------------------------------------------------------------------------
 
 
@@ -227,19 +226,6 @@ def acceptance_stats(session: SpecSession) -> dict:
         "sibling_accepts": sum(p["sibling_accepts"] for p in per.values()),
     }
     return {"requests": per, "summary": summary}
-
-
-def check_graph_replayed(v: Verdict, s: SpecSession, where: dict) -> None:
-    """Every graph runner of a graph session replayed at least once. One that never did (no batch fit its buckets)
-    ran every batch eagerly, and a comparison of that run with the eager one would compare eager with eager."""
-    engines = s.engines
-    drafts = [e.draft for e in engines if getattr(e.draft, "worker", None) is not None]  # a rank without a draft (draft_tp_size) replays none
-    counts = {"graph replays > 0": sum(d.driver.stats.replays for d in drafts),
-              "target verify replays > 0": sum(e.verify_graph.backend.stats.replays for e in engines)}
-    if s.spec.draft.has_draft_decode and s.spec.num_steps > 1:
-        counts["draft decode replays > 0"] = sum(d.decode_graph.backend.stats.replays for d in drafts)
-    for field, n in counts.items():
-        v.expect_equal("replayed", field, where, True, n > 0, "every batch of this runner fell back to eager")
 
 
 def case_session(case: Case, runner: str, proposer: str = "eagle", hook=None, rounds_per_phase: int = 3, device: str = "cpu") -> SpecSession:

@@ -1,6 +1,6 @@
 """What P1 reads from a graph runner, taken from outside: one bucket's capture, one replay.
 
-Our runners (harness.observe) and an engine's (harness.engines) are observed into the same
+Our runners (harness.run.observe) and an engine's (harness.engines) are observed into the same
 two records, so harness.props checks both with one code. Every value keeps the engine's
 name from the runner to the report: the host lists are the ForwardBatch's
 global_num_tokens_cpu / global_num_tokens_for_logprob_cpu (in `host`), the static tensors

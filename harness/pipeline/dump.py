@@ -8,7 +8,7 @@ The case is rerun on simulated ranks up to the target iteration, and then, per r
                            graph.s{k}.<field>         graph outputs of step k, sliced to the real rows
                            buffers.s{k}.<name>        the graph runners' static buffers after the iteration, padded lanes included
                            meta.eager.s{k}.<name>     host metadata of the eager ForwardBatch (ints; -1: None)
-                           meta.graph.s{k}.<field>    the replay's record (harness.records.ReplayRecord), by field name: bucket,
+                           meta.graph.s{k}.<field>    the replay's record (harness.run.records.ReplayRecord), by field name: bucket,
                                                       replay fill, rows fed; capture.<field> the bucket as baked,
                                                       capture.host.<name> its host metadata
     DIR/oracle.npz       the TP1 eager oracle of the same iteration (eager.s{k}.<field>, rids)
@@ -29,14 +29,10 @@ import numpy as np
 import torch
 
 from harness.case import Case
-from harness.execute import _prepare, make_worker
-from harness.observe import observe_all
 from harness.ranks import run as ranks_run
 from harness.ranks.simulated import RankFailure
-from harness.records import ReplayRecord
-from harness.scenario import release
-from runners.draft_extend_graph_driver import DraftExtendGraphDriver, run_draft_extend_eager
-from runners.graph.backend import GraphBackend
+from harness.run.records import ReplayRecord
+from harness.run.rig import Rig, RunnerChoice
 
 BUFFERS = ("input_ids", "positions", "out_cache_loc", "seq_lens", "req_pool_indices", "num_correct_drafts", "num_accept_tokens",
            "extend_seq_lens", "extend_start_loc", "hidden_states", "next_token_logits_buffer", "global_num_tokens_gpu",
@@ -69,47 +65,30 @@ def _record_fields(rec: ReplayRecord) -> dict:
     return out
 
 
-def _dump_rank(comm, case: Case, target_it: int, runner: str) -> dict[str, np.ndarray]:
-    sc = case.scenario
+def _dump_rank(comm, case: Case, target_it: int, runner: RunnerChoice) -> dict[str, np.ndarray]:
+    rig = Rig(comm, case.scenario, runner)
     out: dict[str, np.ndarray] = {}
-    eager_worker = make_worker(comm, sc, False, "cpu") if runner in ("eager", "both") else None
-    driver = observers = None
-    if runner in ("graph", "both"):
-        driver = DraftExtendGraphDriver(make_worker(comm, sc, False, "cpu"), GraphBackend("auto", "cpu"))
-        observers = observe_all(driver.runners)
-        driver.capture()
+    if not rig.holds_draft:
+        return out  # no draft on this rank (SpecConfig.draft_tp_size): nothing of the draft-extend to dump
     for it in range(target_it + 1):
-        last = it == target_it
-        if eager_worker is not None:
-            batch = _prepare(eager_worker, sc, it)
-            outs, fbs = run_draft_extend_eager(eager_worker, batch.inputs)
-            if last:
-                out.update({f"inputs.{n}": _np(getattr(batch.inputs, n)) for n in INPUTS})
-                out["inputs.rids"] = np.asarray(batch.rids, dtype=np.int64)
-                out["inputs.dp_batch_sizes"] = np.asarray(batch.inputs.dp_batch_sizes, dtype=np.int64)
-                for k, (o, fb) in enumerate(zip(outs, fbs, strict=True)):
-                    out.update({f"eager.s{k}.{n}": _np(t) for n, t in o.tensors().items()})
-                    out.update(_meta(fb.host_metadata(), f"meta.eager.s{k}"))
-            release(eager_worker, batch)
-        if driver is not None:
-            batch = _prepare(driver.worker, sc, it)
-            outs = driver.run(batch.inputs)
-            recs = observers[0].take()
-            if last:
-                if "inputs.rids" not in out:
-                    out.update({f"inputs.{n}": _np(getattr(batch.inputs, n)) for n in INPUTS})
-                    out["inputs.rids"] = np.asarray(batch.rids, dtype=np.int64)
-                    out["inputs.dp_batch_sizes"] = np.asarray(batch.inputs.dp_batch_sizes, dtype=np.int64)
-                for k, o in enumerate(outs):
-                    out.update({f"graph.s{k}.{n}": _np(t) for n, t in o.tensors().items()})
-                for k, r in enumerate(driver.runners):
-                    for name in BUFFERS:
-                        buf = getattr(r, name, None)
-                        if isinstance(buf, torch.Tensor):
-                            out[f"buffers.s{k}.{name}"] = _np(buf)
-                for k, rec in enumerate(recs):
-                    out.update(_meta(_record_fields(rec), f"meta.graph.s{k}"))
-            release(driver.worker, batch)
+        run = rig.iteration(it)
+        if it < target_it:
+            continue
+        out.update({f"inputs.{n}": _np(getattr(run.inputs, n)) for n in INPUTS})
+        out["inputs.rids"] = np.asarray(run.rids, dtype=np.int64)
+        out["inputs.dp_batch_sizes"] = np.asarray(run.inputs.dp_batch_sizes, dtype=np.int64)
+        for k, (o, host) in enumerate(zip(run.eager or [], run.eager_host, strict=True)):
+            out.update({f"eager.s{k}.{n}": _np(t) for n, t in o.tensors().items()})
+            out.update(_meta(host, f"meta.eager.s{k}"))
+        for k, o in enumerate(run.graph or []):
+            out.update({f"graph.s{k}.{n}": _np(t) for n, t in o.tensors().items()})
+        for k, r in enumerate(rig.driver.runners if rig.driver is not None else []):
+            for name in BUFFERS:
+                buf = getattr(r, name, None)
+                if isinstance(buf, torch.Tensor):
+                    out[f"buffers.s{k}.{name}"] = _np(buf)
+        for k, rec in enumerate(run.records):
+            out.update(_meta(_record_fields(rec), f"meta.graph.s{k}"))
     return out
 
 
@@ -124,7 +103,7 @@ def target_of(divergence: Optional[dict], step: Optional[int]) -> tuple[int, int
     return 0, step or 0, "no divergence: iteration 0" + (f", step {step}" if step is not None else "")
 
 
-def dump_case(case: Case, directory: Path | str, iteration: int, step: int, runner: str = "both", why: str = "",
+def dump_case(case: Case, directory: Path | str, iteration: int, step: int, runner: RunnerChoice = "both", why: str = "",
               divergence: Optional[dict] = None) -> Path:
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)

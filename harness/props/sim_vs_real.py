@@ -16,10 +16,11 @@ from typing import Optional, Sequence
 
 import torch
 
-from harness.execute import RankRun
+from harness.props.base import Needs, Property
+from harness.props.tolerances import Tol, cross_layout
 from harness.ranks.simulated import compare_traces
 from harness.ranks.trace import CollectiveCall
-from harness.tolerances import Tol, cross_layout
+from harness.run.rig import RankRun
 from harness.verdict import Verdict
 
 PROP = "sim-vs-real"
@@ -63,9 +64,10 @@ def compare_runs(sim: Sequence[RankRun], real: Sequence[RankRun], tol: Optional[
                 for step, (ra, rb) in enumerate(zip(sa, sb, strict=True)):
                     ws = {**w, "runner": runner, "iteration": it, "step": step}
                     v.expect_equal("results", "host metadata", ws, ra.host, rb.host)
-                    for name in ra.tensors:
+                    ta, tb = ra.out.tensors(), rb.out.tensors()
+                    for name in ta:
                         v.checked += 1
-                        d = _tensor_diff(ra.tensors[name], rb.tensors[name], tol)
+                        d = _tensor_diff(ta[name], tb[name], tol)
                         if d is not None:
                             v.fail("results", name, ws, "simulated ranks' tensor", "differs", d)
         v.expect_equal("results", "replay records", w, a.records, b.records)  # host ints only: exact on either back end
@@ -82,3 +84,7 @@ def compare_run_traces(sim: Sequence[Sequence[CollectiveCall]], real: Sequence[S
     if diff is not None:
         v.fail("traces", "collective trace", {}, "the simulated ranks' trace", "differs", diff)
     return v
+
+
+PROPERTY = Property(PROP, "simulated vs real ranks", Needs.REAL_RANKS,
+                    runs_under="pytest on real ranks")

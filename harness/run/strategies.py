@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from hypothesis import strategies as st
 
-from harness.layout import all_layouts, deployed_layouts
+from harness.run.layouts import all_layouts, deployed_layouts
 from runners.config import SpecConfig
 from runners.parallel.layout import ParallelLayout
 

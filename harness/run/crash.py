@@ -1,6 +1,8 @@
 """A rank failure as a property result: the root exception's name and one line of detail, the same for simulated and real ranks."""
 from __future__ import annotations
 
+from typing import Callable
+
 from harness.ranks.launcher import DistributedDeadlock, DistributedRankFailure
 from harness.ranks.simulated import RankFailure
 from harness.ranks.trace import CollectiveMismatch, CollectiveTimeout
@@ -43,3 +45,16 @@ def crash_verdict(prop: str, where: dict, err: BaseException) -> Verdict:
     v = Verdict(prop)
     v.fail("run", "ranks", where, "every rank completes", crash_name(err), crash_detail(err))
     return v
+
+
+def guarded(name: str, fn: Callable[[], dict[str, Verdict]]) -> Callable[[], dict[str, Verdict]]:
+    """A probe that never raises: an exception anywhere (a rank, an oracle, the harness) is a "run" failure naming it."""
+
+    def probe() -> dict[str, Verdict]:
+        try:
+            return fn()
+        except Exception as err:  # noqa: BLE001 - reported, never swallowed
+            return {"run": crash_verdict("run", {"probe": name}, err)}
+
+    probe.__name__ = f"probe_{name.replace('-', '_')}"
+    return probe

@@ -6,8 +6,10 @@ probe that raised, nor a child process that died or overran its time: those are 
 so they can't pass for a kill.
 
 Which probes: a mutant names the probes that can see it (`Mutant.probes`, cheapest
-first; unset: every probe in harness.suite.PROBES, the costly ones last). By default a
-mutant stops at the first probe that kills it; the report then names the killing
+first; unset: every probe, the costly ones last). The probes are the registered properties'
+(harness.props.registry) and the case probes below, which run the case pipeline with every
+property of one case run over named cases, so a new such property is probed with no edit here.
+By default a mutant stops at the first probe that kills it; the report then names the killing
 property and probe and lists the probes it did not run, so it never claims the other
 properties were checked.
 `all_properties=True` runs every listed probe: the full kill matrix; `every_probe=True`
@@ -28,20 +30,106 @@ import signal
 import time
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
+from pathlib import Path
 from typing import Callable, Optional, Sequence
 
 import torch
 
+from harness.case import Case, load_case
+from harness.case_template import case_toml, validate_text
 from harness.mutants import Mutant
-from harness.suite import COSTLY_PROBES, PROBES, Probe
+from harness.pipeline.check import check_case
+from harness.props import registry
+from harness.props.base import Probe, Verdicts
+from harness.run.crash import guarded
 from harness.verdict import Verdict, merge_verdicts
+from runners.config import ModelConfig, SpecConfig
+from runners.parallel.layout import ParallelLayout
 
-# Which property a kill is put on: the first that failed in this order; "run" (a rank crashed or
-# desynced) last, so a property that saw the bug itself is named before the crash it caused.
-KILL_ORDER = ("P1", "P2", "P3", "P4", "P5", "P6", "P7", "P8", "run")
 CATALOG_REF = "harness.mutants:CATALOG"  # "module:attribute", resolved in the parent and again in each child
 DEFAULT_TIMEOUT_S = 300.0
 HEARTBEAT_S = 30.0
+
+# ---- the case probes: the case pipeline (every property of one case run) over named cases ----
+
+# One per branch family plus the shrink and idle-rank schedules, world sizes 1..8, DP attention in every branch.
+# `harness check` runs all shipped cases (world 16 and 32 too); the mutant run takes this subset: it is the costliest
+# probe, so mutants list it last.
+MUTANT_CASES = (
+    "tp1_neither",
+    "tp2_shrink",
+    "tp2_dp2_mlp_dp_lm_head",
+    "tp4_attn_tp_gather",
+    "tp4_dp2_mlp_tp_gather",
+    "tp4_dp2_attn_tp_gather",
+    "tp8_dp4_mlp_idle_rank",
+    "tp4_dp4_neither",  # DP attention without gathered counts: the eager pass must not be MLP-sync padded
+)
+
+
+def probe_cases() -> Verdicts:
+    out: Verdicts = {}
+    for case in (load_case(name) for name in MUTANT_CASES):
+        merge_verdicts(out, check_case(case).verdicts)
+    return out
+
+
+def probe_case_tp1() -> Verdicts:
+    """The smallest case: the multi-layer draft-extend runner, eager and graph."""
+    return check_case(load_case("tp1_neither")).verdicts
+
+
+def probe_case_one_graph() -> Verdicts:
+    """The one-graph composite's case (a shrink: padded lanes in every bucket but the first)."""
+    return check_case(load_case("tp2_shrink_one_graph")).verdicts
+
+
+def single_group_case() -> Case:
+    """SGLang's EAGLE3 draft under DP attention (DraftTPExecution.SINGLE_GROUP): plain TP over each attention-TP group,
+    draft_tp_size = attn_tp_size = 2 under TP4 DP2, no collective across DP groups. Not shipped (no goldens): P1, P3 and
+    P4 against the TP1 run of the same weights see a draft collective over the wrong ranks."""
+    spec = SpecConfig(num_steps=3, topk=1, capture_bs=(1, 2, 4), max_running_requests=4, draft="eagle3",
+                      eagle_aux_hidden_state_layer_ids=(0, 1, 2), draft_vocab_size=256, draft_tp_size=2)
+    text = case_toml("tp4_dp2_eagle3_single_group", "TP4 DP2, the EAGLE3 draft at TP2 inside each attention-TP group",
+                     ParallelLayout(tp_size=4, dp_size=2, enable_dp_attention=True), spec, [[3, 1], [1, 2]],
+                     model=ModelConfig(num_target_layers=4, num_kv_heads=8), max_prefix_len=16)
+    return validate_text(text, Path("<tp4_dp2_eagle3_single_group>"))
+
+
+def _case_probe(probe_id: str, case: Callable[[], Case]) -> Probe:
+    return Probe(probe_id, lambda: check_case(case()).verdicts)
+
+
+def _guarded_case_probe(probe_id: str, case: Callable[[], Case]) -> Probe:
+    """A case probe whose case is built here (an exception building it, or running the draft's own placement, is a
+    "run" failure naming the probe)."""
+    return Probe(probe_id, guarded(probe_id, lambda: check_case(case()).verdicts))
+
+
+# The features' cases, one case run each (P1, P3, P4 of the draft-extend runners against the TP1 run of the same
+# weights): the EAGLE3 draft and the draft at a TP size of its own (shipped, and SGLang's placement under DP attention);
+# vLLM's padding convention and its shapes of the draft-extend. harness.mutants.eagle3, draft_parallel and vllm_shapes
+# name them.
+CASE_PROBES = (
+    Probe("case-tp1", probe_case_tp1),
+    Probe("case-one-graph", probe_case_one_graph),
+    _guarded_case_probe("eagle3-case", lambda: load_case("tp2_dp2_eagle3")),
+    _guarded_case_probe("draft-tp-case", lambda: load_case("tp4_dp2_eagle3_draft_tp1")),
+    _guarded_case_probe("draft-tp-group", single_group_case),
+    _case_probe("case-pad-minus-one", lambda: load_case("tp2_dp2_pad_minus_one")),
+    _case_probe("case-ragged", lambda: load_case("tp2_ragged_draft_extend")),
+    _case_probe("case-piecewise", lambda: load_case("tp2_piecewise")),
+    Probe("cases", probe_cases, costly=True),
+)
+
+
+def probes() -> tuple[Probe, ...]:
+    """Every probe a mutant can name: the properties' (registry order), then the case probes."""
+    out = registry.probes() + CASE_PROBES
+    ids = [p.id for p in out]
+    if len(set(ids)) != len(ids):
+        raise ValueError("two probes share an id: " + ", ".join(sorted({i for i in ids if ids.count(i) > 1})))
+    return out
 
 
 @dataclass
@@ -76,7 +164,8 @@ def _is_timeout(v: Verdict) -> bool:
 
 
 def _killing(verdicts: dict[str, Verdict]) -> list[str]:
-    return [p for p in KILL_ORDER if p in verdicts and not verdicts[p].ok and not _is_timeout(verdicts[p])]
+    """The properties that failed, in kill order (a property that saw the bug before the crash it caused: "run" last)."""
+    return [p for p in registry.kill_order() if p in verdicts and not verdicts[p].ok and not _is_timeout(verdicts[p])]
 
 
 def load_catalog(ref: str = CATALOG_REF) -> tuple[Mutant, ...]:
@@ -84,30 +173,31 @@ def load_catalog(ref: str = CATALOG_REF) -> tuple[Mutant, ...]:
     return tuple(getattr(importlib.import_module(module), attr))
 
 
-def probes_for(m: Mutant, every_probe: bool = False) -> list[tuple[str, Probe]]:
-    """The mutant's probes in its order (every_probe: all registered ones); every name must be registered."""
-    known = dict(PROBES)
-    default = [n for n in known if n not in COSTLY_PROBES] + [n for n in known if n in COSTLY_PROBES]
+def probes_for(m: Mutant, every_probe: bool = False) -> list[Probe]:
+    """The mutant's probes in its order (every_probe: all of them, the costly ones last); every name must be registered."""
+    known = {p.id: p for p in probes()}
+    default = [p.id for p in known.values() if not p.costly] + [p.id for p in known.values() if p.costly]
     names = list(m.probes) if m.probes is not None and not every_probe else default
     unknown = [n for n in names if n not in known]
     if unknown or not names:
         raise KeyError(f"mutant {m.id}: probes {unknown or names!r} not registered; known: {', '.join(known)}")
-    return [(n, known[n]) for n in names]
+    return [known[n] for n in names]
 
 
 def run_mutant(m: Mutant, all_properties: bool = False, every_probe: bool = False) -> MutantResult:
     """Plant m in this process and run its probes (the child's job; also usable in-process)."""
     t0 = time.perf_counter()
-    probes = probes_for(m, every_probe)
+    chosen = probes_for(m, every_probe)
     verdicts: dict[str, Verdict] = {}
     run: list[str] = []
     errors: list[str] = []
     killing_probe = None
     with m.planted():
-        for name, probe in probes:
+        for probe in chosen:
+            name = probe.id
             run.append(name)
             try:
-                out = probe()
+                out = probe.run()
             except Exception as err:  # noqa: BLE001 - reported as an error, never as a kill
                 errors.append(f"probe {name} raised {type(err).__name__}: {err}")
                 continue
@@ -120,7 +210,7 @@ def run_mutant(m: Mutant, all_properties: bool = False, every_probe: bool = Fals
     return MutantResult(
         m.id, m.description, bool(failed), failed[0] if failed else None, time.perf_counter() - t0, failed,
         verdicts[failed[0]].first() if failed else "", sum(1 for v in verdicts.values() if _is_timeout(v)),
-        killing_probe, run, [n for n, _ in probes if n not in run], "; ".join(errors),
+        killing_probe, run, [p.id for p in chosen if p.id not in run], "; ".join(errors),
     )
 
 

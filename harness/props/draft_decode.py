@@ -1,4 +1,5 @@
-"""P1, P2, P3 and P6 over the single-layer EAGLE draft decode (runners.eagle_draft_cuda_graph_runner.EAGLEDraftCudaGraphRunner).
+"""P1, P2, P3 and P6 over the single-layer EAGLE draft decode (runners.eagle_draft_cuda_graph_runner.EAGLEDraftCudaGraphRunner);
+its P4 (each kernel backend against the torch reference's) is harness.props.p4's.
 
 P1 (fast): the runner's get_forward_batch and replay fill on every layout, metadata only: the
 baked counts equal the replay fill (I1), count bs * topk lanes (I5, DECODE gives every lane
@@ -19,21 +20,23 @@ import torch
 from harness.case import Case, load_case
 from harness.golden.acceptance import AcceptanceGoldenError, load_acceptance_golden
 from harness.golden.draft_tree import TREE_CASES, check_tree_golden
-from harness.layout import all_layouts
 from harness.props.p1_metadata import check_decode_metadata
-from harness.props.p1_records import check_replay_record, check_replay_rows
-from harness.props.p5_p6 import compare_acceptance
+from harness.props.p1_records import P1, check_replay_record, check_replay_rows
+from harness.props.p3 import P3
+from harness.props.p6_acceptance import P6, compare_acceptance
+from harness.props.poison import P2
+from harness.props.tolerances import Tol, eager_vs_graph
 from harness.ranks.simulated import SimulatedWorld
-from harness.spec_decode import case_session
-from harness.tolerances import Tol, cross_layout, eager_vs_graph
+from harness.run.crash import guarded
+from harness.run.layouts import all_layouts
+from harness.run.loop import case_session
 from harness.verdict import Verdict, merge_verdicts
 from runners.config import DEFAULT_MODEL, ModelConfig, SpecConfig
-from runners.draft_extend import SEQ_LEN_FILL_VALUE, DraftWorker
+from runners.draft_extend import DraftWorker
 from runners.draft_parallel import draft_layout
 from runners.eagle_draft import DraftDecodeInputs, run_eager_decode
 from runners.eagle_draft_cuda_graph_runner import EAGLEDraftCudaGraphRunner
 from runners.graph.backend import GraphBackend
-from runners.memory import PADDING_ROW
 from runners.parallel.dp_attention import RankContext
 from runners.parallel.layout import ParallelLayout
 
@@ -41,7 +44,7 @@ EXACT = ("tokens", "parents", "child_index")
 CLOSE = ("scores", "child_p", "step_logits")
 
 
-def check_decode_case(case: Case, props: Sequence[str] = ("P1", "P3", "P6")) -> dict[str, Verdict]:
+def check_decode_case(case: Case, props: Sequence[str] = (P1, P3, P6)) -> dict[str, Verdict]:
     """The case's workload through the loop, eager and graph: P1 on the draft-decode replays, P3 eager vs graph,
     P6 (accept lengths, and the draft trees behind them) for both."""
     out = {p: Verdict(p) for p in props}
@@ -55,33 +58,33 @@ def check_decode_case(case: Case, props: Sequence[str] = ("P1", "P3", "P6")) -> 
             where = {"case": case.name, "layout": layout.describe(), "runner": "draft_decode", "rank": rank, "step": step}
             for i, rec in enumerate(graph_records[step][rank].decode):
                 replays += 1
-                if "P1" in out:
+                if P1 in out:
                     # every DP group replays the largest group's bucket in the MLP branch: the largest raw batch of this replay decides
                     # (a step may run two draft decodes, the prefill's and the draft-extend's, each synced over every rank)
                     same = [rr.decode[i].raw_bs for rr in graph_records[step] if i < len(rr.decode)]
                     needed = max(same) if layout.require_mlp_tp_gather else rec.raw_bs
-                    check_replay_record(out["P1"], layout, rec, rank, step, needed)
-                    check_replay_rows(out["P1"], layout, rec, rank, step, expected_rows=rec.bs * k)
-            if "P3" in out and (e.decode_outs is None) != (g.decode_outs is None):
-                out["P3"].fail("P3", "draft decode ran", where, e.decode_outs is not None, g.decode_outs is not None)
-            elif "P3" in out and e.decode_outs is not None:
-                _compare_tree(out["P3"], where, e.decode_outs.tensors(), g.decode_outs.tensors(), tol)
-    if "P3" in out:
-        out["P3"].expect_equal("P3", "draft-decode graph replays", {"case": case.name}, True, replays > 0, "the graph runner really ran")
-    if "P6" in out:
-        check_tree_golden(out["P6"], case, sessions)
+                    check_replay_record(out[P1], layout, rec, rank, step, needed)
+                    check_replay_rows(out[P1], layout, rec, rank, step, expected_rows=rec.bs * k)
+            if P3 in out and (e.decode_outs is None) != (g.decode_outs is None):
+                out[P3].fail(P3, "draft decode ran", where, e.decode_outs is not None, g.decode_outs is not None)
+            elif P3 in out and e.decode_outs is not None:
+                compare_tree(out[P3], where, e.decode_outs.tensors(), g.decode_outs.tensors(), tol)
+    if P3 in out:
+        out[P3].expect_equal(P3, "draft-decode graph replays", {"case": case.name}, True, replays > 0, "the graph runner really ran")
+    if P6 in out:
+        check_tree_golden(out[P6], case, sessions)
         try:
             golden = load_acceptance_golden(case)
         except AcceptanceGoldenError as err:
-            out["P6"].fail("golden", "file", {"case": case.name}, "a golden for this case", "none usable", str(err))
+            out[P6].fail("golden", "file", {"case": case.name}, "a golden for this case", "none usable", str(err))
         else:
             for runner, s in sessions.items():
-                compare_acceptance(out["P6"], golden, s, {"case": case.name, "layout": layout.describe(), "runner": runner})
+                compare_acceptance(out[P6], golden, s, {"case": case.name, "layout": layout.describe(), "runner": runner})
     return out
 
 
-def _compare_tree(v: Verdict, where: dict, ref: dict[str, torch.Tensor], got: dict[str, torch.Tensor], tol: Optional[Tol],
-                  prop: str = "P3") -> None:
+def compare_tree(v: Verdict, where: dict, ref: dict[str, torch.Tensor], got: dict[str, torch.Tensor], tol: Optional[Tol],
+                  prop: str = P3) -> None:
     """Tree structure exactly (a flipped node is a different proposal); probabilities and logits within tol (None: bitwise)."""
     for name in EXACT + CLOSE:
         v.checked += 1
@@ -89,7 +92,7 @@ def _compare_tree(v: Verdict, where: dict, ref: dict[str, torch.Tensor], got: di
         if a.shape != b.shape:
             v.fail(prop, name, where, tuple(a.shape), tuple(b.shape), "shape")
         elif name in EXACT and not torch.equal(a, b):
-            v.fail(prop, name, where, a.tolist(), b.tolist(), "eager vs graph draft decode" if prop == "P3" else "vs the reference")
+            v.fail(prop, name, where, a.tolist(), b.tolist(), "eager vs graph draft decode" if prop == P3 else "vs the reference")
         elif name in CLOSE and not (torch.equal(a, b) if tol is None else torch.allclose(a, b, rtol=tol.rtol, atol=tol.atol)):
             v.fail(prop, name, where, "match", f"max |diff| {(a - b).abs().max().item():.3g}",
                    "bitwise" if tol is None else f"rtol={tol.rtol} atol={tol.atol}: {tol.reason}")
@@ -111,7 +114,7 @@ def _poison(runner: EAGLEDraftCudaGraphRunner, raw_bs: int, live_row: int) -> No
 def check_decode_padded_lanes(topk: int, model: ModelConfig = DEFAULT_MODEL) -> Verdict:
     """TP1: requests 1-3 in bucket 4 with every padded buffer poisoned and request 4 live but not in the batch: the
     real trees match the eager reference and no KV slot outside the batch's draft slots (and the padding slot) moves."""
-    v = Verdict("P2")
+    v = Verdict(P2)
     where = {"layout": "tp1", "runner": "draft_decode", "topk": topk, "raw_bs": 3, "bs": 4}
     spec = SpecConfig(num_steps=3, topk=topk, capture_bs=(1, 2, 4), max_running_requests=4, draft="single_layer")
 
@@ -137,66 +140,17 @@ def check_decode_padded_lanes(topk: int, model: ModelConfig = DEFAULT_MODEL) -> 
         try:
             got = runner.replay(inp)
         except (IndexError, RuntimeError) as err:
-            v.fail("P2", "replay", where, "a replay", f"{type(err).__name__}: {str(err).splitlines()[0][:160]}", "a poisoned padded lane was read")
+            v.fail(P2, "replay", where, "a replay", f"{type(err).__name__}: {str(err).splitlines()[0][:160]}", "a poisoned padded lane was read")
             return
-        _compare_tree(v, where, ref.tensors(), got.tensors(), eager_vs_graph("cpu", model.dtype))
+        compare_tree(v, where, ref.tensors(), got.tensors(), eager_vs_graph("cpu", model.dtype))
         moved = (before != graph.kv_pool.k[0]).flatten(1).any(dim=1)
         moved[0] = False  # the padding slot
         for r, s0 in zip((1, 2, 3), seq.tolist(), strict=True):
             moved[64 * r + s0: 64 * r + s0 + topk * (spec.num_steps - 1)] = False
-        v.expect_equal("P2", "live KV", where, [], moved.nonzero().flatten().tolist(), "slots a padded lane wrote (request 4 owns 256..319)")
+        v.expect_equal(P2, "live KV", where, [], moved.nonzero().flatten().tolist(), "slots a padded lane wrote (request 4 owns 256..319)")
 
     SimulatedWorld(ParallelLayout()).run(run)
     return v
-
-
-# ---- P4 over backends: the draft decode on a kernel backend vs the torch reference's, same inputs ----
-KERNEL_BACKENDS = ("triton",)  # the backends with a draft-decode kernel that run on CPU (flashinfer: tests/test_gpu_runners.py)
-
-
-def check_decode_backend(backend: str, topk: int, model: ModelConfig = DEFAULT_MODEL) -> Verdict:
-    """TP1 eager draft decode on `backend` against the torch reference backend (the oracle, as TP1 eager is P4's):
-    three requests with live KV past their seq_len and a fourth lane as the replay fills one (the padding row, seq_len
-    = fill, position 0). The tree exactly; probabilities and logits within P4's bound (the kernel's reassociated
-    attention sums, attn_vs_reference, carried through one layer and the lm_head; a key read wrongly is O(1))."""
-    v = Verdict("P4")
-    where = {"layout": "tp1", "runner": "draft_decode", "backend": backend, "oracle": "torch", "topk": topk}
-    spec = SpecConfig(num_steps=3, topk=topk, capture_bs=(4,), max_running_requests=4, draft="single_layer")
-
-    def run(comm) -> dict[str, dict[str, torch.Tensor]]:
-        ctx = RankContext(ParallelLayout(), 0, comm)
-        g = torch.Generator().manual_seed(11)
-        kv = torch.randn(2, 320, model.num_kv_heads, model.head_dim, generator=g)  # TP1: every KV head
-        seq = torch.cat([torch.randint(5, 40, (3,), generator=g), torch.tensor([SEQ_LEN_FILL_VALUE])])
-        inp = DraftDecodeInputs(torch.rand(4, topk, generator=g).sort(dim=1, descending=True).values,
-                                torch.randint(0, model.vocab_size, (4, topk), generator=g), torch.randn(4, model.hidden_size, generator=g),
-                                seq, torch.tensor([1, 2, 3, PADDING_ROW]), torch.cat([seq[:3], torch.zeros(1, dtype=seq.dtype)]).repeat_interleave(topk),
-                                [4])
-        trees = {}
-        for name in ("torch", backend):
-            w = DraftWorker(ctx, model, spec, num_layers=1, attention_backend=name, max_reqs=8, num_slots=320)
-            for r in range(1, 5):  # request r owns slots 64r .. 64r + 63, all holding KV
-                w.req_pool.req_to_token[r] = torch.arange(r * 64, r * 64 + 64)
-            w.kv_pool.k[0].copy_(kv[0])
-            w.kv_pool.v[0].copy_(kv[1])
-            trees[name] = run_eager_decode(w, inp).tensors()
-        return trees
-
-    trees = SimulatedWorld(ParallelLayout()).run(run)[0]
-    _compare_tree(v, where, trees["torch"], trees[backend], cross_layout(model.dtype, backend), prop="P4")
-    return v
-
-
-def probe_draft_decode_backends() -> dict[str, Verdict]:
-    """P4 backend vs reference for every kernel backend, topk 1 and 2; a probe never raises (a failure is "run")."""
-    try:
-        v = Verdict("P4")
-        for backend in KERNEL_BACKENDS:
-            for topk in (1, 2):
-                v.merge(check_decode_backend(backend, topk))
-        return {"P4": v}
-    except Exception as err:  # noqa: BLE001 - reported, never swallowed
-        return {"run": _run_failure("draft-decode-backends", err)}
 
 
 METADATA_SPECS = (SpecConfig(num_steps=3, topk=1, capture_bs=(1, 2, 4, 8), max_running_requests=8, draft="single_layer"),
@@ -204,30 +158,19 @@ METADATA_SPECS = (SpecConfig(num_steps=3, topk=1, capture_bs=(1, 2, 4, 8), max_r
 METADATA_SCHEDULE = ((6, 3, 5, 1, 2, 4, 7, 8), (2, 1, 1, 0, 1, 2, 1, 3), (1, 2, 1, 1, 1, 1, 1, 1))  # shrinks across buckets, uneven DP groups
 
 
-def probe_draft_decode() -> dict[str, Verdict]:
-    """A probe never raises: an exception anywhere (a rank, the reference, the harness) is a "run" failure."""
-    try:
-        return _probe()
-    except Exception as err:  # noqa: BLE001 - reported, never swallowed
-        return {"run": _run_failure("draft-decode", err)}
-
-
-def _run_failure(probe: str, err: Exception) -> Verdict:
-    v = Verdict("run")
-    v.fail("run", "probe", {"probe": probe}, "the probe completes", type(err).__name__, str(err).splitlines()[0][:300] if str(err) else "")
-    return v
-
-
 def _probe() -> dict[str, Verdict]:
     """P1 metadata on every layout (topk 1 and 2), P2 on poisoned padded lanes, then P1 / P3 / P6 over the single-layer cases."""
-    v = Verdict("P1")
+    v = Verdict(P1)
     for spec in METADATA_SPECS:
         for layout in all_layouts():
             dp = layout.attn_dp_size
             sched = [tuple(row[:dp]) if dp > 1 else row[:1] for row in METADATA_SCHEDULE]
             sched = [s if sum(s) else (1,) + tuple(s[1:]) for s in sched]
             v.merge(check_decode_metadata(layout, spec, sched))
-    out = {"P1": v, "P2": check_decode_padded_lanes(1).merge(check_decode_padded_lanes(2))}
+    out = {P1: v, P2: check_decode_padded_lanes(1).merge(check_decode_padded_lanes(2))}
     for name in TREE_CASES:
         merge_verdicts(out, check_decode_case(load_case(name)))
     return out
+
+
+probe_draft_decode = guarded("draft-decode", _probe)
