@@ -1,7 +1,7 @@
 """The build step pyproject.toml can't declare: the wheel carries cases/ and golden/ as package data.
 
 The folders stay at the repo root (one committed copy); build_py copies them into
-harness/_data/ of the build, where harness/data.py finds them in an installed wheel.
+harness/_data/ of the build, where harness/cases/data.py finds them in an installed wheel.
 """
 import shutil
 from pathlib import Path

@@ -6,7 +6,7 @@
 #    the measured max differences -> $OUT/gpu_report.json;
 # 3. harness bench --json: fp32 and bf16 (default model; flashinfer on the head_dim-64 one), fp32 with the head_dim-64
 #    model for every backend -> $OUT/bench.json, bench_bf16.json, bench_hd64.json; the tables in $OUT/bench.txt
-#    (each run also times every runner and the iteration: harness/bench_runners.py).
+#    (each run also times every runner and the iteration: harness/bench/runners.py).
 # Every stage has its own time limit so one slow stage cannot hide the others' output.
 # GPU_PROFILE=1 also writes $OUT/profile.txt after the bench (benchmarks/profile_iter.py: host vs device time of a
 # graphed iteration per backend, torch.profiler's ops by self CPU and CUDA time) and $OUT/sections.txt (the host time by
@@ -21,7 +21,7 @@ PY=${PYTHON:-python3}
 TESTS=${GPU_TESTS:-tests}            # what pytest -m gpu collects
 PYTEST_ARGS=${GPU_PYTEST_ARGS:-}     # e.g. -k "not case_files"
 T_TESTS=${GPU_TEST_TIMEOUT:-360}
-T_BENCH=${GPU_BENCH_TIMEOUT:-120}  # each bench run: draft-extend table + every runner (harness.bench_runners)
+T_BENCH=${GPU_BENCH_TIMEOUT:-120}  # each bench run: draft-extend table + every runner (harness.bench.runners)
 BENCH_ARGS=${GPU_BENCH_ARGS:-}     # e.g. --bs 1,2,4,8 (the goal's batch sizes: a shorter run)
 status=0
 

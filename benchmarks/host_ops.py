@@ -1,6 +1,6 @@
 """What the host launches around the graphs of a graphed speculative iteration, counted on CPU.
 
-Every aten op the runner rig's graphed iteration (harness.bench_runners: draft-extend, draft decode,
+Every aten op the runner rig's graphed iteration (harness.bench.runners: draft-extend, draft decode,
 verify back to back) dispatches outside its graph replays, per runner: the replay fills, the copy-ins,
 the output slices. On a GPU each op that is not a view is a kernel launch or a copy the host pays at
 every iteration, while a graph's own kernels cost one launch; so this count follows the host side of
@@ -21,8 +21,8 @@ from unittest import mock
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from harness.bench import _model
-from harness.bench_runners import RUNNERS, _runner_calls, build_rig, rig_spec
+from harness.bench.command import _model
+from harness.bench.runners import RUNNERS, _runner_calls, build_rig, rig_spec
 from harness.ranks.simulated import SimulatedWorld
 from harness.run.scenario import release
 from runners.graph import backend as graph_backend

@@ -15,8 +15,9 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from harness.bench import _model, _Timer
-from harness.bench_runners import _runner_calls, build_rig, rig_spec
+from harness.bench.command import _model
+from harness.bench.runners import _runner_calls, build_rig, rig_spec
+from harness.bench.timer import Timer
 from harness.run.scenario import release
 from runners import (
     decode_cuda_graph_runner,
@@ -83,7 +84,7 @@ def graph_iterations(comm, backend: str, model_choice: str, dtype: str, bs_list:
 
 
 def sections(comm, backend: str, model_choice: str, dtype: str, bs_list: list[int], reps: int) -> str:
-    timer = _Timer(torch.device("cuda"))
+    timer = Timer(torch.device("cuda"))
     out = []
     for bs, _, _, _, graph in graph_iterations(comm, backend, model_choice, dtype, bs_list, warmup=10):
         it = graph["iteration"]

@@ -21,8 +21,8 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from benchmarks import host_sections
-from harness.bench import _Timer
-from harness.bench_runners import _runner_calls
+from harness.bench.runners import _runner_calls
+from harness.bench.timer import Timer
 from harness.ranks.simulated import SimulatedWorld
 from runners.attention import BACKENDS
 from runners.parallel.layout import ParallelLayout
@@ -38,10 +38,10 @@ def _profile_backend(comm, backend: str, model_choice: str, dtype: str, bs_list:
             it()
             host.append((time.perf_counter() - t0) * 1e3)
         torch.cuda.synchronize()
-        dev = statistics.median(_Timer(torch.device("cuda")).measure(it, reps, 5))
+        dev = statistics.median(Timer(torch.device("cuda")).measure(it, reps, 5))
         _, synced = _runner_calls(rig, batch.inputs, rig.decode_inputs(batch, seed=i), rig.verify_lanes(batch, seed=i), host_copies=False)
-        dev_synced = statistics.median(_Timer(torch.device("cuda")).measure(synced["iteration"], reps, 5))
-        parts = {name: statistics.median(_Timer(torch.device("cuda")).measure(graph[name], reps, 5)) for name in ("extend", "decode", "verify")}
+        dev_synced = statistics.median(Timer(torch.device("cuda")).measure(synced["iteration"], reps, 5))
+        parts = {name: statistics.median(Timer(torch.device("cuda")).measure(graph[name], reps, 5)) for name in ("extend", "decode", "verify")}
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             for _ in range(reps):
                 it()

@@ -18,10 +18,10 @@ __version__ = "0.2.0"
 
 # public name -> (module, attribute there)
 _EXPORTS: dict[str, tuple[str, str]] = {
-    "Case": ("harness.case", "Case"),
-    "CaseError": ("harness.case", "CaseError"),
-    "load_case": ("harness.case", "load_case"),
-    "default_cases": ("harness.case", "default_cases"),
+    "Case": ("harness.cases.case", "Case"),
+    "CaseError": ("harness.cases.case", "CaseError"),
+    "load_case": ("harness.cases.case", "load_case"),
+    "default_cases": ("harness.cases.case", "default_cases"),
     "check_case": ("harness.pipeline.check", "check_case"),
     "CaseReport": ("harness.pipeline.check", "CaseReport"),
     "Verdict": ("harness.verdict", "Verdict"),

@@ -28,7 +28,7 @@ class OutOfMemory(RuntimeError):
     """The run needed more memory than the machine had: no property was judged, exit 3.
 
     Not a user mistake that exit 2 could name a field for: the case passed the schema's
-    resource budget (harness/case.py), so the machine, not the case, is what ran short.
+    resource budget (harness/cases/case.py), so the machine, not the case, is what ran short.
     """
 
 

@@ -9,7 +9,7 @@ import json
 import sys
 from typing import Sequence
 
-from harness.case import CaseError
+from harness.cases.case import CaseError
 from harness.errors import ExitCode, OutOfMemory, UsageError, is_oom
 from harness.golden import GoldenError
 from harness.ranks.launcher import LaunchSkipped

@@ -6,8 +6,8 @@ import statistics
 
 import torch
 
-from harness import bench_timer
-from harness.bench_timer import INTERLEAVE_BLOCKS, Timer
+from harness.bench import timer as bench_timer
+from harness.bench.timer import INTERLEAVE_BLOCKS, Timer
 
 
 class _DriftingMachine:

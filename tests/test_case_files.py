@@ -22,8 +22,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from prewarmed import run_module
 
-from harness.case import CASES_DIR, CaseError, default_cases, load_case, parse_case
-from harness.case_template import case_toml, default_batches, new_case, toml_value
+from harness.cases.case import CASES_DIR, CaseError, default_cases, load_case, parse_case
+from harness.cases.template import case_toml, default_batches, new_case, toml_value
 from harness.cli import main
 from runners.base_cuda_graph_runner import compute_capture_bs
 from runners.config import SpecConfig

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from harness import mutants
-from harness.case import load_case
+from harness.cases.case import load_case
 from harness.pipeline.check import check_case
 from harness.pipeline.replay import format_table, replay_case
 from harness.props.outputs import compare_outputs

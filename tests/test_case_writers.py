@@ -6,8 +6,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from harness.case import load_case
-from harness.case_template import write_failure_case
+from harness.cases.case import load_case
+from harness.cases.template import write_failure_case
 from harness.cli import main
 from harness.pipeline.replay import replay_case
 from harness.run.scenario import Iteration, RequestSpec, Scenario

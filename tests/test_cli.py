@@ -10,7 +10,7 @@ import sys
 import pytest
 from prewarmed import run_module
 
-from harness.case import CASES_DIR
+from harness.cases.case import CASES_DIR
 from harness.cli import main
 
 
@@ -232,7 +232,7 @@ def test_no_cases_exits_2_saying_where_it_looked(tmp_path, capsys):
 
 
 def test_cases_dir_finds_cases_by_name(tmp_path, capsys):
-    from harness.case import CASES_DIR
+    from harness.cases.case import CASES_DIR
 
     (tmp_path / "mine.toml").write_text((CASES_DIR / "tp1_neither.toml").read_text().replace('name = "tp1_neither"', 'name = "mine"'))
     assert main(["list", "--cases-dir", str(tmp_path), "--json"]) == 0

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from harness import mutants
-from harness.case import CaseError, load_case
+from harness.cases.case import CaseError, load_case
 from harness.cli import main
 
 TOML = """name = "t"

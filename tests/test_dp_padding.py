@@ -5,7 +5,7 @@ from unittest import mock
 import torch
 
 from harness import mutants
-from harness.case import load_case
+from harness.cases.case import load_case
 from harness.pipeline.check import check_case
 from harness.props.p5 import check_spec_case
 from runners import mlp_sync

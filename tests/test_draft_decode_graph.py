@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from harness import mutants
-from harness.case import load_case
+from harness.cases.case import load_case
 from harness.props.draft_decode import check_decode_case, check_decode_padded_lanes
 from harness.props.p1_metadata import check_decode_metadata
 from harness.ranks.simulated import SimulatedWorld

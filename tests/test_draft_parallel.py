@@ -6,7 +6,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from harness.case import default_cases, load_case
+from harness.cases.case import default_cases, load_case
 from harness.golden.acceptance import GOLDEN_CASES
 from harness.pipeline.check import check_case
 from harness.pipeline.mutants import single_group_case

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from harness import mutants
-from harness.case import CaseError, default_cases, load_case, parse_case
+from harness.cases.case import CaseError, default_cases, load_case, parse_case
 from harness.golden.acceptance import GOLDEN_CASES
 from harness.pipeline.check import check_case
 from harness.props.draft_decode import check_decode_case

@@ -1,6 +1,6 @@
 """`harness engine-check` against real SGLang releases (issue 11).
 
-The releases are installed side by side (python -m harness.engine_install: one
+The releases are installed side by side (python -m harness.engines.install: one
 `pip install --no-deps --target .engines/sglang-VERSION` each, cached by a marker file);
 a test whose wheels cannot be installed is skipped with pip's reason. Each check runs in
 its own process: the engine adapter stubs imports and swaps module globals process-wide.
@@ -39,8 +39,8 @@ pytestmark = pytest.mark.timeout(900)
 
 
 def _run(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
-    """`python -m harness.engine_check ARGS` in the repo root, in a process of its own forked from the prewarmed server."""
-    return run_module("harness.engine_check", *args, cwd=REPO, timeout=timeout)
+    """`python -m harness.engines ARGS` in the repo root, in a process of its own forked from the prewarmed server."""
+    return run_module("harness.engines", *args, cwd=REPO, timeout=timeout)
 
 
 def _python(code: str, timeout: float = 600) -> subprocess.CompletedProcess:

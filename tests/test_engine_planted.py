@@ -301,7 +301,7 @@ NPU_BASELINE = {"format": "specharness-engine-check-baseline/1", "engine": "sgla
 def _cli(target: Path, *args: str) -> tuple[int, dict, str]:
     """`harness engine-check --engine sglang --target TARGET --json ARGS`: its exit status, its one JSON document (the whole of
     stdout: a second document or a stray line would not parse), its stderr."""
-    proc = run_module("harness.engine_check", "--engine", "sglang", "--target", str(target), "--json", *args, timeout=600)
+    proc = run_module("harness.engines", "--engine", "sglang", "--target", str(target), "--json", *args, timeout=600)
     try:
         doc = json.loads(proc.stdout)
     except json.JSONDecodeError:

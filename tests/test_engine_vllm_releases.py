@@ -88,7 +88,7 @@ def test_release_table_verdicts_follow_the_sources():
     where installed already or SPECHARNESS_VLLM_TABLE=1 (0.34.0's and 0.33.0's verdicts are checked there)."""
     for v in TABLE_RELEASES:
         installed_vllm(v, VLLM_TABLE_ENV)
-    proc = subprocess.run([sys.executable, "-m", "harness.engine_check", "--engine", "vllm", "--releases", ",".join(TABLE_RELEASES),
+    proc = subprocess.run([sys.executable, "-m", "harness.engines", "--engine", "vllm", "--releases", ",".join(TABLE_RELEASES),
                            "--json"], cwd=REPO, capture_output=True, text=True)
     rows = {r["version"]: r for r in json.loads(proc.stdout)}
     assert proc.returncode == 1, proc.stderr[-2000:]  # 0.32.0 fails; N/A rows do not count against the table

@@ -2,7 +2,7 @@
 with their features on, their goldens recorded for them, nothing skipped, and a probe and mutants of their own."""
 import pytest
 
-from harness.case import default_cases, load_case
+from harness.cases.case import default_cases, load_case
 from harness.golden.acceptance import GOLDEN_CASES, load_acceptance_golden
 from harness.golden.logprobs import LOGPROB_CASES
 from harness.mutants import CATALOG

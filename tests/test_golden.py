@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from harness import golden as G
-from harness.case import default_cases, load_case
+from harness.cases.case import default_cases, load_case
 from harness.cli import main
 from harness.golden.base import GoldenKind
 from harness.golden.case_goldens import missing_kinds, needed_kinds

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from harness.case import CaseError, load_case
+from harness.cases.case import CaseError, load_case
 from harness.cli import main
 from harness.golden import GOLDEN_DIR, draft_tree
 from harness.golden import store as golden_store

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 
 from harness import mutants
-from harness.case import CASES_DIR, load_case
+from harness.cases.case import CASES_DIR, load_case
+from harness.cases.data import package_dir
 from harness.cli import main
-from harness.data import package_dir
 from harness.golden import GOLDEN_DIR, GoldenError, check_golden, record_golden
 from harness.golden.acceptance import record_acceptance_golden
 from harness.golden.case_goldens import missing_kinds

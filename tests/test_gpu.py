@@ -74,7 +74,7 @@ def _need(backend: str) -> None:
 
 
 def make_case(layout: str, backend: str, dtype: str, model: str, batches=([3], [5], [1]), num_steps: int = 3, **spec):
-    from harness.case import parse_case
+    from harness.cases.case import parse_case
 
     data = tomllib.loads((CASES / "tp1_neither.toml").read_text())
     data.update(name=f"gpu_{layout}_{backend}_{dtype}_{model}", backend=backend, dtype=dtype, layout=dict(LAYOUTS[layout]))
@@ -201,7 +201,7 @@ def _case_files():
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", _case_files())
 def test_case_files_on_gpu_with_simulated_graphs(name):
-    from harness.case import load_case
+    from harness.cases.case import load_case
 
     case = load_case(name)
     sc = case.scenario
@@ -295,7 +295,7 @@ def test_capture_survives_the_collector_freeing_dead_graphs():
 
 @pytest.mark.gpu
 def test_bench_runs_on_gpu():
-    from harness.bench import format_table, run_bench
+    from harness.bench.command import format_table, run_bench
 
     args = _bench_args(device="cuda", backend="all", bs="1,4", replays=3)
     res = run_bench(args)
@@ -311,7 +311,7 @@ def test_bench_runs_on_gpu():
 def _bench_args(**over):
     import argparse
 
-    from harness.bench import add_parser
+    from harness.bench.command import add_parser
 
     p = argparse.ArgumentParser()
     add_parser(p.add_subparsers(dest="command"))
@@ -322,7 +322,7 @@ def _bench_args(**over):
 
 
 def test_bench_cpu_simulation_smoke(tmp_path):
-    from harness.bench import format_table, main, run_bench
+    from harness.bench.command import format_table, main, run_bench
 
     args = _bench_args(device="cpu", backend="torch", bs="1,2", replays=2, num_steps=1)
     res = run_bench(args)
@@ -339,7 +339,7 @@ def test_bench_cpu_simulation_smoke(tmp_path):
 
 
 def test_bench_rejects_too_few_replays():
-    from harness.bench import run_bench
+    from harness.bench.command import run_bench
 
     with pytest.raises(SystemExit, match="replays"):
         run_bench(_bench_args(device="cpu", backend="torch", replays=5, quick=False))
@@ -348,8 +348,9 @@ def test_bench_rejects_too_few_replays():
 def test_bench_on_cpu_is_short_by_default_with_progress_and_spread(monkeypatch, capsys):
     """The issue: `harness bench` on CPU ran 5 minutes silent, then printed speedups that swung 0.3x-1.3x with no spread.
     No timing is asserted: the defaults, the progress lines, min <= median <= max, and the warning of a loaded machine."""
-    from harness import bench, bench_timer
-    from harness.bench import CPU_BS, REPLAYS, format_table, run_bench
+    from harness.bench import command as bench
+    from harness.bench import timer as bench_timer
+    from harness.bench.command import CPU_BS, REPLAYS, format_table, run_bench
 
     args = _bench_args(device="cpu", backend="torch", bs=None, replays=None, quick=False, num_steps=1)
     assert bench._defaults(args, torch.device("cpu")) == (list(CPU_BS), REPLAYS["cpu"]) == ([1, 8], 15)

@@ -156,7 +156,7 @@ def test_flashinfer_verify_graph_runs_chains_and_refuses_a_tree_at_its_replay_pl
     """The verify graph hands flashinfer every batch's mask: a chain replays (the causal plan is
     its mask), a tree filled into the same buffers is refused by the replay plan, not run causal."""
     _need_flashinfer()
-    from harness.bench_runners import build_rig, rig_spec
+    from harness.bench.runners import build_rig, rig_spec
     from runners.config import ModelConfig
     from runners.parallel.layout import ParallelLayout
     from runners.target import Lane
@@ -238,7 +238,7 @@ def test_flashinfer_replay_plans_read_no_length_back_from_the_device():
     """The rig's three runners (single-layer draft-extend, draft decode, verify) replayed with the host copies the
     scheduler keeps: every replay plan reads the runners' host mirrors, never the device."""
     _need_flashinfer()
-    from harness.bench_runners import build_rig, rig_spec
+    from harness.bench.runners import build_rig, rig_spec
     from runners.config import ModelConfig
     from runners.parallel.layout import ParallelLayout
 

@@ -14,8 +14,8 @@ import pytest
 import torch
 from test_gpu import _bench_args, _record  # the GPU report (SPECHARNESS_GPU_REPORT): measured max differences
 
-from harness.bench import format_table, run_bench
-from harness.bench_runners import RunnerRig, build_rig, format_runner_table, rig_spec
+from harness.bench.command import format_table, run_bench
+from harness.bench.runners import RunnerRig, build_rig, format_runner_table, rig_spec
 from harness.props.draft_decode import compare_tree
 from harness.props.outputs import first_bad_row
 from harness.props.p1_records import check_replay_record, check_replay_rows

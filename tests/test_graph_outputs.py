@@ -8,8 +8,8 @@ import pytest
 import torch
 from case_driver import captured_driver
 
-from harness.bench_runners import build_rig, rig_spec
-from harness.case import load_case
+from harness.bench.runners import build_rig, rig_spec
+from harness.cases.case import load_case
 from harness.ranks.simulated import SimulatedWorld
 from harness.run.scenario import materialize, release
 from runners.config import ModelConfig

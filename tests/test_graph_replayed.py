@@ -7,7 +7,7 @@ from unittest import mock
 
 import pytest
 
-from harness.case import load_case
+from harness.cases.case import load_case
 from harness.golden.draft_tree import check_tree_case
 from harness.props.p6 import check_acceptance_case
 from runners.decode_cuda_graph_runner import DecodeCudaGraphRunner

@@ -4,7 +4,7 @@ import pytest
 import torch
 from case_driver import captured_driver
 
-from harness.case import load_case
+from harness.cases.case import load_case
 from harness.run.case_run import run_spmd
 from harness.run.observe import RunnerObserver, observe_all
 from runners.base_cuda_graph_runner import compute_capture_bs

@@ -21,8 +21,8 @@ import numpy as np
 import pytest
 from prewarmed import run_module
 
-from harness.case import CASES_DIR, load_case
-from harness.case_template import toml_value
+from harness.cases.case import CASES_DIR, load_case
+from harness.cases.template import toml_value
 from harness.cli import main
 from harness.golden import GOLDEN_DIR, npz_bytes
 from harness.run.budget import MAX_ITERATIONS, estimate_bytes, memory_budget_bytes

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from harness import mutants
-from harness.case import CaseError, default_cases, load_case, parse_case
+from harness.cases.case import CaseError, default_cases, load_case, parse_case
 from harness.golden.logprobs import LOGPROB_CASES
 from harness.pipeline.check import check_case
 from harness.props.logprobs import check_draft_passes_replayed, check_logprobs

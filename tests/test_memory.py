@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from harness.case import CaseError, load_case
+from harness.cases.case import CaseError, load_case
 from runners.attention.torch_ref import TorchAttnBackend
 from runners.batch import ForwardBatch, ForwardMode
 from runners.config import DEFAULT_MODEL, ModelConfig, SpecConfig

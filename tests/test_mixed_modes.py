@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from harness import mutants
-from harness.case import CaseError, load_case, parse_case
+from harness.cases.case import CaseError, load_case, parse_case
 from harness.pipeline.check import check_case
 from harness.props.collectives import check_mixed_modes
 from harness.ranks.simulated import SimulatedWorld

@@ -9,7 +9,7 @@ import pytest
 import torch
 from case_driver import captured_driver
 
-from harness.case import CaseError, load_case, parse_case
+from harness.cases.case import CaseError, load_case, parse_case
 from harness.golden.base import GOLDEN_DIR
 from harness.ranks.simulated import SimulatedWorld
 from harness.run.rig import prepare

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from harness import mutants
-from harness.case import CaseError, load_case, parse_case
+from harness.cases.case import CaseError, load_case, parse_case
 from harness.pipeline.check import check_case
 from harness.props.p8 import CHURN_SCRIPT, CHURN_SPEC, run_churn_script
 from harness.run.loop import SpecSession, Workload, request_prompt, run_workload

@@ -3,7 +3,7 @@ region) leaves real rows and live KV bit-identical; which mutants P2 kills, one 
 import pytest
 
 from harness import mutants
-from harness.case import load_case
+from harness.cases.case import load_case
 from harness.props.p2 import LanePoison, check_padded_lanes
 from harness.props.p5 import check_spec_case
 from harness.run.loop import SpecSession, Workload, run_workload

@@ -6,7 +6,7 @@ from unittest import mock
 import pytest
 
 from harness import mutants
-from harness.case import load_case
+from harness.cases.case import load_case
 from harness.props import poison
 from harness.props.p2 import check_padded_lanes
 from harness.run.loop import case_session

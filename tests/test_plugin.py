@@ -14,7 +14,7 @@ import pytest
 from prewarmed import run_module
 
 import harness
-from harness.case import CASES_DIR
+from harness.cases.case import CASES_DIR
 from harness.cli import main
 from harness.golden import GOLDEN_DIR
 

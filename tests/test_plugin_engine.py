@@ -77,9 +77,9 @@ def test_an_engine_that_cannot_be_checked_is_a_collection_error_saying_why(proje
                                   ["--engine", "vllm==0.34.0", "--eager"], ["--engine", "vllm==0.0.1"],
                                   ["--engine", "vllm", "--target", "/nowhere"]])
 def test_the_module_entry_point_writes_one_json_document_when_it_cannot_check(args):
-    """What the plugin runs (`python -m harness.engine_check ... --json`): an engine it cannot check still ends in the
+    """What the plugin runs (`python -m harness.engines ... --json`): an engine it cannot check still ends in the
     harness's error document on stdout (exit 2), with the message on stderr, as `harness engine-check` does."""
-    p = run_module("harness.engine_check", *args, "--json", timeout=120)
+    p = run_module("harness.engines", *args, "--json", timeout=120)
     doc = json.loads(p.stdout)
     assert p.returncode == 2 and doc["ok"] is False and doc["exit_code"] == 2 and doc["error"]["kind"] == "bad-input", p.stdout
     assert f"error: {doc['error']['message']}" in p.stderr

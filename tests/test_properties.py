@@ -4,7 +4,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from harness import mutants
-from harness.case import load_case, seeded_requests
+from harness.cases.case import load_case, seeded_requests
 from harness.pipeline.check import check_case
 from harness.props.p1 import check_run_metadata
 from harness.props.p1_metadata import check_metadata

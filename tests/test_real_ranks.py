@@ -17,7 +17,7 @@ import torch
 from process_tree import live_children
 
 from harness import cli
-from harness.case import load_case
+from harness.cases.case import load_case
 from harness.pipeline.check import check_case
 from harness.pipeline.mutants import _is_timeout
 from harness.props.p1 import check_run_metadata

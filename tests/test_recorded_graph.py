@@ -11,7 +11,7 @@ import torch
 if "triton" not in sys.modules and not torch.cuda.is_available():  # as tests/test_triton_backend.py: before triton's first import
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from harness.case import load_case  # noqa: E402
+from harness.cases.case import load_case  # noqa: E402
 from harness.props.outputs import compare_outputs  # noqa: E402
 from harness.props.tolerances import cross_device  # noqa: E402
 from harness.ranks.simulated import SimulatedWorld  # noqa: E402

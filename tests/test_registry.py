@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from prewarmed import run_module
 
-from harness.case import CASES_DIR, load_case
+from harness.cases.case import CASES_DIR, load_case
 from harness.mutants import Mutant
 from harness.pipeline.check import check_case
 from harness.pipeline.mutants import probes, probes_for, run_mutant

@@ -5,7 +5,7 @@ import json
 
 import numpy as np
 
-from harness.case import load_case
+from harness.cases.case import load_case
 from harness.cli import main
 from harness.pipeline.replay import replay_case
 

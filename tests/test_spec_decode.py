@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from harness import mutants
-from harness.case import load_case
+from harness.cases.case import load_case
 from harness.golden import GoldenError
 from harness.golden import acceptance as acceptance_golden
 from harness.golden.acceptance import GOLDEN_CASES, AcceptanceGoldenError, load_acceptance_golden

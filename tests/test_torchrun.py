@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from harness.case_template import new_case
+from harness.cases.template import new_case
 from harness.errors import UsageError
 from harness.ranks.joined_report import Outcome, launch_error
 from harness.ranks.launch_env import LauncherEnv, launcher_env

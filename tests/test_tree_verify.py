@@ -14,7 +14,7 @@ if "triton" not in sys.modules and not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from harness import mutants
-from harness.case import load_case  # noqa: E402
+from harness.cases.case import load_case  # noqa: E402
 from harness.props.p2 import check_padded_lanes  # noqa: E402
 from harness.props.p5 import check_lossless, check_spec_case  # noqa: E402
 from harness.ranks.simulated import RankFailure, SimulatedWorld  # noqa: E402

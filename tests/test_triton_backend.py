@@ -176,7 +176,7 @@ def test_bf16_close_to_reference():
 
 
 def _triton_case(**over):
-    from harness.case import parse_case
+    from harness.cases.case import parse_case
 
     data = tomllib.loads((CASES / "tp1_neither.toml").read_text())
     data.update(name="triton_small", backend="triton")

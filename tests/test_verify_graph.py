@@ -5,7 +5,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from harness import mutants
-from harness.case import load_case
+from harness.cases.case import load_case
 from harness.props.p1_metadata import check_metadata
 from harness.props.p5 import check_spec_case
 from harness.props.verify_shadow import VerifyShadow

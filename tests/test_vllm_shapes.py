@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from harness import mutants
-from harness.case import CASES_DIR, CaseError, default_cases, load_case, parse_case
+from harness.cases.case import CASES_DIR, CaseError, default_cases, load_case, parse_case
 from harness.cli import main
 from harness.pipeline.check import check_case
 from harness.props.p2 import check_padded_lanes

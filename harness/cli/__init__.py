@@ -11,10 +11,12 @@ import sys
 import traceback
 from typing import Optional, Sequence
 
-from harness import __version__, bench, engine_check
+from harness import __version__
+from harness.bench import command as bench
 from harness.cli import cases, check, explain, mutants, new_case, replay
 from harness.cli import golden as golden_cli
 from harness.cli.ranks import finish, quiet, run_command
+from harness.engines import command as engine_check
 from harness.errors import ExitCode, UsageError
 from harness.outcome import KINDS, Tee, classify, emit_error, wants_json
 

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 from typing import Optional, Sequence
 
-from harness.case import CASES_DIR, default_cases, load_case
+from harness.cases.case import CASES_DIR, default_cases, load_case
 from harness.errors import UsageError
 from harness.golden.place import USER_GOLDEN_SUBDIR
 
@@ -57,7 +57,7 @@ def cmd_list(args) -> int:
 
 
 def cmd_case_schema(args) -> int:
-    from harness.case_schema import case_json_schema
+    from harness.cases.schema import case_json_schema
 
     print(json.dumps(case_json_schema(), indent=2))
     return 0

@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from harness.case import CASES_DIR, Case
+from harness.cases.case import CASES_DIR, Case
 from harness.cli.cases import add_cases_dir, cases_dir, named_cases
 from harness.cli.options import add_ranks
 from harness.cli.ranks import mutant_ctx, quiet

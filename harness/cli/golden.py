@@ -16,7 +16,7 @@ import sys
 import time
 from typing import Callable
 
-from harness.case import Case, default_cases, load_case
+from harness.cases.case import Case, default_cases, load_case
 from harness.cli.cases import add_cases_dir, add_golden_dir, cases_dir, golden_dir, named_cases
 from harness.cli.options import enum_option
 from harness.cli.ranks import mutant_ctx

@@ -7,7 +7,7 @@ import shlex
 from pathlib import Path
 from typing import Optional
 
-from harness.case import CASES_DIR, CaseError, default_cases, parse_layout
+from harness.cases.case import CASES_DIR, CaseError, default_cases, parse_layout
 from harness.cli.cases import add_golden_dir
 from harness.errors import UsageError
 from harness.golden.place import USER_GOLDEN_SUBDIR, check_writable, golden_dir_for
@@ -78,7 +78,7 @@ def require_branch(layout: ParallelLayout, want: Optional[Branch], name: str) ->
 
 
 def cmd_new_case(args) -> int:
-    from harness.case_template import case_file_path, coverage, new_case, parse_batches
+    from harness.cases.template import case_file_path, coverage, new_case, parse_batches
     from harness.golden import show
     from runners.config import SpecConfig
 

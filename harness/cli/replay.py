@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 import sys
 
-from harness.case import load_case
+from harness.cases.case import load_case
 from harness.cli.cases import add_cases_dir, cases_dir
 from harness.cli.options import RUNNER_OPTION, add_ranks
 from harness.cli.ranks import mutant_ctx

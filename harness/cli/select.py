@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 from typing import Callable, Iterable, Sequence
 
-from harness.case import Case
+from harness.cases.case import Case
 from harness.errors import UsageError
 
 CACHE_DIR = Path(".specharness_cache")

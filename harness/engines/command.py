@@ -9,7 +9,7 @@ select what runs; `--releases` checks many releases of either engine into one ta
 docs/engine-check.md.
 
 Every SGLang-specific stub and shim lives in harness/engines/sglang/; installs come from
-harness/engines/install.py (`python -m harness.engine_install sglang==X`, or --install here).
+harness/engines/install.py (`python -m harness.engines.install sglang==X`, or --install here).
 """
 from __future__ import annotations
 
@@ -87,7 +87,7 @@ def _resolve(args) -> tuple[Optional[Path], Optional[Path]]:
     if args.target:
         return Path(args.target), deps
     if spec.version is not None:
-        how = f"run `python -m harness.engine_install {spec}` or pass --install"
+        how = f"run `python -m harness.engines.install {spec}` or pass --install"
         return release_dir(spec, engine_dir(spec.version), args.install, ensure_installed, how), deps
     if importlib.util.find_spec("sglang") is not None:
         return None, deps  # the environment's own sglang

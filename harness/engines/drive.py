@@ -94,7 +94,7 @@ def _load_baseline(path: Optional[Path], engine: str) -> Optional[Baseline]:
 
 def cannot_check(message: str, as_json: bool) -> int:
     """Exit 2: the message on stderr and, under --json, the error document every harness command writes, so the
-    module entry point (`python -m harness.engine_check`) keeps the one-JSON-document contract too."""
+    module entry point (`python -m harness.engines`) keeps the one-JSON-document contract too."""
     emit_error(ExitCode.BAD_INPUT, KINDS[ExitCode.BAD_INPUT], message, as_json)
     return ExitCode.BAD_INPUT
 

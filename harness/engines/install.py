@@ -1,6 +1,6 @@
 """Install an SGLang release for `harness engine-check`, side by side with others, cached.
 
-    python -m harness.engine_install sglang==0.5.14 [sglang==0.5.23 ...] [--root DIR]
+    python -m harness.engines.install sglang==0.5.14 [sglang==0.5.23 ...] [--root DIR]
 
 Each release goes to its own `pip install --no-deps --target ROOT/sglang-VERSION` (the
 wheels are cp311 and pure Python for the parts we drive; their declared dependencies pin
@@ -189,7 +189,7 @@ def ensure_installed(version: str, root: Optional[os.PathLike] = None, log=print
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m harness.engine_install", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m harness.engines.install", description=__doc__.split("\n\n")[0])
     ap.add_argument("engines", nargs="+", help="sglang==VERSION, one or more")
     ap.add_argument("--root", default=None, help="where installs live (default .engines/ or $SPECHARNESS_ENGINES)")
     args = ap.parse_args(argv)

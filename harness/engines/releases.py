@@ -1,6 +1,6 @@
 """`harness engine-check --engine sglang|vllm --releases all|A,B,C|A..B`: install and check each release, one table.
 
-Each release is checked in its own process (`python -m harness.engine_check --json`: the
+Each release is checked in its own process (`python -m harness.engines --json`: the
 adapter stubs imports and swaps module globals process-wide); installing it first is not
 timed. The table has one row per release: version, API generation, verdict (PASS exit 0,
 FAIL exit 1, ERROR exit 2: the adapter could not drive it, N/A exit 3: the release is outside
@@ -95,7 +95,7 @@ def check_release(version: str, extra: list[str], log: Callable[[str], None], pr
         return ReleaseRow(version, "-", "ERROR", 2, f"install: {e}", 0.0, 0.0)
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", "harness.engine_check", "--engine", f"{product.name}=={version}", "--json", *extra],
+    proc = subprocess.run([sys.executable, "-m", "harness.engines", "--engine", f"{product.name}=={version}", "--json", *extra],
                           cwd=REPO, capture_output=True, text=True)
     wall = time.perf_counter() - t0
     after = resource.getrusage(resource.RUSAGE_CHILDREN)

@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
-from harness.case import Case, default_cases, load_case
+from harness.cases.case import Case, default_cases, load_case
 from harness.golden.base import GOLDEN_DIR, GoldenError, GoldenKind, show
 from harness.golden.lifecycle import refuse_under_xdist
 from harness.golden.place import accept_dir_of, check_writable, record_command

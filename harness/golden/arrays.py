@@ -6,7 +6,7 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
-from harness.case import GOLDEN_FLOAT_FIELDS, Case
+from harness.cases.case import GOLDEN_FLOAT_FIELDS, Case
 from harness.golden.base import INT_FIELDS, META_FIELDS
 from harness.ranks import RanksKind
 from harness.ranks import run as ranks_run

@@ -4,7 +4,7 @@ from __future__ import annotations
 from enum import StrEnum
 from pathlib import Path
 
-from harness.data import shipped_dir
+from harness.cases.data import shipped_dir
 from harness.props.tolerances import Tol
 
 GOLDEN_DIR = shipped_dir("golden")

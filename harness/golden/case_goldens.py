@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
-from harness.case import Case
+from harness.cases.case import Case
 from harness.golden.acceptance import AcceptanceGoldenError, golden_path, needs_acceptance, record_acceptance_golden
 from harness.golden.base import GoldenError, GoldenKind, show
 from harness.golden.draft_tree import needs_draft_tree, record_tree_golden, tree_golden_path

@@ -6,7 +6,7 @@ from typing import Optional
 
 import numpy as np
 
-from harness.case import GOLDEN_FLOAT_FIELDS, Case
+from harness.cases.case import GOLDEN_FLOAT_FIELDS, Case
 from harness.golden.arrays import unpack_meta
 from harness.golden.base import DEFAULT_TOLERANCES, META_FIELDS
 from harness.props.tolerances import Tol

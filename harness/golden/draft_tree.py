@@ -13,7 +13,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from harness.case import Case, default_cases, load_case
+from harness.cases.case import Case, default_cases, load_case
 from harness.golden.acceptance import ACCEPT_DIR, AcceptanceGoldenError, needs_acceptance, read_golden_json
 from harness.golden.base import GoldenKind
 from harness.golden.lifecycle import refuse_under_xdist

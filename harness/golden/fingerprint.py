@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import torch
 
-from harness.case import Case
+from harness.cases.case import Case
 
 # ----------------------------------------------------------------------------------------
 # fingerprints

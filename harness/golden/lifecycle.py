@@ -10,7 +10,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from harness.case import GOLDEN_FLOAT_FIELDS, Case, default_cases, load_case
+from harness.cases.case import GOLDEN_FLOAT_FIELDS, Case, default_cases, load_case
 from harness.golden.arrays import collect, run_for_golden
 from harness.golden.base import FORMAT, GOLDEN_DIR, META_FIELDS, GoldenError, show
 from harness.golden.compare import Comparison, compare, field_tol, parse_key

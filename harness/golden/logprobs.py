@@ -10,7 +10,7 @@ import json
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
-from harness.case import Case, default_cases, load_case
+from harness.cases.case import Case, default_cases, load_case
 from harness.golden.acceptance import (
     ACCEPT_DIR,
     AcceptanceGoldenError,

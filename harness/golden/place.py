@@ -16,8 +16,8 @@ import shlex
 from pathlib import Path
 from typing import Optional
 
-from harness.case import CASES_DIR, Case
-from harness.data import checkout_root, package_dir
+from harness.cases.case import CASES_DIR, Case
+from harness.cases.data import checkout_root, package_dir
 from harness.golden.base import GOLDEN_DIR, GoldenError, show
 from harness.mutants.base import planted_ids
 

@@ -9,7 +9,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
-from harness.case import Case
+from harness.cases.case import Case
 from harness.props import registry
 from harness.props.base import Needs
 from harness.ranks import RanksKind

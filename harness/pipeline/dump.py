@@ -28,7 +28,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from harness.case import Case
+from harness.cases.case import Case
 from harness.ranks import run as ranks_run
 from harness.ranks.simulated import RankFailure
 from harness.run.records import ReplayRecord

@@ -35,8 +35,8 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from harness.case import Case, load_case
-from harness.case_template import case_toml, validate_text
+from harness.cases.case import Case, load_case
+from harness.cases.template import case_toml, validate_text
 from harness.mutants import Mutant
 from harness.pipeline.check import check_case
 from harness.props import registry

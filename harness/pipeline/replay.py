@@ -13,7 +13,7 @@ from typing import Callable, Optional
 
 import torch
 
-from harness.case import Case
+from harness.cases.case import Case
 from harness.pipeline.check import CaseReport, judge
 from harness.props import registry
 from harness.ranks import RanksKind

@@ -23,7 +23,7 @@ from typing import Callable, Iterator, Optional, Sequence
 
 import pytest
 
-from harness.case import CASES_DIR, Case, CaseError, default_cases, load_case
+from harness.cases.case import CASES_DIR, Case, CaseError, default_cases, load_case
 from harness.golden import GoldenError, check_golden
 from harness.golden.base import GoldenKind
 from harness.golden.case_goldens import needed_kinds, record_case_goldens

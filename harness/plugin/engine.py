@@ -11,7 +11,7 @@ with the failures of its lines, as the CLI prints them; with `--baseline FILE` i
 an item whose failures are all known is an expected failure (xfail) and a stale baseline entry
 a warning.
 
-The check runs once, at collection, in a process of its own (`python -m harness.engine_check
+The check runs once, at collection, in a process of its own (`python -m harness.engines
 ... --json`): loading an engine swaps module globals process-wide, so it can never run inside the
 pytest process. The items are what that run reports: an item that exists was checked. Under
 pytest-xdist each worker collects, so each runs the check (the same deterministic report).
@@ -72,7 +72,7 @@ def engine_check_args(config: pytest.Config) -> Optional[list[str]]:
 
 
 def run_engine_check(args: list[str]) -> tuple[int, dict]:
-    cmd = [sys.executable, "-m", "harness.engine_check", *args, "--json"]
+    cmd = [sys.executable, "-m", "harness.engines", *args, "--json"]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=CHECK_TIMEOUT_S)
     except subprocess.TimeoutExpired:

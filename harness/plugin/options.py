@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from harness.data import shipped_dir
+from harness.cases.data import shipped_dir
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

@@ -17,7 +17,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from harness.case import Case, load_case
+from harness.cases.case import Case, load_case
 from harness.golden.acceptance import AcceptanceGoldenError, load_acceptance_golden
 from harness.golden.draft_tree import TREE_CASES, check_tree_golden
 from harness.props.p1_metadata import check_decode_metadata

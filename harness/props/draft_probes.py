@@ -9,7 +9,7 @@ case probes of harness.pipeline.mutants.
 """
 from __future__ import annotations
 
-from harness.case import load_case
+from harness.cases.case import load_case
 from harness.golden.draft_tree import check_tree_golden
 from harness.props.base import Probe, Verdicts
 from harness.props.draft_decode import check_decode_case

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Callable, Optional, Sequence
 
-from harness.case import Case
+from harness.cases.case import Case
 from harness.golden.logprobs import compare_logprobs, logprob_arrays
 from harness.props.collectives import P7, check_mixed_modes
 from harness.props.logprobs import check_draft_passes_replayed

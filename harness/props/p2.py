@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from harness.case import Case, load_case
+from harness.cases.case import Case, load_case
 from harness.props.base import Needs, Probe, Property, Verdicts
 from harness.props.draft_decode import probe_draft_decode
 from harness.props.p1_shapes import check_ragged_gather_index

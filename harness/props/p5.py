@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from harness.case import Case, load_case
+from harness.cases.case import Case, load_case
 from harness.props.base import Needs, Probe, Property, Verdicts
 from harness.props.collectives import P7
 from harness.props.logprobs import check_logprobs

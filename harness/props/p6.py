@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from harness.case import Case
+from harness.cases.case import Case
 from harness.golden.acceptance import AcceptanceGoldenError, load_acceptance_golden
 from harness.golden.logprobs import check_logprob_golden
 from harness.props.base import Needs, Property, Verdicts

@@ -29,7 +29,7 @@ from __future__ import annotations
 import contextlib
 from typing import Optional, Sequence
 
-from harness.case import seeded_requests
+from harness.cases.case import seeded_requests
 from harness.mutants import get
 from harness.props.base import Needs, Probe, Property
 from harness.props.collectives import P7, check_collective_agreement

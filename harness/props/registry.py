@@ -167,6 +167,17 @@ def markdown() -> str:
     return "\n".join(rows) + "\n"
 
 
+# The public names, read from the registry when first asked (module __getattr__ below): importing this module
+# discovers no property.
+FAST_PROPS: tuple[str, ...]
+"""The properties one run of a case's graph runners decides: what `harness check` runs by default."""
+CASE_PROPS: tuple[str, ...]
+"""Every property a single case can run (`--props all`): those of one run, then the loop's. P7 and P8 need planned
+schedules, so the test suite and the mutant catalog run them instead."""
+LOOP_PROPS: tuple[str, ...]
+"""The properties that drive the case's workload through the speculative decoding loop (simulated ranks only)."""
+
+
 def __getattr__(name: str) -> tuple[str, ...]:
     """FAST_PROPS, CASE_PROPS and LOOP_PROPS (the public names), read from the registry when asked."""
     if name == "FAST_PROPS":

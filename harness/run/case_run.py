@@ -13,7 +13,7 @@ import time
 from functools import partial
 from typing import Callable, Optional, TypeVar
 
-from harness.case import Case
+from harness.cases.case import Case
 from harness.errors import OutOfMemory, is_oom
 from harness.ranks import RanksKind
 from harness.ranks import run as ranks_run

@@ -17,7 +17,7 @@ from typing import Callable, Iterator, Optional, Sequence
 
 import torch
 
-from harness.case import Case
+from harness.cases.case import Case
 from harness.ranks.simulated import SimulatedWorld
 from harness.ranks.trace import CollectiveCall
 from harness.run.observe import LoopObserver, LoopRecords

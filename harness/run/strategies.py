@@ -61,7 +61,7 @@ def schedules(draw, layout: ParallelLayout, max_bs: int, max_iterations: int = 3
 import contextlib  # noqa: E402
 from typing import Iterator, Optional, Sequence  # noqa: E402
 
-from harness.case_template import example_snippet, failure_note, write_failure_case  # noqa: E402,F401
+from harness.cases.template import example_snippet, failure_note, write_failure_case  # noqa: E402,F401
 
 
 @contextlib.contextmanager

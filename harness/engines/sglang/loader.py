@@ -81,7 +81,7 @@ def load(target: Optional[Path], deps: Optional[Path]) -> Engine:
         try:
             importlib.import_module(name)
         except ImportError as e:
-            raise EngineAdapterError(f"the engine adapter needs {name} for real ({e}); run python -m harness.engine_install") from e
+            raise EngineAdapterError(f"the engine adapter needs {name} for real ({e}); run python -m harness.engines.install") from e
     prepare_interpreter()  # loop bounds loaded from memory (rotate_input_ids); every access bounds-checked
     # SGLang logs and warns a lot at import on a CPU box ("only CUDA supports ..."): quiet it.
     logging.getLogger("sglang").setLevel(logging.ERROR)

@@ -1,6 +1,6 @@
 """A case's requests: per iteration and DP group, the schedule's batch sizes filled with requests whose prefix and
 accept lengths are drawn from the case's seed, or given explicitly (schedule.prefix_lens / accept_lens / rids, which
-harness.case validates)."""
+harness.cases.case validates)."""
 from __future__ import annotations
 
 import zlib

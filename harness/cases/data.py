@@ -11,14 +11,14 @@ from importlib import resources
 from pathlib import Path
 from typing import Optional
 
-_REPO = Path(__file__).resolve().parent.parent
+_REPO = Path(__file__).resolve().parents[2]
 PACKAGED = "_data"  # harness/_data/{cases,golden} inside a wheel (setup.py)
 KINDS = ("cases", "golden")
 
 
 def package_dir() -> Path:
     """The `harness` package's own directory: in a wheel, site-packages/harness (its shipped data included)."""
-    return Path(__file__).resolve().parent
+    return Path(__file__).resolve().parents[1]
 
 
 def checkout_root() -> Optional[Path]:

@@ -32,8 +32,8 @@ from typing import Callable, Optional
 
 import torch
 
-from harness.bench_runners import bench_runners_backend, format_runner_table
-from harness.bench_timer import INTERLEAVE_BLOCKS, Timer, load_warning, spread
+from harness.bench.runners import bench_runners_backend, format_runner_table
+from harness.bench.timer import INTERLEAVE_BLOCKS, Timer, load_warning, spread
 from harness.ranks.simulated import SimulatedWorld
 from harness.run.observe import observe_all
 from harness.run.scenario import Iteration, RequestSpec, Scenario, materialize, release
@@ -82,7 +82,7 @@ def add_parser(subparsers) -> None:
     p.add_argument("--graph", default="auto", choices=("auto", "sim", "cuda"), help="graph backend; auto: cuda on a GPU, sim on CPU")
     p.add_argument("--quick", action="store_true", help="allow fewer --replays than the minimum (smoke tests)")
     p.add_argument("--runners", default="auto", choices=("auto", "on", "off"),
-                   help="also time every runner (draft-extend, draft decode, verify) and the iteration (harness.bench_runners); auto: on a GPU")
+                   help="also time every runner (draft-extend, draft decode, verify) and the iteration (harness.bench.runners); auto: on a GPU")
     p.set_defaults(func=main)
 
 
@@ -343,13 +343,10 @@ def main(args) -> int:
     return 0
 
 
-def _standalone(argv: Optional[list[str]] = None) -> int:
+def standalone(argv: Optional[list[str]] = None) -> int:
     p = argparse.ArgumentParser(prog="harness")
     sub = p.add_subparsers(dest="command", required=True)
     add_parser(sub)
     args = p.parse_args(["bench", *(sys.argv[1:] if argv is None else argv)])
     return args.func(args)
 
-
-if __name__ == "__main__":
-    sys.exit(_standalone())

@@ -1,6 +1,6 @@
 """Writing case files: `harness new-case`, and a failing hypothesis example as a ready case file.
 
-Every file written here is validated by the same loader that reads it (harness/case.py), so
+Every file written here is validated by the same loader that reads it (harness/cases/case.py), so
 what `harness new-case` writes is a case `harness check` / `harness golden record` accept,
 and what `write_failure_case` writes reruns exactly under `harness replay <path>`.
 """
@@ -15,8 +15,8 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from harness.case import CASES_DIR, Case, CaseError, parse_case
-from harness.data import checkout_root
+from harness.cases.case import CASES_DIR, Case, CaseError, parse_case
+from harness.cases.data import checkout_root
 from harness.golden.place import check_writable
 from harness.props.tolerances import Tol
 from harness.run.scenario import Scenario
@@ -116,7 +116,7 @@ def case_toml(
     header: str = "",
     top_logprobs_num: Optional[int] = None,
 ) -> str:
-    """The text of a case file (see cases/*.toml and harness/case.py for the schema)."""
+    """The text of a case file (see cases/*.toml and harness/cases/case.py for the schema)."""
     lines = [f"# {ln}" if ln else "#" for ln in header.strip("\n").splitlines()] if header else []
     lines += [f"name = {toml_value(name)}", f"description = {toml_value(description)}", f"seed = {seed}", f"dtype = {toml_value(dtype)}",
               f"backend = {toml_value(backend)}", ""]
@@ -303,7 +303,7 @@ def write_failure_case(
     batches = [list(s)[:dp] if dp > 1 else list(s)[:1] for s in schedule]
     msg_lines = [ln.strip() for ln in message.strip().splitlines() if ln.strip()][:2]
     header = "\n".join([
-        f"A failing example{f' of {prop}' if prop else ''}, written by harness.case_template.write_failure_case.",
+        f"A failing example{f' of {prop}' if prop else ''}, written by harness.cases.template.write_failure_case.",
         *[f"failure: {ln[:300]}" for ln in msg_lines],
         f"rerun it exactly:  harness replay {_show(path)}",
         "keep it: move it to cases/<name>.toml, set name, describe what broke, then harness golden record <name>",

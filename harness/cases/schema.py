@@ -1,4 +1,4 @@
-"""A JSON Schema for case files, generated from the loader's own tables (harness/case.py).
+"""A JSON Schema for case files, generated from the loader's own tables (harness/cases/case.py).
 
 Editors (taplo, Even Better TOML, VS Code) validate and complete TOML against a JSON Schema;
 `harness case-schema > case.schema.json` writes it. The loader stays the authority: rules that
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from harness.case import (
+from harness.cases.case import (
     _LAYOUT,
     _MODEL,
     _MODEL_RANGES,

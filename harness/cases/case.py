@@ -15,8 +15,8 @@ from dataclasses import field as dc_field
 from pathlib import Path
 from typing import Any, Optional
 
-from harness.case_requests import seeded_requests, with_explicit_lens
-from harness.data import shipped_dir
+from harness.cases.data import shipped_dir
+from harness.cases.requests import seeded_requests, with_explicit_lens
 from harness.props.tolerances import Tol
 from harness.run.budget import MAX_ITERATIONS, over_budget
 from harness.run.scenario import Scenario
