@@ -21,11 +21,11 @@ import numpy as np
 import pytest
 from prewarmed import run_module
 
+from harness.cases.budget import MAX_ITERATIONS, estimate_bytes, memory_budget_bytes
 from harness.cases.case import CASES_DIR, load_case
 from harness.cases.template import toml_value
 from harness.cli import main
 from harness.golden import GOLDEN_DIR, npz_bytes
-from harness.run.budget import MAX_ITERATIONS, estimate_bytes, memory_budget_bytes
 
 BASE_CASE = "tp2_dp2_mlp_tp_gather"
 BASE = tomllib.loads((CASES_DIR / f"{BASE_CASE}.toml").read_text())

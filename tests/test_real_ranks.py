@@ -106,7 +106,7 @@ def test_replay_on_spawned_gloo_ranks_plants_the_mutant_in_every_rank(capsys, mo
     args = ["replay", "tp2_attn_tp_gather_explicit", "--ranks", "gloo", "--mutant", "sglang-26416", "--runner", "graph", "--json"]
     assert cli.main(args) == 1
     p1, p4_ok = _replay_verdicts(capsys)
-    assert (1, "global_num_tokens_for_logprob") in p1 and not p4_ok
+    assert (1, "rows fed to lm_head") in p1 and not p4_ok  # I2 blames the rows fed (its for_logprob agrees with them)
     monkeypatch.setattr(launcher, "planted_ids", lambda: ())  # the control: the ranks not told, they run the code as written
     cli.main(args)
     p1, p4_ok = _replay_verdicts(capsys)

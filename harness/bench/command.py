@@ -137,8 +137,8 @@ def _bench_backend(comm, backend: str, args, device: torch.device, bs_list: list
     ends: list[float] = []
     real_capture = gb.capture
 
-    def timed_capture(body):
-        g = real_capture(body)
+    def timed_capture(body, **kw):
+        g = real_capture(body, **kw)
         timer.sync()
         ends.append(time.perf_counter())
         return g

@@ -15,10 +15,10 @@ from dataclasses import field as dc_field
 from pathlib import Path
 from typing import Any, Optional
 
+from harness.cases.budget import MAX_ITERATIONS, over_budget
 from harness.cases.data import shipped_dir
 from harness.cases.requests import seeded_requests, with_explicit_lens
 from harness.props.tolerances import Tol
-from harness.run.budget import MAX_ITERATIONS, over_budget
 from harness.run.scenario import Scenario
 from runners.attention import BACKENDS
 from runners.attention.kinds import METADATA_IN_GRAPH, ONE_GRAPH_UNSUPPORTED, AttentionBackend

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from harness.cases.budget import MAX_ITERATIONS
 from harness.cases.case import (
     _LAYOUT,
     _MODEL,
@@ -24,7 +25,6 @@ from harness.cases.case import (
     NAME_RE,
     PAGE_SIZES,
 )
-from harness.run.budget import MAX_ITERATIONS
 from runners.attention.kinds import AttentionBackend
 from runners.config import DTYPES, SPEC_OPTIONS, DraftExtendGraph
 from runners.draft_decode import DRAFTS

@@ -23,6 +23,9 @@ or real ranks and checks, from the per-rank collective traces:
 P7 drives the draft-extend runners (`run_rank`): the iterations of a schedule are decode
 iterations, each a draft-extend over every DP group. The draft decode's and the verify's idle
 groups run inside the loop, where the DP churn script (harness.props.p8) idles each group once.
+The collective checks themselves are harness.props.collectives', which also checks every step of
+a loop whose DP groups run mixed forward modes (reported with the loop's run; the
+mixed-modes-case probe below runs that case for the mutant catalog).
 """
 from __future__ import annotations
 
