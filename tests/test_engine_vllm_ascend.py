@@ -392,7 +392,7 @@ def test_a_tree_without_the_merged_draft_graph_is_not_applicable(installed, tmp_
     tree = _plant(installed, tmp_path / "gone", PROPOSER, "    def _run_merged_draft(", "    def _run_merged_draft_gone(")
     code = (f"import sys\nfrom harness.engines.command import main\nfrom types import SimpleNamespace\n"
             f"sys.exit(main(SimpleNamespace(engine='vllm-ascend', target={str(tree)!r}, deps=None, install=False, json=False, "
-            f"eager=False, releases=None, all_layouts=False)))\n")
+            f"eager=False, releases=None, all_layouts=False, path='all', runner=None)))\n")
     proc = Started(code).result(timeout=600)
     assert proc.returncode == 3, proc.stderr[-2000:]
     assert "has no AscendSpecDecodeBaseProposer._run_merged_draft" in proc.stderr

@@ -373,7 +373,7 @@ def setup(engine: Engine, layout: ParallelLayout, server_args: Any, vocab: int, 
     except (MissingEngineAttribute, EngineAdapterError, RuntimeError) as e:  # RuntimeError: a context value this release wants written
         return None, _not_applicable(engine, e)
     v.expect_equal(CHECK, "do_tensor_parallel_all_gather_dp_attn", w, layout.logits_dp_gather, gathers,
-                   "DESIGN.md §6.5: the processor gathers across DP groups iff DP attention, no dp lm_head, tp > 1")
+                   "the processor gathers across DP groups iff DP attention, no dp lm_head, tp > 1")
     return (gc if gathers else None), None
 
 
