@@ -24,6 +24,7 @@ from runners.base_cuda_graph_runner import BaseCudaGraphRunner, compute_capture_
 from runners.batch import ForwardBatch
 from runners.draft_extend import SEQ_LEN_FILL_VALUE, DraftExtendInputs, DraftWorker, StepOutputs, draft_extend_step
 from runners.graph.backend import GraphBackend
+from runners.graph.host import host_mirror
 from runners.memory import PADDING_SLOT
 
 
@@ -61,7 +62,7 @@ class DraftExtendInputBuffers:
             positions=torch.zeros(n, **i64),
             out_cache_loc=torch.full((n,), PADDING_SLOT, **i64),
             seq_lens=torch.full((max_bs,), SEQ_LEN_FILL_VALUE, **i64),
-            seq_lens_cpu=torch.full((max_bs,), SEQ_LEN_FILL_VALUE, dtype=torch.int64),
+            seq_lens_cpu=host_mirror(torch.full((max_bs,), SEQ_LEN_FILL_VALUE, dtype=torch.int64)),
             req_pool_indices=torch.zeros(max_bs, **i64),
             num_correct_drafts=torch.ones(max_bs, **i64),
             num_accept_tokens=torch.ones(max_bs, **i64),

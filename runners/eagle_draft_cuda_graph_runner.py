@@ -25,6 +25,7 @@ from runners.eagle_draft import (
     require_draft_decode,
 )
 from runners.graph.backend import GraphBackend
+from runners.graph.host import host_mirror
 from runners.memory import PADDING_ROW, PADDING_SLOT
 from runners.replay_copy import grouped_foreach_copy_
 
@@ -51,7 +52,7 @@ class EAGLEDraftCudaGraphRunner(BaseCudaGraphRunner):
         self.positions = torch.zeros(n, **i64)
         self.out_cache_loc = torch.full((n * self.steps,), PADDING_SLOT, **i64)
         self.seq_lens = torch.full((self.max_bs,), SEQ_LEN_FILL_VALUE, **i64)
-        self.seq_lens_cpu = torch.full((self.max_bs,), SEQ_LEN_FILL_VALUE, dtype=torch.int64)  # host mirror: a host plan reads it
+        self.seq_lens_cpu = host_mirror(torch.full((self.max_bs,), SEQ_LEN_FILL_VALUE, dtype=torch.int64))  # a host plan reads it
         self.req_pool_indices = torch.full((self.max_bs,), PADDING_ROW, **i64)
         self.topk_p = torch.zeros(self.max_bs, self.topk, dtype=torch.float32, device=dev)
         self.topk_index = torch.zeros(self.max_bs, self.topk, **i64)
