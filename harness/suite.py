@@ -13,6 +13,7 @@ from harness.checks import check_case
 from harness.decode_props import probe_draft_decode, probe_draft_decode_backends
 from harness.layout import all_layouts
 from harness.p7 import probe_idle_ranks
+from harness.props.backend_probes import BACKEND_PROBES
 from harness.props.p1_metadata import check_metadata
 from harness.props.spec_probes import FILL_PROBES, SPEC_PROBES
 from harness.verdict import Verdict, merge_verdicts
@@ -97,6 +98,7 @@ PROBES: list[tuple[str, Probe]] = [
     ("case-tp1", probe_case_tp1),
     *FILL_PROBES,
     ("case-one-graph", probe_case_one_graph),
+    *BACKEND_PROBES,
 ]
 if len({n for n, _ in PROBES}) != len(PROBES):
     raise ImportError("two probes share an id: " + ", ".join(n for n, _ in PROBES))

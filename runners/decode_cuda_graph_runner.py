@@ -155,6 +155,10 @@ class DecodeCudaGraphRunner(BaseCudaGraphRunner):
     def comm(self):
         return self.ctx.comm
 
+    @property
+    def attn_backend(self):
+        return self.target.attn
+
     # ---- replay (§6.4) ----
     def _copy_live_inputs(self, inp: VerifyInputs) -> None:
         raw_bs = inp.bs

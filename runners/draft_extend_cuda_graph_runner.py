@@ -96,6 +96,10 @@ class DraftExtendCudaGraphRunner(BaseCudaGraphRunner):
     def comm(self):
         return self.worker.ctx.comm
 
+    @property
+    def attn_backend(self):
+        return self.worker.attn
+
     def _body(self, fb: ForwardBatch) -> StepOutputs:
         out = draft_extend_step(self.worker, self.step, fb)
         n = fb.batch_size * self.T

@@ -112,6 +112,10 @@ class EAGLEDraftCudaGraphRunner(BaseCudaGraphRunner):
     def comm(self):
         return self.worker.ctx.comm
 
+    @property
+    def attn_backend(self):
+        return self.attn
+
     # ---- replay (§6.4) ----
     def _fill_padded_lanes(self, raw_bs: int, bs: int) -> None:
         """Padded lanes get the padding row, the fill seq_len, position 0 and zero top-k / hidden state.

@@ -17,6 +17,7 @@ from harness.mutants import (
     draft_extend,
     fused_fill,
     host_mirror,
+    host_planned,
     memory,
     one_graph,
     padding_rule,
@@ -25,6 +26,7 @@ from harness.mutants import (
     shape,
     sharding,
     spec_loop,
+    triton_kernel,
     verify,
     verify_fill,
 )
@@ -35,7 +37,7 @@ CATALOG: tuple[Mutant, ...] = (
     *draft_extend.MUTANTS, *spec_loop.MUTANTS, *memory.MUTANTS, *verify_fill.MUTANTS, *recorded_graph.MUTANTS,
     *decode.MUTANTS, *draft_attention.MUTANTS, *shape.MUTANTS, *verify.MUTANTS, *dp.MUTANTS, *host_mirror.MUTANTS,
     *replay_fill.MUTANTS, *padding_rule.MUTANTS, *fused_fill.MUTANTS, *sharding.MUTANTS,
-    *one_graph.MUTANTS,
+    *one_graph.MUTANTS, *host_planned.MUTANTS, *triton_kernel.MUTANTS,
 )
 """Every built-in mutant, one module per family, in the order `harness mutants` reports them (`harness.MUTANTS`)."""
 BY_ID: dict[str, Mutant] = {m.id: m for m in CATALOG}
