@@ -18,6 +18,7 @@ from harness.mutants import (
     fused_fill,
     host_mirror,
     host_planned,
+    kept_views,
     memory,
     one_graph,
     padding_rule,
@@ -38,6 +39,7 @@ CATALOG: tuple[Mutant, ...] = (
     *decode.MUTANTS, *draft_attention.MUTANTS, *shape.MUTANTS, *verify.MUTANTS, *dp.MUTANTS, *host_mirror.MUTANTS,
     *replay_fill.MUTANTS, *padding_rule.MUTANTS, *fused_fill.MUTANTS, *sharding.MUTANTS,
     *one_graph.MUTANTS, *host_planned.MUTANTS, *triton_kernel.MUTANTS,
+    *kept_views.MUTANTS,
 )
 """Every built-in mutant, one module per family, in the order `harness mutants` reports them (`harness.MUTANTS`)."""
 BY_ID: dict[str, Mutant] = {m.id: m for m in CATALOG}
