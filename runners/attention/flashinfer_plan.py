@@ -157,7 +157,7 @@ def host_seq_lens(fb: ForwardBatch, chain: Callable[[int, torch.device], torch.T
     chain's, never a tree's."""
     bs = fb.batch_size
     seq_src, mask_src = plan_sources(fb)
-    readback = seq_src.device.type != "cpu"
+    readback = seq_src is fb.seq_lens  # not the host copy (on CPU a plain read; on a GPU a sync)
     if mask_src is None:
         return seq_src[:bs].tolist(), readback
     want = chain(fb.spec_info.draft_token_num, mask_src.device)
