@@ -174,22 +174,31 @@ class TorchPlannedAttnBackend:
     def init_forward_metadata_replay_cuda_graph(self, fb: ForwardBatch) -> None:
         """Before a replay: plan the bucket's graph wrapper from the replay's own buffers (fb's tensors and host mirrors
         hold the live lanes by now), unless nothing it reads was written since its last replay plan."""
-        self.graph_batches.require(fb, "torch_planned: a replay plan")
-        if isinstance(fb.spec_info, DraftDecodeSpecInfo):
-            w, prefill = self._draft_wrapper(fb, fb.out_cache_loc.shape[0] // (fb.batch_size * fb.spec_info.topk), WrapperSet.GRAPH), None
-        else:
-            w, prefill = self._pass_wrapper(fb, WrapperSet.GRAPH)
-        if w.plans == 0:
-            raise RuntimeError("torch_planned: a replay plan of a wrapper never planned (the graph was never warmed up)")
         key = plan_inputs_key(fb, self.req_pool.req_to_token, 0)
+        w = self._replay_wrapper(fb)
         if key is not None and key == w.plan_key:
             w.replans_skipped += 1
             return
-        if prefill is None:
+        self.plan_replay(fb, key)
+
+    def plan_replay(self, fb: ForwardBatch, key: Optional[tuple] = None) -> None:
+        """Plans the bucket's graph wrapper for a replay over fb's buffers, whatever its last plan was."""
+        w = self._replay_wrapper(fb)
+        if isinstance(fb.spec_info, DraftDecodeSpecInfo):
             self._plan_draft(fb, w)
         else:
-            self._plan_pass(fb, w, prefill)
+            self._plan_pass(fb, w, fb.forward_mode is not ForwardMode.DECODE)
         w.plan_key, w.plan_refs = key, (fb.seq_lens, fb.seq_lens_cpu, fb.req_pool_indices, self.req_pool.req_to_token, fb.spec_info)
+
+    def _replay_wrapper(self, fb: ForwardBatch) -> PlannedWrapper:
+        self.graph_batches.require(fb, "torch_planned: a replay plan")
+        if isinstance(fb.spec_info, DraftDecodeSpecInfo):
+            w = self._draft_wrapper(fb, fb.out_cache_loc.shape[0] // (fb.batch_size * fb.spec_info.topk), WrapperSet.GRAPH)
+        else:
+            w = self._pass_wrapper(fb, WrapperSet.GRAPH)[0]
+        if w.plans == 0:
+            raise RuntimeError("torch_planned: a replay plan of a wrapper never planned (the graph was never warmed up)")
+        return w
 
     # ---- the kernels: torch ops over the plan's buffers (graph-safe: static shapes, no host reads) ----
     def _write_kv_indices(self, fb: ForwardBatch, meta: PlannedMetadata) -> None:
