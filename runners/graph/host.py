@@ -18,7 +18,7 @@ from typing import Any, Optional
 import torch
 from torch.utils._pytree import tree_leaves
 
-_lock = threading.Lock()
+_lock = threading.RLock()  # re-entrant: a mark dropped under the lock may run its own `forget`
 _marked: dict[int, weakref.ref] = {}  # storage address -> the storage (dead: the address is free again)
 
 
