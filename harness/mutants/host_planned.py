@@ -7,6 +7,7 @@ from harness.mutants.base import Mutant
 from runners.attention import torch_planned
 from runners.attention.flashinfer_plan import GraphBatches, WrapperSet
 from runners.attention.torch_planned import TorchPlannedAttnBackend
+from runners.base_cuda_graph_runner import BaseCudaGraphRunner
 
 
 def _replay_not_planned(self: TorchPlannedAttnBackend, fb) -> None:
@@ -19,6 +20,10 @@ def _key_by_shape(fb, req_to_token, num_qo_heads: int):
 
 def _every_pass_graph(self: GraphBatches, fb) -> WrapperSet:
     return WrapperSet.GRAPH
+
+
+def _bucket_not_named(self: BaseCudaGraphRunner, fb) -> None:
+    return None  # the backend never hears of the bucket's batch
 
 
 MUTANTS: tuple[Mutant, ...] = (
@@ -47,5 +52,14 @@ MUTANTS: tuple[Mutant, ...] = (
         "eager pass on a graph's wrapper",
         ((GraphBatches, "wrapper_set", _every_pass_graph),),
         ("planned-loop",),  # run: the prefill's plan is refused
+    ),
+    Mutant(
+        "graph-runner-unnamed-bucket",
+        "a graph runner captures without naming its bucket's batch to the attention backend first "
+        "(init_forward_metadata_capture_cuda_graph): a host-planned backend plans the warm-ups on an eager wrapper, "
+        "which a capture cannot use (its buffers are the plan's, not fixed), and refuses the capture",
+        "eager pass on a graph's wrapper",
+        ((BaseCudaGraphRunner, "init_capture_metadata", _bucket_not_named),),
+        ("planned-cases",),  # run: the capture is refused
     ),
 )
