@@ -18,6 +18,7 @@ from typing import Callable, Iterator, Optional, Sequence
 import torch
 
 from harness.case import Case
+from harness.kept_outputs import OutputPoison
 from harness.observe import LoopObserver, LoopRecords
 from harness.ranks.simulated import SimulatedWorld
 from harness.ranks.trace import CollectiveCall
@@ -80,6 +81,7 @@ class SpecSession:
             built = self.world.run(build)
         self.engines: list[SpecEngine] = [e for e, _ in built]
         self.observers: list[LoopObserver] = [o for _, o in built]
+        self.output_poison = [OutputPoison(o) for o in self.observers]  # a kept view of a graph output reads poison after its step
         self.reports: list[list[StepReport]] = []  # per step, per rank
         self.records: list[list[LoopRecords]] = []  # per step, per rank: the graph replays P1 reads
 
@@ -94,6 +96,8 @@ class SpecSession:
 
         with one_torch_thread():
             reps = self.world.run(fn)
+        for p in self.output_poison:
+            p.poison()
         self.reports.append(reps)
         self.records.append([o.take() for o in self.observers])
         if self.keep_traces:

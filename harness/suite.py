@@ -13,6 +13,7 @@ from harness.checks import check_case
 from harness.decode_props import probe_draft_decode, probe_draft_decode_backends
 from harness.layout import all_layouts
 from harness.p7 import probe_idle_ranks
+from harness.props.backend_probes import BACKEND_PROBES
 from harness.props.draft_probes import DRAFT_PROBES
 from harness.props.feature_probes import FEATURE_PROBES
 from harness.props.p1_metadata import check_metadata
@@ -103,6 +104,7 @@ PROBES: list[tuple[str, Probe]] = [
     *DRAFT_PROBES,
     *FEATURE_PROBES,
     *SHAPE_PROBES,
+    *BACKEND_PROBES,
 ]
 if len({n for n, _ in PROBES}) != len(PROBES):
     raise ImportError("two probes share an id: " + ", ".join(n for n, _ in PROBES))

@@ -20,7 +20,7 @@ from harness.props.p2 import check_padded_lanes  # noqa: E402
 from harness.props.p5_p6 import check_lossless, check_spec_case  # noqa: E402
 from harness.ranks.simulated import RankFailure, SimulatedWorld  # noqa: E402
 from runners.attention import BACKENDS  # noqa: E402
-from runners.attention.flashinfer_backend import TREE_MASK_UNSUPPORTED  # noqa: E402
+from runners.attention.kinds import TREE_MASK_UNSUPPORTED  # noqa: E402
 from runners.config import ModelConfig, SpecConfig  # noqa: E402
 from runners.decode_cuda_graph_runner import DecodeCudaGraphRunner, verify_inputs  # noqa: E402
 from runners.graph.backend import GraphBackend  # noqa: E402
