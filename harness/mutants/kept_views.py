@@ -8,11 +8,11 @@ from harness.mutants.base import Mutant
 from runners.draft_decode import EagleProposer
 from runners.spec_decode import SpecEngine, StepReport
 
-_REAL_VERIFY = SpecEngine._verify
+_REAL_VERIFY = SpecEngine.verify
 
 
-def _report_keeps_extend_views(self: SpecEngine, batch, rep: StepReport) -> None:
-    _REAL_VERIFY(self, batch, rep)
+def _report_keeps_extend_views(self: SpecEngine, batch, rep: StepReport, sync=None) -> None:
+    _REAL_VERIFY(self, batch, rep, sync)
     if rep.extend_outs and isinstance(self.draft, EagleProposer):
         rep.extend_outs = list(self.draft.last_outs)  # the replay's outputs as handed back: views, not copies
 
@@ -24,7 +24,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "outputs) instead of copies: right after the step they hold the right values, but the report outlives the step "
         "and the next replay overwrites them",
         "graph output read after the next replay",
-        ((SpecEngine, "_verify", _report_keeps_extend_views),),
+        ((SpecEngine, "verify", _report_keeps_extend_views),),
         ("churn-single-layer", "batch-churn"),  # P8 (the report's draft-extend outputs read the poisoned graph outputs)
     ),
 )
