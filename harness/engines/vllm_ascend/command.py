@@ -14,8 +14,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Callable, Optional
 
-from harness.engines.drive import BaselineFiles
-from harness.engines.drive import cannot_check, drive_engine
+from harness.engines.drive import BaselineFiles, cannot_check, drive_engine
 from harness.engines.install import EngineSpec, InstallError, deps_dir, is_installed
 from harness.engines.vllm.install import vllm_deps_dir
 from harness.engines.vllm_ascend.checks import NOT_APPLICABLE, check_capture, check_step, line_for
