@@ -38,6 +38,8 @@ from harness.engines.sglang.config import EngineConfig
 from harness.engines.sglang.errors import EngineAdapterError, MissingEngineAttribute
 from harness.engines.sglang.handle import ONE_GRAPH
 from harness.engines.sglang.loader import Engine
+from harness.engines.sglang.other_runners import KINDS as OTHER_KINDS
+from harness.engines.sglang.other_runners import OTHER_RUNNERS, OtherRunner
 from harness.engines.sglang.paths import FillPlan
 from harness.verdict import Verdict
 from runners.base_cuda_graph_runner import compute_capture_bs
@@ -75,7 +77,7 @@ I7_OFF = ("I7 (eager vs graph): not run (`harness engine-check --eager`, or chec
 
 
 # The runners --runner selects among (the eager path is --eager's).
-RUNNERS: tuple[str, ...] = ("multi_layer", ONE_GRAPH, "single_layer", draft_decode.KIND, target_verify.KIND)
+RUNNERS: tuple[str, ...] = ("multi_layer", ONE_GRAPH, "single_layer", draft_decode.KIND, target_verify.KIND, *OTHER_KINDS)
 # In the pre-flight these mean the adapter cannot drive the release; anywhere later, a finding of the check that hit one.
 ADAPTER_ERRORS = (EngineAdapterError, MissingEngineAttribute)
 
@@ -160,6 +162,12 @@ def check_engine(engine: Engine, layouts: tuple[ParallelLayout, ...] = REPRESENT
     skipped = list(SKIPPED) + ([] if eager else [I7_OFF])
     skipped += [f"draft_decode (EAGLEDraftCudaGraphRunner): n/a: {dd_why}"] if dd_why else []
     skipped += [f"target_verify (the target's TARGET_VERIFY graphs): n/a: {tv_why}"] if tv_why else []
+    others = []  # the speculative graph runners beyond EAGLE's (sglang/other_runners.py): loaded, or n/a with the reason
+    for other in OTHER_RUNNERS:
+        if selection.wants(other.kind):
+            loaded, why = other.load(engine)
+            skipped += [f"{other.kind} ({other.title}): n/a: {why}"] if why else list(other.never)
+            others += [] if loaded is None else [(other, loaded)]
     gather_na: list[str] = []
     no_gather: list[str] = []  # layouts whose logits processor does not gather across DP groups
 
@@ -210,6 +218,8 @@ def check_engine(engine: Engine, layouts: tuple[ParallelLayout, ...] = REPRESENT
         if gather is not None:
             why = first_rank.call("multi_layer", "the logits processor's DP gather", gather.check, first_rank.line, wl)
             gather_na += [why] if why else []
+    for other, loaded in others:
+        _drive_other(other, loaded, book, layouts, cfg, plan, engine, per_request)
     skipped += sorted(set(gather_na))
     if one_graph.available(engine) and plan.one_graph and selection.wants(ONE_GRAPH):
         skipped.append(ONE_GRAPH_LOGITS if one_graph.flag_on(engine) else ONE_GRAPH_OFF)
@@ -223,7 +233,7 @@ def check_engine(engine: Engine, layouts: tuple[ParallelLayout, ...] = REPRESENT
         lay, runner, step, bs, _line_path(runner, rank_path.get((lay, rank), ""), plan)))
     skipped += plan.skipped(layouts) + selection.left_out(RUNNERS)
     kept = [ln for ln in book.lines.values() if selection.wants(ln.runner) or ln.runner == eager_check.KIND]
-    ordered = sorted(kept, key=lambda ln: (layouts.index(ln.layout), ln.runner != "multi_layer", ln.step,
+    ordered = sorted(kept, key=lambda ln: (layouts.index(ln.layout) if ln.layout in layouts else len(layouts), ln.runner != "multi_layer", ln.step,
                                            -1 if ln.bucket is None else ln.bucket, ln.path))
     rep = EngineReport("sglang", engine.version, engine.generation, engine.location, ordered, engine.stubbed, time.perf_counter() - t0,
                        skipped, plan.header(engine.version), selection)
@@ -242,6 +252,17 @@ def _build(engine: Engine, rank: _Rank, cfg: EngineConfig, with_one_graph: bool,
     tv = None if tv_mod is None else rank.call(target_verify.KIND, "building the target's verify graph runner (construction and capture)",
                                                target_verify.TargetVerify, tv_mod, tv_model_runner, runners)
     return _Built(runners, dd, tv)
+
+
+def _drive_other(other: OtherRunner, loaded: Any, book: _Book, layouts: tuple[ParallelLayout, ...], cfg: EngineConfig, plan: FillPlan,
+                 engine: Engine, per_request: dict) -> None:
+    """One of the other speculative graph runners on every rank it runs on: built on the rank's stand-ins, then replayed."""
+    for layout, d, tp_rank in other.ranks(layouts):
+        rank = _Rank(book, layout, d, tp_rank, "", plan, engine.location, preflight=False)
+        stand = rank.call(other.kind, "configuring the rank's stand-ins", EngineRunners.stand_ins, engine, layout, tp_rank, cfg)
+        built = None if stand is None else rank.call(other.kind, f"building {other.title} (construction and capture)", other.build, loaded, stand)
+        if built is not None:
+            rank.call(other.kind, f"{other.title}'s replays", other.check, built, layout, d, tp_rank, rank.line, per_request)
 
 
 def _replay_schedule(rank: _Rank, runners: EngineRunners, gather: Optional[logits_gather.GatherCheck], filled: dict, cfg: EngineConfig,

@@ -17,7 +17,7 @@ import copy
 import importlib
 import types
 import warnings
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 
@@ -85,8 +85,7 @@ class DecodeGraphBackend:
     def capture_one(self, shape_key: Any, run_once: Any, *args: Any, **kwargs: Any) -> None:
         bs = int(shape_key.size)
         self.handle.run_body_until_model(bs, run_once)
-        k = self.handle.tokens_per_bs
-        self.outputs[bs] = (torch.zeros(bs, k, dtype=torch.int64), torch.zeros(bs, k, dtype=torch.int64), torch.zeros(bs, k, dtype=torch.int64), None)
+        self.outputs[bs] = self.handle.fake_output(bs)
 
     def replay(self, shape_key: Any, forward_batch: Any) -> Any:
         bs = int(shape_key.size)
@@ -95,6 +94,11 @@ class DecodeGraphBackend:
 
     def can_run(self, forward_batch: Any, key: Any) -> bool:
         return int(getattr(key, "size", key)) in self.outputs
+
+    @contextlib.contextmanager
+    def capture_session(self, stream: Any) -> Iterator[None]:
+        """DecodeCudaGraphRunner's capture loop (a subclass's, frozen_kv_mtp.py) opens one around every bucket: no stream here."""
+        yield
 
 
 class DraftDecodeHandle:
@@ -168,6 +172,11 @@ class DraftDecodeHandle:
             "local_dp_buffer_len": dp.get("local_dp_buffer_len"),
         }
         self.captures[bs] = CaptureRecord(bs, host["num_tokens"], host, gpu_tokens, gpu_logprob)
+
+    def fake_output(self, bs: int) -> tuple:
+        """What the graph's outputs would hold (the draft chain's scores, tokens and parents; never read here)."""
+        k = self.tokens_per_bs
+        return torch.zeros(bs, k, dtype=torch.int64), torch.zeros(bs, k, dtype=torch.int64), torch.zeros(bs, k, dtype=torch.int64), None
 
     # ---- replay ----
     def on_replay(self, bs: int) -> None:

@@ -153,15 +153,7 @@ class RunnerHandle:
         return int(self.pruned_states(fb, torch.zeros(int(fb.input_ids.shape[0]), 1)).shape[0])
 
     def pruned_states(self, fb: Any, hidden: torch.Tensor) -> torch.Tensor:
-        """The hidden rows the engine's logits processor hands lm_head (LogitsProcessor._get_pruned_states)."""
-        lp = self.engine.modules["logits"]
-        meta = lp.LogitsMetadata.from_forward_batch(fb)
-        if not hasattr(lp.LogitsProcessor, "_get_pruned_states"):
-            # before 0.5.10 the selection is inline in forward(), whose branch for this mode feeds every hidden row
-            if not meta.forward_mode.is_draft_extend_v2():
-                raise EngineAdapterError(f"sglang {self.engine.version}: the capture batch is not DRAFT_EXTEND_V2 and the logits processor has no _get_pruned_states")
-            return hidden
-        return lp.LogitsProcessor._get_pruned_states(Strict("LogitsProcessor"), hidden, None, None, meta)[0]
+        return pruned_states(self.engine, fb, hidden)
 
     def launched_batch(self, bs: int) -> Any:
         """The forward batch a replay of bucket bs launches with: the capture-time one (its host values as baked),
@@ -308,6 +300,18 @@ class RunnerHandle:
         return BodyRecord(self.kind, self.step, live.raw_bs, snap.bs, self.tokens_per_bs, self.base_width or self.tokens_per_bs,
                           len(returned) == live.raw_bs and self.tokens_per_bs != 1, returned,
                           None if topk is None else [int(x) for x in topk[:, 0].tolist()], input_ids or [])
+
+
+def pruned_states(engine: Engine, fb: Any, hidden: torch.Tensor) -> torch.Tensor:
+    """The hidden rows the engine's logits processor hands lm_head for this batch (LogitsProcessor._get_pruned_states)."""
+    lp = engine.modules["logits"]
+    meta = lp.LogitsMetadata.from_forward_batch(fb)
+    if not hasattr(lp.LogitsProcessor, "_get_pruned_states"):
+        # before 0.5.10 the selection is inline in forward(), whose branch for this mode feeds every hidden row
+        if not meta.forward_mode.is_draft_extend_v2():
+            raise EngineAdapterError(f"sglang {engine.version}: the capture batch is not DRAFT_EXTEND_V2 and the logits processor has no _get_pruned_states")
+        return hidden
+    return lp.LogitsProcessor._get_pruned_states(Strict("LogitsProcessor"), hidden, None, None, meta)[0]
 
 
 def write_outputs(out: Any, ret: Any) -> None:

@@ -84,6 +84,26 @@ class VerifyGraphBackend(FakeGraphBackend):
         yield
 
 
+def run_capture(engine: Any, layout: ParallelLayout, tp_rank: int, mod: types.ModuleType, runner: Any) -> None:
+    """The engine's capture() of a DecodeCudaGraphRunner (or a subclass): the seq_lens fill and index-buffer reset before
+    it, every bucket largest first through capture_one_shape. What only a GPU has is stood in, in `mod` (the decode runner
+    module, where the capture loop reads it): the graph-capture stream and its memory probe; and the garbage-collector
+    freeze around it (no effect on what is captured); the progress bar is the stub tqdm's (stubs.py)."""
+    v = engine.version
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(patched(mod, "graph_capture", _no_graph_capture, v, "the graph-capture stream context"))
+        stack.enter_context(patched(mod, "get_available_gpu_memory", lambda *a, **k: 0.0, v, "the capture loop's memory probe"))
+        stack.enter_context(patched(mod, "freeze_gc", lambda *a, **k: contextlib.nullcontext(), v, "the gc freeze around capture"))
+        parallel = getattr(engine.modules.get("runtime_context"), "get_parallel", None)
+        if parallel is not None:  # the capture loop hands the TP group to torch.compile's model patch (not compiling here)
+            stack.enter_context(parallel().override(tp_group=FakeGroup("tp", layout.tp_size, tp_rank)))
+        if hasattr(mod, "get_or_create_global_graph_capture_stream"):
+            stack.enter_context(patched(mod, "get_or_create_global_graph_capture_stream", noop, v, "the capture stream"))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            runner.capture()
+
+
 @dataclasses.dataclass(frozen=True)
 class SpecBake:
     """What capture_prepare's spec_info (EagleVerifyInput) baked for one bucket: the verify's tree width and the
@@ -122,7 +142,7 @@ class TargetVerify:
         if not isinstance(mr.model, ModelProbe):
             raise EngineAdapterError(f"sglang {self.engine.version}: the verify runner's model_runner is not the adapter's")
         mr.model.handle = h
-        self._capture(mod, runner)
+        run_capture(self.engine, self.layout, self.tp_rank, mod, runner)
         self.spec: dict[int, SpecBake] = {}
         for bs in h.capture_bs:
             if bs not in h.captures:
@@ -133,24 +153,6 @@ class TargetVerify:
                 # fills them (they hold whatever the process-wide buffer pool last held) and the batch gathers with no
                 # host counts (checked on the host lists), so the record says "no gathered buffer"
                 h.captures[bs] = dataclasses.replace(h.captures[bs], global_num_tokens_gpu=None, global_num_tokens_for_logprob_gpu=None)
-
-    def _capture(self, mod: types.ModuleType, runner: Any) -> None:
-        """The engine's capture(): the seq_lens fill and index-buffer reset before it, every bucket largest first through
-        capture_one_shape. What only a GPU has is stood in: the graph-capture stream and its memory probe; and the
-        garbage-collector freeze around it (no effect on what is captured); the progress bar is the stub tqdm's (stubs.py)."""
-        v = self.engine.version
-        with contextlib.ExitStack() as stack:
-            stack.enter_context(patched(mod, "graph_capture", _no_graph_capture, v, "the graph-capture stream context"))
-            stack.enter_context(patched(mod, "get_available_gpu_memory", lambda *a, **k: 0.0, v, "the capture loop's memory probe"))
-            stack.enter_context(patched(mod, "freeze_gc", lambda *a, **k: contextlib.nullcontext(), v, "the gc freeze around capture"))
-            parallel = getattr(self.engine.modules.get("runtime_context"), "get_parallel", None)
-            if parallel is not None:  # the capture loop hands the TP group to torch.compile's model patch (not compiling here)
-                stack.enter_context(parallel().override(tp_group=FakeGroup("tp", self.layout.tp_size, self.tp_rank)))
-            if hasattr(mod, "get_or_create_global_graph_capture_stream"):
-                stack.enter_context(patched(mod, "get_or_create_global_graph_capture_stream", noop, v, "the capture stream"))
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                runner.capture()
 
     def _as_target(self, mr: Strict, model_runner_cls: type) -> None:
         """The draft stand-in as the target's model runner: not a draft worker, and without the optional features the
