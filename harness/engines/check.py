@@ -256,13 +256,21 @@ def _build(engine: Engine, rank: _Rank, cfg: EngineConfig, with_one_graph: bool,
 
 def _drive_other(other: OtherRunner, loaded: Any, book: _Book, layouts: tuple[ParallelLayout, ...], cfg: EngineConfig, plan: FillPlan,
                  engine: Engine, per_request: dict) -> None:
-    """One of the other speculative graph runners on every rank it runs on: built on the rank's stand-ins, then replayed."""
+    """One of the other speculative graph runners on every rank it runs on: built on the rank's stand-ins, then replayed;
+    then, per layout, its checks across the layout's DP groups (`finish`)."""
+    shared: dict[ParallelLayout, dict] = {}
+    ranks: dict[ParallelLayout, _Rank] = {}
     for layout, d, tp_rank in other.ranks(layouts):
-        rank = _Rank(book, layout, d, tp_rank, "", plan, engine.location, preflight=False)
+        rank = ranks.setdefault(layout, _Rank(book, layout, d, tp_rank, "", plan, engine.location, preflight=False))
+        rank = rank if rank.d == d else _Rank(book, layout, d, tp_rank, "", plan, engine.location, preflight=False)
         stand = rank.call(other.kind, "configuring the rank's stand-ins", EngineRunners.stand_ins, engine, layout, tp_rank, cfg)
         built = None if stand is None else rank.call(other.kind, f"building {other.title} (construction and capture)", other.build, loaded, stand)
         if built is not None:
-            rank.call(other.kind, f"{other.title}'s replays", other.check, built, layout, d, tp_rank, rank.line, per_request)
+            extra = (shared.setdefault(layout, {}),) if other.finish is not None else ()
+            rank.call(other.kind, f"{other.title}'s replays", other.check, built, layout, d, tp_rank, rank.line, per_request, *extra)
+    for layout, kept in shared.items():
+        first = ranks[layout]
+        first.call(other.kind, f"{other.title}: the checks across DP groups", other.finish, layout, kept, first.line)
 
 
 def _replay_schedule(rank: _Rank, runners: EngineRunners, gather: Optional[logits_gather.GatherCheck], filled: dict, cfg: EngineConfig,

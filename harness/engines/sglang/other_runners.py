@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
-from harness.engines.sglang import frozen_kv_mtp
+from harness.engines.sglang import frozen_kv_mtp, ragged_verify, uno
 from runners.parallel.layout import ParallelLayout
 
 
@@ -28,9 +28,11 @@ class OtherRunner:
     title: str  # the engine's class, as the report names it
     load: Callable[[Any], tuple[Any, str]]  # (what build needs, "") or (None, why it is n/a)
     build: Callable[[Any, Any], Any]  # (loaded, the rank's stand-ins) -> the driven runner
-    check: Callable[..., None]  # (runner, layout, d, tp_rank, line, per_request)
+    check: Callable[..., None]  # (runner, layout, d, tp_rank, line, per_request[, shared: where finish is given])
     never: tuple[str, ...] = ()  # what it never checks, with why: said in every report that drives it
     own_layouts: Optional[Callable[[], tuple[tuple[ParallelLayout, str], ...]]] = None  # runs only on these (layout, why)
+    # after every DP group of a layout: (layout, what the groups' checks kept in `shared`, line) -- checks across DP groups
+    finish: Optional[Callable[[ParallelLayout, dict, Callable], None]] = None
 
     def ranks(self, layouts: tuple[ParallelLayout, ...]) -> list[tuple[ParallelLayout, int, int]]:
         """(layout, DP group, its first TP rank) this runner is driven on: the first rank of every DP group."""
@@ -41,5 +43,8 @@ class OtherRunner:
 OTHER_RUNNERS: tuple[OtherRunner, ...] = (
     OtherRunner(frozen_kv_mtp.KIND, "FrozenKVMTPCudaGraphRunner", frozen_kv_mtp.load, frozen_kv_mtp.FrozenKVMTP, frozen_kv_mtp.check,
                 (frozen_kv_mtp.SEED_NOT_CHECKED,)),
+    OtherRunner(uno.KIND, "UnoDecodeCudaGraphRunner", uno.load, uno.Uno, uno.check, (uno.GATHER_NA, uno.TREE_MODE), uno.layouts),
+    OtherRunner(ragged_verify.KIND, "DecodeCudaGraphRunner in compact ragged-verify mode", ragged_verify.load, ragged_verify.RaggedVerify,
+                ragged_verify.check, ragged_verify.NEVER, ragged_verify.layouts, ragged_verify.finish),
 )
 KINDS: tuple[str, ...] = tuple(r.kind for r in OTHER_RUNNERS)

@@ -104,6 +104,24 @@ def run_capture(engine: Any, layout: ParallelLayout, tp_rank: int, mod: types.Mo
             runner.capture()
 
 
+def as_target(mr: Strict, model_runner_cls: type) -> None:
+    """The draft stand-in as the target's model runner: not a draft worker, and without the optional features the
+    verify runner asks about (LoRA, hierarchical sparse attention, n-gram embedding, pipeline proxies, hooks); the
+    release's own ModelRunner methods the runner calls are bound to it."""
+    for name, val in dict(is_draft_worker=False, lora_manager=None, hisparse_coordinator=None, use_ngram_embedding=False,
+                          ngram_embedding_manager=Strict("ngram_embedding_manager", enabled=False), capture_head_hooks=[],
+                          capture_tail_hooks=[], shared_read_done_event=None, get_pp_proxy_topk_size=lambda: None,
+                          get_pp_proxy_residual_num_blocks=lambda: None, get_pp_proxy_dspark_hidden_size=lambda: None,
+                          get_aux_hidden_states_width=lambda: None).items():
+        setattr(mr, name, val)
+    for name in BOUND_METHODS:
+        if hasattr(model_runner_cls, name):
+            setattr(mr, name, types.MethodType(getattr(model_runner_cls, name), mr))
+    mc = mr.model_config
+    mc.is_encoder_decoder = False
+    mc.hf_text_config = mc.hf_config
+
+
 @dataclasses.dataclass(frozen=True)
 class SpecBake:
     """What capture_prepare's spec_info (EagleVerifyInput) baked for one bucket: the verify's tree width and the
@@ -122,7 +140,7 @@ class TargetVerify:
         self.engine, self.cfg, self.layout, self.tp_rank = runners.engine, runners.cfg, runners.layout, runners.tp_rank
         attn = runners._attn()
         mr = runners._model_runner(runners.server_args, attn)
-        self._as_target(mr, model_runner_cls)
+        as_target(mr, model_runner_cls)
         Runner = mod.DecodeCudaGraphRunner
         runner = object.__new__(Runner)
         vars(runner)["capture"] = noop  # __init__ ends by capturing, before the adapter can stand in for the graph: capture() below
@@ -153,22 +171,6 @@ class TargetVerify:
                 # fills them (they hold whatever the process-wide buffer pool last held) and the batch gathers with no
                 # host counts (checked on the host lists), so the record says "no gathered buffer"
                 h.captures[bs] = dataclasses.replace(h.captures[bs], global_num_tokens_gpu=None, global_num_tokens_for_logprob_gpu=None)
-
-    def _as_target(self, mr: Strict, model_runner_cls: type) -> None:
-        """The draft stand-in as the target's model runner: not a draft worker, and without the optional features the
-        verify runner asks about (LoRA, hierarchical sparse attention, n-gram embedding, pipeline proxies, hooks)."""
-        for name, val in dict(is_draft_worker=False, lora_manager=None, hisparse_coordinator=None, use_ngram_embedding=False,
-                              ngram_embedding_manager=Strict("ngram_embedding_manager", enabled=False), capture_head_hooks=[],
-                              capture_tail_hooks=[], shared_read_done_event=None, get_pp_proxy_topk_size=lambda: None,
-                              get_pp_proxy_residual_num_blocks=lambda: None, get_pp_proxy_dspark_hidden_size=lambda: None,
-                              get_aux_hidden_states_width=lambda: None).items():
-            setattr(mr, name, val)
-        for name in BOUND_METHODS:
-            if hasattr(model_runner_cls, name):
-                setattr(mr, name, types.MethodType(getattr(model_runner_cls, name), mr))
-        mc = mr.model_config
-        mc.is_encoder_decoder = False
-        mc.hf_text_config = mc.hf_config
 
     @staticmethod
     def _spec_bake(fb: Any) -> SpecBake:
