@@ -23,7 +23,7 @@ import importlib
 import importlib.util
 import types
 import warnings
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 
@@ -136,11 +136,18 @@ class SpecBake:
 class TargetVerify:
     """One rank's target verify runner: built on build.py's stand-ins as the target's, captured per bucket, replayed."""
 
-    def __init__(self, mod: types.ModuleType, model_runner_cls: type, runners: Any) -> None:
+    def __init__(self, mod: types.ModuleType, model_runner_cls: type, runners: Any, kind: str = KIND, algorithm: str = "EAGLE",
+                 verify_input: Optional[Callable[..., Any]] = None) -> None:
+        """kind: the report lines' runner; algorithm: the target's speculative algorithm (its verify spec input: EAGLE's
+        EagleVerifyInput, the DFlash family's DFlashVerifyInput); verify_input(T, tokens, raw_bs): the replay batch's spec
+        input as that algorithm's worker builds it (None: EAGLE's, with its tree mask)."""
         self.engine, self.cfg, self.layout, self.tp_rank = runners.engine, runners.cfg, runners.layout, runners.tp_rank
+        self.kind, self.verify_input = kind, verify_input
         attn = runners._attn()
         mr = runners._model_runner(runners.server_args, attn)
         as_target(mr, model_runner_cls)
+        if algorithm != "EAGLE":
+            mr.spec_algorithm = self.engine.modules["spec_info"].SpeculativeAlgorithm.from_string(algorithm)
         Runner = mod.DecodeCudaGraphRunner
         runner = object.__new__(Runner)
         vars(runner)["capture"] = noop  # __init__ ends by capturing, before the adapter can stand in for the graph: capture() below
@@ -149,7 +156,7 @@ class TargetVerify:
                 warnings.simplefilter("ignore")
                 Runner.__init__(runner, mr)
         del vars(runner)["capture"]
-        self.handle = h = RunnerHandle(self.engine, KIND, 0, runner, attn, self.layout, self.cfg)
+        self.handle = h = RunnerHandle(self.engine, kind, 0, runner, attn, self.layout, self.cfg)
         runner.backend = VerifyGraphBackend(h)
         # the MoE dispatch mode switch around capture / replay (a DeepEP buffer, absent here): no token counts involved
         runner.deepep_adapter = Strict("deepep_adapter", capture=noop, replay=noop)
@@ -197,8 +204,11 @@ class TargetVerify:
         seq_lens = torch.tensor(live.seq_lens, dtype=torch.int64)
         tok = {k: torch.tensor(v, dtype=torch.int64) for k, v in live.tokens(T).items()}
         full = fbi.CaptureHiddenMode.FULL  # EAGLE's verify returns every token's hidden state to the draft
-        spec = types.SimpleNamespace(draft_token_num=T, num_tokens_per_req=T, capture_hidden_mode=full, hidden_states=None,
-                                     custom_mask=torch.ones(T * (int(seq_lens.sum()) + raw * T), dtype=torch.bool))
+        if self.verify_input is not None:
+            spec = self.verify_input(T, tok, raw)
+        else:
+            spec = types.SimpleNamespace(draft_token_num=T, num_tokens_per_req=T, capture_hidden_mode=full, hidden_states=None,
+                                         custom_mask=torch.ones(T * (int(seq_lens.sum()) + raw * T), dtype=torch.bool))
         fb = fbi.ForwardBatch(forward_mode=fbi.ForwardMode.TARGET_VERIFY, batch_size=raw, input_ids=tok["input_ids"],
                               req_pool_indices=torch.tensor(live.req_pool_indices, dtype=torch.int64), seq_lens=seq_lens,
                               out_cache_loc=tok["out_cache_loc"], seq_lens_sum=int(seq_lens.sum()))
@@ -236,17 +246,17 @@ def check(tv: TargetVerify, layout: ParallelLayout, d: int, tp_rank: int, line, 
         raw = dp_sizes[d]
         live = live_batch(raw, dp_sizes, it, T, cfg.max_running_requests)
         rec, returned, lanes = tv.replay(live)
-        ln = line(KIND, 0, rec.bs)
+        ln = line(tv.kind, 0, rec.bs)
         check_record(ln, layout, rec, returned, tp_rank, it, max(dp_sizes) if layout.require_mlp_tp_gather else raw, tokens_aligned=True)
-        w = {"layout": layout.describe(), "branch": layout.branch.value, "runner": KIND, "step": 0, "rank": tp_rank,
+        w = {"layout": layout.describe(), "branch": layout.branch.value, "runner": tv.kind, "step": 0, "rank": tp_rank,
              "iteration": it, "raw_bs": raw, "bs": rec.bs}
         for lr in lanes:
             check_lanes(ln.verdict, lr, live, seen, w, filled)
     check_captures(tv.handle, layout, tp_rank, line, verify_capture_bs(layout, cfg.capture_bs, cfg.max_running_requests, T), per_request,
                     own, padding_mode=None)
     for bs, spec in tv.spec.items():
-        v = line(KIND, 0, bs).verdict
-        w = {"layout": layout.describe(), "branch": layout.branch.value, "runner": KIND, "step": 0, "rank": tp_rank, "bs": bs}
+        v = line(tv.kind, 0, bs).verdict
+        w = {"layout": layout.describe(), "branch": layout.branch.value, "runner": tv.kind, "step": 0, "rank": tp_rank, "bs": bs}
         v.expect_equal("capture", "spec_info.draft_token_num", w, T, spec.draft_token_num, "the verify tree's tokens per request")
         if spec.hidden_rows is not None:
             v.expect_equal("capture", "spec_info.hidden_states rows", w, bs * T, spec.hidden_rows, "one per token (MTP models read them)")
