@@ -77,7 +77,12 @@ I7_OFF = ("I7 (eager vs graph): not run (`harness engine-check --eager`, or chec
 
 
 # The runners --runner selects among (the eager path is --eager's).
-RUNNERS: tuple[str, ...] = ("multi_layer", ONE_GRAPH, "single_layer", draft_decode.KIND, target_verify.KIND, *OTHER_KINDS)
+DEFAULT_RUNNERS: tuple[str, ...] = ("multi_layer", ONE_GRAPH, "single_layer", draft_decode.KIND, target_verify.KIND)
+RUNNERS: tuple[str, ...] = (*DEFAULT_RUNNERS, *OTHER_KINDS)
+# The speculative graph runners beyond EAGLE's run where --runner names them (docs/engine-check.md, "SGLang's other
+# speculative graph runners", says what each finds).
+OFF_BY_DEFAULT = ("off unless named, as --eager is: their findings (Frozen-KV MTP's DP bucket from 0.5.14, the ragged verify's DP tier "
+                  "from 0.5.16) would change the verdicts the release table and the tests of fixed releases pin")
 # In the pre-flight these mean the adapter cannot drive the release; anywhere later, a finding of the check that hit one.
 ADAPTER_ERRORS = (EngineAdapterError, MissingEngineAttribute)
 
@@ -164,7 +169,9 @@ def check_engine(engine: Engine, layouts: tuple[ParallelLayout, ...] = REPRESENT
     skipped += [f"target_verify (the target's TARGET_VERIFY graphs): n/a: {tv_why}"] if tv_why else []
     others = []  # the speculative graph runners beyond EAGLE's (sglang/other_runners.py): loaded, or n/a with the reason
     for other in OTHER_RUNNERS:
-        if selection.wants(other.kind):
+        if selection.runners is None or other.kind not in selection.runners:  # off unless named (OFF_BY_DEFAULT)
+            skipped.append(f"{other.kind} ({other.title}): not checked: {OFF_BY_DEFAULT}; --runner {other.kind} runs it")
+        else:
             loaded, why = other.load(engine)
             skipped += [f"{other.kind} ({other.title}): n/a: {why}"] if why else list(other.never)
             others += [] if loaded is None else [(other, loaded)]
@@ -231,7 +238,7 @@ def check_engine(engine: Engine, layouts: tuple[ParallelLayout, ...] = REPRESENT
                        "so for_logprob reaches no DP gather (the attn-TP gather layouts, the seed bug's, are among them)")
     check_parity(per_request, layouts, lambda lay, rank, runner, step, bs: book.line(
         lay, runner, step, bs, _line_path(runner, rank_path.get((lay, rank), ""), plan)))
-    skipped += plan.skipped(layouts) + selection.left_out(RUNNERS)
+    skipped += plan.skipped(layouts) + selection.left_out(DEFAULT_RUNNERS)
     kept = [ln for ln in book.lines.values() if selection.wants(ln.runner) or ln.runner == eager_check.KIND]
     ordered = sorted(kept, key=lambda ln: (layouts.index(ln.layout) if ln.layout in layouts else len(layouts), ln.runner != "multi_layer", ln.step,
                                            -1 if ln.bucket is None else ln.bucket, ln.path))
