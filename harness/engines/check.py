@@ -35,7 +35,7 @@ from harness.engines.report import EngineReport, Line
 from harness.engines.sglang import draft_decode, eager_check, logits_gather, one_graph, target_verify
 from harness.engines.sglang.build import EngineRunners
 from harness.engines.sglang.config import EngineConfig
-from harness.engines.sglang.errors import EngineAdapterError, MissingEngineAttribute
+from harness.engines.sglang.errors import EngineAdapterError, MissingEngineAttribute, ReleaseNotCovered
 from harness.engines.sglang.handle import ONE_GRAPH
 from harness.engines.sglang.loader import Engine
 from harness.engines.sglang.other_runners import KINDS as OTHER_KINDS
@@ -167,6 +167,7 @@ def check_engine(engine: Engine, layouts: tuple[ParallelLayout, ...] = REPRESENT
     skipped = list(SKIPPED) + ([] if eager else [I7_OFF])
     skipped += [f"draft_decode (EAGLEDraftCudaGraphRunner): n/a: {dd_why}"] if dd_why else []
     skipped += [f"target_verify (the target's TARGET_VERIFY graphs): n/a: {tv_why}"] if tv_why else []
+    na = {k: why for k, why in ((draft_decode.KIND, dd_why), (target_verify.KIND, tv_why)) if selection.runners and k in selection.runners}
     others = []  # the speculative graph runners beyond EAGLE's (sglang/other_runners.py): loaded, or n/a with the reason
     for other in OTHER_RUNNERS:
         if selection.runners is None or other.kind not in selection.runners:  # off unless named (OFF_BY_DEFAULT)
@@ -175,6 +176,10 @@ def check_engine(engine: Engine, layouts: tuple[ParallelLayout, ...] = REPRESENT
             loaded, why = other.load(engine)
             skipped += [f"{other.kind} ({other.title}): n/a: {why}"] if why else list(other.never)
             others += [] if loaded is None else [(other, loaded)]
+            na[other.kind] = why
+    # a run whose every named runner is n/a on this release checks nothing: n/a (exit 3), not a pass with no line
+    if selection.runners is not None and selection.runners <= set(na) and all(na[k] for k in selection.runners):
+        raise ReleaseNotCovered("; ".join(f"{k}: {na[k]}" for k in sorted(selection.runners)))
     gather_na: list[str] = []
     no_gather: list[str] = []  # layouts whose logits processor does not gather across DP groups
 
