@@ -212,6 +212,27 @@ def test_first_ragged_release_replays_the_capture_time_layout(tmp_path):
     assert not [f for f in _findings(doc) if f[0] == "dflash_verify"]
 
 
+def test_a_release_where_every_named_runner_is_na_is_na():
+    # 0.5.13.post1: Frozen-KV MTP on the CudaGraphRunner-era API, no UNO yet: exit 3 with both reasons, before anything is built
+    code = f"""
+        from pathlib import Path
+        from harness.engines.check import check_engine
+        from harness.engines.install import deps_dir
+        from harness.engines.options import Selection
+        from harness.engines.sglang.errors import ReleaseNotCovered
+        from harness.engines.sglang.loader import load
+        eng = load(Path({str(installed_release("0.5.13.post1"))!r}), deps_dir())
+        try:
+            check_engine(eng, selection=Selection(runners=frozenset({{"frozen_kv_mtp", "uno"}})))
+        except ReleaseNotCovered as e:
+            print("n/a:", e)
+    """
+    proc = run_python(textwrap.dedent(code), timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    last = proc.stdout.strip().splitlines()[-1]
+    assert last.startswith("n/a: frozen_kv_mtp: its FrozenKVMTPCudaGraphRunner has no execute") and "; uno: the release ships no" in last, last
+
+
 # ---- planted one-line bugs: two copies of the newest release, one plant per runner in each ----
 
 FROZEN = "sglang/srt/speculative/frozen_kv_mtp_cuda_graph_runner.py"

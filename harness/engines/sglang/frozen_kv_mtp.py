@@ -83,15 +83,20 @@ def load(engine: Any) -> tuple[Optional[Loaded], str]:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             mod = importlib.import_module(MODULE)
-            worker = importlib.import_module(WORKER)
-            utils = importlib.import_module(UTILS)
     except Exception as e:  # an import the release needs that our stubs lack: not a verdict
-        return None, f"importing {MODULE} and its worker raised {type(e).__name__}: {e}"
+        return None, f"importing {MODULE} raised {type(e).__name__}: {e}"
     cls = getattr(mod, "FrozenKVMTPCudaGraphRunner", None)
     missing = [n for n in ("execute", "capture_one_shape", "can_run_graph") if cls is None or not hasattr(cls, n)]
     if missing:
         return None, (f"its FrozenKVMTPCudaGraphRunner has no {', '.join(missing)}: the CudaGraphRunner-era API "
                       "(capture_one_batch_size / replay, 0.5.12 - 0.5.13.post1), which the adapter does not drive")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            worker = importlib.import_module(WORKER)
+            utils = importlib.import_module(UTILS)
+    except Exception as e:  # an import the release needs that our stubs lack: not a verdict
+        return None, f"importing {WORKER} raised {type(e).__name__}: {e}"
     worker_cls = getattr(worker, "FrozenKVMTPDraftWorker", None)
     absent = [n for n in WORKER_METHODS if worker_cls is None or not hasattr(worker_cls, n)]
     if absent:
