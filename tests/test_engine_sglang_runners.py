@@ -263,35 +263,38 @@ def _added(newest_run: dict, planted: dict) -> dict[str, set[tuple]]:
     return out
 
 
+# (file, old, new): two copies of the newest release, one plant per runner in each
+PLANTS_A = [
+    # Frozen-KV MTP: execute() no longer points padded rows at the reserved request slot 0
+    (FROZEN, "            buffers.req_pool_indices.zero_()\n", "            pass\n"),
+    # UNO: the draft graph's routing runs each request's anchor on the adapter and one proposal on the base model
+    (UNO_LORA, "segment_lens=[1, self.forward_width - 1] * batch_size,", "segment_lens=[self.forward_width - 1, 1] * batch_size,"),
+    # ragged verify: the live layout's token offsets are no longer staged into the captured layout
+    (DECODE, "        cap_layout.qo_indptr_device.copy_(live.qo_indptr_device)\n", "        pass\n"),
+    # DFlash: the verify graph is captured for a block one token narrower than the runner's width
+    (DECODE, "                positions=None,\n                draft_token_num=self.captured_req_width,\n",
+     "                positions=None,\n                draft_token_num=self.captured_req_width - 1,\n"),
+]
+PLANTS_B = [
+    # Frozen-KV MTP: the replay fill tells the DP gather requests where the graph baked tokens (bs * topk)
+    (FROZEN, "            buffers.global_num_tokens_gpu.fill_(expanded_bs)\n", "            buffers.global_num_tokens_gpu.fill_(bs)\n"),
+    # UNO: the draft pass selects the verify pass's graph (no adapter)
+    (UNO_RUNNER, '            return "lora"\n', '            return "nolora"\n'),
+    # ragged verify: the live layout is staged uncapped, so the tier's leftover tokens make rows longer than the verify window
+    (DECODE, "padded_bs=cap_layout.bs, cap=self.captured_req_width", "padded_bs=cap_layout.bs, cap=None"),
+    # DFlash: the verify input reports one token per request as its width
+    (DFLASH_INFO, "            self.num_tokens_per_req = int(self.draft_token_num)\n", "            self.num_tokens_per_req = 1\n"),
+]
+
+
 @pytest.fixture(scope="module")
 def planted_a(newest: Path, tmp_path_factory) -> dict:
-    target = _plant(newest, tmp_path_factory.mktemp("a") / "sglang", [
-        # Frozen-KV MTP: execute() no longer points padded rows at the reserved request slot 0
-        (FROZEN, "            buffers.req_pool_indices.zero_()\n", "            pass\n"),
-        # UNO: the draft graph's routing runs each request's anchor on the adapter and one proposal on the base model
-        (UNO_LORA, "segment_lens=[1, self.forward_width - 1] * batch_size,", "segment_lens=[self.forward_width - 1, 1] * batch_size,"),
-        # ragged verify: the live layout's token offsets are no longer staged into the captured layout
-        (DECODE, "        cap_layout.qo_indptr_device.copy_(live.qo_indptr_device)\n", "        pass\n"),
-        # DFlash: the verify graph is captured for a block one token narrower than the runner's width
-        (DECODE, "                positions=None,\n                draft_token_num=self.captured_req_width,\n",
-         "                positions=None,\n                draft_token_num=self.captured_req_width - 1,\n"),
-    ])
-    return _check(target, LAYOUTS)
+    return _check(_plant(newest, tmp_path_factory.mktemp("a") / "sglang", PLANTS_A), LAYOUTS)
 
 
 @pytest.fixture(scope="module")
 def planted_b(newest: Path, tmp_path_factory) -> dict:
-    target = _plant(newest, tmp_path_factory.mktemp("b") / "sglang", [
-        # Frozen-KV MTP: the replay fill tells the DP gather requests where the graph baked tokens (bs * topk)
-        (FROZEN, "            buffers.global_num_tokens_gpu.fill_(expanded_bs)\n", "            buffers.global_num_tokens_gpu.fill_(bs)\n"),
-        # UNO: the draft pass selects the verify pass's graph (no adapter)
-        (UNO_RUNNER, '            return "lora"\n', '            return "nolora"\n'),
-        # ragged verify: the live layout is staged uncapped, so the tier's leftover tokens make rows longer than the verify window
-        (DECODE, "padded_bs=cap_layout.bs, cap=self.captured_req_width", "padded_bs=cap_layout.bs, cap=None"),
-        # DFlash: the verify input reports one token per request as its width
-        (DFLASH_INFO, "            self.num_tokens_per_req = int(self.draft_token_num)\n", "            self.num_tokens_per_req = 1\n"),
-    ])
-    return _check(target, LAYOUTS)
+    return _check(_plant(newest, tmp_path_factory.mktemp("b") / "sglang", PLANTS_B), LAYOUTS)
 
 
 def test_frozen_plants_are_caught_on_its_lines(newest_run, planted_a, planted_b):

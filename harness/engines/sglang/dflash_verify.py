@@ -15,15 +15,14 @@ supports_ragged_verify), driven by ragged_verify.py; DFlash's draft graph is `DF
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import types
-import warnings
 from typing import Any, Optional
 
 import torch
 
 from harness.engines.lanes import FILLED_SINCE
 from harness.engines.sglang import target_verify
+from harness.engines.sglang.graph import import_quietly
 from harness.engines.sglang.target_verify import TargetVerify
 from runners.parallel.layout import ParallelLayout
 
@@ -50,12 +49,10 @@ def load(engine: Any) -> tuple[Optional[Loaded], str]:
     mod, mr_cls, why = target_verify.load(engine)
     if mod is None:
         return None, why
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            info = importlib.import_module(INFO)
-    except Exception as e:  # an import the release needs that our stubs lack: not a verdict
-        return None, f"importing {INFO} raised {type(e).__name__}: {e}"
+    mods, why = import_quietly(INFO)
+    if mods is None:
+        return None, why
+    info = mods[0]
     if not hasattr(info, "DFlashVerifyInput") or "DFLASH" not in engine.modules["spec_info"].SpeculativeAlgorithm.__members__:
         return None, "the release has no DFLASH algorithm with a DFlashVerifyInput"
     return Loaded(mod, mr_cls, info), ""

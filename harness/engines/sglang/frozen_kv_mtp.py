@@ -37,17 +37,24 @@ import torch
 
 from harness.engines.lanes import LaneRecord, LiveBatch, check_lanes, live_batch, schedule
 from harness.engines.record_checks import check_captures
-from harness.engines.sglang.draft_decode import DecodeGraphBackend
 from harness.engines.sglang.errors import EngineAdapterError
-from harness.engines.sglang.graph import recording_set_dp_buffer_len, run_until_model, stop_at_model, tolist
-from harness.engines.sglang.handle import pruned_states
+from harness.engines.sglang.graph import (
+    FakeGraphBackend,
+    import_quietly,
+    missing_api,
+    prepare_runner_module,
+    run_until_model,
+    stop_at_model,
+    tolist,
+)
+from harness.engines.sglang.handle import RunnerFacts, pruned_states
 from harness.engines.sglang.standins import Strict, noop, patched
 from harness.engines.sglang.target_verify import MODULE as DECODE_MODULE
 from harness.engines.sglang.target_verify import run_capture
 from harness.props.p1_records import check_replay_record, verify_capture_bs
 from harness.records import CaptureRecord, ReplayRecord
 from runners.draft_extend import SEQ_LEN_FILL_VALUE
-from runners.parallel.layout import Branch, ParallelLayout
+from runners.parallel.layout import ParallelLayout
 
 KIND = "frozen_kv_mtp"
 MODULE = "sglang.srt.speculative.frozen_kv_mtp_cuda_graph_runner"
@@ -79,33 +86,24 @@ def load(engine: Any) -> tuple[Optional[Loaded], str]:
     """The runner module, the worker class and the worker's helpers, or None with the reason the runner is not driven."""
     if importlib.util.find_spec(MODULE) is None:
         return None, "the release ships no speculative/frozen_kv_mtp_cuda_graph_runner.py (it is in 0.5.12 on)"
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            mod = importlib.import_module(MODULE)
-    except Exception as e:  # an import the release needs that our stubs lack: not a verdict
-        return None, f"importing {MODULE} raised {type(e).__name__}: {e}"
-    cls = getattr(mod, "FrozenKVMTPCudaGraphRunner", None)
-    missing = [n for n in ("execute", "capture_one_shape", "can_run_graph") if cls is None or not hasattr(cls, n)]
-    if missing:
+    mods, why = import_quietly(MODULE)
+    if mods is None:
+        return None, why
+    mod = mods[0]
+    missing = missing_api(getattr(mod, "FrozenKVMTPCudaGraphRunner", None), ("execute", "capture_one_shape", "can_run_graph"))
+    if missing:  # read before the worker is imported: 0.5.12's imports sgl_kernel unconditionally
         return None, (f"its FrozenKVMTPCudaGraphRunner has no {', '.join(missing)}: the CudaGraphRunner-era API "
                       "(capture_one_batch_size / replay, 0.5.12 - 0.5.13.post1), which the adapter does not drive")
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            worker = importlib.import_module(WORKER)
-            utils = importlib.import_module(UTILS)
-    except Exception as e:  # an import the release needs that our stubs lack: not a verdict
-        return None, f"importing {WORKER} raised {type(e).__name__}: {e}"
+    mods, why = import_quietly(WORKER, UTILS, "sglang.srt.speculative.spec_info")
+    if mods is None:
+        return None, why
+    worker, utils, spec_info = mods
     worker_cls = getattr(worker, "FrozenKVMTPDraftWorker", None)
-    absent = [n for n in WORKER_METHODS if worker_cls is None or not hasattr(worker_cls, n)]
+    absent = missing_api(worker_cls, WORKER_METHODS)
     if absent:
         return None, f"its FrozenKVMTPDraftWorker has no {', '.join(absent)} (the worker helpers the runner calls moved)"
-    if not hasattr(mod.set_dp_buffer_len, "__wrapped_engine__"):
-        mod.set_dp_buffer_len = recording_set_dp_buffer_len(mod.set_dp_buffer_len)
-    if hasattr(mod, "maybe_flashinfer_autotune_speculative_draft"):
-        mod.maybe_flashinfer_autotune_speculative_draft = noop  # flashinfer autotuning runs the body (the model) first
-    return Loaded(mod, worker_cls, utils, importlib.import_module("sglang.srt.speculative.spec_info")), ""
+    prepare_runner_module(mod, noop)
+    return Loaded(mod, worker_cls, utils, spec_info), ""
 
 
 @dataclasses.dataclass
@@ -134,7 +132,7 @@ def padded_request_seq_lens(seq_lens: list[int], raw_bs: int, bs: int, k: int) -
     return out
 
 
-class FrozenKVMTP:
+class FrozenKVMTP(RunnerFacts):
     """One rank's FrozenKVMTPCudaGraphRunner: built on build.py's stand-ins, captured per bucket, replayed."""
 
     def __init__(self, loaded: Loaded, runners: Any) -> None:
@@ -172,7 +170,7 @@ class FrozenKVMTP:
                 warnings.simplefilter("ignore")
                 Runner.__init__(runner, worker)
         del vars(runner)["capture"]
-        runner.backend = DecodeGraphBackend(self)
+        runner.backend = FakeGraphBackend(self)
         runner.deepep_adapter = Strict("deepep_adapter", capture=noop, replay=noop)  # the MoE dispatch mode switch (DeepEP)
         runner.device_module = Strict("device_module", is_current_stream_capturing=lambda: False, Event=lambda: Strict("event", record=noop))
         self.runner = runner
@@ -180,24 +178,6 @@ class FrozenKVMTP:
         for bs in self.capture_bs:
             if bs not in self.captures:
                 raise EngineAdapterError(f"sglang {self.engine.version}: capturing bucket {bs} of the frozen-KV MTP runner recorded nothing")
-
-    # ---- what the engine derived ----
-    @property
-    def tokens_per_bs(self) -> int:
-        r = vars(self.runner)  # captured_req_width from 0.5.16 on, num_tokens_per_bs before
-        width = r.get("captured_req_width", r.get("num_tokens_per_bs"))
-        if width is None:
-            raise EngineAdapterError(f"sglang {self.engine.version}: the frozen-KV MTP runner has neither captured_req_width nor num_tokens_per_bs")
-        return int(width)
-
-    @property
-    def capture_bs(self) -> list[int]:
-        return [int(b) for b in self.runner.capture_bs]
-
-    @property
-    def engine_branch(self) -> str:
-        r = self.runner
-        return (Branch.MLP_TP_GATHER if r.require_mlp_tp_gather else Branch.ATTN_TP_GATHER if r.require_attn_tp_gather else Branch.NEITHER).value
 
     # ---- capture ----
     def _model_forward(self, fb: Any, *args: Any, **kwargs: Any) -> Any:

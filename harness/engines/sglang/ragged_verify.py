@@ -26,19 +26,27 @@ linear-attention backends do), the graph; the planner's verify window is built h
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import importlib
 import importlib.util
 import types
 import warnings
-from typing import Any, Iterator, Optional
+from typing import Any, Optional
 
 import torch
 
 from harness.engines.lanes import LaneRecord, LiveBatch, check_lanes, live_batch, schedule
-from harness.engines.sglang.errors import EngineAdapterError, MissingEngineAttribute
-from harness.engines.sglang.graph import ModelProbe, recording_set_dp_buffer_len, run_until_model, stop_at_model, tolist
+from harness.engines.sglang.errors import EngineAdapterError
+from harness.engines.sglang.graph import (
+    FakeGraphBackend,
+    ModelProbe,
+    import_quietly,
+    missing_api,
+    prepare_runner_module,
+    run_until_model,
+    stop_at_model,
+    tolist,
+)
 from harness.engines.sglang.handle import pruned_states
 from harness.engines.sglang.standins import Strict, noop, patched
 from harness.engines.sglang.target_verify import MODEL_RUNNER, as_target, run_capture
@@ -88,21 +96,16 @@ class Loaded:
 def load(engine: Any) -> tuple[Optional[Loaded], str]:
     if importlib.util.find_spec(RV) is None:
         return None, "the release ships no speculative/ragged_verify.py (the compact ragged verify graphs are in 0.5.16 on)"
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            decode, rv, planner = (importlib.import_module(m) for m in (DECODE_MODULE, RV, PLANNER))
-            info, mr, env = (importlib.import_module(m) for m in (DFLASH_INFO, MODEL_RUNNER, "sglang.srt.environ"))
-    except Exception as e:  # an import the release needs that our stubs lack: not a verdict
-        return None, f"importing {RV} and DSpark's planner raised {type(e).__name__}: {e}"
-    cls = decode.DecodeCudaGraphRunner
+    mods, why = import_quietly(DECODE_MODULE, RV, PLANNER, DFLASH_INFO, MODEL_RUNNER, "sglang.srt.environ")
+    if mods is None:
+        return None, why
+    decode, rv, planner, info, mr, env = mods
     # _stage_ragged_verify_layout (the live layout refreshed into the captured one) is in 0.5.17 on; 0.5.16 has none (driven)
-    missing = [n for n in ("_capture_ragged_verify_layout", "_ragged_capture_slots", "execute") if not hasattr(cls, n)]
-    missing += [n for n in ("uniform_ragged_layout", "verify_layout_graph_num_tokens_floor") if not hasattr(planner, n)]
+    missing = missing_api(decode.DecodeCudaGraphRunner, ("_capture_ragged_verify_layout", "_ragged_capture_slots", "execute"))
+    missing += missing_api(planner, ("uniform_ragged_layout", "verify_layout_graph_num_tokens_floor"))
     if missing:
         return None, f"no {', '.join(missing)} (the compact ragged-verify API the adapter drives)"
-    if not hasattr(decode.set_dp_buffer_len, "__wrapped_engine__"):
-        decode.set_dp_buffer_len = recording_set_dp_buffer_len(decode.set_dp_buffer_len)
+    prepare_runner_module(decode, noop)
     return Loaded(decode, rv, planner, info, mr.ModelRunner, env.envs), ""
 
 
@@ -138,40 +141,6 @@ class TierReplay:
     seq_lens_sum: Optional[int]
 
 
-class TierBackend:
-    """The decode graph backend keyed by token tier: capture runs the body to the model, replay snapshots."""
-
-    def __init__(self, owner: "RaggedVerify") -> None:
-        self.owner = owner
-        self.outputs: dict[int, Any] = {}
-
-    def capture_one(self, shape_key: Any, run_once: Any, *args: Any, **kwargs: Any) -> None:
-        tier = int(shape_key.size)
-        self.owner.record_capture(tier, run_once)
-        lpo = self.owner.engine.modules["logits"].LogitsProcessorOutput
-        self.outputs[tier] = lpo(next_token_logits=torch.zeros(tier, self.owner.cfg.vocab_size), hidden_states=torch.zeros(tier, 1))
-
-    def replay(self, shape_key: Any, forward_batch: Any) -> Any:
-        self.owner.on_replay(int(shape_key.size))
-        return self.outputs[int(shape_key.size)]
-
-    def can_run(self, forward_batch: Any, key: Any) -> bool:
-        return int(getattr(key, "size", key)) in self.outputs
-
-    @contextlib.contextmanager
-    def capture_session(self, stream: Any) -> Iterator[None]:
-        yield
-
-    @contextlib.contextmanager
-    def replay_session(self) -> Iterator[None]:
-        yield
-
-    def __getattr__(self, name: str) -> Any:
-        if name.startswith("__"):
-            raise AttributeError(name)
-        raise MissingEngineAttribute(f"the engine read its graph backend's {name}, which the adapter's backend does not provide")
-
-
 class RaggedVerify:
     """One rank's target verify runner in compact ragged-verify mode: built on build.py's stand-ins, every tier captured."""
 
@@ -199,7 +168,7 @@ class RaggedVerify:
                 raise EngineAdapterError(f"sglang {self.engine.version}: the target's verify runner did not enter compact ragged-verify mode for {ALGORITHM}")
             self.runner = runner
             mr.decode_cuda_graph_runner = runner  # the planner reads the runner's tiers through the model runner
-            runner.backend = TierBackend(self)
+            runner.backend = FakeGraphBackend(self)  # keyed by tier: the graph key's size is the tier in this mode
             runner.deepep_adapter = Strict("deepep_adapter", capture=noop, replay=noop)
             runner.device_module = Strict("device_module", is_current_stream_capturing=lambda: False, Event=lambda: Strict("event", record=noop))
             if not isinstance(mr.model, ModelProbe):
@@ -222,7 +191,7 @@ class RaggedVerify:
     def on_model_forward(self, fb: Any) -> Any:
         stop_at_model(fb, self.runner.buffers, f"sglang {self.engine.version}: the ragged verify capture body")
 
-    def record_capture(self, tier: int, run_once: Any) -> None:
+    def run_body_until_model(self, tier: int, run_once: Any) -> None:
         fb, dp, gpu, gpu_lp = run_until_model(run_once, f"sglang {self.engine.version}: the ragged verify capture body for tier {tier}")
         lay = getattr(fb.spec_info, "ragged_verify_layout", None)
         if lay is None:
@@ -233,6 +202,11 @@ class RaggedVerify:
             tier, int(fb.batch_size), n, tolist(lay.verify_lens) or [], None if nt is None else [int(x) for x in nt],
             dp.get("global_dp_buffer_len"), dp.get("local_dp_buffer_len"), gpu, gpu_lp,
             int(pruned_states(self.engine, fb, torch.zeros(n, 1)).shape[0]), int(fb.next_token_logits_buffer.shape[0]), lay)
+
+    def fake_output(self, tier: int) -> Any:
+        """The verify graph's output: a logits row per token of the tier."""
+        lpo = self.engine.modules["logits"].LogitsProcessorOutput
+        return lpo(next_token_logits=torch.zeros(tier, self.cfg.vocab_size), hidden_states=torch.zeros(tier, 1))
 
     # ---- replay ----
     def on_replay(self, tier: int) -> None:

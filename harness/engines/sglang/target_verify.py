@@ -72,18 +72,6 @@ def _no_graph_capture(*args: Any, **kwargs: Any) -> Iterator[Any]:
     yield types.SimpleNamespace(stream=None)
 
 
-class VerifyGraphBackend(FakeGraphBackend):
-    """The decode graph backend as the decode runner opens it: capture and replay inside sessions (no stream here)."""
-
-    @contextlib.contextmanager
-    def capture_session(self, stream: Any) -> Iterator[None]:
-        yield
-
-    @contextlib.contextmanager
-    def replay_session(self) -> Iterator[None]:
-        yield
-
-
 def run_capture(engine: Any, layout: ParallelLayout, tp_rank: int, mod: types.ModuleType, runner: Any) -> None:
     """The engine's capture() of a DecodeCudaGraphRunner (or a subclass): the seq_lens fill and index-buffer reset before
     it, every bucket largest first through capture_one_shape. What only a GPU has is stood in, in `mod` (the decode runner
@@ -157,7 +145,7 @@ class TargetVerify:
                 Runner.__init__(runner, mr)
         del vars(runner)["capture"]
         self.handle = h = RunnerHandle(self.engine, kind, 0, runner, attn, self.layout, self.cfg)
-        runner.backend = VerifyGraphBackend(h)
+        runner.backend = FakeGraphBackend(h)
         # the MoE dispatch mode switch around capture / replay (a DeepEP buffer, absent here): no token counts involved
         runner.deepep_adapter = Strict("deepep_adapter", capture=noop, replay=noop)
         # torch.cpu has no graph capture or events: the body runs as the warm-up does (not capturing), and the events

@@ -25,20 +25,25 @@ F-wide draft runner and the target's EAGLE verify graphs) is not driven (`TREE_M
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import importlib
 import importlib.util
 import types
 import warnings
-from typing import Any, Iterator, Optional
+from typing import Any, Optional
 
 import torch
 
 from harness.engines.lanes import FILLED_SINCE, LaneRecord, LiveBatch, check_lanes, live_batch, schedule
 from harness.engines.record_checks import check_captures, check_record
 from harness.engines.sglang.errors import EngineAdapterError, MissingEngineAttribute
-from harness.engines.sglang.graph import ModelProbe, recording_set_dp_buffer_len
+from harness.engines.sglang.graph import (
+    FakeGraphBackend,
+    ModelProbe,
+    import_quietly,
+    missing_api,
+    prepare_runner_module,
+)
 from harness.engines.sglang.handle import RunnerHandle
 from harness.engines.sglang.standins import Strict, noop, patched
 from harness.engines.sglang.target_verify import MODEL_RUNNER, as_target, run_capture
@@ -78,19 +83,15 @@ class Loaded:
 def load(engine: Any) -> tuple[Optional[Loaded], str]:
     if importlib.util.find_spec(MODULE) is None:
         return None, "the release ships no speculative/uno_cuda_graph_runner.py (it is in 0.5.20 on)"
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            mod, info = importlib.import_module(MODULE), importlib.import_module(INFO)
-            decode, mr = importlib.import_module(DECODE_MODULE), importlib.import_module(MODEL_RUNNER)
-    except Exception as e:  # an import the release needs that our stubs lack: not a verdict
-        return None, f"importing {MODULE} raised {type(e).__name__}: {e}"
-    cls = getattr(mod, "UnoDecodeCudaGraphRunner", None)
-    missing = [n for n in ("capture_prepare", "capture_one_shape", "can_run_graph", "get_spec_info") if cls is None or not hasattr(cls, n)]
-    if missing or not hasattr(decode.DecodeCudaGraphRunner, "execute"):
-        return None, f"its UnoDecodeCudaGraphRunner has no {', '.join(missing) or 'execute'} (a graph-runner API the adapter does not drive)"
-    if not hasattr(decode.set_dp_buffer_len, "__wrapped_engine__"):
-        decode.set_dp_buffer_len = recording_set_dp_buffer_len(decode.set_dp_buffer_len)
+    mods, why = import_quietly(MODULE, INFO, DECODE_MODULE, MODEL_RUNNER)
+    if mods is None:
+        return None, why
+    mod, info, decode, mr = mods
+    missing = missing_api(getattr(mod, "UnoDecodeCudaGraphRunner", None), ("capture_prepare", "capture_one_shape", "can_run_graph",
+                                                                           "get_spec_info", "execute"))
+    if missing:
+        return None, f"its UnoDecodeCudaGraphRunner has no {', '.join(missing)} (a graph-runner API the adapter does not drive)"
+    prepare_runner_module(decode, noop)
     return Loaded(mod, decode, info, mr.ModelRunner), ""
 
 
@@ -132,41 +133,24 @@ class LoraRouting:
         raise MissingEngineAttribute(f"the engine used lora_manager.{name}, which the adapter's LoRA stand-in does not provide")
 
 
-class VariantBackend:
+class VariantBackend(FakeGraphBackend):
     """The decode graph backend with UNO's graph keys: one graph per (bucket, variant label), each a pass's handle."""
 
-    def __init__(self, owner: "Uno") -> None:
-        self.owner = owner
-        self.outputs: dict[tuple[int, Optional[str]], Any] = {}
-
     def capture_one(self, shape_key: Any, run_once: Any, *args: Any, **kwargs: Any) -> None:
-        bs, label = int(shape_key.size), shape_key.variant_label
-        h = self.owner.capturing = self.owner.pass_of(label)
+        owner, bs, label = self.handle, int(shape_key.size), shape_key.variant_label
+        h = owner.capturing = owner.pass_of(label)
         h.run_body_until_model(bs, run_once)
-        self.owner.routing[(label, bs)] = self.owner.lora.active()
+        owner.routing[(label, bs)] = owner.lora.active()
         self.outputs[(bs, label)] = h.fake_output(bs)
 
     def replay(self, shape_key: Any, forward_batch: Any) -> Any:
         bs, label = int(shape_key.size), shape_key.variant_label
-        self.owner.launched = label
-        self.owner.pass_of(label).on_replay(bs)
+        self.handle.launched = label
+        self.handle.pass_of(label).on_replay(bs)
         return self.outputs[(bs, label)]
 
     def can_run(self, forward_batch: Any, key: Any) -> bool:
         return (int(key.size), key.variant_label) in self.outputs
-
-    @contextlib.contextmanager
-    def capture_session(self, stream: Any) -> Iterator[None]:
-        yield
-
-    @contextlib.contextmanager
-    def replay_session(self) -> Iterator[None]:
-        yield
-
-    def __getattr__(self, name: str) -> Any:
-        if name.startswith("__"):
-            raise AttributeError(name)
-        raise MissingEngineAttribute(f"the engine read its graph backend's {name}, which the adapter's backend does not provide")
 
 
 class Uno:
