@@ -10,7 +10,8 @@ checks our runners pass (record_checks.py): I1 capture = replay, I2 rows fed to 
 for_logprob, I3 branch parity, I4 buffer = Σ for_logprob, I5 for_logprob vs num_tokens, I6
 single- vs multi-layer, and the padding rules. The graphed draft decode and the target's verify
 graphs (sglang/draft_decode.py, sglang/target_verify.py) get the same record and lane checks on
-their own lines.
+their own lines, and so do, where --runner names them, the speculative graph runners beyond EAGLE's
+(sglang/other_runners.py: Frozen-KV MTP, UNO, the ragged verify, DFlash's verify).
 
 What a run checks is an options.Selection: the device paths (sglang/paths.py: which fill code
 each replay runs) and the runners. Every call into the engine goes through guard.guarded: a
