@@ -100,10 +100,23 @@ class BaseCudaGraphRunner:
     def _body(self, fb: ForwardBatch) -> Any:
         raise NotImplementedError
 
+    @property
+    def attn_backend(self) -> Any:
+        """The attention backend the body attends with (the draft worker's, the target's)."""
+        raise NotImplementedError
+
+    def init_capture_metadata(self, fb: ForwardBatch) -> None:
+        """Names a bucket's batch to a backend that plans on the host, before the warm-ups, as the engine's runners call
+        the backend's capture init: its passes then plan the bucket's graph wrappers, never an eager pass's."""
+        init = getattr(self.attn_backend, "init_forward_metadata_capture_cuda_graph", None)
+        if init is not None:
+            init(fb)
+
     def capture(self) -> None:
         for bs in reversed(self.capture_bs):
             fb = self.get_forward_batch(bs).frozen()
             self.capture_batches[bs] = fb
+            self.init_capture_metadata(fb)
             for _ in range(2):  # warm-up, as the engine does, with the capture-time metadata
                 self.backend.warmup(lambda fb=fb: self._body(fb))
                 self.comm.barrier(Group.WORLD)

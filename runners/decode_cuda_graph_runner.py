@@ -31,6 +31,7 @@ from runners.config import ModelConfig, SpecConfig, draft_input_hidden_size
 from runners.dp_metadata import gathered_metadata
 from runners.draft_extend import SEQ_LEN_FILL_VALUE
 from runners.graph.backend import GraphBackend
+from runners.graph.host import host_mirror
 from runners.memory import lane_padding
 from runners.parallel.dp_attention import RankContext
 from runners.replay_copy import grouped_foreach_copy_
@@ -99,14 +100,14 @@ class DecodeCudaGraphRunner(BaseCudaGraphRunner):
         self.positions = torch.zeros(n, **i64)
         self.out_cache_loc = torch.full((n,), self.pad.slot, **i64)
         self.seq_lens = torch.full((self.max_bs,), SEQ_LEN_FILL_VALUE, **i64)
-        self.seq_lens_cpu = torch.full((self.max_bs,), SEQ_LEN_FILL_VALUE, dtype=torch.int64)  # host mirrors: a host plan reads these
+        self.seq_lens_cpu = host_mirror(torch.full((self.max_bs,), SEQ_LEN_FILL_VALUE, dtype=torch.int64))  # host mirrors: a host plan reads these
         self.req_pool_indices = torch.full((self.max_bs,), self.pad.row, **i64)
         self.extend_seq_lens = torch.full((self.max_bs,), self.T, **i64)
         self.extend_start_loc = torch.arange(self.max_bs, **i64) * self.T
-        self.chain_mask_cpu = chain_mask(self.T)  # the canonical mask of a padded lane
-        self.chain_mask = self.chain_mask_cpu.to(dev)
+        self.chain_mask_cpu = host_mirror(chain_mask(self.T))  # the canonical mask of a padded lane
+        self.chain_mask = chain_mask(self.T).to(dev)  # its own memory on CPU too: a device tensor is never a host mirror
         self.custom_mask = self.chain_mask.repeat(self.max_bs, 1, 1)
-        self.custom_mask_cpu = self.chain_mask_cpu.repeat(self.max_bs, 1, 1)
+        self.custom_mask_cpu = host_mirror(self.chain_mask_cpu.repeat(self.max_bs, 1, 1))
         rows = n if target is not None else 0  # outputs only; a metadata-only runner never runs the body
         # what the draft reads: the last hidden states, or an EAGLE3 draft's captured layers side by side
         self.hidden_buffer = torch.zeros(rows, draft_input_hidden_size(cfg, spec), dtype=cfg.torch_dtype, device=dev)
@@ -155,6 +156,10 @@ class DecodeCudaGraphRunner(BaseCudaGraphRunner):
     @property
     def comm(self):
         return self.ctx.comm
+
+    @property
+    def attn_backend(self):
+        return self.target.attn
 
     # ---- replay (§6.4) ----
     def _copy_live_inputs(self, inp: VerifyInputs) -> None:

@@ -24,6 +24,7 @@ from runners.base_cuda_graph_runner import BaseCudaGraphRunner, compute_capture_
 from runners.batch import ForwardBatch
 from runners.draft_extend import SEQ_LEN_FILL_VALUE, DraftExtendInputs, DraftWorker, StepOutputs, draft_extend_step
 from runners.graph.backend import GraphBackend
+from runners.graph.host import host_mirror
 from runners.memory import LanePadding
 
 
@@ -61,7 +62,7 @@ class DraftExtendInputBuffers:
             positions=torch.zeros(n, **i64),
             out_cache_loc=torch.full((n,), worker.pad.slot, **i64),
             seq_lens=torch.full((max_bs,), SEQ_LEN_FILL_VALUE, **i64),
-            seq_lens_cpu=torch.full((max_bs,), SEQ_LEN_FILL_VALUE, dtype=torch.int64),
+            seq_lens_cpu=host_mirror(torch.full((max_bs,), SEQ_LEN_FILL_VALUE, dtype=torch.int64)),
             req_pool_indices=torch.full((max_bs,), worker.pad.row, **i64),
             num_correct_drafts=torch.ones(max_bs, **i64),
             num_accept_tokens=torch.ones(max_bs, **i64),
@@ -117,6 +118,10 @@ class DraftExtendCudaGraphRunner(BaseCudaGraphRunner):
     def _step(self, fb: ForwardBatch) -> StepOutputs:
         """The step body this runner graphs (vLLM's shapes: the ragged body, the PIECEWISE one)."""
         return draft_extend_step(self.worker, self.step, fb)
+
+    @property
+    def attn_backend(self):
+        return self.worker.attn
 
     def _body(self, fb: ForwardBatch) -> StepOutputs:
         out = self._step(fb)

@@ -25,6 +25,7 @@ from runners.eagle_draft import (
     require_draft_decode,
 )
 from runners.graph.backend import GraphBackend
+from runners.graph.host import host_mirror
 from runners.replay_copy import grouped_foreach_copy_
 
 
@@ -50,7 +51,7 @@ class EAGLEDraftCudaGraphRunner(BaseCudaGraphRunner):
         self.positions = torch.zeros(n, **i64)
         self.out_cache_loc = torch.full((n * self.steps,), worker.pad.slot, **i64)
         self.seq_lens = torch.full((self.max_bs,), SEQ_LEN_FILL_VALUE, **i64)
-        self.seq_lens_cpu = torch.full((self.max_bs,), SEQ_LEN_FILL_VALUE, dtype=torch.int64)  # host mirror: a host plan reads it
+        self.seq_lens_cpu = host_mirror(torch.full((self.max_bs,), SEQ_LEN_FILL_VALUE, dtype=torch.int64))  # host mirror: a host plan reads it
         self.req_pool_indices = torch.full((self.max_bs,), worker.pad.row, **i64)
         self.topk_p = torch.zeros(self.max_bs, self.topk, dtype=torch.float32, device=dev)
         self.topk_index = torch.zeros(self.max_bs, self.topk, **i64)
@@ -109,6 +110,10 @@ class EAGLEDraftCudaGraphRunner(BaseCudaGraphRunner):
     @property
     def comm(self):
         return self.worker.ctx.comm
+
+    @property
+    def attn_backend(self):
+        return self.attn
 
     # ---- replay (§6.4) ----
     def _fill_padded_lanes(self, raw_bs: int, bs: int) -> None:

@@ -277,6 +277,7 @@ class OneGraphMultiLayerEagleMultiStepDraftExtendCudaGraphRunner(MultiLayerEagle
             batches = [r.get_forward_batch(bs).frozen() for r in self.runners]
             for r, fb in zip(self.runners, batches, strict=True):
                 r.capture_batches[bs] = fb
+                r.init_capture_metadata(fb)
             for _ in range(2):
                 self.backend.warmup(lambda bs=bs, batches=batches: self._body(bs, batches))
                 first.comm.barrier(Group.WORLD)

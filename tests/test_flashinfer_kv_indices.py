@@ -14,7 +14,7 @@ import torch
 
 from runners.attention.flashinfer_backend import FlashInferAttnBackend, _Group, _PlanArgs, _Wrapper
 from runners.attention.flashinfer_kv_indices import write_kv_indices
-from runners.attention.flashinfer_plan import kv_index_plan
+from runners.attention.flashinfer_plan import WrapperSet, kv_index_plan
 from runners.attention.triton_launch import interpreter_error
 
 
@@ -130,7 +130,7 @@ def test_a_plan_whose_staged_lengths_were_overwritten_is_refused():
     lengths, so its upload is refused (the backend's guard, driven on CPU: it runs before any flashinfer call)."""
     backend = FlashInferAttnBackend.__new__(FlashInferAttnBackend)  # no CUDA here: only the staging path runs
     event = SimpleNamespace(synchronize=lambda: None, record=lambda: None)
-    group = _Group("prefill", 2, 1, 10, torch.zeros(6, dtype=torch.int32), torch.zeros(1, 10, dtype=torch.int32),
+    group = _Group("prefill", WrapperSet.GRAPH, 2, 1, 10, torch.zeros(6, dtype=torch.int32), torch.zeros(1, 10, dtype=torch.int32),
                    torch.zeros(6, dtype=torch.int32), event)
     first = _PlanArgs(kv_index_plan([1, 1], [2, 3], 10, 10, out=backend._staging(group)), group.staged)
     second = _PlanArgs(kv_index_plan([1, 1], [4, 5], 10, 10, out=backend._staging(group)), group.staged)

@@ -21,7 +21,7 @@ from harness.ranks.simulated import RankFailure, SimulatedWorld  # noqa: E402
 from harness.run import loop  # noqa: E402
 from harness.run.observe import RunnerObserver  # noqa: E402
 from runners.attention import BACKENDS  # noqa: E402
-from runners.attention.flashinfer_backend import TREE_MASK_UNSUPPORTED  # noqa: E402
+from runners.attention.kinds import TREE_MASK_UNSUPPORTED  # noqa: E402
 from runners.config import ModelConfig, SpecConfig  # noqa: E402
 from runners.decode_cuda_graph_runner import DecodeCudaGraphRunner, verify_inputs  # noqa: E402
 from runners.graph.backend import GraphBackend  # noqa: E402

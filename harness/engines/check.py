@@ -10,7 +10,8 @@ checks our runners pass (record_checks.py): I1 capture = replay, I2 rows fed to 
 for_logprob, I3 branch parity, I4 buffer = Σ for_logprob, I5 for_logprob vs num_tokens, I6
 single- vs multi-layer, and the padding rules. The graphed draft decode and the target's verify
 graphs (sglang/draft_decode.py, sglang/target_verify.py) get the same record and lane checks on
-their own lines.
+their own lines, and so do, where --runner names them, the speculative graph runners beyond EAGLE's
+(sglang/other_runners.py: Frozen-KV MTP, UNO, the ragged verify, DFlash's verify).
 
 What a run checks is an options.Selection: the device paths (sglang/paths.py: which fill code
 each replay runs) and the runners. Every call into the engine goes through guard.guarded: a
@@ -35,9 +36,11 @@ from harness.engines.report import EngineReport, Line
 from harness.engines.sglang import draft_decode, eager_check, logits_gather, one_graph, target_verify
 from harness.engines.sglang.build import EngineRunners
 from harness.engines.sglang.config import EngineConfig
-from harness.engines.sglang.errors import EngineAdapterError, MissingEngineAttribute
+from harness.engines.sglang.errors import EngineAdapterError, MissingEngineAttribute, ReleaseNotCovered
 from harness.engines.sglang.handle import ONE_GRAPH
 from harness.engines.sglang.loader import Engine
+from harness.engines.sglang.other_runners import KINDS as OTHER_KINDS
+from harness.engines.sglang.other_runners import OTHER_RUNNERS, OtherRunner
 from harness.engines.sglang.paths import FillPlan
 from harness.props.p1_records import P1
 from harness.verdict import Verdict
@@ -76,7 +79,12 @@ I7_OFF = ("I7 (eager vs graph): not run (`harness engine-check --eager`, or chec
 
 
 # The runners --runner selects among (the eager path is --eager's).
-RUNNERS: tuple[str, ...] = ("multi_layer", ONE_GRAPH, "single_layer", draft_decode.KIND, target_verify.KIND)
+DEFAULT_RUNNERS: tuple[str, ...] = ("multi_layer", ONE_GRAPH, "single_layer", draft_decode.KIND, target_verify.KIND)
+RUNNERS: tuple[str, ...] = (*DEFAULT_RUNNERS, *OTHER_KINDS)
+# The speculative graph runners beyond EAGLE's run where --runner names them (docs/engine-check.md, "SGLang's other
+# speculative graph runners", says what each finds).
+OFF_BY_DEFAULT = ("off unless named, as --eager is: their findings (Frozen-KV MTP's DP bucket from 0.5.14, the ragged verify's DP tier "
+                  "from 0.5.16) would change the verdicts the release table and the tests of fixed releases pin")
 # In the pre-flight these mean the adapter cannot drive the release; anywhere later, a finding of the check that hit one.
 ADAPTER_ERRORS = (EngineAdapterError, MissingEngineAttribute)
 
@@ -161,6 +169,19 @@ def check_engine(engine: Engine, layouts: tuple[ParallelLayout, ...] = REPRESENT
     skipped = list(SKIPPED) + ([] if eager else [I7_OFF])
     skipped += [f"draft_decode (EAGLEDraftCudaGraphRunner): n/a: {dd_why}"] if dd_why else []
     skipped += [f"target_verify (the target's TARGET_VERIFY graphs): n/a: {tv_why}"] if tv_why else []
+    na = {k: why for k, why in ((draft_decode.KIND, dd_why), (target_verify.KIND, tv_why)) if selection.runners and k in selection.runners}
+    others = []  # the speculative graph runners beyond EAGLE's (sglang/other_runners.py): loaded, or n/a with the reason
+    for other in OTHER_RUNNERS:
+        if selection.runners is None or other.kind not in selection.runners:  # off unless named (OFF_BY_DEFAULT)
+            skipped.append(f"{other.kind} ({other.title}): not checked: {OFF_BY_DEFAULT}; --runner {other.kind} runs it")
+        else:
+            loaded, why = other.load(engine)
+            skipped += [f"{other.kind} ({other.title}): n/a: {why}"] if why else list(other.never)
+            others += [] if loaded is None else [(other, loaded)]
+            na[other.kind] = why
+    # a run whose every named runner is n/a on this release checks nothing: n/a (exit 3), not a pass with no line
+    if selection.runners is not None and selection.runners <= set(na) and all(na[k] for k in selection.runners):
+        raise ReleaseNotCovered("; ".join(f"{k}: {na[k]}" for k in sorted(selection.runners)))
     gather_na: list[str] = []
     no_gather: list[str] = []  # layouts whose logits processor does not gather across DP groups
 
@@ -211,6 +232,8 @@ def check_engine(engine: Engine, layouts: tuple[ParallelLayout, ...] = REPRESENT
         if gather is not None:
             why = first_rank.call("multi_layer", "the logits processor's DP gather", gather.check, first_rank.line, wl)
             gather_na += [why] if why else []
+    for other, loaded in others:
+        _drive_other(other, loaded, book, layouts, cfg, plan, engine, per_request)
     skipped += sorted(set(gather_na))
     if one_graph.available(engine) and plan.one_graph and selection.wants(ONE_GRAPH):
         skipped.append(ONE_GRAPH_LOGITS if one_graph.flag_on(engine) else ONE_GRAPH_OFF)
@@ -222,9 +245,9 @@ def check_engine(engine: Engine, layouts: tuple[ParallelLayout, ...] = REPRESENT
                        "so for_logprob reaches no DP gather (the attn-TP gather layouts, the seed bug's, are among them)")
     check_parity(per_request, layouts, lambda lay, rank, runner, step, bs: book.line(
         lay, runner, step, bs, _line_path(runner, rank_path.get((lay, rank), ""), plan)))
-    skipped += plan.skipped(layouts) + selection.left_out(RUNNERS)
+    skipped += plan.skipped(layouts) + selection.left_out(DEFAULT_RUNNERS)
     kept = [ln for ln in book.lines.values() if selection.wants(ln.runner) or ln.runner == eager_check.KIND]
-    ordered = sorted(kept, key=lambda ln: (layouts.index(ln.layout), ln.runner != "multi_layer", ln.step,
+    ordered = sorted(kept, key=lambda ln: (layouts.index(ln.layout) if ln.layout in layouts else len(layouts), ln.runner != "multi_layer", ln.step,
                                            -1 if ln.bucket is None else ln.bucket, ln.path))
     rep = EngineReport("sglang", engine.version, engine.generation, engine.location, ordered, engine.stubbed, time.perf_counter() - t0,
                        skipped, plan.header(engine.version), selection)
@@ -243,6 +266,25 @@ def _build(engine: Engine, rank: _Rank, cfg: EngineConfig, with_one_graph: bool,
     tv = None if tv_mod is None else rank.call(target_verify.KIND, "building the target's verify graph runner (construction and capture)",
                                                target_verify.TargetVerify, tv_mod, tv_model_runner, runners)
     return _Built(runners, dd, tv)
+
+
+def _drive_other(other: OtherRunner, loaded: Any, book: _Book, layouts: tuple[ParallelLayout, ...], cfg: EngineConfig, plan: FillPlan,
+                 engine: Engine, per_request: dict) -> None:
+    """One of the other speculative graph runners on every rank it runs on: built on the rank's stand-ins, then replayed;
+    then, per layout, its checks across the layout's DP groups (`finish`)."""
+    shared: dict[ParallelLayout, dict] = {}
+    ranks: dict[ParallelLayout, _Rank] = {}
+    for layout, d, tp_rank in other.ranks(layouts):
+        rank = ranks.setdefault(layout, _Rank(book, layout, d, tp_rank, "", plan, engine.location, preflight=False))
+        rank = rank if rank.d == d else _Rank(book, layout, d, tp_rank, "", plan, engine.location, preflight=False)
+        stand = rank.call(other.kind, "configuring the rank's stand-ins", EngineRunners.stand_ins, engine, layout, tp_rank, cfg)
+        built = None if stand is None else rank.call(other.kind, f"building {other.title} (construction and capture)", other.build, loaded, stand)
+        if built is not None:
+            extra = (shared.setdefault(layout, {}),) if other.finish is not None else ()
+            rank.call(other.kind, f"{other.title}'s replays", other.check, built, layout, d, tp_rank, rank.line, per_request, *extra)
+    for layout, kept in shared.items():
+        first = ranks[layout]
+        first.call(other.kind, f"{other.title}: the checks across DP groups", other.finish, layout, kept, first.line)
 
 
 def _replay_schedule(rank: _Rank, runners: EngineRunners, gather: Optional[logits_gather.GatherCheck], filled: dict, cfg: EngineConfig,

@@ -37,7 +37,7 @@ class Line:
 
     @property
     def label(self) -> str:
-        name = f"{self.runner}[{self.step}]" if self.runner.startswith("multi_layer") else self.runner
+        name = f"{self.runner}[{self.step}]" if self.runner.startswith("multi_layer") or self.step else self.runner
         return f"{name}:{self.path}" if self.path else name
 
     def identity(self) -> dict[str, Any]:

@@ -21,6 +21,8 @@ from harness.mutants import (
     eagle3,
     fused_fill,
     host_mirror,
+    host_planned,
+    kept_views,
     logprobs,
     memory,
     mixed_modes,
@@ -32,6 +34,7 @@ from harness.mutants import (
     shape,
     sharding,
     spec_loop,
+    triton_kernel,
     verify,
     verify_fill,
     vllm_shapes,
@@ -43,7 +46,8 @@ CATALOG: tuple[Mutant, ...] = (
     *draft_extend.MUTANTS, *spec_loop.MUTANTS, *memory.MUTANTS, *verify_fill.MUTANTS, *recorded_graph.MUTANTS,
     *decode.MUTANTS, *draft_attention.MUTANTS, *shape.MUTANTS, *verify.MUTANTS, *dp.MUTANTS, *host_mirror.MUTANTS,
     *replay_fill.MUTANTS, *padding_rule.MUTANTS, *fused_fill.MUTANTS, *sharding.MUTANTS,
-    *one_graph.MUTANTS, *eagle3.MUTANTS, *draft_parallel.MUTANTS, *logprobs.MUTANTS, *mixed_modes.MUTANTS, *overlap.MUTANTS, *vllm_shapes.MUTANTS,
+    *one_graph.MUTANTS, *eagle3.MUTANTS, *draft_parallel.MUTANTS, *logprobs.MUTANTS, *mixed_modes.MUTANTS, *overlap.MUTANTS, *vllm_shapes.MUTANTS, *host_planned.MUTANTS, *triton_kernel.MUTANTS,
+    *kept_views.MUTANTS,
 )
 """Every built-in mutant, one module per family, in the order `harness mutants` reports them (`harness.MUTANTS`)."""
 BY_ID: dict[str, Mutant] = {m.id: m for m in CATALOG}

@@ -1,7 +1,9 @@
 """Mutants of the graph runners' host mirrors (seq_lens_cpu, the verify's custom_mask_cpu): what a host-planned
-backend (flashinfer) plans a replay with instead of reading the device buffers back. flashinfer runs on a GPU only,
-so the CPU sees a stale mirror through P1 (the replay record's host mirror against the device buffers); on the GPU a
-stale mirror is a plan for other lengths than the graph reads (P3)."""
+backend (flashinfer, torch_planned) plans a replay with instead of reading the device buffers back. P1 sees a stale
+mirror on every case (the replay record's host mirror against the device buffers); where live lanes get a stale
+length, the torch_planned cases (probes planned-cases, planned-loop) see the plan for other lengths than the graph reads (P3), as
+flashinfer's on a GPU. A stale padded lane's plan is harmless to the real rows there: the lanes' key ranges follow
+each other, the padded ones last."""
 from __future__ import annotations
 
 from harness.mutants.base import Mutant, keeps
@@ -23,7 +25,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "draft-extend replay copy-in writes the live seq_lens to the device buffer but not to its host mirror: a host-planned backend plans every live lane with the fill length",
         "host metadata out of step with the device",
         (_keeps_host(MultiLayerEagleDraftExtendCudaGraphRunner, "_copy_live_inputs"),),
-        ("metadata-dp", "metadata-grid"),  # P1 (host mirror)
+        ("metadata-dp", "metadata-grid", "planned-cases"),  # P1 (host mirror); P3, P4 (torch_planned plans the stale lengths)
     ),
     Mutant(
         "verify-host-seq-lens-stale-padded",
@@ -58,7 +60,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "the TARGET_VERIFY replay copy-in writes seq_lens to the device buffer but not to its host mirror",
         "host metadata out of step with the device",
         (_keeps_host(DecodeCudaGraphRunner, "_copy_live_inputs"),),
-        ("metadata-dp", "metadata-grid"),  # P1 (host mirror)
+        ("metadata-dp", "metadata-grid", "planned-loop"),  # P1 (host mirror); P3, P5 (the verify replays torch_planned plans stale)
     ),
     Mutant(
         "verify-host-mask-stale-padded",

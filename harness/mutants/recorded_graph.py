@@ -4,6 +4,8 @@ from __future__ import annotations
 from dataclasses import replace
 from unittest import mock
 
+import torch
+
 from harness.mutants.base import Mutant
 from harness.mutants.draft_extend import REAL_COPY, REAL_GET_FORWARD_BATCH
 from runners.attention.torch_ref import AttnMetadata, TorchAttnBackend
@@ -58,6 +60,18 @@ def _metadata_reads_max_seq_len(self: TorchAttnBackend, fb) -> AttnMetadata:
     return _keys_below(_REAL_TORCH_METADATA(self, fb), kv_len)
 
 
+def _metadata_bounded_by_host_mirror(self: TorchAttnBackend, fb) -> AttnMetadata:
+    """Keys below the batch's longest seq_len, read from its host mirror inside the body (as a backend that reads
+    max(seq_lens_cpu) for a kernel bound): live wherever the Python runs; under a graph a host op, run at capture."""
+    meta = _REAL_TORCH_METADATA(self, fb)
+    host = fb.seq_lens_cpu
+    if host is None or not host.numel():
+        return meta
+    longest = host.max()  # on a GPU: host memory, read once, at capture
+    key_pos = torch.arange(meta.key_mask.shape[1], device=meta.key_mask.device)
+    return AttnMetadata(meta.token_to_req, meta.kv_slots, meta.key_mask & (key_pos[None, :] < longest))
+
+
 MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "kv-len-from-host-attribute",
@@ -108,5 +122,15 @@ MUTANTS: tuple[Mutant, ...] = (
         "graph output read after another graph's replay",
         ((DraftExtendGraphDriver, "kept", staticmethod(lambda out: replace(out, logits=out.logits.clone()))),),
         ("case-tp1",),  # P3 (eager vs graph, every step but the last)
+    ),
+    Mutant(
+        "kv-bound-from-host-mirror",
+        "the reference attention bounds its keys by max(seq_lens_cpu), the batch's host mirror, inside the step body: "
+        "live in eager passes and in a graph that re-ran host ops, but on a GPU an op on host memory runs at capture "
+        "only, so every replay keeps the capture-time bound (the fill seq_len) and attends one key. The recording CPU "
+        "graph runs host-mirror ops at capture only (runners.graph.host), as a GPU capture does",
+        "host value frozen at capture",
+        ((TorchAttnBackend, "init_forward_metadata", _metadata_bounded_by_host_mirror),),
+        ("case-tp1",),  # P3, P4
     ),
 )

@@ -41,6 +41,7 @@ from harness.mutants import Mutant
 from harness.pipeline.check import check_case
 from harness.props import registry
 from harness.props.base import Probe, Verdicts
+from harness.props.p5 import PLANNED_CASES
 from harness.run.crash import guarded
 from harness.verdict import Verdict, merge_verdicts
 from runners.config import ModelConfig, SpecConfig
@@ -67,11 +68,15 @@ MUTANT_CASES = (
 )
 
 
-def probe_cases() -> Verdicts:
+def _cases(names: Sequence[str]) -> Verdicts:
     out: Verdicts = {}
-    for case in (load_case(name) for name in MUTANT_CASES):
+    for case in (load_case(name) for name in names):
         merge_verdicts(out, check_case(case).verdicts)
     return out
+
+
+def probe_cases() -> Verdicts:
+    return _cases(MUTANT_CASES)
 
 
 def probe_case_tp1() -> Verdicts:
@@ -119,6 +124,8 @@ CASE_PROBES = (
     _case_probe("case-pad-minus-one", lambda: load_case("tp2_dp2_pad_minus_one")),
     _case_probe("case-ragged", lambda: load_case("tp2_ragged_draft_extend")),
     _case_probe("case-piecewise", lambda: load_case("tp2_piecewise")),
+    # the torch_planned backend: every replay planned from its own buffers, against the eager passes (P1, P3, P4)
+    Probe("planned-cases", guarded("planned-cases", lambda: _cases(PLANNED_CASES))),
     Probe("cases", probe_cases, costly=True),
 )
 

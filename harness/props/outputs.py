@@ -74,6 +74,9 @@ def compare_outputs(v: Verdict, check: str, where: dict, ref: dict[str, torch.Te
         margin = tol.atol if tol is not None else 0.0
         diff_rows = (ids_ref != ids_got).any(dim=1).nonzero().flatten().tolist()
         for row in diff_rows:
+            if not bool(((ids_got[row] >= 0) & (ids_got[row] < p.shape[-1])).all()):  # garbage (a poisoned or stale read)
+                v.fail(check, "topk_index", where, ids_ref[row].tolist(), ids_got[row].tolist(), f"request row {row}; an id outside the vocabulary")
+                break
             pr = p[row, ids_ref[row]]
             pg = p[row, ids_got[row]]
             if (pr - pg).abs().max() > margin:

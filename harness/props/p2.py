@@ -225,6 +225,7 @@ def check(run: CaseRun) -> Verdicts:
 # ---- probes (each a few seconds on 2 cores) ----
 
 PAD_MINUS_ONE_CASE = "tp2_dp2_pad_minus_one"  # vLLM's padding convention (SpecConfig.padding_convention)
+TRITON_CASE = "tp1_triton_shrink"  # the Triton backend: its kernels (in the interpreter on CPU) read the padded lanes
 P2_CASES = ("tp2_shrink", "tp4_dp2_mlp_tp_gather", "tp2_page4_tree", "tp2_single_layer_shrink")  # the last: the draft-decode runner at TP2
 
 
@@ -247,5 +248,7 @@ PROPERTY = Property(
         Probe("padded-lanes-single-layer", guarded("padded-lanes-single-layer", lambda: check_padded_lanes(load_case("tp2_single_layer_shrink")))),
         # vLLM's padding convention: a pad request -1 whose KV writes are skipped (its case: DP2, eager MLP-sync padding)
         Probe("padded-lanes-pad-minus-one", guarded("padded-lanes-pad-minus-one", lambda: check_padded_lanes(load_case(PAD_MINUS_ONE_CASE)))),
+        # the torch-backend probes never reach a kernel of the other backends: the poison inside the Triton kernels
+        Probe("padded-lanes-triton", guarded("padded-lanes-triton", lambda: check_padded_lanes(load_case(TRITON_CASE)))),
     ),
 )

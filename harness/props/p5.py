@@ -117,6 +117,17 @@ def _spec_cases() -> Verdicts:
 
 LOGPROB_CASE = "tp2_dp2_logprobs"
 OVERLAP_CASE = "tp2_dp2_overlap"
+# the torch_planned backend's cases (flashinfer's host plan in torch ops): multi-layer (steps planned once) and the draft decode
+PLANNED_CASES = ("tp2_planned_shrink", "tp1_planned_single_layer")
+
+
+def _planned_loop() -> Verdicts:
+    """P5 (and the verify runner's P1/P3) through the loop on the torch_planned cases: prompt prefills eager (their own
+    plans), every runner graphed (a plan per replay)."""
+    out: Verdicts = {}
+    for name in PLANNED_CASES:
+        merge_verdicts(out, check_spec_case(load_case(name), runners=("graph",), props=(P5,)))
+    return out
 
 
 def feature_case(name: str) -> Verdicts:
@@ -141,5 +152,6 @@ PROPERTY = Property(
         Probe("logprob-case", guarded("logprob-case", lambda: feature_case(LOGPROB_CASE))),
         # the overlap scheduler: the tokens committed for each launch and the KV it reserves and frees (P5, P6)
         Probe("overlap-case", guarded("overlap-case", lambda: feature_case(OVERLAP_CASE))),
+        Probe("planned-loop", guarded("planned-loop", _planned_loop)),
     ),
 )

@@ -20,6 +20,7 @@ import torch
 from harness.cases.case import Case
 from harness.ranks.simulated import SimulatedWorld
 from harness.ranks.trace import CollectiveCall
+from harness.run.kept_outputs import OutputPoison
 from harness.run.observe import LoopObserver, LoopRecords
 from runners.attention.kinds import TREE_MASK_UNSUPPORTED
 from runners.config import DEFAULT_MODEL, ModelConfig, SpecConfig
@@ -79,6 +80,7 @@ class SpecSession:
             built = self.world.run(build)
         self.engines: list[SpecEngine] = [e for e, _ in built]
         self.observers: list[LoopObserver] = [o for _, o in built]
+        self.output_poison = [OutputPoison(o) for o in self.observers]  # a kept view of a graph output reads poison after its step
         self.reports: list[list[StepReport]] = []  # per step, per rank
         self.records: list[list[LoopRecords]] = []  # per step, per rank: the graph replays P1 reads
 
@@ -93,6 +95,8 @@ class SpecSession:
 
         with one_torch_thread():
             reps = self.world.run(fn)
+        for p in self.output_poison:
+            p.poison()
         self.reports.append(reps)
         self.records.append([o.take() for o in self.observers])
         if self.keep_traces:

@@ -1,4 +1,5 @@
-"""Attention backends behind one interface (torch reference; triton; flashinfer on GPU).
+"""Attention backends behind one interface (torch reference; triton; flashinfer on GPU; torch_planned, flashinfer's
+host-planned shape in torch ops).
 
 Every backend is built as `make_backend(name, req_pool=..., kv_pool=...)` and has
 `init_forward_metadata(fb) -> meta` and `forward(layer, q, k, v, fb, meta) -> o`; the single-layer
@@ -7,7 +8,8 @@ every lane's draft KV slots, [bs, topk, steps]) and attends through the same `fo
 without it is refused when such a draft is built (runners.eagle_draft.require_draft_decode). A backend
 that plans on the host (flashinfer) also has `init_forward_metadata_replay_cuda_graph(fb)`,
 which the graph runner calls before each replay with the bucket's batch (its tensors hold
-the live values by then), as the engine's runners do.
+the live values by then), as the engine's runners do, and `init_forward_metadata_capture_cuda_graph(fb)`, which a
+graph runner calls with each bucket's batch before its warm-ups (runners.attention.flashinfer_plan.GraphBatches).
 
 Registration is cheap: "triton" is listed when the package is installed, "flashinfer"
 when it is installed and CUDA is available; their modules (and the packages) are imported
@@ -43,7 +45,7 @@ def _cuda() -> bool:
     return torch.cuda.is_available()
 
 
-BACKENDS: dict[str, Callable] = {"torch": TorchAttnBackend}
+BACKENDS: dict[str, Callable] = {"torch": TorchAttnBackend, "torch_planned": _lazy("runners.attention.torch_planned", "TorchPlannedAttnBackend")}
 if _installed("triton"):
     BACKENDS["triton"] = _lazy("runners.attention.triton_backend", "TritonAttnBackend")
 if _installed("flashinfer") and _cuda():

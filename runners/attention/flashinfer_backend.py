@@ -6,8 +6,12 @@ cores on, so both use the same fa2 module and the first run JIT-compiles one mod
 
 The plan is host work (it reads the lengths on the host and writes a work partition
 into the wrapper's int workspace), so it can never run inside a graph. As the engines do:
-- one wrapper per (kind, batch size), and for the single-layer draft decode one per (batch size,
-  step) as the engine's multi-step draft backend keeps them, built with `use_cuda_graph=True` and
+- eager passes plan wrappers of their own (`use_cuda_graph=False`: any row count), graph buckets
+  theirs; a graph runner names the batches it captures with before its warm-ups
+  (`init_forward_metadata_capture_cuda_graph`, flashinfer_plan.GraphBatches). Shared, the first
+  plan of a bucket's wrapper would fix its rows for an eager prompt prefill of the same batch size;
+- per wrapper set, one wrapper per (kind, batch size), and for the single-layer draft decode one per (batch size,
+  step) as the engine's multi-step draft backend keeps them; a graph bucket's built with `use_cuda_graph=True` and
   fixed buffers for qo_indptr / kv_indptr / kv_indices / last_page_len, so a graph captured with
   it reads those buffers at fixed addresses. The wrappers of one batch size (a draft decode's
   steps) share one buffer set: every step's indptrs sit in one int32 buffer, so a plan writes
@@ -58,8 +62,16 @@ from typing import Any, Optional
 import torch
 
 from runners.attention.flashinfer_kv_indices import write_kv_indices
-from runners.attention.flashinfer_plan import KvIndexPlan, kv_index_plan, packed_len, plan_inputs_key, plan_sources
-from runners.attention.kinds import TREE_MASK_UNSUPPORTED
+from runners.attention.flashinfer_plan import (
+    GraphBatches,
+    KvIndexPlan,
+    WrapperSet,
+    draft_decode_plan,
+    host_seq_lens,
+    packed_len,
+    pass_plan,
+    plan_inputs_key,
+)
 from runners.batch import ForwardBatch, ForwardMode
 from runners.eagle_draft import DraftDecodeSpecInfo
 from runners.graph import record as graph_record
@@ -78,7 +90,8 @@ class _Group:
     host-to-device copy from `staging` writes them all; step s's wrapper reads row s of `kv_indices`."""
 
     kind: str  # "prefill" | "decode"
-    lanes: int  # the wrappers' fixed batch (requests; draft-decode lanes)
+    wrappers: WrapperSet  # eager (use_cuda_graph=False) or a graph bucket's
+    lanes: int  # the wrappers' batch (requests; draft-decode lanes)
     steps: int
     cap: int  # KV slots a step can hold
     meta: torch.Tensor  # int32 [(1 + steps) * (lanes + 1)]
@@ -152,6 +165,7 @@ class FlashInferAttnBackend:
         self.num_qo_heads: Optional[int] = None
         self.readbacks = 0  # plans that read lengths back from the device (a sync); host copies avoid them
         self._wrappers: dict[tuple, _Wrapper] = {}
+        self.graph_batches = GraphBatches()
         self._chains: dict[tuple[int, str], torch.Tensor] = {}  # the chain mask of T nodes, per device
 
     # ---- wrappers and plans ----
@@ -159,25 +173,29 @@ class FlashInferAttnBackend:
     def _kind(fb: ForwardBatch) -> str:
         return "decode" if fb.forward_mode is ForwardMode.DECODE else "prefill"
 
-    def _entry(self, kind: str, bs: int, lanes: Optional[int] = None, steps: int = 0, step: int = 0) -> _Wrapper:
-        """The wrapper of (kind, bucket) or, for the draft decode (steps > 0), of (bucket, step) over `lanes` lanes,
-        each reading at most max_ctx + steps keys; a draft decode's steps are built together, one group."""
-        key = (kind, bs) if not steps else ("draft_decode", bs, step)
+    def _entry(self, wrappers: WrapperSet, kind: str, bs: int, lanes: Optional[int] = None, steps: int = 0, step: int = 0) -> _Wrapper:
+        """The wrapper of (set, kind, bucket) or, for the draft decode (steps > 0), of (set, bucket, step) over `lanes`
+        lanes, each reading at most max_ctx + steps keys; a draft decode's steps are built together, one group."""
+        key = (wrappers, kind, bs) if not steps else (wrappers, "draft_decode", bs, step)
         if key not in self._wrappers:
             lanes = bs if lanes is None else lanes
             n_steps = max(steps, 1)
             cap = max(lanes, 1) * (self.max_ctx + steps)
             i32 = dict(dtype=torch.int32, device=self.device)
             n = packed_len(lanes, n_steps)
-            group = _Group(kind, lanes, n_steps, cap, torch.zeros(n, **i32), torch.zeros(n_steps, cap, **i32),
+            group = _Group(kind, wrappers, lanes, n_steps, cap, torch.zeros(n, **i32), torch.zeros(n_steps, cap, **i32),
                            torch.zeros(n, dtype=torch.int32, pin_memory=True), torch.cuda.Event())
             last_page_len = torch.ones(lanes, **i32)  # page size 1: never rewritten
             for s in range(n_steps):
-                self._wrappers[(kind, bs) if not steps else ("draft_decode", bs, s)] = _Wrapper(
+                self._wrappers[(wrappers, kind, bs) if not steps else (wrappers, "draft_decode", bs, s)] = _Wrapper(
                     group, s, self._flashinfer_wrapper(group, s, last_page_len))
         return self._wrappers[key]
 
     def _flashinfer_wrapper(self, group: _Group, step: int, last_page_len: torch.Tensor) -> Any:
+        if group.wrappers is WrapperSet.EAGER:  # flashinfer keeps the plan's buffers (the kv_indices: a view of ours)
+            if group.kind == "prefill":
+                return self.fi.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD", backend="fa2")
+            return self.fi.BatchDecodeWithPagedKVCacheWrapper(self.workspace, "NHD", use_tensor_cores=True)
         qo_indptr, kv_indptr = group.meta[: group.lanes + 1], group.kv_indptr(step)
         if group.kind == "prefill":
             return self.fi.BatchPrefillWithPagedKVCacheWrapper(
@@ -190,42 +208,21 @@ class FlashInferAttnBackend:
         )
 
     def _host_seq_lens(self, fb: ForwardBatch) -> list[int]:
-        """Every request's seq_len on the host, from the batch's host copy, else read back (a sync);
-        a verify batch's tree must be a chain (checked in the same read)."""
-        bs = fb.batch_size
-        seq_src, mask_src = plan_sources(fb)
-        if seq_src.device.type != "cpu":
-            self.readbacks += 1
-        if mask_src is None:
-            return seq_src[:bs].tolist()
-        chain = self._chain(fb.spec_info.draft_token_num, mask_src.device)
-        if mask_src.device.type == "cpu":  # host copies: numpy, no tensor ops
-            if (mask_src[:bs].numpy() != chain.numpy()).any():
-                raise NotImplementedError(TREE_MASK_UNSUPPORTED)
-            return seq_src[:bs].tolist()
-        not_chain = (mask_src[:bs] != chain).any().view(1).to(seq_src.dtype)
-        *seq, refused = torch.cat((seq_src[:bs], not_chain)).tolist()  # one read (a sync only from the device)
-        if refused:
-            raise NotImplementedError(TREE_MASK_UNSUPPORTED)
+        """Every request's seq_len on the host, from the batch's host copy, else read back (a sync)."""
+        seq, readback = host_seq_lens(fb, self._chain)
+        self.readbacks += readback
         return seq
 
-    def _plan_args(self, fb: ForwardBatch, kind: str) -> _PlanArgs:
+    def _plan_args(self, fb: ForwardBatch, kind: str, wrappers: WrapperSet) -> _PlanArgs:
         """Host-side lengths from the batch (never under capture)."""
-        bs = fb.batch_size
-        qo = list(fb.extend_seq_lens_cpu) if kind == "prefill" and fb.extend_seq_lens_cpu else [1] * bs
-        if len(qo) != bs or sum(qo) != fb.input_ids.shape[0]:
-            raise ValueError(f"flashinfer plan: extend lengths {qo} do not cover the batch's {fb.input_ids.shape[0]} tokens")
-        seq = self._host_seq_lens(fb)
-        kv = [max(1, min(max(s, q), self.max_ctx)) for s, q in zip(seq, qo, strict=True)]
-        group = self._entry(kind, bs).group
-        return _PlanArgs(kv_index_plan(qo, kv, self.max_ctx, group.cap, out=self._staging(group)), group.staged)
+        group = self._entry(wrappers, kind, fb.batch_size).group
+        index = pass_plan(fb, kind == "prefill", self._host_seq_lens(fb), self.max_ctx, group.cap, out=self._staging(group))
+        return _PlanArgs(index, group.staged)
 
-    def _draft_plan_args(self, fb: ForwardBatch, seq: list[int], steps: int) -> _PlanArgs:
-        """Lane (b, t) at draft step s: its request's prefix (seq_len keys), then its own slots of steps 0..s; every
-        step's indptr in one staging."""
-        prefix = [min(s, self.max_ctx) for s in seq for _ in range(fb.spec_info.topk)]
-        group = self._draft_entry(fb, steps, 0).group
-        index = kv_index_plan([1] * len(prefix), prefix, self.max_ctx, group.cap, steps, steps, out=self._staging(group))
+    def _draft_plan_args(self, fb: ForwardBatch, seq: list[int], steps: int, wrappers: WrapperSet) -> _PlanArgs:
+        """Every step's indptr of a draft decode in one staging (flashinfer_plan.draft_decode_plan)."""
+        group = self._draft_entry(fb, steps, 0, wrappers).group
+        index = draft_decode_plan(seq, fb.spec_info.topk, steps, self.max_ctx, group.cap, out=self._staging(group))
         return _PlanArgs(index, group.staged)
 
     def _staging(self, group: _Group) -> torch.Tensor:
@@ -299,29 +296,35 @@ class FlashInferAttnBackend:
                                                  "cannot capture them: use the cuda graph backend with flashinfer")
         if not torch.cuda.is_current_stream_capturing():
             return False
+        if entry.group.wrappers is not WrapperSet.GRAPH:
+            raise RuntimeError(f"flashinfer: capturing {what}, a batch no graph runner named (init_forward_metadata_capture_cuda_graph)")
         if entry.plans == 0:
             raise RuntimeError(f"flashinfer: capturing {what} before any warm-up planned its wrapper")
         return True
 
+    def init_forward_metadata_capture_cuda_graph(self, fb: ForwardBatch) -> None:
+        """A graph runner's bucket batch, before its warm-ups: passes over it plan the bucket's graph wrappers."""
+        self.graph_batches.add(fb)
+
     def init_forward_metadata(self, fb: ForwardBatch) -> FlashInferMetadata:
-        kind = self._kind(fb)
-        entry = self._entry(kind, fb.batch_size)
+        kind, wrappers = self._kind(fb), self.graph_batches.wrapper_set(fb)
+        entry = self._entry(wrappers, kind, fb.batch_size)
         if self._capturing(entry, f"bs={fb.batch_size}"):
             return FlashInferMetadata(entry, None, planned=True)
-        return FlashInferMetadata(entry, self._plan_args(fb, kind))
+        return FlashInferMetadata(entry, self._plan_args(fb, kind, wrappers))
 
     def init_draft_decode_metadata(self, fb: ForwardBatch, locs: torch.Tensor, step: int) -> FlashInferMetadata:
         """One draft-decode step (a decode wrapper per (bucket, step), as the engine's multi-step draft backend keeps one
         per step); locs [bs, topk, steps] are the lanes' draft slots, which the step's kv_indices end with."""
-        steps = locs.shape[-1]
-        entry = self._draft_entry(fb, steps, step)
+        steps, wrappers = locs.shape[-1], self.graph_batches.wrapper_set(fb)
+        entry = self._draft_entry(fb, steps, step, wrappers)
         captured = self._capturing(entry, f"the draft decode bs={fb.batch_size} step {step}")
-        args = None if captured else self._draft_plan_args(fb, self._host_seq_lens(fb), steps)
+        args = None if captured else self._draft_plan_args(fb, self._host_seq_lens(fb), steps, wrappers)
         return FlashInferMetadata(entry, args, planned=captured, per_req=fb.spec_info.topk, own=locs.reshape(-1, steps),
                                   own_len=step + 1)
 
-    def _draft_entry(self, fb: ForwardBatch, steps: int, step: int) -> _Wrapper:
-        return self._entry("decode", fb.batch_size, fb.batch_size * fb.spec_info.topk, steps, step)
+    def _draft_entry(self, fb: ForwardBatch, steps: int, step: int, wrappers: WrapperSet) -> _Wrapper:
+        return self._entry(wrappers, "decode", fb.batch_size, fb.batch_size * fb.spec_info.topk, steps, step)
 
     def init_forward_metadata_replay_cuda_graph(self, fb: ForwardBatch) -> None:
         """Before a replay: re-plan the bucket's wrapper with the live lengths in fb's buffers,
@@ -329,10 +332,11 @@ class FlashInferAttnBackend:
         bucket plans every step's wrapper (its graph holds all the steps)."""
         if self.num_qo_heads is None:
             raise RuntimeError("flashinfer: replay before any plan (the graph was never warmed up)")
+        self.graph_batches.require(fb, "flashinfer: a replay plan")
         if isinstance(fb.spec_info, DraftDecodeSpecInfo):
             self.plan_draft_decode_replay(fb)
             return
-        entry = self._entry(self._kind(fb), fb.batch_size)
+        entry = self._entry(WrapperSet.GRAPH, self._kind(fb), fb.batch_size)
         key = plan_inputs_key(fb, self.req_pool.req_to_token, self.num_qo_heads)
         if key is not None and key == entry.plan_key:
             entry.replans_skipped += 1
@@ -345,16 +349,17 @@ class FlashInferAttnBackend:
         if self.num_qo_heads is None:
             raise RuntimeError("flashinfer: replay before any plan (the graph was never warmed up)")
         refs = (fb.seq_lens, fb.seq_lens_cpu, fb.req_pool_indices, self.req_pool.req_to_token, fb.spec_info)
-        self._plan(self._entry(kind, fb.batch_size), self._plan_args(fb, kind), self.num_qo_heads, key, refs, replay=True)
+        graph = WrapperSet.GRAPH
+        self._plan(self._entry(graph, kind, fb.batch_size), self._plan_args(fb, kind, graph), self.num_qo_heads, key, refs, replay=True)
 
     def plan_draft_decode_replay(self, fb: ForwardBatch) -> None:
         """Every step's wrapper of the bucket, from one set of host lengths and one upload of all steps' indptrs (the
         graph's steps write their kv_indices from them, with the draft slots its body assigns)."""
         info: DraftDecodeSpecInfo = fb.spec_info
         steps = fb.out_cache_loc.shape[0] // (fb.batch_size * info.topk)
-        args = self._draft_plan_args(fb, self._host_seq_lens(fb), steps)
+        args = self._draft_plan_args(fb, self._host_seq_lens(fb), steps, WrapperSet.GRAPH)
         for step in range(steps):
-            self._plan(self._draft_entry(fb, steps, step), args, self.num_qo_heads, replay=True)
+            self._plan(self._draft_entry(fb, steps, step, WrapperSet.GRAPH), args, self.num_qo_heads, replay=True)
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fb: ForwardBatch, meta: FlashInferMetadata) -> torch.Tensor:
         """q [N, hq, d], k/v [N, hkv, d] (this pass's tokens) -> [N, hq, d]."""

@@ -1,19 +1,54 @@
-"""What a flashinfer plan reads and builds, apart from flashinfer itself (so the CPU can test it).
+"""What a host-planned attention backend reads and builds, apart from its kernels: flashinfer's plan, shared with the
+CPU backend of the same shape (runners.attention.torch_planned), so the CPU suite runs this code.
 
 A plan needs every lane's KV length on the host. The batch's host copies (`seq_lens_cpu`, a verify
 batch's `custom_mask_cpu`: the scheduler knows both on the host, and the graph runners keep host
 mirrors of their buffers) give them without a device sync; a batch without them is read back.
+
+Which wrappers a pass plans: a graph bucket's wrappers have fixed buffers, whose addresses its graph
+captured, and flashinfer fixes a cuda-graph wrapper's row count at its first plan; an eager pass (a
+prompt prefill of any length) plans wrappers of its own, as SGLang keeps its eager prefill and decode
+wrappers apart from the ones it creates per captured batch size. A graph runner names the batches it
+captures with (`init_forward_metadata_capture_cuda_graph`, before the warm-ups): `GraphBatches`.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import StrEnum
 from itertools import accumulate
-from typing import Optional
+from typing import Callable, Optional
 
 import numpy as np
 import torch
 
+from runners.attention.kinds import TREE_MASK_UNSUPPORTED
 from runners.batch import EagleVerifyInput, ForwardBatch
+
+
+class WrapperSet(StrEnum):
+    """Which wrappers a pass plans (SGLang: the eager wrappers, or the ones made for a captured batch size)."""
+
+    EAGER = "eager"  # planned per pass, any row count (flashinfer: use_cuda_graph=False)
+    GRAPH = "graph"  # a captured bucket's: fixed buffers, the row count fixed by the first plan
+
+
+class GraphBatches:
+    """The batches graph runners captured with, by their seq_lens buffer (the body's derived batches, a draft decode
+    step's `replace(fb, ...)`, keep it): a pass over one of them plans its bucket's graph wrappers, any other an
+    eager one."""
+
+    def __init__(self) -> None:
+        self._held: dict[int, torch.Tensor] = {}  # id -> the tensor, kept so that no other tensor takes its id
+
+    def add(self, fb: ForwardBatch) -> None:
+        self._held[id(fb.seq_lens)] = fb.seq_lens
+
+    def wrapper_set(self, fb: ForwardBatch) -> WrapperSet:
+        return WrapperSet.GRAPH if self._held.get(id(fb.seq_lens)) is fb.seq_lens else WrapperSet.EAGER
+
+    def require(self, fb: ForwardBatch, what: str) -> None:
+        if self.wrapper_set(fb) is not WrapperSet.GRAPH:
+            raise RuntimeError(f"{what}: a batch no graph runner captured with (init_forward_metadata_capture_cuda_graph)")
 
 
 def plan_sources(fb: ForwardBatch) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
@@ -90,21 +125,21 @@ def kv_index_plan(qo_lens: list[int], prefix: list[int], width: int, cap: int, s
     given. Host array work only."""
     lanes = len(prefix)
     if len(qo_lens) != lanes:
-        raise ValueError(f"flashinfer plan: {len(qo_lens)} query lengths and {lanes} lanes")
+        raise ValueError(f"host plan: {len(qo_lens)} query lengths and {lanes} lanes")
     if steps < 1 or (draft_slots and steps > draft_slots):
-        raise ValueError(f"flashinfer plan: {steps} steps, {draft_slots} draft slots per lane")
+        raise ValueError(f"host plan: {steps} steps, {draft_slots} draft slots per lane")
     if lanes and not 0 <= min(prefix) <= max(prefix) <= width:
-        raise ValueError(f"flashinfer plan: prefix lengths {prefix} outside a request row of {width} slots")
+        raise ValueError(f"host plan: prefix lengths {prefix} outside a request row of {width} slots")
     own = range(1, steps + 1) if draft_slots else [0] * steps
     rows = [[q + o for q in prefix] for o in own]  # plain Python: a few dozen lanes, where numpy's per-call cost dominates
     totals = [sum(row) for row in rows]
     if lanes and max(totals) > cap:
-        raise ValueError(f"flashinfer plan: {max(totals)} KV slots in one step, the buffer holds {cap}")
+        raise ValueError(f"host plan: {max(totals)} KV slots in one step, the buffer holds {cap}")
     n = packed_len(lanes, steps)
     if out is None:
         out = torch.empty(n, dtype=torch.int32)
     elif out.dtype != torch.int32 or out.device.type != "cpu" or out.numel() < n:
-        raise ValueError(f"flashinfer plan: a host int32 buffer of {n} entries, got {out.dtype} [{out.numel()}] on {out.device}")
+        raise ValueError(f"host plan: a host int32 buffer of {n} entries, got {out.dtype} [{out.numel()}] on {out.device}")
     indptrs = list(accumulate(qo_lens, initial=0))
     qo_rows = indptrs[-1]
     for row in rows:
@@ -112,3 +147,47 @@ def kv_index_plan(qo_lens: list[int], prefix: list[int], width: int, cap: int, s
     out[:n].numpy()[:] = indptrs
     kv_lens = np.array(rows, dtype=np.int32).reshape(steps, lanes)
     return KvIndexPlan(out[:n], lanes, steps, kv_lens, totals, qo_rows)
+
+
+# ---- a pass's lengths, and its plan ----
+
+def host_seq_lens(fb: ForwardBatch, chain: Callable[[int, torch.device], torch.Tensor]) -> tuple[list[int], bool]:
+    """Every request's seq_len on the host (and whether it was read back from the device: a sync); a verify batch's
+    tree must be a chain (`chain(T, device)`: its mask), checked in the same read: a host plan's causal mask is the
+    chain's, never a tree's."""
+    bs = fb.batch_size
+    seq_src, mask_src = plan_sources(fb)
+    readback = seq_src is fb.seq_lens  # not the host copy (on CPU a plain read; on a GPU a sync)
+    if mask_src is None:
+        return seq_src[:bs].tolist(), readback
+    want = chain(fb.spec_info.draft_token_num, mask_src.device)
+    if mask_src.device.type == "cpu":  # host copies: numpy, no tensor ops
+        if (mask_src[:bs].numpy() != want.numpy()).any():
+            raise NotImplementedError(TREE_MASK_UNSUPPORTED)
+        return seq_src[:bs].tolist(), readback
+    not_chain = (mask_src[:bs] != want).any().view(1).to(seq_src.dtype)
+    *seq, refused = torch.cat((seq_src[:bs], not_chain)).tolist()  # one read (a sync only from the device)
+    if refused:
+        raise NotImplementedError(TREE_MASK_UNSUPPORTED)
+    return seq, readback
+
+
+def pass_plan(fb: ForwardBatch, prefill: bool, seq: list[int], max_ctx: int, cap: int,
+              out: Optional[torch.Tensor] = None) -> KvIndexPlan:
+    """A prefill (extend, verify, draft-extend) or decode pass: lane n's queries are its extend tokens (one in a
+    decode), its keys the first kv_len of its request row. A lane's kv_len is at least its query count, so a padded
+    lane (seq_len = the fill value, below T) still gives every row a key (an all-masked row could turn into NaN)."""
+    bs = fb.batch_size
+    qo = list(fb.extend_seq_lens_cpu) if prefill and fb.extend_seq_lens_cpu else [1] * bs
+    if len(qo) != bs or sum(qo) != fb.input_ids.shape[0]:
+        raise ValueError(f"host plan: extend lengths {qo} do not cover the batch's {fb.input_ids.shape[0]} tokens")
+    kv = [max(1, min(max(s, q), max_ctx)) for s, q in zip(seq, qo, strict=True)]
+    return kv_index_plan(qo, kv, max_ctx, cap, out=out)
+
+
+def draft_decode_plan(seq: list[int], topk: int, steps: int, max_ctx: int, cap: int,
+                      out: Optional[torch.Tensor] = None) -> KvIndexPlan:
+    """Lane (b, t) at draft step s: its request's prefix (seq_len keys), then its own slots of steps 0..s; every
+    step's indptr in one plan."""
+    prefix = [min(s, max_ctx) for s in seq for _ in range(topk)]
+    return kv_index_plan([1] * len(prefix), prefix, max_ctx, cap, steps, steps, out=out)

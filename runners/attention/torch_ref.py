@@ -92,18 +92,23 @@ class TorchAttnBackend:
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fb: ForwardBatch, meta: AttnMetadata) -> torch.Tensor:
         """q [N, hq, d], k/v [N, hkv, d] (this pass's tokens) -> [N, hq, d]."""
         self.kv_pool.write(layer, fb.out_cache_loc, k, v)
-        keys = self.kv_pool.k[layer][meta.kv_slots]  # [N, C, hkv, d]
-        vals = self.kv_pool.v[layer][meta.kv_slots]
-        group = q.shape[1] // keys.shape[2]
-        keys = keys.repeat_interleave(group, dim=2).to(q.dtype)
-        vals = vals.repeat_interleave(group, dim=2).to(q.dtype)
-        scores = torch.einsum("nhd,nchd->nhc", q, keys) * q.shape[-1] ** -0.5
-        scores = scores.masked_fill(~meta.key_mask[:, None, :], float("-inf"))
-        probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
-        return torch.einsum("nhc,nchd->nhd", probs, self.masked_values(vals, meta))
+        return attend(q, self.kv_pool.k[layer], self.kv_pool.v[layer], meta.kv_slots, meta.key_mask)
 
     @staticmethod
-    def masked_values(vals: torch.Tensor, meta: AttnMetadata) -> torch.Tensor:
+    def masked_values(vals: torch.Tensor, key_mask: torch.Tensor) -> torch.Tensor:
         """A masked key has probability 0, but 0 * NaN = NaN: zero masked values so no masked slot
         (the padding slot, a freed or stale one) reaches a real row, as a kernel that skips them."""
-        return vals.masked_fill(~meta.key_mask[:, :, None, None], 0)
+        return vals.masked_fill(~key_mask[:, :, None, None], 0)
+
+
+def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, kv_slots: torch.Tensor, key_mask: torch.Tensor) -> torch.Tensor:
+    """Row n of q [N, hq, d] over the cache slots kv_slots[n] [C] where key_mask[n] holds: one softmax in fp32, GQA by
+    repeating the KV heads."""
+    keys, vals = k_cache[kv_slots], v_cache[kv_slots]  # [N, C, hkv, d]
+    group = q.shape[1] // keys.shape[2]
+    keys = keys.repeat_interleave(group, dim=2).to(q.dtype)
+    vals = vals.repeat_interleave(group, dim=2).to(q.dtype)
+    scores = torch.einsum("nhd,nchd->nhc", q, keys) * q.shape[-1] ** -0.5
+    scores = scores.masked_fill(~key_mask[:, None, :], float("-inf"))
+    probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+    return torch.einsum("nhc,nchd->nhd", probs, TorchAttnBackend.masked_values(vals, key_mask))

@@ -29,6 +29,14 @@ mask indexing), and the Tensor methods that read device data without a dispatche
 on CPU (`.tolist()`, `.numpy()`, `.cpu()`), raise GraphCaptureError naming the op and
 the body's file:line, where a CUDA capture fails. Inside a recorded op (a collective's
 own bookkeeping, the Triton interpreter) host reads are the op's business and allowed.
+
+Host mirrors (runners.graph.host): an op whose tensors are all host tensors runs on the
+host at capture and is not recorded, as a GPU capture leaves it out; its results are host
+tensors too, and reading them (`.item()`, `.tolist()`) is a host read, allowed. A device
+op may take a 0-dim host tensor, as a CUDA kernel takes a CPU scalar: its value at capture
+is baked into the record. Any other mix of host and device tensors in one op (a copy
+between them, a host index, a host tensor written by a device op) is a host-device copy
+a CUDA capture refuses, and so does this one.
 """
 from __future__ import annotations
 
@@ -44,6 +52,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map_only
 
+from runners.graph.host import host_device_mix, host_mirror, is_host_mirror
 from runners.graph.pool import RecordedPool
 
 
@@ -137,7 +146,7 @@ def recording() -> bool:
 def _guarded(name: str, original: Callable) -> Callable:
     @functools.wraps(original)
     def method(self, *args, **kwargs):
-        if _capturing():
+        if _capturing() and not is_host_mirror(self):
             raise _refuse(f"Tensor.{name}()")
         return original(self, *args, **kwargs)
 
@@ -280,10 +289,21 @@ class _Recorder(TorchDispatchMode):
         self.views = 0
         self.pool = pool
         self.made: list[torch.Tensor] = []  # the new tensors of the capture (its functional ops' results)
+        self.host_ops = 0  # ops on host tensors: run at capture, not recorded
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         plan = _plan(func)
+        tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        host = [t for t in tensors if is_host_mirror(t)]
+        if host and len(host) == len(tensors):
+            return self._host_op(func, args, kwargs)
+        if host:
+            problem = host_device_mix(func, args, kwargs, host)
+            if problem is not None:
+                raise GraphCaptureError(f"graph capture: {problem}, which a CUDA graph capture refuses (at {_body_site()}); "
+                                        "copy host values into the static buffers before the replay")
+            args, kwargs = tree_map_only(torch.Tensor, lambda t: t.clone() if is_host_mirror(t) else t, (args, kwargs))  # baked
         if plan.capturability != _OK:
             _check_capturable(func, args, plan.capturability)
         _state.capturing = False  # the op's own implementation may read the host (collective bookkeeping, interpreter)
@@ -299,6 +319,19 @@ class _Recorder(TorchDispatchMode):
             self.views += 1
         else:
             self.ops.append(op)
+        return out
+
+    def _host_op(self, func, args: tuple, kwargs: dict) -> Any:
+        """Runs now and never again: a GPU capture does not see host work. Its results are host tensors."""
+        _state.capturing = False
+        try:
+            out = func(*args, **kwargs)
+        finally:
+            _state.capturing = True
+        self.host_ops += 1
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                host_mirror(t)
         return out
 
 
@@ -318,6 +351,7 @@ class RecordedGraph:
         self.output: Any = None
         self.ops: list[RecordedOp] = []
         self.num_views = 0  # view ops seen at capture, not re-run (their outputs alias their bases)
+        self.num_host_ops = 0  # ops on host mirrors, run at capture only (runners.graph.host)
         self._calls: list[tuple[Callable, tuple, dict, tuple]] = []
 
     @property
@@ -332,7 +366,7 @@ class RecordedGraph:
             self.output = self._body()
         if self.pool is not None:
             self.pool.release(recorder.made, self.output)
-        self.ops, self.num_views, self._body = recorder.ops, recorder.views, None
+        self.ops, self.num_views, self.num_host_ops, self._body = recorder.ops, recorder.views, recorder.host_ops, None
         # OpOverload.__call__ only forwards to the C++ op: call that directly
         self._calls = [(getattr(op.func, "_op", op.func), op.args, op.kwargs, op.refresh) for op in self.ops]
         return self.output

@@ -32,6 +32,9 @@ What is not, each with its reason, in the module that stands in for it:
   one_graph.py  the one-graph multi-layer composite (0.5.16 on), beside build.py's per-step one
   draft_decode.py  the graphed draft decode (EAGLEDraftCudaGraphRunner), with build.py's stand-ins
   target_verify.py the target's verify graphs (DecodeCudaGraphRunner in TARGET_VERIFY mode), likewise
+  other_runners.py the speculative graph runners beyond EAGLE's, run where --runner names them:
+                   frozen_kv_mtp.py (Frozen-KV MTP's draft loop), uno.py (UNO's LoRA / no-LoRA graphs),
+                   ragged_verify.py (DSpark's token-tier verify graphs), dflash_verify.py (DFlash's verify graphs)
 Errors (errors.py): EngineAdapterError / MissingEngineAttribute mean "cannot drive this
 release" (engine-check exit 2), never a verdict.
 """

@@ -44,6 +44,22 @@ class EngineRunners:
     """All draft-extend graph runners of one rank of one layout: multi-layer steps + single-layer."""
 
     def __init__(self, engine: Engine, layout: ParallelLayout, tp_rank: int, cfg: EngineConfig, one_graph: bool = True) -> None:
+        self._configure(engine, layout, tp_rank, cfg)
+        sa = self.server_args
+        self.multi = self._build_multi_layer(sa)
+        self.one_graph = self._build_one_graph(sa) if one_graph else None  # off: the run checks no GPU path, or not this runner
+        self.single = self._build_single_layer(sa)
+
+    @classmethod
+    def stand_ins(cls, engine: Engine, layout: ParallelLayout, tp_rank: int, cfg: EngineConfig) -> "EngineRunners":
+        """The process configured for one rank of a layout and the stand-ins' sources, no runner built: for a runner
+        driven on a layout of its own (other_runners.py)."""
+        self = cls.__new__(cls)
+        self._configure(engine, layout, tp_rank, cfg)
+        self.multi, self.one_graph, self.single = [], None, None
+        return self
+
+    def _configure(self, engine: Engine, layout: ParallelLayout, tp_rank: int, cfg: EngineConfig) -> None:
         self.engine, self.layout, self.tp_rank, self.cfg = engine, layout, tp_rank, cfg
         sa = make_server_args(engine, layout, cfg)
         configure_process(engine, sa, layout, tp_rank)
@@ -52,9 +68,6 @@ class EngineRunners:
         # what the draft chain's in-graph write (assign_new_state) reads for each request's new front row
         self._hidden_pool = torch.zeros(cfg.max_running_requests + 1, cfg.num_steps, cfg.hidden_size)
         self._req_to_token = 1000 + torch.arange((cfg.max_running_requests + 1) * 64, dtype=torch.int32).view(-1, 64)
-        self.multi = self._build_multi_layer(sa)
-        self.one_graph = self._build_one_graph(sa) if one_graph else None  # off: the run checks no GPU path, or not this runner
-        self.single = self._build_single_layer(sa)
 
     # ---- stand-ins ----
     def _model_runner(self, sa: Any, attn: AttnRecorder) -> Strict:

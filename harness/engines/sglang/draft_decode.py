@@ -23,7 +23,14 @@ import torch
 
 from harness.engines.lanes import LaneRecord, LiveBatch, check_lanes, live_batch, schedule
 from harness.engines.sglang.errors import EngineAdapterError
-from harness.engines.sglang.graph import recording_set_dp_buffer_len, run_until_model, stop_at_model, tolist
+from harness.engines.sglang.graph import (
+    FakeGraphBackend,
+    recording_set_dp_buffer_len,
+    run_until_model,
+    stop_at_model,
+    tolist,
+)
+from harness.engines.sglang.handle import RunnerFacts
 from harness.engines.sglang.standins import Strict, noop, patched
 from harness.props.p1_records import check_replay_record
 from harness.run.records import CaptureRecord, ReplayRecord
@@ -75,29 +82,7 @@ class DraftAttn:
             self.last_replay_view = types.SimpleNamespace(seq_lens_sum=forward_batch.seq_lens_sum, batch_size=forward_batch.batch_size)
 
 
-class DecodeGraphBackend:
-    """Stands where the decode graph backend captures and launches: capture runs the body to the model, replay snapshots."""
-
-    def __init__(self, handle: "DraftDecodeHandle") -> None:
-        self.handle = handle
-        self.outputs: dict[int, Any] = {}
-
-    def capture_one(self, shape_key: Any, run_once: Any, *args: Any, **kwargs: Any) -> None:
-        bs = int(shape_key.size)
-        self.handle.run_body_until_model(bs, run_once)
-        k = self.handle.tokens_per_bs
-        self.outputs[bs] = (torch.zeros(bs, k, dtype=torch.int64), torch.zeros(bs, k, dtype=torch.int64), torch.zeros(bs, k, dtype=torch.int64), None)
-
-    def replay(self, shape_key: Any, forward_batch: Any) -> Any:
-        bs = int(shape_key.size)
-        self.handle.on_replay(bs)
-        return self.outputs[bs]
-
-    def can_run(self, forward_batch: Any, key: Any) -> bool:
-        return int(getattr(key, "size", key)) in self.outputs
-
-
-class DraftDecodeHandle:
+class DraftDecodeHandle(RunnerFacts):
     """One rank's EAGLEDraftCudaGraphRunner: built with the draft-extend builder's stand-ins, captured per bucket, replayed."""
 
     def __init__(self, mod: types.ModuleType, runners: Any) -> None:
@@ -127,7 +112,7 @@ class DraftDecodeHandle:
                 warnings.simplefilter("ignore")
                 Runner.__init__(runner, worker, draft_attn_backend=self.attn)
         del vars(runner)["capture"]
-        runner.backend = DecodeGraphBackend(self)
+        runner.backend = FakeGraphBackend(self)
         # the MoE dispatch mode switch around capture / replay (a DeepEP buffer, absent here): no token counts involved
         runner.deepep_adapter = Strict("deepep_adapter", capture=noop, replay=noop)
         self.runner = runner
@@ -135,18 +120,6 @@ class DraftDecodeHandle:
             runner.capture_one_shape(bs, None)
             if bs not in self.captures:
                 raise EngineAdapterError(f"sglang {self.engine.version}: capturing bucket {bs} of the draft-decode runner recorded nothing")
-
-    @property
-    def tokens_per_bs(self) -> int:
-        r = vars(self.runner)  # captured_req_width from 0.5.16 on (resolve_num_tokens_per_req), num_tokens_per_bs before
-        width = r.get("captured_req_width", r.get("num_tokens_per_bs"))
-        if width is None:
-            raise EngineAdapterError(f"sglang {self.engine.version}: the draft-decode runner has neither captured_req_width nor num_tokens_per_bs")
-        return int(width)
-
-    @property
-    def capture_bs(self) -> list[int]:
-        return [int(b) for b in self.runner.capture_bs]
 
     # ---- capture ----
     def _draft_forward(self, fb: Any) -> Any:
@@ -168,6 +141,11 @@ class DraftDecodeHandle:
             "local_dp_buffer_len": dp.get("local_dp_buffer_len"),
         }
         self.captures[bs] = CaptureRecord(bs, host["num_tokens"], host, gpu_tokens, gpu_logprob)
+
+    def fake_output(self, bs: int) -> tuple:
+        """What the graph's outputs would hold (the draft chain's scores, tokens and parents; never read here)."""
+        k = self.tokens_per_bs
+        return torch.zeros(bs, k, dtype=torch.int64), torch.zeros(bs, k, dtype=torch.int64), torch.zeros(bs, k, dtype=torch.int64), None
 
     # ---- replay ----
     def on_replay(self, bs: int) -> None:

@@ -12,10 +12,13 @@
 """
 from __future__ import annotations
 
+import contextlib
+import importlib
 import inspect
 import types
+import warnings
 from dataclasses import dataclass
-from typing import Any, Callable, NoReturn, Optional, Protocol
+from typing import Any, Callable, Iterator, NoReturn, Optional, Protocol
 
 import torch
 
@@ -109,7 +112,8 @@ class FakeGraph:
 
 
 class FakeGraphBackend:
-    """runner / prepare generations: stands in for the decode graph backend (capture_one / replay)."""
+    """runner / prepare generations: stands in for the decode graph backend (capture_one / replay); DecodeCudaGraphRunner's
+    capture loop and replay open a session around them (a stream on a GPU, none here)."""
 
     def __init__(self, handle: "GraphHost") -> None:
         self.handle = handle
@@ -128,6 +132,14 @@ class FakeGraphBackend:
     def can_run(self, forward_batch: Any, key: Any) -> bool:
         size = int(getattr(key, "size", key))
         return size in self.outputs
+
+    @contextlib.contextmanager
+    def capture_session(self, stream: Any) -> Iterator[None]:
+        yield
+
+    @contextlib.contextmanager
+    def replay_session(self) -> Iterator[None]:
+        yield
 
     def __getattr__(self, name: str) -> Any:
         if name.startswith("__"):
@@ -184,6 +196,31 @@ class ModelProbe:
 
 # Calls of set_dp_buffer_len made through the runner modules (the step body's DP buffer setup).
 DP_CALLS: list[dict[str, Any]] = []
+
+
+def import_quietly(*names: str) -> tuple[Optional[list[types.ModuleType]], str]:
+    """The release's modules, imported with their import-time warnings silenced; or None and why (an import the release
+    needs that the stubs lack: the runner is not driven, which is no verdict on the engine)."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return [importlib.import_module(n) for n in names], ""
+    except Exception as e:
+        return None, f"importing {', '.join(names)} raised {type(e).__name__}: {e}"
+
+
+def missing_api(cls: Any, names: tuple[str, ...]) -> list[str]:
+    """The methods of the API the adapter drives that a release's class lacks (all of them where the class is absent)."""
+    return [n for n in names if cls is None or not hasattr(cls, n)]
+
+
+def prepare_runner_module(mod: types.ModuleType, noop: Callable[..., None]) -> None:
+    """A runner module as the adapter drives it: its step body's set_dp_buffer_len recorded (once), and the flashinfer
+    autotuning that runs the body (the model) before capture left out (nothing to tune without a GPU)."""
+    if not hasattr(mod.set_dp_buffer_len, "__wrapped_engine__"):
+        mod.set_dp_buffer_len = recording_set_dp_buffer_len(mod.set_dp_buffer_len)
+    if hasattr(mod, "maybe_flashinfer_autotune_speculative_draft"):
+        mod.maybe_flashinfer_autotune_speculative_draft = noop
 
 
 def recording_set_dp_buffer_len(real: Callable) -> Callable:

@@ -43,7 +43,31 @@ ONE_GRAPH = "multi_layer_1g"
 MULTI_LAYER = ("multi_layer", ONE_GRAPH)
 
 
-class RunnerHandle:
+class RunnerFacts:
+    """What the engine derived for one of its runners (`self.runner`, of `self.engine`): its width, buckets and branch."""
+
+    runner: Any
+    engine: Engine
+
+    @property
+    def tokens_per_bs(self) -> int:
+        return captured_width(self.runner, self.engine.version)
+
+    @property
+    def capture_bs(self) -> list[int]:
+        return [int(b) for b in self.runner.capture_bs]
+
+    @property
+    def engine_branch(self) -> str:
+        r = self.runner
+        if r.require_mlp_tp_gather:
+            return Branch.MLP_TP_GATHER.value
+        if r.require_attn_tp_gather:
+            return Branch.ATTN_TP_GATHER.value
+        return Branch.NEITHER.value
+
+
+class RunnerHandle(RunnerFacts):
     """One engine graph runner (a multi-layer step or the single-layer runner) and what it baked."""
 
     def __init__(self, engine: Engine, kind: str, step: int, runner: Any, attn: AttnRecorder, layout: ParallelLayout, cfg: EngineConfig) -> None:
@@ -60,28 +84,6 @@ class RunnerHandle:
         self.last_body: Optional[tuple[Any, list[int]]] = None  # (the body's output, input_ids at launch)
         self.on_launch: Optional[Callable[["RunnerHandle", int], None]] = None  # called at each graph launch (logits_gather.py)
         self.last_logits: Optional[torch.Tensor] = None  # the stand-in model's logits at this runner's last driven model call
-
-    # ---- what the engine derived ----
-    @property
-    def tokens_per_bs(self) -> int:
-        r = self.runner
-        for name in ("captured_req_width", "num_tokens_per_bs"):
-            if name in vars(r):
-                return int(vars(r)[name])
-        raise EngineAdapterError(f"sglang {self.engine.version}: {type(r).__name__} has neither captured_req_width nor num_tokens_per_bs")
-
-    @property
-    def capture_bs(self) -> list[int]:
-        return [int(b) for b in self.runner.capture_bs]
-
-    @property
-    def engine_branch(self) -> str:
-        r = self.runner
-        if r.require_mlp_tp_gather:
-            return Branch.MLP_TP_GATHER.value
-        if r.require_attn_tp_gather:
-            return Branch.ATTN_TP_GATHER.value
-        return Branch.NEITHER.value
 
     def _buffers(self) -> Any:
         """The runner's static buffers: an InputBuffers from 0.5.10 on, attributes of the runner itself before."""
@@ -153,15 +155,7 @@ class RunnerHandle:
         return int(self.pruned_states(fb, torch.zeros(int(fb.input_ids.shape[0]), 1)).shape[0])
 
     def pruned_states(self, fb: Any, hidden: torch.Tensor) -> torch.Tensor:
-        """The hidden rows the engine's logits processor hands lm_head (LogitsProcessor._get_pruned_states)."""
-        lp = self.engine.modules["logits"]
-        meta = lp.LogitsMetadata.from_forward_batch(fb)
-        if not hasattr(lp.LogitsProcessor, "_get_pruned_states"):
-            # before 0.5.10 the selection is inline in forward(), whose branch for this mode feeds every hidden row
-            if not meta.forward_mode.is_draft_extend_v2():
-                raise EngineAdapterError(f"sglang {self.engine.version}: the capture batch is not DRAFT_EXTEND_V2 and the logits processor has no _get_pruned_states")
-            return hidden
-        return lp.LogitsProcessor._get_pruned_states(Strict("LogitsProcessor"), hidden, None, None, meta)[0]
+        return pruned_states(self.engine, fb, hidden)
 
     def launched_batch(self, bs: int) -> Any:
         """The forward batch a replay of bucket bs launches with: the capture-time one (its host values as baked),
@@ -308,6 +302,26 @@ class RunnerHandle:
         return BodyRecord(self.kind, self.step, live.raw_bs, snap.bs, self.tokens_per_bs, self.base_width or self.tokens_per_bs,
                           len(returned) == live.raw_bs and self.tokens_per_bs != 1, returned,
                           None if topk is None else [int(x) for x in topk[:, 0].tolist()], input_ids or [])
+
+
+def captured_width(runner: Any, version: str) -> int:
+    """The tokens per request a runner captured its graphs with: captured_req_width from 0.5.16 on, num_tokens_per_bs before."""
+    for name in ("captured_req_width", "num_tokens_per_bs"):
+        if name in vars(runner):
+            return int(vars(runner)[name])
+    raise EngineAdapterError(f"sglang {version}: {type(runner).__name__} has neither captured_req_width nor num_tokens_per_bs")
+
+
+def pruned_states(engine: Engine, fb: Any, hidden: torch.Tensor) -> torch.Tensor:
+    """The hidden rows the engine's logits processor hands lm_head for this batch (LogitsProcessor._get_pruned_states)."""
+    lp = engine.modules["logits"]
+    meta = lp.LogitsMetadata.from_forward_batch(fb)
+    if not hasattr(lp.LogitsProcessor, "_get_pruned_states"):
+        # before 0.5.10 the selection is inline in forward(), whose branch for this mode feeds every hidden row
+        if not meta.forward_mode.is_draft_extend_v2():
+            raise EngineAdapterError(f"sglang {engine.version}: the capture batch is not DRAFT_EXTEND_V2 and the logits processor has no _get_pruned_states")
+        return hidden
+    return lp.LogitsProcessor._get_pruned_states(Strict("LogitsProcessor"), hidden, None, None, meta)[0]
 
 
 def write_outputs(out: Any, ret: Any) -> None:

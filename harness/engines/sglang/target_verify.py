@@ -23,7 +23,7 @@ import importlib
 import importlib.util
 import types
 import warnings
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 
@@ -72,16 +72,42 @@ def _no_graph_capture(*args: Any, **kwargs: Any) -> Iterator[Any]:
     yield types.SimpleNamespace(stream=None)
 
 
-class VerifyGraphBackend(FakeGraphBackend):
-    """The decode graph backend as the decode runner opens it: capture and replay inside sessions (no stream here)."""
+def run_capture(engine: Any, layout: ParallelLayout, tp_rank: int, mod: types.ModuleType, runner: Any) -> None:
+    """The engine's capture() of a DecodeCudaGraphRunner (or a subclass): the seq_lens fill and index-buffer reset before
+    it, every bucket largest first through capture_one_shape. What only a GPU has is stood in, in `mod` (the decode runner
+    module, where the capture loop reads it): the graph-capture stream and its memory probe; and the garbage-collector
+    freeze around it (no effect on what is captured); the progress bar is the stub tqdm's (stubs.py)."""
+    v = engine.version
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(patched(mod, "graph_capture", _no_graph_capture, v, "the graph-capture stream context"))
+        stack.enter_context(patched(mod, "get_available_gpu_memory", lambda *a, **k: 0.0, v, "the capture loop's memory probe"))
+        stack.enter_context(patched(mod, "freeze_gc", lambda *a, **k: contextlib.nullcontext(), v, "the gc freeze around capture"))
+        parallel = getattr(engine.modules.get("runtime_context"), "get_parallel", None)
+        if parallel is not None:  # the capture loop hands the TP group to torch.compile's model patch (not compiling here)
+            stack.enter_context(parallel().override(tp_group=FakeGroup("tp", layout.tp_size, tp_rank)))
+        if hasattr(mod, "get_or_create_global_graph_capture_stream"):
+            stack.enter_context(patched(mod, "get_or_create_global_graph_capture_stream", noop, v, "the capture stream"))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            runner.capture()
 
-    @contextlib.contextmanager
-    def capture_session(self, stream: Any) -> Iterator[None]:
-        yield
 
-    @contextlib.contextmanager
-    def replay_session(self) -> Iterator[None]:
-        yield
+def as_target(mr: Strict, model_runner_cls: type) -> None:
+    """The draft stand-in as the target's model runner: not a draft worker, and without the optional features the
+    verify runner asks about (LoRA, hierarchical sparse attention, n-gram embedding, pipeline proxies, hooks); the
+    release's own ModelRunner methods the runner calls are bound to it."""
+    for name, val in dict(is_draft_worker=False, lora_manager=None, hisparse_coordinator=None, use_ngram_embedding=False,
+                          ngram_embedding_manager=Strict("ngram_embedding_manager", enabled=False), capture_head_hooks=[],
+                          capture_tail_hooks=[], shared_read_done_event=None, get_pp_proxy_topk_size=lambda: None,
+                          get_pp_proxy_residual_num_blocks=lambda: None, get_pp_proxy_dspark_hidden_size=lambda: None,
+                          get_aux_hidden_states_width=lambda: None).items():
+        setattr(mr, name, val)
+    for name in BOUND_METHODS:
+        if hasattr(model_runner_cls, name):
+            setattr(mr, name, types.MethodType(getattr(model_runner_cls, name), mr))
+    mc = mr.model_config
+    mc.is_encoder_decoder = False
+    mc.hf_text_config = mc.hf_config
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,11 +124,18 @@ class SpecBake:
 class TargetVerify:
     """One rank's target verify runner: built on build.py's stand-ins as the target's, captured per bucket, replayed."""
 
-    def __init__(self, mod: types.ModuleType, model_runner_cls: type, runners: Any) -> None:
+    def __init__(self, mod: types.ModuleType, model_runner_cls: type, runners: Any, kind: str = KIND, algorithm: str = "EAGLE",
+                 verify_input: Optional[Callable[..., Any]] = None) -> None:
+        """kind: the report lines' runner; algorithm: the target's speculative algorithm (its verify spec input: EAGLE's
+        EagleVerifyInput, the DFlash family's DFlashVerifyInput); verify_input(T, tokens, raw_bs): the replay batch's spec
+        input as that algorithm's worker builds it (None: EAGLE's, with its tree mask)."""
         self.engine, self.cfg, self.layout, self.tp_rank = runners.engine, runners.cfg, runners.layout, runners.tp_rank
+        self.kind, self.verify_input = kind, verify_input
         attn = runners._attn()
         mr = runners._model_runner(runners.server_args, attn)
-        self._as_target(mr, model_runner_cls)
+        as_target(mr, model_runner_cls)
+        if algorithm != "EAGLE":
+            mr.spec_algorithm = self.engine.modules["spec_info"].SpeculativeAlgorithm.from_string(algorithm)
         Runner = mod.DecodeCudaGraphRunner
         runner = object.__new__(Runner)
         vars(runner)["capture"] = noop  # __init__ ends by capturing, before the adapter can stand in for the graph: capture() below
@@ -111,8 +144,8 @@ class TargetVerify:
                 warnings.simplefilter("ignore")
                 Runner.__init__(runner, mr)
         del vars(runner)["capture"]
-        self.handle = h = RunnerHandle(self.engine, KIND, 0, runner, attn, self.layout, self.cfg)
-        runner.backend = VerifyGraphBackend(h)
+        self.handle = h = RunnerHandle(self.engine, kind, 0, runner, attn, self.layout, self.cfg)
+        runner.backend = FakeGraphBackend(h)
         # the MoE dispatch mode switch around capture / replay (a DeepEP buffer, absent here): no token counts involved
         runner.deepep_adapter = Strict("deepep_adapter", capture=noop, replay=noop)
         # torch.cpu has no graph capture or events: the body runs as the warm-up does (not capturing), and the events
@@ -122,7 +155,7 @@ class TargetVerify:
         if not isinstance(mr.model, ModelProbe):
             raise EngineAdapterError(f"sglang {self.engine.version}: the verify runner's model_runner is not the adapter's")
         mr.model.handle = h
-        self._capture(mod, runner)
+        run_capture(self.engine, self.layout, self.tp_rank, mod, runner)
         self.spec: dict[int, SpecBake] = {}
         for bs in h.capture_bs:
             if bs not in h.captures:
@@ -133,40 +166,6 @@ class TargetVerify:
                 # fills them (they hold whatever the process-wide buffer pool last held) and the batch gathers with no
                 # host counts (checked on the host lists), so the record says "no gathered buffer"
                 h.captures[bs] = dataclasses.replace(h.captures[bs], global_num_tokens_gpu=None, global_num_tokens_for_logprob_gpu=None)
-
-    def _capture(self, mod: types.ModuleType, runner: Any) -> None:
-        """The engine's capture(): the seq_lens fill and index-buffer reset before it, every bucket largest first through
-        capture_one_shape. What only a GPU has is stood in: the graph-capture stream and its memory probe; and the
-        garbage-collector freeze around it (no effect on what is captured); the progress bar is the stub tqdm's (stubs.py)."""
-        v = self.engine.version
-        with contextlib.ExitStack() as stack:
-            stack.enter_context(patched(mod, "graph_capture", _no_graph_capture, v, "the graph-capture stream context"))
-            stack.enter_context(patched(mod, "get_available_gpu_memory", lambda *a, **k: 0.0, v, "the capture loop's memory probe"))
-            stack.enter_context(patched(mod, "freeze_gc", lambda *a, **k: contextlib.nullcontext(), v, "the gc freeze around capture"))
-            parallel = getattr(self.engine.modules.get("runtime_context"), "get_parallel", None)
-            if parallel is not None:  # the capture loop hands the TP group to torch.compile's model patch (not compiling here)
-                stack.enter_context(parallel().override(tp_group=FakeGroup("tp", self.layout.tp_size, self.tp_rank)))
-            if hasattr(mod, "get_or_create_global_graph_capture_stream"):
-                stack.enter_context(patched(mod, "get_or_create_global_graph_capture_stream", noop, v, "the capture stream"))
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                runner.capture()
-
-    def _as_target(self, mr: Strict, model_runner_cls: type) -> None:
-        """The draft stand-in as the target's model runner: not a draft worker, and without the optional features the
-        verify runner asks about (LoRA, hierarchical sparse attention, n-gram embedding, pipeline proxies, hooks)."""
-        for name, val in dict(is_draft_worker=False, lora_manager=None, hisparse_coordinator=None, use_ngram_embedding=False,
-                              ngram_embedding_manager=Strict("ngram_embedding_manager", enabled=False), capture_head_hooks=[],
-                              capture_tail_hooks=[], shared_read_done_event=None, get_pp_proxy_topk_size=lambda: None,
-                              get_pp_proxy_residual_num_blocks=lambda: None, get_pp_proxy_dspark_hidden_size=lambda: None,
-                              get_aux_hidden_states_width=lambda: None).items():
-            setattr(mr, name, val)
-        for name in BOUND_METHODS:
-            if hasattr(model_runner_cls, name):
-                setattr(mr, name, types.MethodType(getattr(model_runner_cls, name), mr))
-        mc = mr.model_config
-        mc.is_encoder_decoder = False
-        mc.hf_text_config = mc.hf_config
 
     @staticmethod
     def _spec_bake(fb: Any) -> SpecBake:
@@ -193,8 +192,11 @@ class TargetVerify:
         seq_lens = torch.tensor(live.seq_lens, dtype=torch.int64)
         tok = {k: torch.tensor(v, dtype=torch.int64) for k, v in live.tokens(T).items()}
         full = fbi.CaptureHiddenMode.FULL  # EAGLE's verify returns every token's hidden state to the draft
-        spec = types.SimpleNamespace(draft_token_num=T, num_tokens_per_req=T, capture_hidden_mode=full, hidden_states=None,
-                                     custom_mask=torch.ones(T * (int(seq_lens.sum()) + raw * T), dtype=torch.bool))
+        if self.verify_input is not None:
+            spec = self.verify_input(T, tok, raw)
+        else:
+            spec = types.SimpleNamespace(draft_token_num=T, num_tokens_per_req=T, capture_hidden_mode=full, hidden_states=None,
+                                         custom_mask=torch.ones(T * (int(seq_lens.sum()) + raw * T), dtype=torch.bool))
         fb = fbi.ForwardBatch(forward_mode=fbi.ForwardMode.TARGET_VERIFY, batch_size=raw, input_ids=tok["input_ids"],
                               req_pool_indices=torch.tensor(live.req_pool_indices, dtype=torch.int64), seq_lens=seq_lens,
                               out_cache_loc=tok["out_cache_loc"], seq_lens_sum=int(seq_lens.sum()))
@@ -232,17 +234,17 @@ def check(tv: TargetVerify, layout: ParallelLayout, d: int, tp_rank: int, line, 
         raw = dp_sizes[d]
         live = live_batch(raw, dp_sizes, it, T, cfg.max_running_requests)
         rec, returned, lanes = tv.replay(live)
-        ln = line(KIND, 0, rec.bs)
+        ln = line(tv.kind, 0, rec.bs)
         check_record(ln, layout, rec, returned, tp_rank, it, max(dp_sizes) if layout.require_mlp_tp_gather else raw, tokens_aligned=True)
-        w = {"layout": layout.describe(), "branch": layout.branch.value, "runner": KIND, "step": 0, "rank": tp_rank,
+        w = {"layout": layout.describe(), "branch": layout.branch.value, "runner": tv.kind, "step": 0, "rank": tp_rank,
              "iteration": it, "raw_bs": raw, "bs": rec.bs}
         for lr in lanes:
             check_lanes(ln.verdict, lr, live, seen, w, filled)
     check_captures(tv.handle, layout, tp_rank, line, verify_capture_bs(layout, cfg.capture_bs, cfg.max_running_requests, T), per_request,
                     own, padding_mode=None)
     for bs, spec in tv.spec.items():
-        v = line(KIND, 0, bs).verdict
-        w = {"layout": layout.describe(), "branch": layout.branch.value, "runner": KIND, "step": 0, "rank": tp_rank, "bs": bs}
+        v = line(tv.kind, 0, bs).verdict
+        w = {"layout": layout.describe(), "branch": layout.branch.value, "runner": tv.kind, "step": 0, "rank": tp_rank, "bs": bs}
         v.expect_equal("capture", "spec_info.draft_token_num", w, T, spec.draft_token_num, "the verify tree's tokens per request")
         if spec.hidden_rows is not None:
             v.expect_equal("capture", "spec_info.hidden_states rows", w, bs * T, spec.hidden_rows, "one per token (MTP models read them)")
