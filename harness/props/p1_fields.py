@@ -14,8 +14,9 @@ compared, by the rule of its kind unless a policy classifies it:
   it, with the replay's dtype and shape, and (where both name one) over the same storage: the graph reads the buffer
   the replay writes, not a copy;
 - a policy may make a host value batch-determined (seq_lens_sum: the live lanes' sum), a tensor bucket-determined
-  (the gathered counts: compared by value too), or exclude a field that is never baked, with the reason and the
-  source line that shows it (`Excluded`).
+  (the gathered counts: compared by value too) or the first rows of a buffer the replay hands over whole
+  (`FieldRule.PREFIX`), exclude a field that is never baked, with the reason and the source line that shows it
+  (`Excluded`), or report a difference not yet settled against the source as a note (`Noted`).
 """
 from __future__ import annotations
 
@@ -30,6 +31,9 @@ from harness.verdict import Verdict
 class FieldRule(Enum):
     BUCKET = "bucket"  # determined by the bucket: dtype, shape and value as at capture
     BATCH = "batch"  # determined by the live batch: set at capture, with the replay's dtype and shape
+    # a static buffer the replay hands over whole (the reader takes the bucket's first lanes): the capture's field is
+    # the bucket's first rows of that buffer: its dtype, its trailing shape, at most its rows, the same storage
+    PREFIX = "prefix"
 
 
 @dataclass(frozen=True)
@@ -41,11 +45,21 @@ class Excluded:
     source: str
 
 
-FieldPolicy = Mapping[str, Union[FieldRule, Excluded]]
+@dataclass(frozen=True)
+class Noted:
+    """A difference read but not yet settled against the release's source: reported as a note with the field and the
+    values (never hidden, never a failure) until the source says bug (drop it: the rule fails it) or not (Excluded)."""
+
+    reason: str
 
 
-def rule_for(name: str, value: FieldValue, policy: FieldPolicy) -> Union[FieldRule, Excluded]:
-    ruled = policy.get(name)
+Disposition = Union[FieldRule, Excluded, Noted]
+FieldPolicy = Mapping[str, Disposition]
+OTHERS = "*"  # a policy's entry for the fields it does not name (unset: the rule of each one's kind)
+
+
+def rule_for(name: str, value: FieldValue, policy: FieldPolicy) -> Disposition:
+    ruled = policy.get(name, policy.get(OTHERS))
     if ruled is not None:
         return ruled
     return FieldRule.BATCH if value.kind == "tensor" else FieldRule.BUCKET
@@ -59,6 +73,14 @@ def field_problem(rule: FieldRule, cap: Optional[FieldValue], rep: FieldValue) -
         return f"a value set for the bucket (the replay's: {rep.describe()})", cap.describe(), "the capture left it at its default"
     if cap.kind != rep.kind:
         return rep.describe(), cap.describe(), "another kind of value"
+    if cap.kind == "tensor" and rule is FieldRule.PREFIX:
+        first_rows = cap.shape[1:] == rep.shape[1:] and len(cap.shape) == len(rep.shape) and cap.shape[:1] <= rep.shape[:1]
+        if cap.dtype != rep.dtype or not first_rows:
+            return f"the first rows of {rep.describe()}", cap.describe(), "another dtype or shape than the buffer the replay hands over"
+        if cap.storage is not None and rep.storage is not None and cap.storage != rep.storage:
+            return "the first rows of the buffer the replay hands over", "a tensor over other memory", \
+                "the graph reads what the capture built, never what the replay writes"
+        return None
     if cap.kind == "tensor":
         if (cap.dtype, cap.shape) != (rep.dtype, rep.shape):
             return rep.describe(), cap.describe(), "another dtype or shape than the replay writes"
@@ -91,9 +113,17 @@ def check_capture_fields(v: Verdict, rec: ReplayRecord, where: dict, policy: Fie
         rule = rule_for(name, rep, policy)
         if isinstance(rule, Excluded):
             continue
-        problem = field_problem(rule, rec.capture.fields.get(name), rep)
-        if problem is not None:
-            bad.append((name, problem))
+        default = FieldRule.BATCH if rep.kind == "tensor" else FieldRule.BUCKET
+        problem = field_problem(default if isinstance(rule, Noted) else rule, rec.capture.fields.get(name), rep)
+        if problem is None:
+            continue
+        if isinstance(rule, Noted):
+            expected, got, why = problem
+            loc = ", ".join(f"{k}={x}" for k, x in where.items())
+            v.notes.append(f"{v.prop}/{check} {name}: the replay's {expected} vs the capture's {got} ({why}): {rule.reason}; "
+                           f"not settled against the source, reported [{loc}]")
+            continue
+        bad.append((name, problem))
     if not bad:
         return
     name, (expected, got, why) = bad[0]
