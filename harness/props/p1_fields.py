@@ -59,7 +59,10 @@ OTHERS = "*"  # a policy's entry for the fields it does not name (unset: the rul
 
 
 def rule_for(name: str, value: FieldValue, policy: FieldPolicy) -> Disposition:
-    ruled = policy.get(name, policy.get(OTHERS))
+    """The field's own entry, else its parent's 'NAME.*' (the spec info's fields), else the policy's OTHERS, else its kind's rule."""
+    parent = name.rsplit(".", 1)[0] + ".*" if "." in name else None
+    ruled = policy.get(name, policy.get(parent) if parent else None)
+    ruled = policy.get(OTHERS) if ruled is None else ruled
     if ruled is not None:
         return ruled
     return FieldRule.BATCH if value.kind == "tensor" else FieldRule.BUCKET

@@ -32,6 +32,10 @@ SGLANG_FIELDS: FieldPolicy = {
         "layers/attention/triton_backend.py:715-724, layers/attention/flashattention_backend.py:3295-3310",
     ),
     "spec_info.positions": Noted(f"the capture sets None on purpose ({ML}:326), the replay the positions buffer ({ML}:914)"),
+    # releases up to 0.5.12 hand the backend the live batch's spec info (0.5.7: spec_info=forward_batch.spec_info,
+    # {ML}:515), later ones one the replay builds from the buffers ({ML}:904-915)
+    "spec_info": Noted("the replay's spec info is the live batch's in releases up to 0.5.12"),
+    "spec_info.*": Noted("the replay's spec info is the live batch's in releases up to 0.5.12"),
 }
 
 # The single-layer draft-extend and the draft decode hand the backend the live batch's own spec info (and, the draft
