@@ -20,7 +20,6 @@ from harness.run.records import ReplayRecord
 from harness.verdict import Verdict
 from runners.parallel.layout import Branch, ParallelLayout
 
-
 CAPTURE_FIELD = "capture field"  # I1 over every field, on an engine's runners: its own check, so a baseline names it
 
 

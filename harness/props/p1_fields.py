@@ -90,7 +90,7 @@ def field_problem(rule: FieldRule, cap: Optional[FieldValue], rep: FieldValue) -
         if cap.storage is not None and rep.storage is not None and cap.storage != rep.storage:
             return "a view of the buffer the replay writes", "a tensor over other memory", \
                 "the graph reads what the capture built, never what the replay writes"
-        if rule is FieldRule.BUCKET and cap.value is not None and rep.value is not None and cap.value != rep.value:
+        if rule is FieldRule.BUCKET and cap.sample is not None and rep.sample is not None and cap.sample != rep.sample:
             return rep.describe(), cap.describe(), "a bucket-determined value"
         return None
     if cap.kind == "object":

@@ -73,9 +73,13 @@ class FieldValue:
     kind: str  # "tensor", "host", "none" (None), "object" (anything else: compared by type)
     dtype: Optional[str] = None
     shape: Optional[tuple[int, ...]] = None
-    value: Any = None  # host: the value (lists as tuples, enums by name); a small tensor: its values; else None
-    storage: Optional[tuple[int, int]] = None  # tensor: (its storage's address, its offset in elements)
+    value: Any = None  # host: the value (lists as tuples, enums by name); a tensor: None
+    # tensor: (its storage's address, its offset in elements): which memory in this process, so not part of the value
+    storage: Optional[tuple[int, int]] = field(default=None, compare=False)
     default: bool = False
+    # a small tensor's values when read (what a bucket-determined tensor is compared by); not part of the field's
+    # value either: a batch-determined tensor holds another batch's values each time it is read
+    sample: Optional[tuple] = field(default=None, compare=False)
 
     @property
     def is_set(self) -> bool:
@@ -83,7 +87,7 @@ class FieldValue:
 
     def describe(self) -> str:
         if self.kind == "tensor":
-            vals = "" if self.value is None else f" = {list(self.value)}"
+            vals = "" if self.sample is None else f" = {list(self.sample)}"
             return f"tensor {self.dtype} {list(self.shape or ())}{vals}"
         if self.kind == "none":
             return "None" + (" (its default)" if self.default else "")
@@ -98,9 +102,9 @@ def field_value(x: Any, default: Any = dataclasses.MISSING) -> FieldValue:
     if x is None:
         return FieldValue("none", default=is_default)
     if isinstance(x, torch.Tensor):
-        value = tuple(x.reshape(-1).tolist()) if x.numel() <= SMALL_TENSOR and not x.is_meta else None
+        sample = tuple(x.reshape(-1).tolist()) if x.numel() <= SMALL_TENSOR and not x.is_meta else None
         storage = None if x.is_meta else (x.untyped_storage().data_ptr(), int(x.storage_offset()))
-        return FieldValue("tensor", str(x.dtype).removeprefix("torch."), tuple(x.shape), value, storage, is_default)
+        return FieldValue("tensor", str(x.dtype).removeprefix("torch."), tuple(x.shape), None, storage, is_default, sample)
     if isinstance(x, enum.Enum):
         return FieldValue("host", value=x.name.lower(), default=is_default)
     if isinstance(x, (bool, int, float, str)):
