@@ -12,12 +12,15 @@ from typing import Callable, Optional
 from harness.engines.after_model import next_token, selected_row, selected_tokens
 from harness.engines.lanes import LiveBatch
 from harness.engines.report import Line
+from harness.engines.sglang.fields import sglang_field_policy
 from harness.engines.sglang.handle import MULTI_LAYER, RunnerHandle
 from harness.props.p1_records import P1, check_replay_record, check_replay_rows
 from harness.run.layouts import branch_sibling
 from harness.run.records import ReplayRecord
 from harness.verdict import Verdict
 from runners.parallel.layout import Branch, ParallelLayout
+
+CAPTURE_FIELD = "capture field"  # I1 over every field, on an engine's runners: its own check, so a baseline names it
 
 
 def check_captures(h: RunnerHandle, layout: ParallelLayout, tp_rank: int, line, expected_capture_bs: list[int], per_request: dict,
@@ -89,7 +92,7 @@ def check_record(ln: Line, layout: ParallelLayout, rec: ReplayRecord, returned: 
     n = rec.bs * rec.tokens_per_bs
     pruned = rec.rows_fed == rec.bs and n != rec.bs  # measured: the engine's logits processor feeds lm_head one row per request
     check_replay_record(v, layout, rec, tp_rank, it, needed, logprob_rows=rec.bs if pruned else None, require_host_lists=False,
-                        tokens_aligned=tokens_aligned)
+                        tokens_aligned=tokens_aligned, field_policy=sglang_field_policy(rec.runner), field_check=CAPTURE_FIELD)
     check_replay_rows(v, layout, rec, tp_rank, it, expected_rows=rec.bs if pruned else n)
     w = {"layout": layout.describe(), "branch": rec.branch, "runner": rec.runner, "step": rec.step, "rank": tp_rank, "iteration": it,
          "raw_bs": rec.raw_bs, "bs": rec.bs}

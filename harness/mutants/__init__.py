@@ -13,6 +13,7 @@ from __future__ import annotations
 import difflib
 
 from harness.mutants import (
+    capture_fields,
     decode,
     dp,
     draft_attention,
@@ -47,7 +48,7 @@ CATALOG: tuple[Mutant, ...] = (
     *decode.MUTANTS, *draft_attention.MUTANTS, *shape.MUTANTS, *verify.MUTANTS, *dp.MUTANTS, *host_mirror.MUTANTS,
     *replay_fill.MUTANTS, *padding_rule.MUTANTS, *fused_fill.MUTANTS, *sharding.MUTANTS,
     *one_graph.MUTANTS, *eagle3.MUTANTS, *draft_parallel.MUTANTS, *logprobs.MUTANTS, *mixed_modes.MUTANTS, *overlap.MUTANTS, *vllm_shapes.MUTANTS, *host_planned.MUTANTS, *triton_kernel.MUTANTS,
-    *kept_views.MUTANTS,
+    *kept_views.MUTANTS, *capture_fields.MUTANTS,
 )
 """Every built-in mutant, one module per family, in the order `harness mutants` reports them (`harness.MUTANTS`)."""
 BY_ID: dict[str, Mutant] = {m.id: m for m in CATALOG}

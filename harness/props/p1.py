@@ -95,7 +95,8 @@ PROPERTY = Property(
     P1, "metadata invariants", Needs.METADATA | Needs.CASE_RUN, check,
     probes=(Probe("metadata-grid", probe_metadata_grid), Probe("metadata-dp", probe_metadata_dp)),
     invariants=(
-        Invariant("I1", "capture = replay: the value baked at capture for a bucket equals the replay fill for it"),
+        Invariant("I1", "capture = replay: every field the replay writes for a bucket (the gathered counts, every other field of the batch "
+                             "and its spec info) agrees with the value baked at capture for it"),
         Invariant("I2", "row count: for_logprob[r] equals the rows fed to lm_head on rank r"),
         Invariant("I3", "branch parity: the MLP-TP and attn-TP branches count the same rows per request for the same batch"),
         Invariant("I4", "the gathered buffer: Σ for_logprob = its rows = global_dp_buffer_len"),

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from typing import Optional, Sequence
 
+from harness.props.p1_fields import Excluded, FieldPolicy, FieldRule, check_capture_fields
 from harness.run.records import ReplayRecord
 from harness.verdict import Verdict
 from runners.base_cuda_graph_runner import RunnerKind
@@ -10,6 +11,30 @@ from runners.draft_extend import SEQ_LEN_FILL_VALUE
 from runners.parallel.layout import ParallelLayout
 
 P1 = "P1"  # the property these checks report under (registered by harness.props.p1)
+
+# How our runners' fields are classified where the rule of their kind is not the one (harness.props.p1_fields):
+# the seq-lens sum is the live lanes' (the replay's plan sums them), the gathered counts are the bucket's.
+OUR_FIELDS: FieldPolicy = {
+    "seq_lens_sum": FieldRule.BATCH,
+    "global_num_tokens_gpu": FieldRule.BUCKET,
+    "global_num_tokens_for_logprob_gpu": FieldRule.BUCKET,
+}
+# The ragged draft-extend bakes the bucket's capacity, T tokens a lane, as its host extents; the replay writes each
+# lane's accepted count into the device extents, which are what its graph reads (token_to_request, the KV write
+# slots). The one in-graph use of the host list is the triton backend's longest extent, and T bounds every lane.
+_RAGGED_EXTENTS = Excluded(
+    "the bucket's capacity (T a lane) at capture, the live extents on the device at replay: the ragged graph reads the "
+    "device extents; the triton backend's longest extent, from the host list, is T, which bounds every lane",
+    "runners/attention/torch_ref.py:32, runners/ragged_draft_extend.py:99, runners/attention/triton_backend.py:239",
+)
+OUR_RUNNER_FIELDS: dict[str, FieldPolicy] = {
+    RunnerKind.RAGGED: {**OUR_FIELDS, "extend_seq_lens_cpu": _RAGGED_EXTENTS, "extend_num_tokens": _RAGGED_EXTENTS},
+}
+
+
+def our_field_policy(runner: str) -> FieldPolicy:
+    """The field classification of one of our runner kinds (runners.base_cuda_graph_runner.RunnerKind)."""
+    return OUR_RUNNER_FIELDS.get(runner, OUR_FIELDS)
 
 
 def verify_capture_bs(layout: ParallelLayout, configured: Sequence[int], max_running_requests: int, T: int) -> list[int]:
@@ -54,6 +79,8 @@ def check_replay_record(
     tokens_aligned: Optional[bool] = None,
     expected_capture_bs: Optional[Sequence[int]] = None,
     pads_requests: bool = True,
+    field_policy: Optional[FieldPolicy] = None,
+    field_check: str = "I1",
 ) -> None:
     """I1, I4, I5 and the padding rules on one replay's record.
 
@@ -81,6 +108,9 @@ def check_replay_record(
     pads_requests: False for a PIECEWISE graph (vLLM: num_reqs None, no request padding): the lanes past the
         live ones belong to no batch, so their seq_lens have no canonical value and the metadata sums live lanes;
         the token count is still padded to the bucket's (checked).
+    field_policy, field_check: I1 over every field the replay wrote (rec.fields; harness.props.p1_fields), classified
+        by this policy (None: our runner kind's, `our_field_policy`; an engine's names its release's exclusions) and
+        reported under this check name.
     """
     w = record_where(layout, rec, tp_rank, iteration)
     T, bs = rec.tokens_per_bs, rec.bs
@@ -106,6 +136,7 @@ def check_replay_record(
     if rec.host_mirror_stale_lanes is not None:
         v.expect_equal("padding", "host mirror", w, [], rec.host_mirror_stale_lanes,
                        "lanes whose host seq_lens / tree mask (what a host-planned backend plans with) differ from the device buffers")
+    check_capture_fields(v, rec, w, our_field_policy(rec.runner) if field_policy is None else field_policy, field_check)
     host = rec.capture.host
     v.expect_equal("padding", "capture num_tokens", w, n, host["num_tokens"])
     if not layout.require_gathered_buffer:

@@ -15,6 +15,11 @@ A runner captured before the observer attached, or never captured (the metadata-
 path), has its bucket baked on demand through its public `get_forward_batch(bs)`; the
 gathered tensors it overwrites are put back, so the live fill is what the replay reads.
 Reading the buffers back is a device sync per replay; an engine run does not attach one.
+
+On the metadata path (`prepare`) the record also carries what the replay writes, field by field (I1 over every
+field, harness.props.p1_fields): the static buffers the fill wrote (their version counters moved), each under the
+name of the capture field that reads it, sliced to the bucket; and the host values an engine's replay hands the
+code outside the graph, derived from the filled buffers as SGLang's replay derives them (`replay_fields`).
 """
 from __future__ import annotations
 
@@ -23,12 +28,12 @@ from typing import Any, Callable, Iterable, Optional, Protocol
 
 import torch
 
-from harness.run.records import CaptureRecord, ReplayRecord, tensor_values
+from harness.run.records import CaptureRecord, FieldValue, ReplayRecord, batch_fields, field_value, tensor_values
 from runners.base_cuda_graph_runner import RunnerKind
 from runners.batch import ForwardBatch
 from runners.draft_decode import EagleProposer
 from runners.draft_extend import SEQ_LEN_FILL_VALUE
-from runners.parallel.layout import ParallelLayout
+from runners.parallel.layout import DpPaddingMode, ParallelLayout
 from runners.spec_decode import SpecEngine
 
 
@@ -100,7 +105,8 @@ class RunnerObserver:
             fb = original(bs)
             r = self.runner
             self.captures[bs] = CaptureRecord(fb.batch_size, fb.num_tokens, fb.host_metadata(),
-                                              tensor_values(r.global_num_tokens_gpu), tensor_values(r.global_num_tokens_for_logprob_gpu))
+                                              tensor_values(r.global_num_tokens_gpu), tensor_values(r.global_num_tokens_for_logprob_gpu),
+                                              batch_fields(fb))
             return fb
 
         return get_forward_batch
@@ -166,8 +172,13 @@ class RunnerObserver:
         )
 
     def prepare(self, inp: LiveBatch) -> ReplayRecord:
-        """The fast P1 path: the runner's replay prepare (copy-in and fill, no graph) and its record."""
-        return self.filled(inp, self.runner.prepare_replay(inp))
+        """The fast P1 path: the runner's replay prepare (copy-in and fill, no graph) and its record, with the fields
+        the replay wrote."""
+        buffers = static_buffers(self.runner)
+        before = {name: t._version for name, t in buffers.items()}
+        rec = self.filled(inp, self.runner.prepare_replay(inp))
+        written = {name: t for name, t in buffers.items() if t._version != before[name]}
+        return replace(rec, fields=replay_fields(self.runner, rec, written))
 
     def take(self) -> list[ReplayRecord]:
         """The replays since the last take, in the order they ran."""
@@ -188,6 +199,48 @@ def stale_host_mirror(r: Any, bs: int) -> Optional[list[int]]:
     if mask is not None:
         stale |= (mask[:bs] != r.custom_mask[:bs].cpu()).flatten(1).any(1)
     return stale.nonzero().flatten().tolist()
+
+
+GATHERED = ("global_num_tokens_gpu", "global_num_tokens_for_logprob_gpu")  # (dp,) or (1,) whatever the bucket
+
+
+def static_buffers(r: Any) -> dict[str, torch.Tensor]:
+    """A graph runner's static tensors: its own attributes and its input-buffer set's (the draft-extend runners keep
+    theirs in one, shared by the steps of a composite)."""
+    out = {name: t for name, t in vars(r).items() if isinstance(t, torch.Tensor)}
+    held = getattr(r, "buffers", None)
+    if held is not None:
+        out.update({name: t for name, t in vars(held).items() if isinstance(t, torch.Tensor)})
+    return out
+
+
+def replay_fields(r: Any, rec: ReplayRecord, written: dict[str, torch.Tensor]) -> dict[str, FieldValue]:
+    """What the replay of bucket rec.bs writes, as fields of the batch the graph reads.
+
+    Tensors: each buffer the fill wrote, under the name of the capture field that views it (the field whose name is
+    the buffer's, the spec info's included), or its own name where no capture field does (then the capture never
+    set it); sliced to the bucket's lanes (a buffer of max_bs * w rows gives bs * w; the gathered counts whole).
+    Host values: what an engine's replay hands the code outside the graph, from the filled buffers: the bucket, the
+    seq-lens sum of its lanes, the gathered counts as host lists and the DP buffer they size (a graph replay pads
+    every DP group to the bucket: MAX_LEN), the extend lengths as a host list and their sum.
+    A kernel's writes move no version counter: a fill done by one (the CUDA fused fill) shows its host writes only.
+    """
+    leaf = {path.rsplit(".", 1)[-1]: path for path, fv in rec.capture.fields.items() if fv.kind == "tensor"}
+    out: dict[str, FieldValue] = {}
+    for name, t in written.items():
+        rows = t.shape[0] // r.max_bs if t.dim() and t.shape[0] % r.max_bs == 0 else 0
+        view = t if name in GATHERED or not rows else t[: rec.bs * rows]
+        out[leaf.get(name, name)] = field_value(view)
+    host: dict[str, Any] = {"batch_size": rec.bs, "seq_lens_sum": rec.seq_lens_sum, "dp_padding_mode": DpPaddingMode.MAX_LEN}
+    nt, lp = rec.global_num_tokens_gpu, rec.global_num_tokens_for_logprob_gpu
+    if nt is not None:
+        host.update(global_num_tokens_cpu=nt, global_num_tokens_for_logprob_cpu=lp, global_dp_buffer_len=max(nt) * len(nt))
+    ext = static_buffers(r).get("extend_seq_lens")
+    if ext is not None:
+        lens = [int(x) for x in ext[: rec.bs].tolist()]
+        host.update(extend_seq_lens_cpu=lens, extend_num_tokens=sum(lens))
+    out.update({name: field_value(x) for name, x in host.items()})
+    return out
 
 
 def _with_output(rec: ReplayRecord, out: Any) -> ReplayRecord:

@@ -8,8 +8,10 @@ global_num_tokens_gpu / global_num_tokens_for_logprob_gpu.
 """
 from __future__ import annotations
 
+import dataclasses
+import enum
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -23,6 +25,7 @@ class CaptureRecord:
     host: dict
     global_num_tokens_gpu: Optional[list[int]]
     global_num_tokens_for_logprob_gpu: Optional[list[int]]
+    fields: dict[str, "FieldValue"] = field(default_factory=dict)  # every field of the batch (and its spec info) as built
 
 
 @dataclass(frozen=True)
@@ -47,8 +50,104 @@ class ReplayRecord:
     logits_rows: Optional[int] = None
     captured_bs: list[int] = field(default_factory=list)
     host_mirror_stale_lanes: Optional[list[int]] = None  # lanes whose host seq_lens / tree mask differ from the device's (None: no mirror)
+    fields: dict[str, "FieldValue"] = field(default_factory=dict)  # what the replay writes for this bucket (empty: not observed)
 
 
 def tensor_values(t: Optional[torch.Tensor]) -> Optional[list[int]]:
     """A small static int tensor read back to the host (a device sync: an engine never does this)."""
     return None if t is None else [int(x) for x in t.tolist()]
+
+
+# A tensor this small has its values kept in its FieldValue (a bucket-determined tensor, the gathered counts, is
+# compared by value); a larger one by dtype, shape and which buffer it views. Reading values back is a device sync.
+SMALL_TENSOR = 16
+
+
+@dataclass(frozen=True)
+class FieldValue:
+    """One field of a forward batch, a spec info or a replay's view of them, as invariant I1 compares it
+    (harness.props.p1_fields): a tensor by dtype, shape and the buffer it views (`storage`: which memory, at which
+    offset: a tensor the capture built for itself is not the one the replay writes), a host value by value.
+    `default`: the field holds its dataclass's declared default (what a capture that never set it leaves)."""
+
+    kind: str  # "tensor", "host", "none" (None), "object" (anything else: compared by type)
+    dtype: Optional[str] = None
+    shape: Optional[tuple[int, ...]] = None
+    value: Any = None  # host: the value (lists as tuples, enums by name); a tensor: None
+    # tensor: (its storage's address, its offset in elements): which memory in this process, so not part of the value
+    storage: Optional[tuple[int, int]] = field(default=None, compare=False)
+    default: bool = False
+    # a small tensor's values when read (what a bucket-determined tensor is compared by); not part of the field's
+    # value either: a batch-determined tensor holds another batch's values each time it is read
+    sample: Optional[tuple] = field(default=None, compare=False)
+
+    @property
+    def is_set(self) -> bool:
+        return self.kind != "none"
+
+    def describe(self) -> str:
+        if self.kind == "tensor":
+            vals = "" if self.sample is None else f" = {list(self.sample)}"
+            return f"tensor {self.dtype} {list(self.shape or ())}{vals}"
+        if self.kind == "none":
+            return "None" + (" (its default)" if self.default else "")
+        if self.kind == "object":
+            return f"a {self.value}" + (" (its default)" if self.default else "")
+        return repr(self.value) + (" (its default)" if self.default else "")
+
+
+def field_value(x: Any, default: Any = dataclasses.MISSING) -> FieldValue:
+    """x as I1 compares it; `default` is the field's declared default, when it has one."""
+    is_default = default is not dataclasses.MISSING and _same(x, default)
+    if x is None:
+        return FieldValue("none", default=is_default)
+    if isinstance(x, torch.Tensor):
+        sample = tuple(x.reshape(-1).tolist()) if x.numel() <= SMALL_TENSOR and not x.is_meta else None
+        storage = None if x.is_meta else (x.untyped_storage().data_ptr(), int(x.storage_offset()))
+        return FieldValue("tensor", str(x.dtype).removeprefix("torch."), tuple(x.shape), None, storage, is_default, sample)
+    if isinstance(x, enum.Enum):
+        return FieldValue("host", value=x.name.lower(), default=is_default)
+    if isinstance(x, (bool, int, float, str)):
+        return FieldValue("host", value=x, default=is_default)
+    if isinstance(x, (list, tuple)) and all(isinstance(e, (bool, int, float, str)) for e in x):
+        return FieldValue("host", value=tuple(x), default=is_default)
+    return FieldValue("object", value=type(x).__name__, default=is_default)
+
+
+def _same(x: Any, default: Any) -> bool:
+    if isinstance(x, torch.Tensor) or isinstance(default, torch.Tensor):
+        return x is default
+    try:
+        return bool(x == default)
+    except Exception:  # an object whose == is not a truth value (an array): not the default
+        return False
+
+
+def batch_fields(batch: Any, nested: tuple[str, ...] = ("spec_info",)) -> dict[str, FieldValue]:
+    """Every public field of a forward batch (a dataclass: its declared fields with their defaults; anything else, a
+    replay's namespace view: its attributes), and those of its `nested` members (the spec info) as 'spec_info.NAME'.
+    Introspected, so a field added to the batch is compared without anyone listing it."""
+    out: dict[str, FieldValue] = {}
+    for name, value, default in _members(batch):
+        if name in nested and value is not None:
+            out.update({f"{name}.{k}": v for k, v in batch_fields(value, ()).items()})
+            out[name] = FieldValue("object", value=type(value).__name__)
+        else:
+            out[name] = field_value(value, default)
+    return out
+
+
+def _members(obj: Any) -> list[tuple[str, Any, Any]]:
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        declared = {f.name: f for f in dataclasses.fields(obj)}
+        names = list(declared) + [k for k in getattr(obj, "__dict__", {}) if k not in declared]  # attributes set past the declared fields too
+        out = []
+        for name in names:
+            if name.startswith("_"):
+                continue
+            f = declared.get(name)
+            default = dataclasses.MISSING if f is None else f.default if f.default is not dataclasses.MISSING else (
+                f.default_factory() if f.default_factory is not dataclasses.MISSING else dataclasses.MISSING)
+            out.append((name, getattr(obj, name), default))
+        return out
+    return [(k, v, dataclasses.MISSING) for k, v in getattr(obj, "__dict__", {}).items() if not k.startswith("_") and not callable(v)]

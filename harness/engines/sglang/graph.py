@@ -53,6 +53,10 @@ def tolist(t: Optional[torch.Tensor]) -> Optional[list[int]]:
     return None if t is None else [int(x) for x in t.reshape(-1).tolist()]
 
 
+# AttentionBackend.init_forward_metadata_replay_cuda_graph's parameters after seq_lens_sum (releases up to 0.5.12)
+REPLAY_HOOK_TAIL = ("encoder_lens", "forward_mode", "spec_info", "seq_lens_cpu")
+
+
 class AttnRecorder:
     """Mixed into a subclass of the engine's own AttentionBackend (its defaults stay the engine's):
     plans nothing; records the batch view it is given at replay (its seq_lens_sum)."""
@@ -87,7 +91,10 @@ class AttnRecorder:
         pass
 
     def init_forward_metadata_replay_cuda_graph(self, bs: int, req_pool_indices: Any, seq_lens: Any, seq_lens_sum: Any, *args: Any, **kwargs: Any) -> None:
-        self.last_replay_view = types.SimpleNamespace(batch_size=bs, seq_lens=seq_lens, seq_lens_sum=seq_lens_sum)
+        # the hook's parameters after seq_lens_sum, by the engine's AttentionBackend's names: the replay's view, whole
+        rest = dict(zip(REPLAY_HOOK_TAIL, args, strict=False), **kwargs)
+        self.last_replay_view = types.SimpleNamespace(batch_size=bs, req_pool_indices=req_pool_indices, seq_lens=seq_lens,
+                                                      seq_lens_sum=seq_lens_sum, **rest)
 
     def init_forward_metadata(self, forward_batch: Any) -> None:
         raise EngineAdapterError("the engine planned attention for an eager forward; engine-check drives graph runners only")

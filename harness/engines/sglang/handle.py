@@ -31,7 +31,7 @@ from harness.engines.sglang.graph import (
 )
 from harness.engines.sglang.loader import Engine
 from harness.engines.sglang.standins import Strict
-from harness.run.records import CaptureRecord, ReplayRecord
+from harness.run.records import CaptureRecord, ReplayRecord, batch_fields
 from runners.parallel.layout import Branch, ParallelLayout
 
 # Older names of the same buffers: 0.5.11 says num_accepted_*, releases up to 0.5.10 accept_length (drafts + bonus).
@@ -147,7 +147,7 @@ class RunnerHandle(RunnerFacts):
             "fb_global_dp_buffer_len": fb.global_dp_buffer_len,
             "local_dp_buffer_len": dp.get("local_dp_buffer_len"),
         }
-        self.captures[bs] = CaptureRecord(bs, int(fb.input_ids.shape[0]), host, gpu_tokens, gpu_logprob)
+        self.captures[bs] = CaptureRecord(bs, int(fb.input_ids.shape[0]), host, gpu_tokens, gpu_logprob, batch_fields(fb))
         self.capture_rows[bs] = (self._rows_fed_to_lm_head(fb), int(fb.next_token_logits_buffer.shape[0]))
 
     def _rows_fed_to_lm_head(self, fb: Any) -> int:
@@ -280,6 +280,7 @@ class RunnerHandle(RunnerFacts):
             global_num_tokens_for_logprob_gpu=snap.global_num_tokens_for_logprob_gpu, gpu_shape=snap.gpu_shape,
             padded_seq_lens=snap.seq_lens[live.raw_bs:], seq_lens_sum=seq_lens_sum if seq_lens_sum is None else int(seq_lens_sum),
             seq_lens_sum_actual=sum(snap.seq_lens), rows_fed=rows_fed, logits_rows=logits_rows, captured_bs=self.capture_bs,
+            fields={} if view is None else batch_fields(view),  # the batch the replay plans attention with (none: planned in the graph)
         )
         self.attn.last_replay_view = None
         # the lanes as the replay fill left them: step 0 only, where the fill is the last writer (later steps
