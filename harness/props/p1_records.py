@@ -136,12 +136,21 @@ def check_replay_record(
     if rec.host_mirror_stale_lanes is not None:
         v.expect_equal("padding", "host mirror", w, [], rec.host_mirror_stale_lanes,
                        "lanes whose host seq_lens / tree mask (what a host-planned backend plans with) differ from the device buffers")
-    check_capture_fields(v, rec, w, our_field_policy(rec.runner) if field_policy is None else field_policy, field_check)
-    host = rec.capture.host
-    v.expect_equal("padding", "capture num_tokens", w, n, host["num_tokens"])
-    if not layout.require_gathered_buffer:
+    v.expect_equal("padding", "capture num_tokens", w, n, rec.capture.host["num_tokens"])
+    if layout.require_gathered_buffer:
+        _check_gathered_counts(v, layout, rec, w, n, lp_rows, logprob_rows, require_host_lists)
+    else:
         v.expect_equal("padding", "global_num_tokens_gpu", w, None, rec.global_num_tokens_gpu, "no gathered buffer in this branch")
-        return
+    # after the named counts, so a count's failure is reported with its values before the generic field sweep's
+    check_capture_fields(v, rec, w, our_field_policy(rec.runner) if field_policy is None else field_policy, field_check)
+
+
+def _check_gathered_counts(
+    v: Verdict, layout: ParallelLayout, rec: ReplayRecord, w: dict, n: int, lp_rows: int,
+    logprob_rows: Optional[int], require_host_lists: bool,
+) -> None:
+    """The gathered token counts of a DP-gather branch: replay fill, I1 on each count, I5 and I4."""
+    host = rec.capture.host
     dp = layout.attn_dp_size if layout.require_mlp_tp_gather else 1
     v.expect_equal("padding", "gathered gpu shape", w, (dp,), rec.gpu_shape)
     # replay fill = bs * T in both gpu tensors
@@ -178,8 +187,6 @@ def check_replay_record(
         v.expect_equal("I4", "global_dp_buffer_len", w, sum(nt), host["global_dp_buffer_len"], "pruned logits: the DP buffer holds every token")
     if host["dp_padding_mode"] == "max_len" and nt:
         v.expect_equal("padding", "global_dp_buffer_len (MAX_LEN)", w, max(nt) * len(nt), host["global_dp_buffer_len"])
-
-
 
 
 def check_replay_rows(v: Verdict, layout: ParallelLayout, rec: ReplayRecord, tp_rank: int, iteration: int, *, expected_rows: int) -> None:
