@@ -21,7 +21,9 @@ stash read outside the graph would read another graph's data on CPU (stricter th
 """
 from __future__ import annotations
 
+import bisect
 import dataclasses
+import itertools
 from typing import Any, Iterator
 
 import torch
@@ -52,7 +54,10 @@ class RecordedPool:
     """Blocks freed by the captures into this pool, handed to the next ones (module doc)."""
 
     def __init__(self) -> None:
-        self.free: list[torch.UntypedStorage] = []
+        # (nbytes, order freed, block): sorted, so the best fit is a bisection away; among equal sizes the block
+        # freed first is taken, as a scan of the free list in the order it was freed would
+        self.free: list[tuple[int, int, torch.UntypedStorage]] = []
+        self._order = itertools.count()
         self.placed = 0  # tensors a capture placed in an earlier capture's freed block
 
     def place(self, t: torch.Tensor) -> torch.Tensor:
@@ -60,10 +65,12 @@ class RecordedPool:
         if not self.free or not _placeable(t):
             return t
         need = t.untyped_storage().nbytes()
-        fits = [i for i, s in enumerate(self.free) if s.nbytes() >= need and s.device == t.device]
-        if not fits:
+        i = bisect.bisect_left(self.free, (need, -1))
+        while i < len(self.free) and self.free[i][2].device != t.device:
+            i += 1
+        if i == len(self.free):
             return t
-        block = self.free.pop(min(fits, key=lambda i: self.free[i].nbytes()))
+        block = self.free.pop(i)[2]
         moved = torch.empty(0, dtype=t.dtype, device=t.device).set_(block, 0, t.shape, t.stride())
         moved.copy_(t)
         self.placed += 1
@@ -77,4 +84,4 @@ class RecordedPool:
             ptr = s.data_ptr()
             if ptr not in held:
                 held.add(ptr)  # one block once, however many tensors of the capture view it
-                self.free.append(s)
+                bisect.insort(self.free, (s.nbytes(), next(self._order), s))
