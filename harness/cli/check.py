@@ -2,12 +2,16 @@
 failed case and the command that replays it. `-k` and `--lf` select cases as pytest selects tests (harness.cli.select)."""
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import shlex
 import sys
 import time
+from concurrent.futures import Future, ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
-from typing import Optional
+from typing import Iterator, Optional, Sequence
 
 from harness.cases.case import CASES_DIR, Case
 from harness.cli.cases import add_cases_dir, cases_dir, named_cases
@@ -16,6 +20,7 @@ from harness.cli.ranks import mutant_ctx, quiet
 from harness.cli.select import select, update_last_failed
 from harness.errors import ExitCode, UsageError
 from harness.props import registry
+from harness.ranks import RanksKind, forkserver
 from harness.ranks.joined import check_world
 from harness.run.case_run import RUN
 from harness.verdict import Failure
@@ -57,8 +62,63 @@ def next_command(rep, case: Case, args) -> str:
     return shlex.join(head + words)
 
 
+_worker_plants = contextlib.ExitStack()  # a worker's planted mutant, for the worker's life
+
+
+def _worker_init(mutant_id: Optional[str], threads: int) -> None:
+    """A case worker: the mutant planted as in the parent (each process runs its own copy of the code), and its share
+    of the cores for torch's intra-op threads (the workers' threads would otherwise contend for the same cores)."""
+    import torch  # preloaded by the forkserver; the CLI's cold start imports no torch
+    torch.set_num_threads(threads)
+    _worker_plants.enter_context(mutant_ctx(mutant_id))
+
+
+def _check_in_worker(case: Case, props: tuple[str, ...], ranks: str):
+    rep = check_case_in_process(case, props, ranks, None)
+    rep.runs = rep.oracle = None  # the runs' tensors stay in the worker: the report is what the parent prints
+    return rep
+
+
+def jobs_for(args, cases: Sequence[Case]) -> int:
+    """Cases at once: --jobs, else one per core; one where the ranks are processes of their own (they take the cores)
+    or a single case is run (its progress shows)."""
+    if args.jobs is not None:
+        if args.jobs < 1:
+            raise UsageError(f"harness check: --jobs must be >= 1 (got {args.jobs})")
+        return min(args.jobs, len(cases))
+    if RanksKind.parse(args.ranks) is not RanksKind.SIM or len(cases) < 2:
+        return 1
+    return min(os.cpu_count() or 1, len(cases))
+
+
+def _reports(cases: Sequence[Case], props: tuple[str, ...], args, jobs: int, progress) -> Iterator:
+    """Each case's report, in the cases' order. With several jobs the cases run in forked workers, the largest worlds
+    first (they take longest), and a report is yielded as soon as it and every report before it are in."""
+    if jobs == 1:
+        for case in cases:
+            yield check_case_in_process(case, props, args.ranks, progress)
+        return
+    ctx = forkserver.context(["harness.pipeline.check", "harness.mutants"])
+    with ProcessPoolExecutor(jobs, mp_context=ctx, initializer=_worker_init,
+                             initargs=(args.mutant, max(1, (os.cpu_count() or 1) // jobs))) as pool:
+        order = sorted(range(len(cases)), key=lambda i: -cases[i].layout.world_size)
+        futures: dict[int, Future] = {i: pool.submit(_check_in_worker, cases[i], props, str(args.ranks)) for i in order}
+        for i in range(len(cases)):
+            try:
+                yield futures[i].result()
+            except BrokenProcessPool as e:
+                running = ", ".join(c.name for j, c in enumerate(cases) if not futures[j].done())
+                raise RuntimeError(f"harness check: a case worker died (a crash in native code?) while these cases ran: {running}; "
+                                   f"rerun one with --jobs 1 to see it") from e
+
+
+def check_case_in_process(case: Case, props: tuple[str, ...], ranks, progress):
+    from harness.pipeline.check import check_case  # torch: only when a check runs
+    return check_case(case, props=props, ranks=ranks, on_progress=progress)
+
+
 def cmd_check(args) -> int:
-    from harness.pipeline.check import check_case, parse_props, require_ranks  # torch: only when a check runs
+    from harness.pipeline.check import parse_props, require_ranks  # torch: only when a check runs
     try:
         props = parse_props(args.props)
         require_ranks(props, args.ranks)  # before any case runs
@@ -68,16 +128,18 @@ def cmd_check(args) -> int:
     if selected and not args.json:
         print(selected, flush=True)
     check_world([(c.name, c.layout) for c in cases])  # launched ranks: each case needs exactly that many
+    jobs = jobs_for(args, cases)
     reports = []
     t0 = time.perf_counter()
     # what runs, on stderr, where a run is long: one case alone, or properties beyond the default (the loop's)
     long_run = len(cases) == 1 or set(props) - set(registry.default_ids())
-    progress = None if args.json or not long_run else (lambda msg: print(f"... {msg}", file=sys.stderr, flush=True))
+    progress = None if args.json or not long_run or jobs > 1 else (lambda msg: print(f"... {msg}", file=sys.stderr, flush=True))
     if not args.json and args.props and args.props.strip().lower() == "all":
         print(f"... all the case properties ({','.join(props)}); not per case: {registry.elsewhere_note()}", file=sys.stderr, flush=True)
+    if not args.json and jobs > 1:
+        print(f"... {len(cases)} cases, {jobs} at once (--jobs 1: one after another, with each case's progress)", file=sys.stderr, flush=True)
     with mutant_ctx(args.mutant):
-        for i, case in enumerate(cases, 1):
-            rep = check_case(case, props=props, ranks=args.ranks, on_progress=progress)
+        for i, (case, rep) in enumerate(zip(cases, _reports(cases, tuple(props), args, jobs, progress), strict=True), 1):
             reports.append(rep)
             if not args.json:
                 verdicts = " ".join([f"{k}:{'ok' if v.ok else 'FAIL'}" for k, v in rep.verdicts.items()] + [f"{k}:skip" for k in rep.skipped])
@@ -120,6 +182,8 @@ def add_parser(subparsers) -> None:
                    help="only the cases whose names match, as pytest -k: words (substrings), and, or, not, parentheses")
     s.add_argument("--lf", "--last-failed", dest="last_failed", action="store_true",
                    help="only the cases that failed last time (all when none did; kept in ./.specharness_cache/)")
+    s.add_argument("--jobs", "-j", type=int, default=None, metavar="N",
+                   help="cases at once, each in its own process (default: one per core on simulated ranks; 1 for real ranks)")
     add_ranks(s)
     add_cases_dir(s)
     s.add_argument("--props", default=None, metavar="LIST", help=registry.props_help())

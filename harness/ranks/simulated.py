@@ -39,6 +39,7 @@ Python; run() joins every thread, so such a bug surfaces through pytest-timeout.
 """
 from __future__ import annotations
 
+import sys
 import threading
 import time
 import traceback
@@ -55,6 +56,11 @@ from runners.parallel.comm import Group
 from runners.parallel.layout import ParallelLayout
 
 T = TypeVar("T")
+
+# The interpreter's switch interval while ranks run: a rank hands the GIL over whenever it waits in a collective, which
+# is how ranks take turns; the default 5 ms forced switch between runnable ranks only adds context switches (in worlds
+# of 16 or 32 ranks, most of the run's system time). A rank that never waits still yields every 100 ms.
+RANK_SWITCH_INTERVAL_S = 0.1
 
 BARRIER_DTYPE = ""  # a barrier carries no tensor: recorded with shape () and dtype "" (as harness.ranks.distributed does)
 
@@ -168,6 +174,8 @@ class SimulatedWorld:
                 raise RuntimeError("SimulatedWorld.run is already running: one run per world at a time")
             self._running = True
             self._reset()
+        switch_interval = sys.getswitchinterval()
+        sys.setswitchinterval(max(switch_interval, RANK_SWITCH_INTERVAL_S))
         threads = [
             threading.Thread(target=self._rank_main, args=(r, fn), name=f"simrank-{r}/{self.world_size}", daemon=True)
             for r in range(self.world_size)
@@ -188,6 +196,7 @@ class SimulatedWorld:
             with self._lock:
                 self.traces = [list(st.trace) for st in self._ranks]
                 self._running = False
+            sys.setswitchinterval(switch_interval)
         if self._failures:
             raise RankFailure(self._failures, self._fail_order)
         return [self._results[r] for r in range(self.world_size)]  # type: ignore[misc]
