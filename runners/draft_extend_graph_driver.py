@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from runners.attention.kinds import METADATA_IN_GRAPH, ONE_GRAPH_UNSUPPORTED
+from runners.attention.kinds import METADATA_IN_GRAPH, ONE_GRAPH_UNSUPPORTED, RAGGED_UNSUPPORTED
 from runners.config import CudaGraphMode, DraftExtendGraph, DraftExtendShape, DraftKind, SpecConfig
 from runners.draft_extend import DraftExtendInputs, DraftWorker, StepOutputs, run_eager, with_step_inputs
 from runners.draft_extend_cuda_graph_runner import DraftExtendCudaGraphRunner
@@ -66,6 +66,8 @@ class DraftExtendGraphDriver:
         else:
             if worker.spec.draft_extend_graph is DraftExtendGraph.ONE_GRAPH and worker.attn.name not in METADATA_IN_GRAPH:
                 raise ValueError(f"attention backend {worker.attn.name}: {ONE_GRAPH_UNSUPPORTED}")
+            if worker.spec.draft_extend_shape is DraftExtendShape.RAGGED and worker.attn.name not in METADATA_IN_GRAPH:
+                raise ValueError(f"attention backend {worker.attn.name}: {RAGGED_UNSUPPORTED}")
             self.multi_step = multi_layer_composite(worker.spec)(worker, backend)
             self.runners = list(self.multi_step.runners)
 

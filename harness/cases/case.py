@@ -21,8 +21,8 @@ from harness.cases.requests import seeded_requests, with_explicit_lens
 from harness.props.tolerances import Tol
 from harness.run.scenario import Scenario
 from runners.attention import BACKENDS
-from runners.attention.kinds import METADATA_IN_GRAPH, ONE_GRAPH_UNSUPPORTED, AttentionBackend
-from runners.config import DTYPES, SPEC_OPTIONS, DraftExtendGraph, ModelConfig, SpecConfig
+from runners.attention.kinds import METADATA_IN_GRAPH, ONE_GRAPH_UNSUPPORTED, RAGGED_UNSUPPORTED, AttentionBackend
+from runners.config import DTYPES, SPEC_OPTIONS, DraftExtendGraph, DraftExtendShape, ModelConfig, SpecConfig
 from runners.draft_parallel import check_draft_config
 from runners.model import check_model_fits_layout
 from runners.parallel.layout import LayoutError, ParallelLayout
@@ -267,6 +267,8 @@ def parse_case(data: dict, path: Path | str = "<case>") -> Case:
             raise CaseError(path, "spec.draft_extend_graph", f"per_step with draft = {spec_t['draft']} (its draft-extend is one step)", graph)
         if graph == DraftExtendGraph.ONE_GRAPH and backend not in METADATA_IN_GRAPH:
             raise CaseError(path, "spec.draft_extend_graph", f"per_step with backend = {backend} ({ONE_GRAPH_UNSUPPORTED})", graph)
+    if spec_t.get("draft_extend_shape") == DraftExtendShape.RAGGED and backend not in METADATA_IN_GRAPH:
+        raise CaseError(path, "spec.draft_extend_shape", f"fixed with backend = {backend} ({RAGGED_UNSUPPORTED})", "ragged")
     if "num_tokens_per_bs" in spec_t:
         spec_t["num_draft_tokens"] = spec_t.pop("num_tokens_per_bs")
     try:  # SpecConfig's rules across its fields and the layout, and the draft's own settings, as "spec.<field>: rule"

@@ -24,3 +24,6 @@ METADATA_IN_GRAPH = frozenset({AttentionBackend.TORCH, AttentionBackend.TRITON})
 ONE_GRAPH_UNSUPPORTED = ("the one-graph draft-extend composite needs an attention backend whose metadata is built inside the "
                          "graph (torch, triton): flashinfer and torch_planned plan each step on the host before its replay, and "
                          "SGLang's worker builds the per-step composite for such a backend")
+RAGGED_UNSUPPORTED = ("the ragged draft-extend needs an attention backend whose metadata is built inside the graph (torch, "
+                      "triton): its lanes' extents change with every replay's accepted tokens, and a host-planned backend's "
+                      "graph would keep the extents of its capture (vLLM plans its FlashInfer wrappers per replay)")
