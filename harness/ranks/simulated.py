@@ -39,12 +39,13 @@ Python; run() joins every thread, so such a bug surfaces through pytest-timeout.
 """
 from __future__ import annotations
 
+import contextlib
 import sys
 import threading
 import time
 import traceback
 from dataclasses import dataclass, field
-from typing import Callable, Optional, TypeVar
+from typing import Callable, Iterator, Optional, TypeVar
 
 import torch
 
@@ -63,6 +64,19 @@ T = TypeVar("T")
 RANK_SWITCH_INTERVAL_S = 0.1
 
 BARRIER_DTYPE = ""  # a barrier carries no tensor: recorded with shape () and dtype "" (as harness.ranks.distributed does)
+
+
+@contextlib.contextmanager
+def one_torch_thread() -> Iterator[None]:
+    """Simulated ranks are threads running tiny ops: torch's intra-op pool only spins (5x the CPU time for the same
+    results on a 2-core machine), and a reduction split over however many pool threads are free that moment sums in
+    another order, so two runs of one rank could differ in their last bits. Scoped, restored after."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(old)
 
 
 # ---------------------------------------------------------------- world state
@@ -174,6 +188,10 @@ class SimulatedWorld:
                 raise RuntimeError("SimulatedWorld.run is already running: one run per world at a time")
             self._running = True
             self._reset()
+        with one_torch_thread():
+            return self._run_threads(fn)
+
+    def _run_threads(self, fn: Callable[["SimComm"], T]) -> list[T]:
         switch_interval = sys.getswitchinterval()
         sys.setswitchinterval(max(switch_interval, RANK_SWITCH_INTERVAL_S))
         threads = [

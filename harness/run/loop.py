@@ -10,15 +10,14 @@
 """
 from __future__ import annotations
 
-import contextlib
 import zlib
 from dataclasses import dataclass
-from typing import Callable, Iterator, Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
 from harness.cases.case import Case
-from harness.ranks.simulated import SimulatedWorld
+from harness.ranks.simulated import SimulatedWorld, one_torch_thread
 from harness.ranks.trace import CollectiveCall
 from harness.run.kept_outputs import OutputPoison
 from harness.run.observe import LoopObserver, LoopRecords
@@ -41,18 +40,6 @@ def spec_skip_reason(case: Case) -> Optional[str]:
 # ----------------------------------------------------------------------------------------
 # sessions
 # ----------------------------------------------------------------------------------------
-
-
-@contextlib.contextmanager
-def one_torch_thread() -> Iterator[None]:
-    """Simulated ranks are threads running tiny ops: torch's intra-op pool only spins (measured
-    5x the CPU time for the same results on a 2-core machine). Scoped, restored after."""
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(old)
 
 
 class SpecSession:
