@@ -70,6 +70,14 @@ def test_every_catalog_mutant_names_registered_probes():
         probes_for(Mutant("x", "d", "k", (), ("metadata-grid", "no-such-probe")))
 
 
+def test_every_catalog_mutant_starts_with_one_run():
+    """A mutant's first probe is one case or run, never a probe made of parts nor every probe (no list): the catalog's
+    run grows by the cheapest probe that kills each new mutant, not by a whole case set (its list goes on with the
+    wholes, for the kill matrix)."""
+    known = {p.id: p for p in probes()}
+    assert not [m.id for m in CATALOG if m.probes is None or known[m.probes[0]].parts]
+
+
 def test_every_catalog_mutant_plants_and_unplants_where_its_code_is():
     """Every patch target resolves (a runner moved or renamed without its mutants fails here, not in a child process),
     the planted attribute is the mutant's, and unplanting gives back the real one."""
