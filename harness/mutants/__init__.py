@@ -2,11 +2,12 @@
 
 A mutant never edits a file: it monkeypatches one method or function of `runners` for
 the duration of a `with mutant.planted():` block. `harness mutants` plants each one in
-a child process, runs the probes that can see it (`probes`, ids from harness.pipeline.mutants.probes(),
-cheapest first; unset: every probe) and reports which property killed it. A list holds
-every probe that fails with the mutant planted, and the comment beside it which properties
-fail; `harness mutants --all-probes --all-properties --only ID` re-derives it. A property that cannot
-kill any mutant is not shown to work; a mutant no property kills is a hole.
+a child process, runs the probes that can see it (`probes`, ids from harness.pipeline.mutants.probes())
+and reports which property killed it. A list starts with the cheapest probe of one run that kills its
+mutant (by the CPU `harness mutants --json` reports per probe), then holds every probe that fails with
+the mutant planted (a probe made of parts stands for its parts), and the comment beside it says which
+properties fail; `harness mutants --all-probes --all-properties --only ID` re-derives it. A property
+that cannot kill any mutant is not shown to work; a mutant no property kills is a hole.
 """
 from __future__ import annotations
 

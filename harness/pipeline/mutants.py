@@ -20,9 +20,9 @@ breaks every pending future, so the crash could not be pinned on its mutant. Eac
 once it has imported torch, the harness, the catalog and every property (a fork costs milliseconds, those imports
 seconds), so a mutant's cost is its probes'. A patch, and whatever state the mutated code leaves behind, lives and dies
 with its child's copy of memory: the parent never runs mutated code and no child sees another's. A child runs torch on
-one thread: an OpenMP pool the parent started (a test process has) does not survive a fork, and the probes' tensors are
-too small to gain from more (simulated ranks are threads already; two threads tripled the metadata grid's CPU).
-Each probe's CPU time is in the result (`probes`), so an ordering can be checked against what the probes cost.
+one thread: an OpenMP pool the parent started (a test process has) does not survive a fork, and on tensors this small
+more threads only spin (simulated ranks are threads already). Each probe's CPU time is in the result (`probes`), so a
+mutant's order can be checked against what its probes cost.
 """
 from __future__ import annotations
 
