@@ -9,11 +9,7 @@ import json
 import sys
 from typing import Sequence
 
-from harness.cases.case import CaseError
 from harness.errors import ExitCode, OutOfMemory, UsageError, is_oom
-from harness.golden import GoldenError
-from harness.ranks.launcher import LaunchSkipped
-from harness.ranks.simulated import RankFailure
 
 
 class Tee:
@@ -33,22 +29,27 @@ class Tee:
         return getattr(self.inner, name)
 
 
-def _user_error_types() -> tuple[type[BaseException], ...]:
-    return (UsageError, CaseError, GoldenError, LaunchSkipped, KeyError)  # GoldenError covers every kind of golden
+def _error_class(module: str, name: str) -> tuple[type[BaseException], ...]:
+    """The error class, if its module is loaded: one never imported raised nothing. Their modules import torch, which a
+    command such as `harness explain` never loads, so importing them here would only slow its error report."""
+    loaded = sys.modules.get(module)
+    return (getattr(loaded, name),) if loaded is not None else ()
 
 
 def classify(err: BaseException) -> tuple[ExitCode, str, str]:
     """(exit code, kind, one-line message) for an error that ended a command."""
-    root = err.root_exception if isinstance(err, RankFailure) else err
+    rank_failure, launch_skipped = _error_class("harness.ranks.sim_failures", "RankFailure"), _error_class("harness.ranks.outcomes", "LaunchSkipped")
+    bad_input = _error_class("harness.cases.case", "CaseError") + _error_class("harness.golden.base", "GoldenError")  # every kind of golden
+    root = err.root_exception if isinstance(err, rank_failure) else err
     if isinstance(err, OutOfMemory) or is_oom(root):
         return ExitCode.INTERNAL, "out-of-memory", f"out of memory: {str(err).splitlines()[0] if str(err) else type(root).__name__}"
-    if isinstance(err, LaunchSkipped):
+    if isinstance(err, launch_skipped):
         return ExitCode.BAD_INPUT, "bad-input", f"--ranks: {err.reason}"
     if isinstance(err, KeyError):  # unknown mutant id and the like: a user mistake, not a crash
         return ExitCode.BAD_INPUT, "bad-input", str(err.args[0] if err.args else err)
     if isinstance(err, UsageError):
         return ExitCode.BAD_INPUT, "usage", str(err)
-    if isinstance(err, _user_error_types()):
+    if isinstance(err, bad_input):
         return ExitCode.BAD_INPUT, "bad-input", str(err).replace("\n", " ")
     head = str(err).splitlines()[0] if str(err) else ""
     return ExitCode.INTERNAL, "internal", f"internal error: {type(err).__name__}: {head}"

@@ -7,8 +7,7 @@ import time
 
 
 def cmd_mutants(args) -> int:
-    from harness.mutants import CATALOG, get
-    from harness.pipeline.mutants import run_catalog  # torch: only when mutants run
+    from harness.mutants import CATALOG, get  # the catalog and the probes load when the command runs (harness.cli)
 
     if args.jobs is not None and args.jobs < 1:
         raise SystemExit("harness mutants: --jobs must be >= 1")
@@ -22,12 +21,13 @@ def cmd_mutants(args) -> int:
         return 0
     for mutant_id in args.only or ():
         get(mutant_id)  # an unknown id: the closest ones named, before anything runs
+    from harness.pipeline.mutants import run_catalog
 
     def line(r) -> str:
         if r.status == "error":
             return f"{r.id:<34} ERROR          {r.seconds:6.1f}s  {r.error}"
         status = f"killed by {r.killed_by}" if r.killed else "SURVIVED"
-        text = f"{r.id:<34} {status:<14} {r.seconds:6.1f}s  also: {','.join(r.failed_properties[1:]) or '-'}"
+        text = f"{r.id:<34} {status:<14} {r.seconds:6.1f}s ({r.cpu_seconds:.1f}s cpu)  also: {','.join(r.failed_properties[1:]) or '-'}"
         if r.killing_probe:
             text += f"  (probe {r.killing_probe})"
         if r.probes_not_run:
@@ -61,7 +61,9 @@ def cmd_mutants(args) -> int:
         errors = sum(r.status == "error" for r in results)
         scope = ("every registered probe" if args.all_probes else "each mutant's probes") + (
             ", all of them" if args.all_properties else ", stopped at its first kill (--all-properties: the full matrix)")
-        print(f"{len(results) - len(bad)} killed, {len(bad) - errors} survived, {errors} errors, {len(results)} mutants in {total:.1f}s; {scope}")
+        cpu = sum(r.cpu_seconds for r in results)
+        print(f"{len(results) - len(bad)} killed, {len(bad) - errors} survived, {errors} errors, {len(results)} mutants in {total:.1f}s "
+              f"({cpu:.1f}s cpu in their probes); {scope}")
     if not results:
         print("no mutant ran", file=sys.stderr)
         return 1

@@ -11,23 +11,27 @@ passes the planted ids in their environment).
 from __future__ import annotations
 
 import contextlib
+import sys
 from typing import Optional
 
 from harness.errors import UsageError
-from harness.mutants import get
-from harness.ranks.joined import current_world, is_follower, join_if_launched
-from harness.ranks.launch_env import launcher_env
+
+# The catalog (harness.mutants) and the joined world (harness.ranks.joined) import torch and the runners: imported when
+# a command needs them, so a command that needs neither starts without them (harness.cli).
 
 
 def mutant_ctx(mutant_id: Optional[str]):
     if not mutant_id:
         return contextlib.nullcontext()
+    from harness.mutants import get
 
     return get(mutant_id).planted()
 
 
 def refuse_unjoined_launch(command: str, ranks: str) -> None:
     """A launcher started this process as one of several, and the command would not join them: refuse."""
+    from harness.ranks.launch_env import launcher_env
+
     env = launcher_env()
     if env is None or env.world_size < 2 or ranks in ("gloo", "nccl"):
         return
@@ -38,10 +42,20 @@ def refuse_unjoined_launch(command: str, ranks: str) -> None:
                      "(only check and replay with --ranks gloo|nccl join a launched world)")
 
 
+def _joined_world(ranks: str):
+    """The launched world this process is in: only real ranks join one, and a process that never imported
+    harness.ranks.joined has joined none."""
+    if ranks not in ("gloo", "nccl") and "harness.ranks.joined" not in sys.modules:
+        return None
+    from harness.ranks.joined import join_if_launched
+
+    return join_if_launched(ranks)
+
+
 def run_command(args) -> int:
     ranks = getattr(args, "ranks", "sim")
     refuse_unjoined_launch(args.command, ranks)
-    world = join_if_launched(ranks)
+    world = _joined_world(ranks)
     if world is not None and world.rank != 0:
         with mutant_ctx(getattr(args, "mutant", None)):
             return world.serve()
@@ -50,7 +64,8 @@ def run_command(args) -> int:
 
 def finish(rc: int) -> int:
     """Launched ranks all leave with rank 0's code (and never return); otherwise rc."""
-    world = current_world()
+    joined = sys.modules.get("harness.ranks.joined")  # a process that never imported it joined no world
+    world = joined.current_world() if joined is not None else None
     if world is not None:
         world.finish(rc)
     return rc
@@ -58,4 +73,6 @@ def finish(rc: int) -> int:
 
 def quiet() -> bool:
     """This process is a launched rank other than 0: rank 0 reports for it."""
+    from harness.ranks.joined import is_follower
+
     return is_follower()

@@ -40,48 +40,48 @@ MUTANTS: list[Mutant] = [
         "draft decode replay fill keeps the padded lanes' stale request rows: the in-graph slot lookup writes their KV into a live request's prefix",
         "replay fill",
         ((EAGLEDraftCudaGraphRunner, "_fill_padded_lanes", keeps(EAGLEDraftCudaGraphRunner._fill_padded_lanes, "req_pool_indices")),),
-        probes=("draft-decode",),  # P2 (live KV moved), P3 (eager vs graph after a shrink), P6
+        probes=("draft-decode:padded-lanes", "draft-decode"),  # P2 (live KV moved), P3 (eager vs graph after a shrink), P6
     ),
     Mutant(
         "decode-fill-seq-lens",
         "draft decode replay fill keeps the padded lanes' stale seq_lens",
         "replay fill",
         ((EAGLEDraftCudaGraphRunner, "_fill_padded_lanes", keeps(EAGLEDraftCudaGraphRunner._fill_padded_lanes, "seq_lens")),),
-        probes=("draft-decode",),  # P1 padded seq_lens = fill, seq_lens_sum
+        probes=("draft-decode:tp1_planned_single_layer", "draft-decode"),  # P1 padded seq_lens = fill, seq_lens_sum
     ),
     Mutant(
         "decode-fill-positions",
         "draft decode replay fill keeps the padded lanes' stale positions: the in-graph rotary gather reads past its table",
         "replay fill",
         ((EAGLEDraftCudaGraphRunner, "_fill_padded_lanes", keeps(EAGLEDraftCudaGraphRunner._fill_padded_lanes, "positions")),),
-        probes=("draft-decode",),  # P2 (poisoned positions)
+        probes=("draft-decode:padded-lanes", "draft-decode"),  # P2 (poisoned positions)
     ),
     Mutant(
         "decode-fill-topk-index",
         "draft decode replay fill keeps the padded lanes' stale top-k token ids: the embedding gather reads past the vocab",
         "replay fill",
         ((EAGLEDraftCudaGraphRunner, "_fill_padded_lanes", keeps(EAGLEDraftCudaGraphRunner._fill_padded_lanes, "topk_index")),),
-        probes=("draft-decode",),  # P2 (poisoned token ids)
+        probes=("draft-decode:padded-lanes", "draft-decode"),  # P2 (poisoned token ids)
     ),
     Mutant(
         "decode-positions-not-advanced",
         "the draft decode body never advances the lanes' positions between steps (in graph and eager alike)",
         "in-graph position advance",
         ((eagle_draft, "advance_positions", _positions_not_advanced),),
-        probes=("draft-decode",),  # P6 (the draft-tree golden)
+        probes=("draft-decode:tp1_planned_single_layer", "draft-decode"),  # P6 (the draft-tree golden)
     ),
     Mutant(
         "decode-tree-parent-off-by-one",
         "tree expansion feeds each kept node the hidden state of its parent's neighbour lane (parent index off by one)",
         "tree expansion",
         ((eagle_draft, "select_top_k_tokens", _parent_off_by_one),),
-        probes=("draft-decode",),  # P6 (the draft-tree golden of the topk 2 case)
+        probes=("draft-decode:tp2_dp2_eagle3", "draft-decode"),  # P6 (the draft-tree golden of the topk 2 case)
     ),
     Mutant(
         "decode-capture-counts-requests",
         "draft decode get_forward_batch bakes bs (requests) where DECODE has bs * topk tokens; the replay fill writes bs * topk",
         "capture metadata",
         ((EAGLEDraftCudaGraphRunner, "_capture_num_tokens", _capture_counts_requests),),
-        probes=("draft-decode",),  # P1 I1 / I5 at topk 2 in the gathered branches
+        probes=("draft-decode:metadata", "draft-decode"),  # P1 I1 / I5 at topk 2 in the gathered branches
     ),
 ]

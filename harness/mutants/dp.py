@@ -21,7 +21,7 @@ MUTANTS: list[Mutant] = [
         "global_num_tokens_cpu (the neither branch): the padded rows reach lm_head",
         "padding where the engine does not pad",
         ((mlp_sync, "needs_dp_padding", _pads_without_gathered_counts),),
-        ("cases",),
+        ("cases:tp4_dp4_neither", "cases"),
     ),
     Mutant(
         "dp-verify-pad-token-lanes",
@@ -29,6 +29,6 @@ MUTANTS: list[Mutant] = [
         "draft_token_num nodes: the padded lane has no tree mask of its shape",
         "verify padding in the wrong lanes",
         ((mlp_sync, "padded_lane_len", _verify_pads_token_lanes),),
-        ("spec-cases",),
+        ("spec-cases:tp2_dp2_mlp_tp_gather-eager", "spec-cases"),
     ),
 ]

@@ -100,7 +100,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "multi-layer runner, attn-TP-gather branch: get_forward_batch(bs) sets global_num_tokens_for_logprob = [bs] (requests) instead of [bs * num_tokens_per_bs]",
         "unit: requests vs tokens",
         ((MultiLayerEagleDraftExtendCudaGraphRunner, "get_forward_batch", _seed_get_forward_batch),),
-        ("metadata-grid", "spec-cases", "cases"),  # P1 (grid, cases), P3/P4 (cases), P6; P2, P7, P8 pass with it planted
+        ("metadata-grid:chains-tp1", "metadata-grid", "spec-cases", "cases"),  # P1 (grid, cases), P3/P4 (cases), P6; P2, P7, P8 pass with it planted
     ),
     Mutant(
         "capture-num-tokens-gpu-requests",
@@ -121,7 +121,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "replay copies the live positions shifted by one into the static positions buffer",
         "position off by one",
         ((MultiLayerEagleDraftExtendCudaGraphRunner, "_copy_live_inputs", _copy_positions_off_by_one),),
-        ("batch-churn", "cases"),  # P8, P3/P4 (cases); the grid runs no model
+        ("batch-churn:tp1", "batch-churn", "cases"),  # P8, P3/P4 (cases); the grid runs no model
     ),
     Mutant(
         "bucket-floor",
@@ -135,14 +135,14 @@ MUTANTS: tuple[Mutant, ...] = (
         "attention o_proj all-reduce over the world group instead of the attn-TP group under DP attention",
         "collective over the wrong group",
         ((model.DecoderLayer, "forward", _o_proj_all_reduce_world),),
-        ("p7-idle-ranks", "padded-lanes", "cases"),  # P7, a desync (run) in P2 and cases; needs DP attention with attn_tp > 1 and a model
+        ("cases:tp4_dp2_mlp_tp_gather", "padded-lanes", "cases"),  # P3/P4 (the DP cases with attn_tp > 1), a desync (run) in P2; P7's schedules pass with it planted
     ),
     Mutant(
         "dp-scatter-wrong-chunk",
         "MLP-TP gather: after the MLP each DP group keeps the next DP group's rows (a broken layout gather)",
         "broken layout gather",
         ((model, "dp_scatter", _dp_scatter_wrong_chunk),),
-        ("padded-lanes", "batch-churn", "spec-cases", "cases"),  # P2, P8, P5, P3/P4; the grid runs no model, P7 passes
+        ("padded-lanes:tp4_dp2_mlp_tp_gather", "padded-lanes", "batch-churn", "spec-cases", "cases"),  # P2, P8, P5, P3/P4; the grid runs no model, P7 passes
     ),
     Mutant(
         "eager-logprob-requests",
@@ -150,7 +150,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "as SGLang's eager draft-extend path does in the gathered branches (docs/engine-check.md, I7)",
         "unit: requests vs tokens (eager)",
         ((draft_extend, "tokens_and_logprob_tokens", _eager_logprob_requests),),
-        ("cases",),
+        ("cases:tp2_shrink", "cases"),
     ),
     Mutant(
         "idle-rank-skips-mlp-sync",

@@ -33,7 +33,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "the capture-time batch (every lane at the fill seq_len), not the replay's own buffers",
         "host plan from the capture-time batch",
         ((TorchPlannedAttnBackend, "init_forward_metadata_replay_cuda_graph", _replay_not_planned),),
-        ("planned-cases",),  # P3, P4
+        ("planned-cases:tp1_planned_single_layer", "planned-cases"),  # P3, P4
     ),
     Mutant(
         "host-plan-key-by-shape",
@@ -42,7 +42,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "keeps the earlier iteration's lengths (flashinfer's backend keys its skip by the same plan_inputs_key)",
         "host plan from stale buffers",
         ((torch_planned, "plan_inputs_key", _key_by_shape),),
-        ("planned-cases",),  # P3, P4
+        ("planned-cases:tp1_planned_single_layer", "planned-cases"),  # P3, P4
     ),
     Mutant(
         "host-plan-eager-on-graph-wrappers",
@@ -60,6 +60,6 @@ MUTANTS: tuple[Mutant, ...] = (
         "which a capture cannot use (its buffers are the plan's, not fixed), and refuses the capture",
         "eager pass on a graph's wrapper",
         ((BaseCudaGraphRunner, "init_capture_metadata", _bucket_not_named),),
-        ("planned-cases",),  # run: the capture is refused
+        ("planned-cases:tp1_planned_single_layer", "planned-cases"),  # run: the capture is refused
     ),
 )

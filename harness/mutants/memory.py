@@ -62,20 +62,20 @@ MUTANTS: tuple[Mutant, ...] = (
         "the target hands the draft its hidden states after the final norm instead of before (invisible with unit norm weights: the draft's hnorm undoes a plain RMS normalisation)",
         "hidden state handed on after the norm",
         ((TargetModel, "forward", _target_hands_on_normed_hidden),),
-        ("spec-cases", "draft-decode"),  # P6 (the acceptance golden; the draft-tree golden of the single-layer cases)
+        ("spec-cases:tp2_dp2_mlp_tp_gather-eager", "spec-cases", "draft-decode"),  # P6 (the acceptance golden; the draft-tree golden of the single-layer cases)
     ),
     Mutant(
         "truncate-frees-kept-page",
         "after a verify the KV book frees the pages past num_positions // page_size instead of past ceil(num_positions / page_size): the page holding the last kept positions goes back on the free list while the request still uses it (page_size > 1 only)",
         "allocator hands out a page still referenced",
         ((_scheduler.KVBook, "truncate", _truncate_frees_kept_page),),
-        ("spec-cases",),  # P5, P6: only the loop's paged cases reuse a freed page
+        ("spec-cases:tp2_page4_tree", "spec-cases"),  # P5, P6: only the loop's paged cases reuse a freed page
     ),
     Mutant(
         "page-table-first-slots",
         "the attention page table is built from the first num_pages entries of each req_to_token row instead of every page_size-th: keys past the first page are read from the wrong pages (page_size > 1 only)",
         "page table built wrong",
         ((TorchAttnBackend, "init_forward_metadata", _page_table_first_slots),),
-        ("spec-cases", "draft-decode"),  # P5, P6 (the paged cases of the loop)
+        ("spec-cases:tp2_page4_tree", "spec-cases", "draft-decode"),  # P5, P6 (the paged cases of the loop)
     ),
 )

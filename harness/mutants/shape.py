@@ -64,7 +64,7 @@ MUTANTS: list[Mutant] = [
         "first: a short DP rank hands on padded rows as its real ones",
         "unpad drops the wrong rows",
         ((mlp_sync, "post_forward_mlp_sync_batch", _unpad_keeps_last_rows),),
-        ("batch-churn", "spec-cases", "cases"),  # P8, P3/P4/P5; only the eager paths pad, and only under DP attention
+        ("batch-churn:tp2_dp2", "batch-churn", "spec-cases", "cases"),  # P8, P3/P4/P5; only the eager paths pad, and only under DP attention
     ),
     Mutant(
         "dp-pad-live-request-row",
@@ -72,6 +72,6 @@ MUTANTS: list[Mutant] = [
         "in-pass KV slot lookup writes into that request's position-0 slot",
         "KV write for padded rows lands in a live slot",
         ((mlp_sync, "prepare_mlp_sync_batch", _pad_with_last_live_row),),
-        ("batch-churn", "spec-cases", "cases"),  # P8, P3/P4/P5: the corrupted position-0 KV changes later steps
+        ("batch-churn:tp2_dp2", "batch-churn", "spec-cases", "cases"),  # P8, P3/P4/P5: the corrupted position-0 KV changes later steps
     ),
 ]

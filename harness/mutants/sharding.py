@@ -36,7 +36,7 @@ MUTANTS: list[Mutant] = [
         "sharded, a rank multiplies gate rows by gate rows (or up by up), another model than TP1's",
         "merged weight sharded as one",
         ((model, "merged_column_parallel", _stack_sharded_as_one),),
-        ("cases",),  # P4 (TP > 1 with a sharded MLP against TP1)
+        ("cases:tp2_dp2_mlp_dp_lm_head", "cases"),  # P4 (TP > 1 with a sharded MLP against TP1)
     ),
     Mutant(
         "kv-head-replica-round-robin",
@@ -45,6 +45,6 @@ MUTANTS: list[Mutant] = [
         "mapping, wrong on every rank but the first of each group",
         "KV head replica on the wrong rank",
         ((model, "head_shard", Wrap(_kv_heads_round_robin)),),
-        ("cases",),  # P4 (attn-TP 4 with 2 KV heads against TP1)
+        ("cases:tp4_attn_tp_gather", "cases"),  # P4 (attn-TP 4 with 2 KV heads against TP1)
     ),
 ]

@@ -48,14 +48,14 @@ MUTANTS: tuple[Mutant, ...] = (
         "replay reset leaves input_ids, positions and out_cache_loc alone: after the batch shrinks, padded lanes replay the larger batch's tokens and write their KV into its slots",
         "stale padded lane after shrink",
         ((MultiLayerEagleDraftExtendCudaGraphRunner, "reset_for_iteration", keeps(REAL_RESET, "input_ids", "positions", "out_cache_loc")),),
-        ("padded-lanes", "batch-churn"),  # P2, P8; harmless to outputs here unless poisoned or churned
+        ("padded-lanes-multi-layer", "padded-lanes", "batch-churn"),  # P2, P8; harmless to outputs here unless poisoned or churned
     ),
     Mutant(
         "accept-per-request",
         "greedy verify decides acceptance once per request (its first draft token) and applies it to all its tokens, instead of token by token along the chain",
         "acceptance per request instead of per token",
         ((verify, "accept_path", _accept_per_request),),
-        ("batch-churn", "spec-cases"),  # P8, P5/P6: verify runs only in the speculative-loop probes
+        ("batch-churn:tp1", "batch-churn", "spec-cases"),  # P8, P5/P6: verify runs only in the speculative-loop probes
     ),
     Mutant(
         "seq-len-advanced-for-padded-rows",
@@ -69,28 +69,28 @@ MUTANTS: tuple[Mutant, ...] = (
         "EAGLE pairing off by one step: draft row j reads token j+1 with the target hidden state of position j+1 instead of j (prefill and draft-extend)",
         "hidden state from the wrong step",
         ((draft_decode, "eagle_pairs", _eagle_pairs_next_step_hidden),),
-        ("spec-cases",),  # P6 only: the EAGLE pairing of the loop
+        ("spec-cases:tp2_dp2_mlp_tp_gather-eager", "spec-cases"),  # P6 only: the EAGLE pairing of the loop
     ),
     Mutant(
         "padded-kv-write-live-slot",
         "replay pads req_pool_indices by repeating the last live request row: the step body looks the padded rows' KV write slots up through it, so they land in that request's slots",
         "KV write for padded rows lands in a live slot",
         ((MultiLayerEagleDraftExtendCudaGraphRunner, "_copy_live_inputs", _copy_pads_with_last_live_slot),),
-        ("padded-lanes", "batch-churn", "cases"),  # P2, P8, P3/P4
+        ("padded-lanes-multi-layer", "padded-lanes", "batch-churn", "cases"),  # P2, P8, P3/P4
     ),
     Mutant(
         "attn-reads-masked-kv",
         "reference attention multiplies masked (probability 0) KV entries instead of excluding them: a NaN in the padding slot or a stale slot reaches every real row",
         "padded / stale memory read into a real row",
         ((TorchAttnBackend, "masked_values", staticmethod(_attn_reads_masked_kv)),),
-        ("padded-lanes",),  # P2 only: masked KV is finite here unless poisoned
+        ("padded-lanes-single-layer", "padded-lanes"),  # P2 only: masked KV is finite here unless poisoned
     ),
     Mutant(
         "padded-accept-len-zero",
         "replay reset gives padded lanes accept length 0 (num_correct_drafts -1) instead of keeping an in-range value: a padded lane's select index is the last token of the lane before it, so the first padded lane overwrites the last real lane's next input id",
         "padded lane writes into a real lane",
         ((MultiLayerEagleDraftExtendCudaGraphRunner, "reset_for_iteration", _reset_marks_padded_lanes_unaccepted),),
-        ("padded-lanes", "batch-churn", "cases"),  # P2, P8, P3/P4
+        ("padded-lanes:tp2_page4_tree", "padded-lanes", "batch-churn", "cases"),  # P2, P8, P3/P4
     ),
     Mutant(
         "loop-draft-extend-never-replays",
@@ -98,6 +98,6 @@ MUTANTS: tuple[Mutant, ...] = (
         "loop's graph run drafts eagerly, and a comparison of it with the eager run compares eager with eager",
         "graph silently not used",
         ((MultiLayerEagleDraftExtendCudaGraphRunner, "can_run", lambda self, inp: False),),
-        ("spec-cases",),  # P3 (replayed: graph replays > 0), the loop's check that its graph run ran its graphs
+        ("spec-cases:tp1_neither", "spec-cases"),  # P3 (replayed: graph replays > 0), the loop's check that its graph run ran its graphs
     ),
 )

@@ -57,7 +57,7 @@ MUTANTS: list[Mutant] = [
         "siblings and their subtrees included, not only its ancestors (right for a chain, wrong for a tree)",
         "verify tree mask",
         ((target, "tree_mask", _mask_sees_siblings), (decode_cuda_graph_runner, "tree_mask", _mask_sees_siblings)),
-        ("spec-cases",),  # P5: the bonus after an accepted sibling is computed over a wrong context
+        ("spec-cases:tp2_page4_tree", "spec-cases"),  # P5: the bonus after an accepted sibling is computed over a wrong context
     ),
     Mutant(
         "verify-tree-sibling-position-off-by-one",
@@ -65,7 +65,7 @@ MUTANTS: list[Mutant] = [
         "than its own, so a top-k sibling is rotated as its parent's position",
         "tree positions off by one",
         ((target, "tree_depths", _sibling_at_parent_depth),),
-        ("spec-cases",),  # P5: the bonus after an accepted sibling
+        ("spec-cases:tp2_page4_tree", "spec-cases"),  # P5: the bonus after an accepted sibling
     ),
     Mutant(
         "verify-accepted-kv-not-moved",
@@ -73,7 +73,7 @@ MUTANTS: list[Mutant] = [
         "chain slots (root + depth): the next round attends the rejected top-1 node's KV at that position",
         "accepted KV not moved",
         ((spec_decode, "kv_moves", _no_kv_moves),),
-        ("spec-cases",),  # P5: tokens after an accepted sibling
+        ("spec-cases:tp2_page4_tree", "spec-cases"),  # P5: tokens after an accepted sibling
     ),
     Mutant(
         "verify-node-kv-at-position",
@@ -81,7 +81,7 @@ MUTANTS: list[Mutant] = [
         "index): nodes of one depth write one slot, so a node's descendants attend another node's KV",
         "verify node slot",
         ((target, "cache_positions", _node_slot_by_position),),
-        ("spec-cases",),  # P5
+        ("spec-cases:tp2_page4_tree", "spec-cases"),  # P5
     ),
     Mutant(
         "verify-stale-padded-mask",
@@ -89,7 +89,7 @@ MUTANTS: list[Mutant] = [
         "larger batch's trees instead of the canonical chain mask",
         "stale padded lane after shrink",
         ((DecodeCudaGraphRunner, "_fill_padded_lanes", keeps(_REAL_FILL, "custom_mask")),),
-        ("padded-lanes",),  # P2 (canonical fill): harmless to real rows, every tree mask lets a node see its root
+        ("padded-lanes:tp2_page4_tree", "padded-lanes"),  # P2 (canonical fill): harmless to real rows, every tree mask lets a node see its root
     ),
     Mutant(
         "verify-buckets-request-aligned",
@@ -98,7 +98,7 @@ MUTANTS: list[Mutant] = [
         "replays at 8",
         "verify buckets",
         ((decode_cuda_graph_runner, "compute_capture_bs", _request_aligned_buckets),),
-        ("metadata-grid",),  # P1 (capture_bs, smallest bucket): only the buckets change, the metadata of each stays right
+        ("metadata-grid:chains-tp2", "metadata-grid"),  # P1 (capture_bs, smallest bucket): only the buckets change, the metadata of each stays right
     ),
     Mutant(
         "verify-bucket-tokens-unsplit",
@@ -106,6 +106,6 @@ MUTANTS: list[Mutant] = [
         "not split over the attn-TP ranks (tp8 attn-TP gather, T = 4: bucket 1, 4 tokens over 8 ranks)",
         "verify buckets",
         ((decode_cuda_graph_runner, "compute_capture_bs", _unaligned_buckets),),
-        ("metadata-grid",),  # P1 (capture_bs, bs * T % attn_tp_size)
+        ("metadata-grid:trees-tp2", "metadata-grid"),  # P1 (capture_bs, bs * T % attn_tp_size)
     ),
 ]

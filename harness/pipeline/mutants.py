@@ -5,21 +5,24 @@ caught by a deadline says nothing about which property sees the bug), and neithe
 probe that raised, nor a child process that died or overran its time: those are errors,
 so they can't pass for a kill.
 
-Which probes: a mutant names the probes that can see it (`Mutant.probes`, cheapest
-first; unset: every probe, the costly ones last). The probes are the registered properties'
-(harness.props.registry) and the case probes below, which run the case pipeline with every
-property of one case run over named cases, so a new such property is probed with no edit here.
-By default a mutant stops at the first probe that kills it; the report then names the killing
-property and probe and lists the probes it did not run, so it never claims the other
-properties were checked.
-`all_properties=True` runs every listed probe: the full kill matrix; `every_probe=True`
-ignores the lists (every registered probe), to re-derive them when the runners change.
+Which probes: a mutant names the probes that can see it (`Mutant.probes`, cheapest first; unset: every probe, the
+costly ones last). The probes are the registered properties' (harness.props.registry) and the case probes below, which
+run the case pipeline with every property of one case run over named cases, so a new such property is probed with no
+edit here. A probe made of parts (Probe.of: one case or run each) runs part by part, so a mutant pays for the parts up
+to the one that kills it, and a mutant that one part sees names that part.
+By default a mutant stops at the first probe that kills it; the report then names the killing property and probe and
+lists the probes it did not run, so it never claims the other properties were checked.
+`all_properties=True` runs every listed probe: the full kill matrix; `every_probe=True` ignores the lists (every
+registered probe), to re-derive them when the runners change.
 
-Why one process per mutant and not a ProcessPoolExecutor: a pool cannot stop one
-overlong task, and a worker that dies breaks every pending future, so the crash could
-not be pinned on its mutant. Children are forked from a forkserver that imported the
-harness once (a fork costs milliseconds, importing torch and the harness seconds); a
-patch lives and dies with its child and the parent never runs mutated code.
+Why one process per mutant and not a ProcessPoolExecutor: a pool cannot stop one overlong task, and a worker that dies
+breaks every pending future, so the crash could not be pinned on its mutant. Each child is forked from this process
+once it has imported torch, the harness, the catalog and every property (a fork costs milliseconds, those imports
+seconds), so a mutant's cost is its probes'. A patch, and whatever state the mutated code leaves behind, lives and dies
+with its child's copy of memory: the parent never runs mutated code and no child sees another's. A child runs torch on
+one thread: an OpenMP pool the parent started (a test process has) does not survive a fork, and on tensors this small
+more threads only spin (simulated ranks are threads already). Each probe's CPU time is in the result (`probes`), so a
+mutant's order can be checked against what its probes cost.
 """
 from __future__ import annotations
 
@@ -27,6 +30,7 @@ import importlib
 import multiprocessing as mp
 import os
 import signal
+import sys
 import time
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
@@ -40,14 +44,13 @@ from harness.cases.template import case_toml, validate_text
 from harness.mutants import Mutant
 from harness.pipeline.check import check_case
 from harness.props import registry
-from harness.props.base import Probe, Verdicts
+from harness.props.base import Probe
 from harness.props.p5 import PLANNED_CASES
-from harness.run.crash import guarded
 from harness.verdict import Verdict, merge_verdicts
 from runners.config import ModelConfig, SpecConfig
 from runners.parallel.layout import ParallelLayout
 
-CATALOG_REF = "harness.mutants:CATALOG"  # "module:attribute", resolved in the parent and again in each child
+CATALOG_REF = "harness.mutants:CATALOG"  # "module:attribute"
 DEFAULT_TIMEOUT_S = 300.0
 HEARTBEAT_S = 30.0
 
@@ -66,27 +69,6 @@ MUTANT_CASES = (
     "tp8_dp4_mlp_idle_rank",
     "tp4_dp4_neither",  # DP attention without gathered counts: the eager pass must not be MLP-sync padded
 )
-
-
-def _cases(names: Sequence[str]) -> Verdicts:
-    out: Verdicts = {}
-    for case in (load_case(name) for name in names):
-        merge_verdicts(out, check_case(case).verdicts)
-    return out
-
-
-def probe_cases() -> Verdicts:
-    return _cases(MUTANT_CASES)
-
-
-def probe_case_tp1() -> Verdicts:
-    """The smallest case: the multi-layer draft-extend runner, eager and graph."""
-    return check_case(load_case("tp1_neither")).verdicts
-
-
-def probe_case_one_graph() -> Verdicts:
-    """The one-graph composite's case (a shrink: padded lanes in every bucket but the first)."""
-    return check_case(load_case("tp2_shrink_one_graph")).verdicts
 
 
 def single_group_case() -> Case:
@@ -108,16 +90,19 @@ def _case_probe(probe_id: str, case: Callable[[], Case]) -> Probe:
 def _guarded_case_probe(probe_id: str, case: Callable[[], Case]) -> Probe:
     """A case probe whose case is built here (an exception building it, or running the draft's own placement, is a
     "run" failure naming the probe)."""
-    return Probe(probe_id, guarded(probe_id, lambda: check_case(case()).verdicts))
+    return Probe.guarded(probe_id, lambda: check_case(case()).verdicts)
 
+
+CASE_PROBES_TP1 = _case_probe("case-tp1", lambda: load_case(MUTANT_CASES[0]))  # the smallest: the multi-layer draft-extend runner
 
 # The features' cases, one case run each (P1, P3, P4 of the draft-extend runners against the TP1 run of the same
 # weights): the EAGLE3 draft and the draft at a TP size of its own (shipped, and SGLang's placement under DP attention);
 # vLLM's padding convention and its shapes of the draft-extend. harness.mutants.eagle3, draft_parallel and vllm_shapes
 # name them.
 CASE_PROBES = (
-    Probe("case-tp1", probe_case_tp1),
-    Probe("case-one-graph", probe_case_one_graph),
+    CASE_PROBES_TP1,
+    # the one-graph composite's case (a shrink: padded lanes in every bucket but the first)
+    _case_probe("case-one-graph", lambda: load_case("tp2_shrink_one_graph")),
     _guarded_case_probe("eagle3-case", lambda: load_case("tp2_dp2_eagle3")),
     _guarded_case_probe("draft-tp-case", lambda: load_case("tp4_dp2_eagle3_draft_tp1")),
     _guarded_case_probe("draft-tp-group", single_group_case),
@@ -125,18 +110,30 @@ CASE_PROBES = (
     _case_probe("case-ragged", lambda: load_case("tp2_ragged_draft_extend")),
     _case_probe("case-piecewise", lambda: load_case("tp2_piecewise")),
     # the torch_planned backend: every replay planned from its own buffers, against the eager passes (P1, P3, P4)
-    Probe("planned-cases", guarded("planned-cases", lambda: _cases(PLANNED_CASES))),
-    Probe("cases", probe_cases, costly=True),
+    Probe.of("planned-cases", tuple(_guarded_case_probe(f"planned-cases:{name}", lambda name=name: load_case(name)) for name in PLANNED_CASES)),
+    # a part per case; the smallest is case-tp1
+    Probe.of("cases", (CASE_PROBES_TP1, *(_case_probe(f"cases:{name}", lambda name=name: load_case(name)) for name in MUTANT_CASES[1:])),
+             costly=True),
 )
 
 
 def probes() -> tuple[Probe, ...]:
-    """Every probe a mutant can name: the properties' (registry order), then the case probes."""
-    out = registry.probes() + CASE_PROBES
-    ids = [p.id for p in out]
-    if len(set(ids)) != len(ids):
-        raise ValueError("two probes share an id: " + ", ".join(sorted({i for i in ids if ids.count(i) > 1})))
-    return out
+    """Every probe a mutant can name: the properties' (registry order), then the case probes; a probe made of parts
+    (Probe.of) is followed by its parts."""
+    return registry.unique_probes(registry.probes() + CASE_PROBES)
+
+
+@dataclass
+class ProbeRun:
+    """One probe run with a mutant planted: its CPU time (every thread of the process: simulated ranks included) and
+    the properties its own verdicts failed (empty: it did not see the mutant)."""
+    probe: str
+    cpu_seconds: float
+    failed: list[str] = field(default_factory=list)
+    error: str = ""  # the probe raised: never a kill
+
+    def to_json(self) -> dict:
+        return {"probe": self.probe, "cpu_seconds": round(self.cpu_seconds, 3), "failed": self.failed, "error": self.error}
 
 
 @dataclass
@@ -150,7 +147,7 @@ class MutantResult:
     first_failure: str = ""
     timeouts: int = 0
     killing_probe: Optional[str] = None
-    probes_run: list[str] = field(default_factory=list)
+    probes: list[ProbeRun] = field(default_factory=list)  # in run order
     probes_not_run: list[str] = field(default_factory=list)  # listed for the mutant, skipped after the first kill
     error: str = ""  # a probe raised, or the child died or overran: never a kill
 
@@ -158,11 +155,20 @@ class MutantResult:
     def status(self) -> str:
         return "killed" if self.killed else "error" if self.error else "survived"
 
+    @property
+    def probes_run(self) -> list[str]:
+        return [p.probe for p in self.probes]
+
+    @property
+    def cpu_seconds(self) -> float:
+        return sum(p.cpu_seconds for p in self.probes)
+
     def to_json(self) -> dict:
         return {
             "id": self.id, "description": self.description, "status": self.status, "killed": self.killed, "killed_by": self.killed_by,
-            "killing_probe": self.killing_probe, "seconds": round(self.seconds, 2), "failed_properties": self.failed_properties,
-            "first_failure": self.first_failure, "probes_run": self.probes_run, "probes_not_run": self.probes_not_run, "error": self.error,
+            "killing_probe": self.killing_probe, "seconds": round(self.seconds, 2), "cpu_seconds": round(self.cpu_seconds, 2),
+            "failed_properties": self.failed_properties, "first_failure": self.first_failure, "probes_run": self.probes_run,
+            "probes_not_run": self.probes_not_run, "probes": [p.to_json() for p in self.probes], "error": self.error,
         }
 
 
@@ -181,14 +187,19 @@ def load_catalog(ref: str = CATALOG_REF) -> tuple[Mutant, ...]:
 
 
 def probes_for(m: Mutant, every_probe: bool = False) -> list[Probe]:
-    """The mutant's probes in its order (every_probe: all of them, the costly ones last); every name must be registered."""
+    """The probes that run for m, in its order: each named probe, or the parts of one made of parts (Probe.of), each
+    once. every_probe: every probe that has no parts, those of the costly ones last. Every name must be registered."""
     known = {p.id: p for p in probes()}
-    default = [p.id for p in known.values() if not p.costly] + [p.id for p in known.values() if p.costly]
-    names = list(m.probes) if m.probes is not None and not every_probe else default
-    unknown = [n for n in names if n not in known]
-    if unknown or not names:
-        raise KeyError(f"mutant {m.id}: probes {unknown or names!r} not registered; known: {', '.join(known)}")
-    return [known[n] for n in names]
+    if m.probes is not None and not every_probe:
+        unknown = [n for n in m.probes if n not in known]
+        if unknown or not m.probes:
+            raise KeyError(f"mutant {m.id}: probes {unknown or list(m.probes)!r} not registered; known: {', '.join(known)}")
+        named = [known[n] for n in m.probes]
+    else:
+        costly = {leaf.id for p in known.values() if p.costly for leaf in p.leaves()}
+        leaves = [p for p in known.values() if not p.parts]
+        named = [p for p in leaves if p.id not in costly] + [p for p in leaves if p.id in costly]
+    return list({leaf.id: leaf for p in named for leaf in p.leaves()}.values())
 
 
 def run_mutant(m: Mutant, all_properties: bool = False, every_probe: bool = False) -> MutantResult:
@@ -196,34 +207,38 @@ def run_mutant(m: Mutant, all_properties: bool = False, every_probe: bool = Fals
     t0 = time.perf_counter()
     chosen = probes_for(m, every_probe)
     verdicts: dict[str, Verdict] = {}
-    run: list[str] = []
-    errors: list[str] = []
+    runs: list[ProbeRun] = []
     killing_probe = None
     with m.planted():
         for probe in chosen:
-            name = probe.id
-            run.append(name)
+            cpu0 = time.process_time()
             try:
                 out = probe.run()
             except Exception as err:  # noqa: BLE001 - reported as an error, never as a kill
-                errors.append(f"probe {name} raised {type(err).__name__}: {err}")
+                runs.append(ProbeRun(probe.id, time.process_time() - cpu0, error=f"probe {probe.id} raised {type(err).__name__}: {err}"))
                 continue
+            runs.append(ProbeRun(probe.id, time.process_time() - cpu0, _killing(out)))
             merge_verdicts(verdicts, out)
-            if killing_probe is None and _killing(out):
-                killing_probe = name
+            if killing_probe is None and runs[-1].failed:
+                killing_probe = probe.id
                 if not all_properties:
                     break
     failed = _killing(verdicts)
+    ran = {r.probe for r in runs}
     return MutantResult(
         m.id, m.description, bool(failed), failed[0] if failed else None, time.perf_counter() - t0, failed,
         verdicts[failed[0]].first() if failed else "", sum(1 for v in verdicts.values() if _is_timeout(v)),
-        killing_probe, run, [p.id for p in chosen if p.id not in run], "; ".join(errors),
+        killing_probe, runs, [p.id for p in chosen if p.id not in ran], "; ".join(r.error for r in runs if r.error),
     )
 
 
-def _child(catalog: str, mutant_id: str, all_properties: bool, every_probe: bool, threads: int, conn: Connection) -> None:
-    torch.set_num_threads(threads)  # jobs x threads <= cores: simulated ranks are threads already
-    m = next(x for x in load_catalog(catalog) if x.id == mutant_id)
+def _child(m: Mutant, all_properties: bool, every_probe: bool, conn: Connection) -> None:
+    """A forked child: plants m, runs its probes, sends the result. Its stdout is the parent's stderr, so nothing a
+    probe prints reaches the report (under --json, stdout holds one JSON document). multiprocessing flushed both
+    streams before the fork, so nothing of the parent's is written twice."""
+    os.dup2(2, 1)  # by descriptor: sys.stderr may be a capture without one (pytest's capsys)
+    sys.stdout = sys.stderr
+    torch.set_num_threads(1)  # see the module's docstring
     try:
         result = run_mutant(m, all_properties, every_probe)
     except Exception as err:  # noqa: BLE001 - e.g. a patch target that moved: an error for this mutant
@@ -287,13 +302,12 @@ def run_catalog(
         raise KeyError(f"unknown mutant(s): {', '.join(sorted(unknown))}; known: {', '.join(m.id for m in mutants)}")
     chosen = [m for m in mutants if only is None or m.id in only]
     for m in chosen:
-        probes_for(m)  # a misnamed probe fails here, before any child starts
+        probes_for(m)  # a misnamed probe fails here, before any child starts; and every property is imported once, here
     if not chosen:
         return []
     cores = os.cpu_count() or 1
     jobs = max(1, min(jobs or cores, len(chosen)))
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload([__name__])
+    ctx = mp.get_context("fork")
     pending, running, done = list(chosen), [], {}
     t_start = last_news = time.perf_counter()
     try:
@@ -301,7 +315,7 @@ def run_catalog(
             while pending and len(running) < jobs:
                 m = pending.pop(0)
                 recv, send = ctx.Pipe(duplex=False)
-                proc = ctx.Process(target=_child, args=(catalog, m.id, all_properties, every_probe, max(1, cores // jobs), send), name=f"mutant-{m.id}", daemon=True)
+                proc = ctx.Process(target=_child, args=(m, all_properties, every_probe, send), name=f"mutant-{m.id}", daemon=True)
                 proc.start()
                 send.close()  # the child holds the only write end: EOF on our side means it died
                 running.append(_Job(m, proc, recv, time.perf_counter()))

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import Flag, auto
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 from harness.run.case_run import CaseRun
+from harness.run.crash import guarded
 from harness.run.loop import spec_skip_reason
-from harness.verdict import Verdict
+from harness.verdict import Verdict, merge_verdicts
 
 Verdicts = dict[str, Verdict]  # property id -> verdict; a check or probe may report other properties' too (and "run")
 
@@ -46,6 +47,37 @@ class Probe:
     id: str
     run: Callable[[], Verdicts]
     costly: bool = False  # whole cases: a mutant without a probe list runs it after every other
+    parts: tuple["Probe", ...] = ()  # a probe made of others (Probe.of): `run` runs them all in turn
+
+    @classmethod
+    def guarded(cls, probe_id: str, run: Callable[[], Verdicts]) -> "Probe":
+        """A probe whose exception (a rank's, an oracle's, the harness') is a "run" failure naming it
+        (harness.run.crash.guarded): a crash the mutant provokes is what the probe saw."""
+        return cls(probe_id, guarded(probe_id, run))
+
+    @classmethod
+    def of(cls, probe_id: str, parts: Sequence["Probe"], costly: bool = False) -> "Probe":
+        """A probe that is its parts run in turn, their verdicts merged. Each part is a probe of its own, so a mutant
+        names the one part that sees it; a mutant that names the whole is run part by part by `harness mutants`, which
+        stops at the first part that kills it."""
+        if not parts:
+            raise ValueError(f"probe {probe_id}: no parts")
+
+        def run() -> Verdicts:
+            out: Verdicts = {}
+            for part in parts:
+                merge_verdicts(out, part.run())
+            return out
+
+        return cls(probe_id, run, costly, tuple(parts))
+
+    def leaves(self) -> tuple["Probe", ...]:
+        """The probes that run: itself, or its parts' leaves in order."""
+        return tuple(leaf for part in self.parts for leaf in part.leaves()) if self.parts else (self,)
+
+    def flat(self) -> tuple["Probe", ...]:
+        """Itself, then every part at every depth: every probe a mutant can name through this one."""
+        return (self,) + tuple(p for part in self.parts for p in part.flat())
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,7 @@ import torch
 from harness.cases.case import Case, load_case
 from harness.golden.acceptance import AcceptanceGoldenError, load_acceptance_golden
 from harness.golden.draft_tree import TREE_CASES, check_tree_golden
+from harness.props.base import Probe
 from harness.props.p1_metadata import check_decode_metadata
 from harness.props.p1_records import P1, check_replay_record, check_replay_rows
 from harness.props.p3 import P3
@@ -27,10 +28,9 @@ from harness.props.p6_acceptance import P6, compare_acceptance
 from harness.props.poison import P2
 from harness.props.tolerances import Tol, eager_vs_graph
 from harness.ranks.simulated import SimulatedWorld
-from harness.run.crash import guarded
 from harness.run.layouts import all_layouts
 from harness.run.loop import case_session
-from harness.verdict import Verdict, merge_verdicts
+from harness.verdict import Verdict
 from runners.config import DEFAULT_MODEL, ModelConfig, SpecConfig
 from runners.draft_extend import DraftWorker
 from runners.draft_parallel import draft_layout
@@ -158,8 +158,7 @@ METADATA_SPECS = (SpecConfig(num_steps=3, topk=1, capture_bs=(1, 2, 4, 8), max_r
 METADATA_SCHEDULE = ((6, 3, 5, 1, 2, 4, 7, 8), (2, 1, 1, 0, 1, 2, 1, 3), (1, 2, 1, 1, 1, 1, 1, 1))  # shrinks across buckets, uneven DP groups
 
 
-def _probe() -> dict[str, Verdict]:
-    """P1 metadata on every layout (topk 1 and 2), P2 on poisoned padded lanes, then P1 / P3 / P6 over the single-layer cases."""
+def _metadata_every_layout() -> dict[str, Verdict]:
     v = Verdict(P1)
     for spec in METADATA_SPECS:
         for layout in all_layouts():
@@ -167,10 +166,12 @@ def _probe() -> dict[str, Verdict]:
             sched = [tuple(row[:dp]) if dp > 1 else row[:1] for row in METADATA_SCHEDULE]
             sched = [s if sum(s) else (1,) + tuple(s[1:]) for s in sched]
             v.merge(check_decode_metadata(layout, spec, sched))
-    out = {P1: v, P2: check_decode_padded_lanes(1).merge(check_decode_padded_lanes(2))}
-    for name in TREE_CASES:
-        merge_verdicts(out, check_decode_case(load_case(name)))
-    return out
+    return {P1: v}
 
 
-probe_draft_decode = guarded("draft-decode", _probe)
+# P1 metadata on every layout (topk 1 and 2), P2 on poisoned padded lanes, then P1 / P3 / P6 over each single-layer case
+probe_draft_decode = Probe.of("draft-decode", (
+    Probe.guarded("draft-decode:metadata", _metadata_every_layout),
+    Probe.guarded("draft-decode:padded-lanes", lambda: {P2: check_decode_padded_lanes(1).merge(check_decode_padded_lanes(2))}),
+    *(Probe.guarded(f"draft-decode:{name}", lambda name=name: check_decode_case(load_case(name))) for name in TREE_CASES),
+))

@@ -14,7 +14,6 @@ from harness.golden.draft_tree import check_tree_golden
 from harness.props.base import Probe, Verdicts
 from harness.props.draft_decode import check_decode_case
 from harness.props.p6_acceptance import P6
-from harness.run.crash import guarded
 from harness.run.loop import case_session
 from harness.verdict import Verdict
 
@@ -31,8 +30,8 @@ def eager_tree(name: str) -> Verdicts:
 
 
 DRAFT_PROBES = (
-    Probe("eagle3-tree", guarded("eagle3-tree", lambda: eager_tree(EAGLE3_CASE))),
-    Probe("eagle3-loop", guarded("eagle3-loop", lambda: check_decode_case(load_case(EAGLE3_CASE)))),
-    Probe("draft-tp-tree", guarded("draft-tp-tree", lambda: eager_tree(DRAFT_TP_CASE))),
-    Probe("draft-tp-loop", guarded("draft-tp-loop", lambda: check_decode_case(load_case(DRAFT_TP_CASE)))),
+    Probe.guarded("eagle3-tree", lambda: eager_tree(EAGLE3_CASE)),
+    Probe.guarded("eagle3-loop", lambda: check_decode_case(load_case(EAGLE3_CASE))),
+    Probe.guarded("draft-tp-tree", lambda: eager_tree(DRAFT_TP_CASE)),
+    Probe.guarded("draft-tp-loop", lambda: check_decode_case(load_case(DRAFT_TP_CASE))),
 )

@@ -66,18 +66,30 @@ def check(run: CaseRun) -> Verdicts:
 GRID_SCHEDULE = ((6, 3, 5, 1, 2, 4, 7, 8), (2, 1, 1, 0, 1, 2, 1, 3), (1, 2, 1, 1, 1, 1, 1, 1))
 
 
-def probe_metadata_grid() -> Verdicts:
-    """P1 on every reachable layout (TP 1/2/4/8, every branch) with two spec shapes: chains, and trees of 3 verify
-    tokens (the fewest that make a tree other than the chain: a stale padded tree mask then shows)."""
+GRID_SPECS = (
+    ("chains", SpecConfig(num_steps=3, capture_bs=(1, 2, 4, 8), max_running_requests=8)),
+    # trees of 3 verify tokens: the fewest that make a tree other than the chain (a stale padded tree mask then shows)
+    ("trees", SpecConfig(num_steps=1, topk=2, num_draft_tokens=3, capture_bs=(1, 2, 4, 8, 16))),
+)
+
+
+def grid_part(spec: SpecConfig, tp_size: int) -> Verdicts:
+    """P1 on every reachable layout of one TP size (every branch), over the grid's schedule."""
     v = Verdict(P1)
-    trees = SpecConfig(num_steps=1, topk=2, num_draft_tokens=3, capture_bs=(1, 2, 4, 8, 16))
-    for spec in (SpecConfig(num_steps=3, capture_bs=(1, 2, 4, 8), max_running_requests=8), trees):
-        for layout in all_layouts():
-            dp = layout.attn_dp_size
-            schedule = [row[:dp] if dp > 1 else row[:1] for row in GRID_SCHEDULE]
-            schedule = [s if sum(s) else (1,) + tuple(s[1:]) for s in schedule]
-            v.merge(check_metadata(layout, spec, schedule))
+    for layout in (lay for lay in all_layouts() if lay.tp_size == tp_size):
+        dp = layout.attn_dp_size
+        schedule = [row[:dp] if dp > 1 else row[:1] for row in GRID_SCHEDULE]
+        schedule = [s if sum(s) else (1,) + tuple(s[1:]) for s in schedule]
+        v.merge(check_metadata(layout, spec, schedule))
     return {P1: v}
+
+
+# P1 on every reachable layout (TP 1/2/4/8, every branch) with chains and trees: a part per spec and TP size, so a
+# mutant names the part that shows it (TP1 has an attn-TP-gather branch: layouts with a2a or dense TP1)
+GRID_TP_SIZES = (1, 2, 4, 8)  # all_layouts()' (tests/test_mutant_run.py holds them equal)
+METADATA_GRID = Probe.of("metadata-grid", tuple(
+    Probe(f"metadata-grid:{name}-tp{tp}", lambda spec=spec, tp=tp: grid_part(spec, tp)) for name, spec in GRID_SPECS for tp in GRID_TP_SIZES
+))
 
 
 # P1 in one run, for the mutants that any layout shows: every graph runner (trees of 3 tokens, a 2-step draft) on one
@@ -93,7 +105,7 @@ def probe_metadata_dp() -> Verdicts:
 
 PROPERTY = Property(
     P1, "metadata invariants", Needs.METADATA | Needs.CASE_RUN, check,
-    probes=(Probe("metadata-grid", probe_metadata_grid), Probe("metadata-dp", probe_metadata_dp)),
+    probes=(METADATA_GRID, Probe("metadata-dp", probe_metadata_dp)),
     invariants=(
         Invariant("I1", "capture = replay: every field the replay writes for a bucket (the gathered counts, every other field of the batch "
                              "and its spec info) agrees with the value baked at capture for it"),

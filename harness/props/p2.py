@@ -21,9 +21,9 @@ from harness.props.poison import (
 )
 from harness.ranks.simulated import RankFailure
 from harness.run.case_run import RUN, CaseRun
-from harness.run.crash import crash_verdict, guarded
+from harness.run.crash import crash_verdict
 from harness.run.loop import case_session
-from harness.verdict import Verdict, merge_verdicts
+from harness.verdict import Verdict
 from runners.base_cuda_graph_runner import RunnerKind
 from runners.draft_extend import SEQ_LEN_FILL_VALUE, DraftExtendInputs, StepOutputs
 from runners.memory import TokenToKVPool
@@ -226,29 +226,29 @@ def check(run: CaseRun) -> Verdicts:
 
 PAD_MINUS_ONE_CASE = "tp2_dp2_pad_minus_one"  # vLLM's padding convention (SpecConfig.padding_convention)
 TRITON_CASE = "tp1_triton_shrink"  # the Triton backend: its kernels (in the interpreter on CPU) read the padded lanes
-P2_CASES = ("tp2_shrink", "tp4_dp2_mlp_tp_gather", "tp2_page4_tree", "tp2_single_layer_shrink")  # the last: the draft-decode runner at TP2
 
 
-def _padded_lanes() -> Verdicts:
-    out: Verdicts = {}
-    for name in P2_CASES:
-        merge_verdicts(out, check_padded_lanes(load_case(name)))
-    return out
+def _lanes_probe(probe_id: str, case: str) -> Probe:
+    return Probe.guarded(probe_id, lambda: check_padded_lanes(load_case(case)))
+
+
+# one run each, for the replay-fill mutants (harness.mutants.replay_fill): P2 on a shrinking case checks the canonical
+# fill of the padded lanes of its draft-extend and verify runners, so a mutant per fill line stays cheap
+MULTI_LAYER_LANES = _lanes_probe("padded-lanes-multi-layer", "tp2_shrink")
+SINGLE_LAYER_LANES = _lanes_probe("padded-lanes-single-layer", "tp2_single_layer_shrink")
 
 
 PROPERTY = Property(
     P2, "padded lanes", Needs.LOOP, check,
     probes=(
-        Probe("padded-lanes", guarded("padded-lanes", _padded_lanes)),
+        # P2 over four cases, a part each (the last: the draft-decode runner at TP2)
+        Probe.of("padded-lanes", (MULTI_LAYER_LANES, *(_lanes_probe(f"padded-lanes:{name}", name) for name in ("tp4_dp2_mlp_tp_gather", "tp2_page4_tree")),
+                                  SINGLE_LAYER_LANES)),
         # the single-layer draft decode: P1 on every layout, P2 on poisoned padded lanes, P1 / P3 / P6 over its cases
-        Probe("draft-decode", probe_draft_decode),
-        # one run each, for the replay-fill mutants (harness.mutants.replay_fill): P2 on a shrinking case checks the
-        # canonical fill of the padded lanes of its draft-extend and verify runners, so a mutant per fill line stays cheap
-        Probe("padded-lanes-multi-layer", guarded("padded-lanes-multi-layer", lambda: check_padded_lanes(load_case("tp2_shrink")))),
-        Probe("padded-lanes-single-layer", guarded("padded-lanes-single-layer", lambda: check_padded_lanes(load_case("tp2_single_layer_shrink")))),
+        probe_draft_decode,
         # vLLM's padding convention: a pad request -1 whose KV writes are skipped (its case: DP2, eager MLP-sync padding)
-        Probe("padded-lanes-pad-minus-one", guarded("padded-lanes-pad-minus-one", lambda: check_padded_lanes(load_case(PAD_MINUS_ONE_CASE)))),
+        _lanes_probe("padded-lanes-pad-minus-one", PAD_MINUS_ONE_CASE),
         # the torch-backend probes never reach a kernel of the other backends: the poison inside the Triton kernels
-        Probe("padded-lanes-triton", guarded("padded-lanes-triton", lambda: check_padded_lanes(load_case(TRITON_CASE)))),
+        _lanes_probe("padded-lanes-triton", TRITON_CASE),
     ),
 )

@@ -13,7 +13,6 @@ from harness.props.p3 import padded_lane_hint
 from harness.props.tolerances import Tol, cross_layout
 from harness.ranks.simulated import SimulatedWorld
 from harness.run.case_run import CaseRun
-from harness.run.crash import guarded
 from harness.run.rig import RankRun, StepResult
 from harness.run.scenario import Scenario
 from harness.verdict import Verdict
@@ -136,5 +135,5 @@ def _draft_decode_backends() -> Verdicts:
 PROPERTY = Property(
     P4, "cross-layout vs TP1 eager", Needs.CASE_RUN | Needs.ORACLE, check,
     # the draft decode on each kernel backend against the torch reference backend's, the same inputs (the reference as oracle)
-    probes=(Probe("draft-decode-backends", guarded("draft-decode-backends", _draft_decode_backends)),),
+    probes=(Probe.guarded("draft-decode-backends", _draft_decode_backends),),
 )

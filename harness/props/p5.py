@@ -2,6 +2,7 @@
 the target accepts its whole chain (the positive control)."""
 from __future__ import annotations
 
+import functools
 from typing import Sequence
 
 from harness.cases.case import Case, load_case
@@ -12,7 +13,7 @@ from harness.props.loop_run import LOOP_RUNNERS, Judge, judge_loop, judge_shared
 from harness.props.p6 import P6, acceptance_judge
 from harness.ranks.simulated import RankFailure
 from harness.run.case_run import RUN, CaseRun
-from harness.run.crash import crash_verdict, guarded
+from harness.run.crash import crash_verdict
 from harness.run.loop import DEFAULT_MODEL, SpecSession, Workload, oracle, run_workload
 from harness.verdict import Failure, Verdict, merge_verdicts
 from runners.config import ModelConfig, SpecConfig
@@ -100,16 +101,13 @@ AGREE_RUNS = (  # P5's positive control: plain TP (tree with topk 2) and an MLP-
 )
 
 
-def _spec_cases() -> Verdicts:
-    """P5 and P6 (graph runner) over the probe cases, (eager runner) over the DP ones; the agreeing draft (P5) on two layouts."""
-    out: Verdicts = {}
-    for name in PROBE_SPEC_CASES:
-        merge_verdicts(out, check_spec_case(load_case(name), runners=("graph",)))
-    for name in PROBE_DP_EAGER_CASES:
-        merge_verdicts(out, check_spec_case(load_case(name), runners=("eager",)))
-    for layout, spec, wl in AGREE_RUNS:
-        merge_verdicts(out, check_agreeing_draft(layout, spec, wl))
-    return out
+# P5 and P6 (graph runner) over the probe cases, (eager runner) over the DP ones; the agreeing draft (P5) on two layouts:
+# a part each
+SPEC_CASES_PROBE = Probe.of("spec-cases", (
+    *(Probe.guarded(f"spec-cases:{name}", lambda name=name: check_spec_case(load_case(name), runners=("graph",))) for name in PROBE_SPEC_CASES),
+    *(Probe.guarded(f"spec-cases:{name}-eager", lambda name=name: check_spec_case(load_case(name), runners=("eager",))) for name in PROBE_DP_EAGER_CASES),
+    Probe.guarded("spec-cases:agreeing-draft", lambda: functools.reduce(merge_verdicts, (check_agreeing_draft(*run) for run in AGREE_RUNS), {})),
+))
 
 
 # ---- the probes of the loop's features a case enables: the feature's shipped case through the loop with the graph
@@ -147,11 +145,11 @@ def feature_case(name: str) -> Verdicts:
 PROPERTY = Property(
     P5, "lossless speculative decoding", Needs.LOOP, check,
     probes=(
-        Probe("spec-cases", guarded("spec-cases", _spec_cases)),
+        SPEC_CASES_PROBE,
         # logprobs through the loop: the oracle's logprobs and top-k (P5), the logprob golden (P6), the draft passes' graphs (P3)
-        Probe("logprob-case", guarded("logprob-case", lambda: feature_case(LOGPROB_CASE))),
+        Probe.guarded("logprob-case", lambda: feature_case(LOGPROB_CASE)),
         # the overlap scheduler: the tokens committed for each launch and the KV it reserves and frees (P5, P6)
-        Probe("overlap-case", guarded("overlap-case", lambda: feature_case(OVERLAP_CASE))),
-        Probe("planned-loop", guarded("planned-loop", _planned_loop)),
+        Probe.guarded("overlap-case", lambda: feature_case(OVERLAP_CASE)),
+        Probe.guarded("planned-loop", _planned_loop),
     ),
 )

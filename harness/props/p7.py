@@ -41,7 +41,7 @@ from harness.ranks import RanksKind
 from harness.ranks import run as ranks_run
 from harness.ranks.simulated import RankFailure
 from harness.ranks.trace import CollectiveCall, CollectiveError
-from harness.run.crash import crash_detail, crash_name, guarded
+from harness.run.crash import crash_detail, crash_name
 from harness.run.rig import RankRun, run_rank
 from harness.run.scenario import Scenario
 from harness.verdict import Verdict
@@ -189,6 +189,6 @@ PROPERTY = Property(
     probes=(
         Probe("p7-idle-ranks", probe_idle_ranks),
         # mixed DP modes through the loop: every step's collectives (P7; the acceptance golden, P6), a few seconds
-        Probe("mixed-modes-case", guarded("mixed-modes-case", lambda: feature_case(MIXED_MODES_CASE))),
+        Probe.guarded("mixed-modes-case", lambda: feature_case(MIXED_MODES_CASE)),
     ),
 )

@@ -6,16 +6,16 @@ from typing import Sequence
 
 import torch
 
-from harness.props.base import Needs, Probe, Property, Verdicts
+from harness.props.base import Needs, Probe, Property
 from harness.props.outputs import compare_outputs, first_bad_row
 from harness.props.p3 import check_loop_replayed
 from harness.props.p5 import TIE_MARGIN
 from harness.props.tolerances import eager_vs_graph
 from harness.ranks.simulated import RankFailure
 from harness.run.case_run import RUN
-from harness.run.crash import crash_verdict, guarded
+from harness.run.crash import crash_verdict
 from harness.run.loop import DEFAULT_MODEL, SpecSession, oracle, request_prompt
-from harness.verdict import Verdict, merge_verdicts
+from harness.verdict import Verdict
 from runners.config import ModelConfig, SpecConfig
 from runners.parallel.layout import ParallelLayout
 
@@ -226,20 +226,18 @@ def run_churn_script(layout: ParallelLayout, script: Sequence[tuple], spec: Spec
     return {P8: pair.finish_check()}
 
 
-def _churn() -> Verdicts:
-    out: Verdicts = {}
-    for layout, script, spec in CHURN_RUNS:
-        merge_verdicts(out, run_churn_script(layout, script, spec))
-    return out
+def _churn_probe(probe_id: str, run: tuple) -> Probe:
+    return Probe.guarded(probe_id, lambda: run_churn_script(*run))
+
+
+# a part per churn run, in CHURN_RUNS' order. The single-layer draft at TP1 (churn-single-layer) replays every runner but
+# the multi-layer one (draft-extend, draft decode, verify) eager and graph side by side: one run, for the replay-fill
+# mutants (harness.mutants.replay_fill)
+CHURN_PROBE_IDS = ("batch-churn:tp1", "batch-churn:tp2_dp2", "churn-single-layer")
 
 
 PROPERTY = Property(
     P8, "batch churn", Needs.SCHEDULES,
     runs_under="pytest and `harness mutants`",
-    probes=(
-        Probe("batch-churn", guarded("batch-churn", _churn)),
-        # P8 on the single-layer draft at TP1 replays every runner but the multi-layer one (draft-extend, draft decode,
-        # verify) eager and graph side by side: one run, for the replay-fill mutants (harness.mutants.replay_fill)
-        Probe("churn-single-layer", guarded("churn-single-layer", lambda: run_churn_script(*CHURN_RUNS[2]))),
-    ),
+    probes=(Probe.of("batch-churn", tuple(_churn_probe(pid, run) for pid, run in zip(CHURN_PROBE_IDS, CHURN_RUNS, strict=True))),),
 )

@@ -11,7 +11,7 @@ import contextlib
 import importlib
 import pkgutil
 import re
-from typing import Iterator, Optional
+from typing import Iterable, Iterator, Optional
 
 import harness.props
 from harness.props.base import Needs, Probe, Property
@@ -142,15 +142,21 @@ def kill_order() -> tuple[str, ...]:
 
 
 def probes() -> tuple[Probe, ...]:
-    """Every property's probes, in registry order; ids unique."""
-    out = [probe for p in properties() for probe in p.probes]
-    seen: dict[str, int] = {}
-    for probe in out:
-        seen[probe.id] = seen.get(probe.id, 0) + 1
-    twice = [n for n, k in seen.items() if k > 1]
+    """Every property's probes and their parts (Probe.of), in registry order; ids unique."""
+    return unique_probes(probe for p in properties() for probe in p.probes)
+
+
+def unique_probes(top: Iterable[Probe]) -> tuple[Probe, ...]:
+    """The probes and their parts at every depth, each once (a part shared by two probes is one probe); two different
+    probes under one id are an error."""
+    seen: dict[str, Probe] = {}
+    twice: list[str] = []
+    for probe in (p for t in top for p in t.flat()):
+        if seen.setdefault(probe.id, probe) is not probe:
+            twice.append(probe.id)
     if twice:
-        raise ValueError("two probes share an id: " + ", ".join(twice))
-    return tuple(out)
+        raise ValueError("two probes share an id: " + ", ".join(dict.fromkeys(twice)))
+    return tuple(seen.values())
 
 
 def markdown() -> str:
