@@ -32,8 +32,6 @@ def test_version_and_help_import_no_torch_and_no_command(argv):
     assert not {"torch", "runners", *COMMAND_MODULES} & loaded, sorted({"torch", "runners", *COMMAND_MODULES} & loaded)
 
 
-@pytest.mark.xfail(strict=True, reason="harness/ranks/__init__.py imports harness.ranks.spmd (torch) to re-export `run`; "
-                                       "the launcher check every command runs reads harness.ranks.launch_env through it")
 def test_explain_imports_no_torch():
     loaded = _loaded_after("from harness.cli import main\nassert main(['explain', 'I3']) == 0")
     assert "torch" not in loaded
