@@ -19,10 +19,10 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from engine_releases import installed_release
-from prewarmed import run_python
 
 from harness.engines import command
+from tests.helpers.engine_releases import installed_release
+from tests.helpers.prewarmed import run_python
 
 NEWEST = os.environ.get("SPECHARNESS_SGLANG_NEWEST", "0.5.23")
 T = 4  # num_draft_tokens of harness.engines.sglang.config.EngineConfig

@@ -7,7 +7,7 @@ layout was staged into the captured one. Then one-line bugs planted by hand into
 newest release (files symlinked, the planted file copied and edited), four plants per copy, each in
 the code of one runner, so that each copy costs one check and each plant is asserted on its own
 runner's lines: every runner has two plants caught, and none of them touches another runner's
-verdict. The releases come from tests/engine_releases.py (installed already, or with
+verdict. The releases come from tests/helpers/engine_releases.py (installed already, or with
 SPECHARNESS_ENGINE_TESTS=1).
 """
 from __future__ import annotations
@@ -20,14 +20,14 @@ import types
 from pathlib import Path
 
 import pytest
-from engine_releases import installed_release
-from prewarmed import run_python
 
 from harness.engines.lanes import LiveBatch
 from harness.engines.report import Line
 from harness.engines.sglang import dflash_verify, frozen_kv_mtp, ragged_verify, uno
 from harness.engines.sglang.other_runners import OTHER_RUNNERS
 from runners.parallel.layout import Branch, ParallelLayout
+from tests.helpers.engine_releases import installed_release
+from tests.helpers.prewarmed import run_python
 
 NEWEST = os.environ.get("SPECHARNESS_SGLANG_NEWEST", "0.5.23")
 FIRST_RAGGED = "0.5.16"  # ragged_verify.py's first release: no _stage_ragged_verify_layout yet (0.5.17 added it)

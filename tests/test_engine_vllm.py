@@ -3,7 +3,7 @@
 that owns them.
 
 Each release is installed once (cached under .engines/, under a file lock, as the SGLang tests
-install theirs) where the run allows installs (tests/engine_releases.py), or its tests skip saying why. Each check runs in its own process (the
+install theirs) where the run allows installs (tests/helpers/engine_releases.py), or its tests skip saying why. Each check runs in its own process (the
 adapter swaps module globals process-wide); a release and its planted copies run concurrently,
 once per session, since importing vLLM dominates their time.
 """
@@ -19,8 +19,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from engine_releases import installed_vllm
-from prewarmed import Started
 
 from harness.engines.command import add_arguments
 from harness.engines.command import main as engine_check_main
@@ -29,6 +27,8 @@ from harness.engines.sglang.errors import EngineAdapterError
 from harness.engines.vllm.api import DispatchOrder, RunnerQueryLenApi
 from harness.engines.vllm.checks import expected_graph
 from harness.engines.vllm.standins import DPWorld, Strict
+from tests.helpers.engine_releases import installed_vllm
+from tests.helpers.prewarmed import Started
 
 REPO = Path(__file__).resolve().parent.parent
 VERSION = os.environ.get("SPECHARNESS_VLLM_NEWEST", "0.34.0")

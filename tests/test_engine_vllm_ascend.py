@@ -21,8 +21,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from engine_releases import installed_ascend
-from prewarmed import Started
 
 from harness.engines.install import InstallError
 from harness.engines.sglang.errors import EngineAdapterError
@@ -35,6 +33,8 @@ from harness.engines.vllm_ascend.loader import compile_runner_methods, v2_runner
 from harness.engines.vllm_ascend.npu import NpuRuntime, RankTables, build_modules
 from harness.engines.vllm_ascend.runner import FIRST_BLOCK, blocks_per_request
 from harness.verdict import Verdict
+from tests.helpers.engine_releases import installed_ascend
+from tests.helpers.prewarmed import Started
 
 VERSION = "0.23.0.post1"
 PROPOSER = "vllm_ascend/spec_decode/llm_base_proposer.py"

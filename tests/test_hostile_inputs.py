@@ -3,7 +3,7 @@ no traceback, no hang; the resource budget names its estimate.
 
 Hundreds of files are generated from a valid case and a valid golden, one mistake each, and run
 in-process through harness.cli.main (fast); a few go through `python -m harness.cli` in a process of
-its own (tests/prewarmed.py).
+its own (tests/helpers/prewarmed.py).
 """
 from __future__ import annotations
 
@@ -19,13 +19,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from prewarmed import run_module
 
 from harness.cases.budget import MAX_ITERATIONS, estimate_bytes, memory_budget_bytes
 from harness.cases.case import CASES_DIR, load_case
 from harness.cases.template import toml_value
 from harness.cli import main
 from harness.golden import GOLDEN_DIR, npz_bytes
+from tests.helpers.prewarmed import run_module
 
 BASE_CASE = "tp2_dp2_mlp_tp_gather"
 BASE = tomllib.loads((CASES_DIR / f"{BASE_CASE}.toml").read_text())
@@ -268,7 +268,7 @@ def test_at_least_200_malformed_inputs(tmp_path):
 
 
 def harness_proc(*args: str, cwd: Path | None = None):
-    """`python -m harness.cli` in a process of its own (tests/prewarmed.py); a read that blocks is a timeout, not a hang."""
+    """`python -m harness.cli` in a process of its own (tests/helpers/prewarmed.py); a read that blocks is a timeout, not a hang."""
     p = run_module("harness.cli", *args, cwd=cwd or Path.cwd(), timeout=120)
     return p.returncode, p.stdout, p.stderr
 

@@ -8,7 +8,7 @@ import pytest
 from harness.mutants import CATALOG, Mutant
 from harness.pipeline.mutants import load_catalog, probes, probes_for, run_catalog
 
-FIXTURES = "mutant_fixtures:CATALOG"  # tests/mutant_fixtures.py; on sys.path under pytest, so the children import it too
+FIXTURES = "tests.helpers.mutant_fixtures:CATALOG"  # the repo root is on sys.path under pytest, so the children import it too
 
 
 def _verdicts(results):

@@ -150,7 +150,7 @@ def test_rank_failure_names_the_rank_and_the_collective_its_peer_waits_in():
     """Rank 1 raises while rank 0 waits for it in an all_gather: rank 1 leaves its process group,
     so rank 0's collective fails at once instead of at the 60 s timeout, and the report leads
     with rank 1's exception, rank 0's collective named as a consequence."""
-    ranks = _launch_by_env(2, [], program=(str(ROOT / "tests" / "joined_rank_fails.py"),))
+    ranks = _launch_by_env(2, [], program=(str(ROOT / "tests" / "helpers" / "joined_rank_fails.py"),))
     assert [code for code, _, _ in ranks] == [1, 1], ranks
     out0 = ranks[0][1]
     assert out0.startswith("DistributedRankFailure: rank 1 failed in all_reduce(group=world, shape=(3,), dtype=float32) "

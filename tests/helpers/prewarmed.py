@@ -23,7 +23,7 @@ from typing import Optional, Sequence
 
 from harness.ranks import forkserver
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 # torch's own heavy subpackages that the engines' modules import (dynamo, inductor, distributed, ...), and ours. None
 # of them is a name the engine adapters stub (harness/engines/*/stubs.py), so every engine module still resolves as
 # it would in a fresh process.
