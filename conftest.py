@@ -48,6 +48,10 @@ def pytest_configure(config: pytest.Config) -> None:
         from harness.ranks.gpu_slice import apply_worker_slice
 
         apply_worker_slice()
+    # the suite's profile (benchmarks/suite_profile.py) records where its time goes whenever its folder is set; `-p
+    # benchmarks.suite_profile` loads it too, under `python -m pytest` (the bare `pytest` script's path lacks the repo)
+    if os.environ.get("SPECHARNESS_PROFILE_DIR") and not config.pluginmanager.has_plugin("benchmarks.suite_profile"):
+        config.pluginmanager.import_plugin("benchmarks.suite_profile")
     for name, doc in MARKERS.items():
         config.addinivalue_line("markers", f"{name}: {doc}")
     # --hypothesis-profile (hypothesis' own pytest option) wins; it loads the profile itself.
