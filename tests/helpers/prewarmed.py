@@ -74,6 +74,19 @@ class Started:
         self._proc = forkserver.context().Process(target=_child, args=(code, self._out, self._err, cwd, env))
         self._proc.start()
 
+    @property
+    def pid(self) -> int:
+        return self._proc.pid
+
+    def stderr_so_far(self) -> str:
+        """What the child has written to stderr yet (Python's stderr is line-buffered: whole lines)."""
+        return Path(self._err).read_text() if os.path.exists(self._err) else ""
+
+    def wait(self, timeout: float) -> Optional[int]:
+        """The exit code (a signal's as -N, as Popen gives it), or None while it still runs after timeout."""
+        self._proc.join(timeout)
+        return self._proc.exitcode
+
     def result(self, timeout: float = 600) -> subprocess.CompletedProcess:
         self._proc.join(timeout)
         if self._proc.exitcode is None:
