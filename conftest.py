@@ -52,6 +52,7 @@ def pytest_configure(config: pytest.Config) -> None:
 # every layout): under `-n N` or `--dist loadgroup` each is one unit of work, its tests run back to back on one worker
 # and the fixture is set up once; every other test is a unit of its own, handed to whichever worker is free.
 SHARED_SETUP = ("test_packaging.py", "test_engine_vllm.py", "test_engine_check.py")
+PLUGIN_ITEMS = "::specharness::"  # harness.plugin's case items (tests/conftest.py enables it), grouped per case
 # Modules of long tests (subprocesses, engine imports, real ranks), handed out first: xdist gives tests to whichever
 # worker is free in collection order, so the ones that start last should be short. Only wall time depends on it.
 LONG_FIRST = ("test_engine_vllm.py", "test_packaging.py", "test_plugin.py", "test_engine_planted.py", "test_engine_verify.py",
@@ -94,7 +95,10 @@ def derived_markers(item: pytest.Item) -> set[str]:
     for text in (item.path.stem, name):
         marks.update(f"p{n}" for n in _PROPERTY.findall(text))
     params = getattr(getattr(item, "callspec", None), "params", {})
-    for value in params.values():
+    plugin_case = getattr(item.parent, "case", None)  # harness.plugin's items: <case>::<property>
+    if plugin_case is not None and re.fullmatch(r"P[1-8]", item.name):
+        marks.add(item.name.lower())
+    for value in [*params.values(), plugin_case]:
         if isinstance(value, str) and re.fullmatch(r"P[1-8]", value):
             marks.add(value.lower())
         layout = _layout_of(value)
@@ -155,6 +159,8 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log):
 
     class SharedSetupScheduling(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
+            if PLUGIN_ITEMS in nodeid:  # a case's property items share one run of it: one worker runs them all
+                return nodeid.rsplit("::", 1)[0]
             path = nodeid.split("::", 1)[0]
             return path if path.rsplit("/", 1)[-1] in SHARED_SETUP else nodeid
 
