@@ -8,9 +8,13 @@ from __future__ import annotations
 import functools
 import os
 import re
+from typing import TYPE_CHECKING
 
 import pytest
 from hypothesis import HealthCheck, settings
+
+if TYPE_CHECKING:
+    from runners.parallel.layout import ParallelLayout
 
 settings.register_profile(
     "ci",
@@ -109,7 +113,7 @@ def derived_markers(item: pytest.Item) -> set[str]:
     return marks
 
 
-def _layout_of(value: object):
+def _layout_of(value: object) -> "ParallelLayout | None":
     """The ParallelLayout a parameter stands for: itself, a case's, or a shipped case's by name; else None."""
     # imported here, as torch above: a session that collects nothing (--help, --version) never pays for them
     from harness.cases.case import Case
@@ -125,7 +129,7 @@ def _layout_of(value: object):
 
 
 @functools.cache
-def _shipped_layouts() -> dict:
+def _shipped_layouts() -> "dict[str, ParallelLayout]":
     from harness.cases.case import default_cases
 
     return {case.name: case.layout for case in default_cases()}
