@@ -52,10 +52,13 @@ def pytest_configure(config: pytest.Config) -> None:
         settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE") or ("ci" if os.environ.get("CI") else "dev"))
 
 
-# Modules whose module-scoped fixture is costly (a wheel built and installed; four vLLM checks; one SGLang check of
-# every layout): under `-n N` or `--dist loadgroup` each is one unit of work, its tests run back to back on one worker
-# and the fixture is set up once; every other test is a unit of its own, handed to whichever worker is free.
-SHARED_SETUP = ("test_packaging.py", "test_engine_vllm.py", "test_engine_check.py")
+# Modules whose module-scoped fixture is costly (a wheel built and installed; the vLLM and vllm-ascend checks; SGLang
+# checks of every layout): under `-n N` or `--dist loadgroup` each is one unit of work, its tests run back to back on
+# one worker and the fixture is set up once; every other test is a unit of its own, handed to whichever worker is free.
+# (The last three's checks also go through tests/helpers/shared.py: computed once whichever workers ask, as under
+# `--dist worksteal`, which this grouping does not reach.)
+SHARED_SETUP = ("test_packaging.py", "test_engine_vllm.py", "test_engine_check.py", "test_engine_vllm_ascend.py", "test_engine_eager.py",
+                "test_engine_sglang_runners.py")
 PLUGIN_ITEMS = "::specharness::"  # harness.plugin's case items (tests/conftest.py enables it), grouped per case
 # Modules of long tests (subprocesses, engine imports, real ranks), handed out first: xdist gives tests to whichever
 # worker is free in collection order, so the ones that start last should be short. Only wall time depends on it.
