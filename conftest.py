@@ -1,14 +1,20 @@
-"""Suite-wide pytest configuration: markers, hypothesis profiles, options.
+"""Suite-wide pytest configuration: hypothesis profiles, the markers derived from what a test drives, xdist scheduling.
 
 Profiles follow PyTorch's practice: `ci` is derandomized with no example database, so a
 CI run is a pure function of the code; `dev` is quick; `thorough` is for nightly runs.
 """
 from __future__ import annotations
 
+import functools
 import os
+import re
+from typing import TYPE_CHECKING
 
 import pytest
 from hypothesis import HealthCheck, settings
+
+if TYPE_CHECKING:
+    from runners.parallel.layout import ParallelLayout
 
 settings.register_profile(
     "ci",
@@ -31,34 +37,29 @@ settings.register_profile(
 # a separate pytest project (its own pytest.ini and conftest enabling harness.plugin): tests/test_plugin.py runs it
 collect_ignore = ["tests/external_project"]
 
-MARKERS = {
-    "gpu": "needs a CUDA GPU; skipped with a reason where none is present",
-    "multigpu(n)": "needs n CUDA GPUs in this xdist worker's slice",
-    "slow": "long-running; run with --runslow",
-    "distributed": "spawns real torch.distributed ranks (gloo on CPU, nccl on GPUs)",
-}
-
-
-def pytest_addoption(parser: pytest.Parser) -> None:
-    parser.addoption("--runslow", action="store_true", default=False, help="run tests marked slow")
-
 
 def pytest_configure(config: pytest.Config) -> None:
     if os.environ.get("PYTEST_XDIST_WORKER"):  # before anything initialises CUDA: this worker's GPUs only
         from harness.ranks.gpu_slice import apply_worker_slice
 
         apply_worker_slice()
-    for name, doc in MARKERS.items():
-        config.addinivalue_line("markers", f"{name}: {doc}")
+    # the suite's profile (benchmarks/suite_profile.py) records where its time goes whenever its folder is set; `-p
+    # benchmarks.suite_profile` loads it too, under `python -m pytest` (the bare `pytest` script's path lacks the repo)
+    if os.environ.get("SPECHARNESS_PROFILE_DIR") and not config.pluginmanager.has_plugin("benchmarks.suite_profile"):
+        config.pluginmanager.import_plugin("benchmarks.suite_profile")
     # --hypothesis-profile (hypothesis' own pytest option) wins; it loads the profile itself.
     if not config.getoption("hypothesis_profile", default=None):
         settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE") or ("ci" if os.environ.get("CI") else "dev"))
 
 
-# Modules whose module-scoped fixture is costly (a wheel built and installed; four vLLM checks; one SGLang check of
-# every layout): under `--dist loadgroup` (tox.ini) each is one unit of work, its tests run back to back on one worker
-# and the fixture is set up once; every other test is a unit of its own, handed to whichever worker is free.
-SHARED_SETUP = ("test_packaging.py", "test_engine_vllm.py", "test_engine_check.py")
+# Modules whose module-scoped fixture is costly (a wheel built and installed; the vLLM and vllm-ascend checks; SGLang
+# checks of every layout): under `-n N` or `--dist loadgroup` each is one unit of work, its tests run back to back on
+# one worker and the fixture is set up once; every other test is a unit of its own, handed to whichever worker is free.
+# (The last three's checks also go through tests/helpers/shared.py: computed once whichever workers ask, as under
+# `--dist worksteal`, which this grouping does not reach.)
+SHARED_SETUP = ("test_packaging.py", "test_engine_vllm.py", "test_engine_check.py", "test_engine_vllm_ascend.py", "test_engine_eager.py",
+                "test_engine_sglang_runners.py")
+PLUGIN_ITEMS = "::specharness::"  # harness.plugin's case items (tests/conftest.py enables it), grouped per case
 # Modules of long tests (subprocesses, engine imports, real ranks), handed out first: xdist gives tests to whichever
 # worker is free in collection order, so the ones that start last should be short. Only wall time depends on it.
 LONG_FIRST = ("test_engine_vllm.py", "test_packaging.py", "test_plugin.py", "test_engine_planted.py", "test_engine_verify.py",
@@ -72,11 +73,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     items.sort(key=lambda it: LONG_FIRST.index(it.path.name) if it.path.name in LONG_FIRST else len(LONG_FIRST))
 
     have_gpu = torch.cuda.is_available()
-    skip_slow = pytest.mark.skip(reason="slow: pass --runslow to run it")
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU: torch.cuda.is_available() is False on this machine")
     for item in items:
-        if "slow" in item.keywords and not config.getoption("--runslow"):
-            item.add_marker(skip_slow)
+        for name in derived_markers(item):
+            item.add_marker(name)
         if ("gpu" in item.keywords or "multigpu" in item.keywords) and not have_gpu:
             item.add_marker(skip_gpu)
             continue
@@ -84,6 +84,58 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         reason = _multigpu_skip_reason(item.nodeid, multi) if multi is not None else None
         if reason:
             item.add_marker(pytest.mark.skip(reason=reason))
+
+
+ENGINE_FILES = ("test_plugin_engine.py",)  # besides every test_engine_*.py
+LARGE_WORLD = 16  # ranks: world_large from here (the 32- and 16-rank shipped cases)
+_PROPERTY = re.compile(r"(?:^|_)p([1-8])(?=_|$)")  # test_p6_..., test_p1_p3_p4_..., test_p7.py
+
+
+def derived_markers(item: pytest.Item) -> set[str]:
+    """The markers a test's file, name and parameters imply (pyproject.toml registers them): engine for the engine
+    tests; pN for a property the test names (test_p6_acceptance_...) or takes as a parameter ("P6"); the gather
+    branch and world_large for a layout, a case or a shipped case's name among its parameters."""
+    marks = set()
+    if item.path.name.startswith("test_engine_") or item.path.name in ENGINE_FILES:
+        marks.add("engine")
+    name = getattr(item, "originalname", item.name)
+    for text in (item.path.stem, name):
+        marks.update(f"p{n}" for n in _PROPERTY.findall(text))
+    params = getattr(getattr(item, "callspec", None), "params", {})
+    plugin_case = getattr(item.parent, "case", None)  # harness.plugin's items: <case>::<property>
+    if plugin_case is not None and re.fullmatch(r"P[1-8]", item.name):
+        marks.add(item.name.lower())
+    for value in [*params.values(), plugin_case]:
+        if isinstance(value, str) and re.fullmatch(r"P[1-8]", value):
+            marks.add(value.lower())
+        layout = _layout_of(value)
+        if layout is not None:
+            marks.add(f"branch_{layout.branch.value}")
+            if layout.world_size >= LARGE_WORLD:
+                marks.add("world_large")
+    return marks
+
+
+def _layout_of(value: object) -> "ParallelLayout | None":
+    """The ParallelLayout a parameter stands for: itself, a case's, or a shipped case's by name; else None."""
+    # imported here, as torch above: a session that collects nothing (--help, --version) never pays for them
+    from harness.cases.case import Case
+    from runners.parallel.layout import ParallelLayout
+
+    if isinstance(value, ParallelLayout):
+        return value
+    if isinstance(value, Case):
+        return value.layout
+    if isinstance(value, str):
+        return _shipped_layouts().get(value)
+    return None
+
+
+@functools.cache
+def _shipped_layouts() -> "dict[str, ParallelLayout]":
+    from harness.cases.case import default_cases
+
+    return {case.name: case.layout for case in default_cases()}
 
 
 def _multigpu_skip_reason(nodeid: str, marker: pytest.Mark) -> str | None:
@@ -114,6 +166,8 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log):
 
     class SharedSetupScheduling(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
+            if PLUGIN_ITEMS in nodeid:  # a case's property items share one run of it: one worker runs them all
+                return nodeid.rsplit("::", 1)[0]
             path = nodeid.split("::", 1)[0]
             return path if path.rsplit("/", 1)[-1] in SHARED_SETUP else nodeid
 

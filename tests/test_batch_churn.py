@@ -95,7 +95,8 @@ TestBatchChurnDP2 = BatchChurnDP2.TestCase
 TestBatchChurnDP2.settings = settings(settings(), max_examples=max(1, EXAMPLES // 2), stateful_step_count=STEPS, deadline=None)
 
 
-@pytest.mark.parametrize("layout,script,spec", CHURN_RUNS, ids=lambda x: x.describe() if isinstance(x, PL) else x.draft if isinstance(x, SpecConfig) else "script")
+@pytest.mark.parametrize("layout,script,spec", CHURN_RUNS,
+                         ids=lambda x: x.describe() if isinstance(x, PL) else x.draft if isinstance(x, SpecConfig) else "script")
 def test_p8_fixed_script_holds(layout, script, spec):
     v = run_churn_script(layout, script, spec)
     assert set(v) == {"P8"} and v["P8"], v["P8"].report()

@@ -20,7 +20,6 @@ from pathlib import Path
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from prewarmed import run_module
 
 from harness.cases.case import CASES_DIR, CaseError, default_cases, load_case, parse_case
 from harness.cases.template import case_toml, default_batches, new_case, toml_value
@@ -28,6 +27,7 @@ from harness.cli import main
 from runners.base_cuda_graph_runner import compute_capture_bs
 from runners.config import SpecConfig
 from runners.parallel.layout import Branch, ParallelLayout
+from tests.helpers.prewarmed import run_module
 
 SHIPPED = default_cases()
 RAW = {p.stem: tomllib.loads(p.read_text()) for p in sorted(CASES_DIR.glob("*.toml"))}
@@ -333,7 +333,7 @@ def test_fuzz_malformed_case_files_get_one_line_naming_file_and_field():
 def test_cli_prints_one_line_and_exits_2_in_a_fresh_process(content, field, tmp_path):
     path = tmp_path / "x.toml"
     path.write_text(content if isinstance(content, str) else dumps(content))
-    p = run_module("harness.cli", "check", str(path), timeout=120)  # a process of its own, forked from tests/prewarmed.py's server
+    p = run_module("harness.cli", "check", str(path), timeout=120)  # a process of its own, forked from tests/helpers/prewarmed.py's server
     assert p.returncode == 2, p.stderr
     assert p.stderr.count("\n") == 1 and p.stderr.startswith(f"error: {path}: {field}: expected ") and "Traceback" not in p.stderr, p.stderr
 

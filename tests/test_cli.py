@@ -1,6 +1,6 @@
 """The `harness` command as a user runs it: exit codes, the first divergence, JSON shapes.
 
-`run` is `python -m harness.cli` in a process of its own, forked from tests/prewarmed.py's server
+`run` is `python -m harness.cli` in a process of its own, forked from tests/helpers/prewarmed.py's server
 (torch imported once per worker); the installed `harness` script's own cold start is
 tests/test_packaging.py's.
 """
@@ -8,10 +8,10 @@ import json
 import sys
 
 import pytest
-from prewarmed import run_module
 
 from harness.cases.case import CASES_DIR
 from harness.cli import main
+from tests.helpers.prewarmed import run_module
 
 
 def run(*args):

@@ -13,7 +13,6 @@ import time
 
 import pytest
 import torch
-from process_tree import live_children
 
 from harness.ranks import launcher, supervisor
 from harness.ranks.gpu_slice import (
@@ -32,6 +31,7 @@ from harness.ranks.launcher import (
 from harness.ranks.trace import CollectiveCall, CollectiveMismatch, CollectiveTimeout
 from runners.parallel.comm import Group
 from runners.parallel.layout import ParallelLayout
+from tests.helpers.process_tree import live_children
 
 pytestmark = pytest.mark.distributed
 

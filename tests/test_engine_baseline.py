@@ -11,7 +11,6 @@ import sys
 import textwrap
 
 import pytest
-from prewarmed import run_python
 
 from harness.engines.baseline import Baseline, BaselineError, Finding
 from harness.engines.options import ALL_PATHS, FillPath, Selection
@@ -19,6 +18,7 @@ from harness.engines.report import EngineReport, Line
 from harness.engines.sglang.paths import FillPlan
 from harness.verdict import Failure
 from runners.parallel.layout import ParallelLayout
+from tests.helpers.prewarmed import run_python
 
 FMT = "specharness-engine-check-baseline/1"
 STALE = {"prop": "P1", "check": "stale slot", "field": "out_cache_loc", "runner": "multi_layer", "step": 0, "branch": "neither", "path": "npu"}

@@ -23,10 +23,10 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from engine_releases import installed_release
-from prewarmed import run_module, run_python
 
 from harness.engines.install import EngineSpec
+from tests.helpers.engine_releases import installed_release
+from tests.helpers.prewarmed import run_module, run_python
 
 REPO = Path(__file__).resolve().parent.parent
 SEED_BUG = "0.5.13.post1"

@@ -19,10 +19,11 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from engine_releases import installed_release
-from prewarmed import run_python
 
 from harness.engines import command
+from tests.helpers.engine_releases import installed_release
+from tests.helpers.prewarmed import run_python
+from tests.helpers.shared import computed_once
 
 NEWEST = os.environ.get("SPECHARNESS_SGLANG_NEWEST", "0.5.23")
 T = 4  # num_draft_tokens of harness.engines.sglang.config.EngineConfig
@@ -50,8 +51,8 @@ def _check(target: Path) -> dict:
 
 
 @pytest.fixture(scope="module")
-def newest() -> dict:
-    return _check(installed_release(NEWEST))
+def newest(tmp_path_factory) -> dict:
+    return computed_once(tmp_path_factory, f"sglang-{NEWEST}-eager", lambda: _check(installed_release(NEWEST)))
 
 
 def _eager(rep: dict) -> list[dict]:

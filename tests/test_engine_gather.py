@@ -15,15 +15,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from engine_releases import installed_release
-from prewarmed import run_python
-from test_engine_planted import NEWEST, _plant
 
 from harness.engines.sglang import logits_gather
 from harness.ranks.simulated import SimulatedWorld
 from harness.verdict import Verdict
 from runners.parallel.comm import Group
 from runners.parallel.layout import ParallelLayout
+from tests.helpers.engine_releases import installed_release
+from tests.helpers.prewarmed import run_python
+from tests.test_engine_planted import NEWEST, _plant
 
 MLP_TP = "ParallelLayout(4, 2, True)"  # the processor gathers across the two DP groups
 ATTN_TP_DP = 'ParallelLayout(4, 2, True, 1, True, "deepep")'  # DP attention with dp lm_head: no DP gather of logits rows

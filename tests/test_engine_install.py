@@ -6,7 +6,7 @@ import sys
 import textwrap
 from pathlib import Path
 
-from prewarmed import run_python
+from tests.helpers.prewarmed import run_python
 
 
 def _install(tmp_path: Path) -> Path:

@@ -20,8 +20,9 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from engine_releases import installed_release
-from prewarmed import run_module, run_python
+
+from tests.helpers.engine_releases import installed_release
+from tests.helpers.prewarmed import run_module, run_python
 
 REPO = Path(__file__).resolve().parent.parent
 NEWEST = os.environ.get("SPECHARNESS_SGLANG_NEWEST", "0.5.23")

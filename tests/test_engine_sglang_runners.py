@@ -7,7 +7,7 @@ layout was staged into the captured one. Then one-line bugs planted by hand into
 newest release (files symlinked, the planted file copied and edited), four plants per copy, each in
 the code of one runner, so that each copy costs one check and each plant is asserted on its own
 runner's lines: every runner has two plants caught, and none of them touches another runner's
-verdict. The releases come from tests/engine_releases.py (installed already, or with
+verdict. The releases come from tests/helpers/engine_releases.py (installed already, or with
 SPECHARNESS_ENGINE_TESTS=1).
 """
 from __future__ import annotations
@@ -20,14 +20,15 @@ import types
 from pathlib import Path
 
 import pytest
-from engine_releases import installed_release
-from prewarmed import run_python
 
 from harness.engines.lanes import LiveBatch
 from harness.engines.report import Line
 from harness.engines.sglang import dflash_verify, frozen_kv_mtp, ragged_verify, uno
 from harness.engines.sglang.other_runners import OTHER_RUNNERS
 from runners.parallel.layout import Branch, ParallelLayout
+from tests.helpers.engine_releases import installed_release
+from tests.helpers.prewarmed import run_python
+from tests.helpers.shared import computed_once
 
 NEWEST = os.environ.get("SPECHARNESS_SGLANG_NEWEST", "0.5.23")
 FIRST_RAGGED = "0.5.16"  # ragged_verify.py's first release: no _stage_ragged_verify_layout yet (0.5.17 added it)
@@ -153,8 +154,8 @@ def newest() -> Path:
 
 
 @pytest.fixture(scope="module")
-def newest_run(newest: Path) -> dict:
-    return _check(newest, LAYOUTS)
+def newest_run(newest: Path, tmp_path_factory) -> dict:
+    return computed_once(tmp_path_factory, f"sglang-{NEWEST}-runners", lambda: _check(newest, LAYOUTS))
 
 
 FROZEN_BUCKET = {("frozen_kv_mtp", 0, "mlp_tp_gather", "padding", f) for f in ("bs >= raw_bs", "returned rows", "seq_lens_sum")}
@@ -289,12 +290,14 @@ PLANTS_B = [
 
 @pytest.fixture(scope="module")
 def planted_a(newest: Path, tmp_path_factory) -> dict:
-    return _check(_plant(newest, tmp_path_factory.mktemp("a") / "sglang", PLANTS_A), LAYOUTS)
+    return computed_once(tmp_path_factory, f"sglang-{NEWEST}-runners-planted-a",
+                         lambda: _check(_plant(newest, tmp_path_factory.mktemp("a") / "sglang", PLANTS_A), LAYOUTS))
 
 
 @pytest.fixture(scope="module")
 def planted_b(newest: Path, tmp_path_factory) -> dict:
-    return _check(_plant(newest, tmp_path_factory.mktemp("b") / "sglang", PLANTS_B), LAYOUTS)
+    return computed_once(tmp_path_factory, f"sglang-{NEWEST}-runners-planted-b",
+                         lambda: _check(_plant(newest, tmp_path_factory.mktemp("b") / "sglang", PLANTS_B), LAYOUTS))
 
 
 def test_frozen_plants_are_caught_on_its_lines(newest_run, planted_a, planted_b):

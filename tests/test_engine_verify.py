@@ -9,11 +9,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from engine_releases import installed_release
-from test_engine_planted import ATTN_TP, NEWEST, PLAIN, _failures, _plant
 
 from harness.props.p1_records import verify_capture_bs
 from runners.parallel.layout import ParallelLayout
+from tests.helpers.engine_releases import installed_release
+from tests.test_engine_planted import ATTN_TP, NEWEST, PLAIN, _failures, _plant
 
 VERIFY = "sglang/srt/model_executor/runner/decode_cuda_graph_runner.py"  # DecodeCudaGraphRunner: the target's decode / verify graphs
 MLP_TP = "ParallelLayout(4, 2, True)"  # MLP-TP gather: two DP ranks

@@ -3,7 +3,7 @@
 that owns them.
 
 Each release is installed once (cached under .engines/, under a file lock, as the SGLang tests
-install theirs) where the run allows installs (tests/engine_releases.py), or its tests skip saying why. Each check runs in its own process (the
+install theirs) where the run allows installs (tests/helpers/engine_releases.py), or its tests skip saying why. Each check runs in its own process (the
 adapter swaps module globals process-wide); a release and its planted copies run concurrently,
 once per session, since importing vLLM dominates their time.
 """
@@ -19,8 +19,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from engine_releases import installed_vllm
-from prewarmed import Started
 
 from harness.engines.command import add_arguments
 from harness.engines.command import main as engine_check_main
@@ -29,6 +27,8 @@ from harness.engines.sglang.errors import EngineAdapterError
 from harness.engines.vllm.api import DispatchOrder, RunnerQueryLenApi
 from harness.engines.vllm.checks import expected_graph
 from harness.engines.vllm.standins import DPWorld, Strict
+from tests.helpers.engine_releases import installed_vllm
+from tests.helpers.prewarmed import Started
 
 REPO = Path(__file__).resolve().parent.parent
 VERSION = os.environ.get("SPECHARNESS_VLLM_NEWEST", "0.34.0")
@@ -76,9 +76,13 @@ PLANTED = {
     # the fused graph body likewise: steps 2 .. K - 1 write KV and attend with step 1's slot mappings and metadata
     "fused_refresh_only_first": [(AR, "    self.advance_draft_positions or step == 1\n            ):", "    step == 1\n            ):")],
 }
-# the planted copies run fewer DP worlds (their time is the interpreted kernels'); the release runs the default (1, 2, 4)
-PLANTED_DP = {"padded_tail_not_written": (1, 2), "dp_pads_to_own_count": (1, 2), "capture_limit_ignores_query_len": (1,),
-              "fused_graph_extra_step": (1, 2), "fused_graph_skips_refresh": (1, 2)}
+# The release runs the default worlds and schedule, and shows that none of them fails without a bug. A planted copy
+# runs only the worlds its bug is in (their time is the interpreted kernels'), over PLANTED_SCHEDULE: 4 requests (a
+# captured size), 13 (padded to the 16 graph) and 23 (the 24 decode graph; above the verify-width cap, eager), each
+# after a smaller and after a larger batch. The K = 2 world's DP sizes (the release: 1, 2, 4): the DP agreement's bug
+# needs two ranks; the capture rule's shows at capture, at DP 1; the draft decode's bugs are in the K = 3 worlds.
+PLANTED_SCHEDULE = (4, 13, 23)
+PLANTED_DP = {"padded_tail_not_written": (), "dp_pads_to_own_count": (2,), "capture_limit_ignores_query_len": (1,)}
 # the draft decode paths each planted copy drives (the release drives both): a copy whose bug is outside the draft
 # decode needs one of them
 PLANTED_PATHS = {"dp_pads_to_own_count": (False,), "capture_limit_ignores_query_len": (False,), "rounded_size_ignores_cap": (False,),
@@ -86,9 +90,11 @@ PLANTED_PATHS = {"dp_pads_to_own_count": (False,), "capture_limit_ignores_query_
                  "fused_refresh_only_first": (True,)}
 # the between-step copies drive only the K = 3 decode worlds (no K = 2 world), at DP 1
 STEP_COPIES = ("next_step_positions_not_advanced", "per_step_refresh_only_first", "fused_refresh_only_first")
-# (the fused-path copies drive the K = 3 fused worlds only, at the default decode DP sizes)
+# (the fused-path copies drive the K = 3 fused worlds only, at DP 1: the kernels they break run per rank)
 PLANTED_DP.update({name: () for name in (*STEP_COPIES, "fused_graph_extra_step", "fused_graph_skips_refresh")})
-PLANTED_DECODE_DP = {name: (1,) for name in STEP_COPIES}
+# the K = 3 decode worlds' DP sizes (the release: 1, 2): DP 1 for the draft decode's bugs, none for the others
+PLANTED_DECODE_DP = {name: (1,) for name in (*STEP_COPIES, "padded_tail_not_written", "fused_graph_extra_step", "fused_graph_skips_refresh")}
+PLANTED_DECODE_DP.update({name: () for name in ("dp_pads_to_own_count", "capture_limit_ignores_query_len", "rounded_size_ignores_cap")})
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -113,7 +119,7 @@ PLANTED_TOKEN_KEYED = {
     # the manager's token-keyed rule forgets the capture cap: 64 tokens round up to a 22-request (66-token) graph
     "rounded_size_ignores_cap": [(CUDAGRAPH_UTILS, "or rounded_num_tokens > max_cg_capture_size", "or False")],
 }
-PLANTED_TOKEN_KEYED_DP = {"dp_pads_to_own_count": (1, 2), "rounded_size_ignores_cap": (1,)}
+PLANTED_TOKEN_KEYED_DP = {"dp_pads_to_own_count": (2,), "rounded_size_ignores_cap": (1,)}
 
 
 def _plant(src: Path, dst: Path, edits: list[tuple[str, str, str]], version: str) -> Path:
@@ -137,7 +143,8 @@ def _run_checks(version: str, planted: dict, planted_dp: dict, base: Path) -> di
     targets = {"release": release}
     for name, edits in planted.items():
         targets[name] = _plant(release, base / name, edits, version)
-    overrides = {name: {**({"dp_sizes": planted_dp[name]} if name in planted_dp else {}),
+    overrides = {name: {**({"schedule": PLANTED_SCHEDULE} if name != "release" else {}),
+                        **({"dp_sizes": planted_dp[name]} if name in planted_dp else {}),
                         **({"fused_decode": PLANTED_PATHS[name]} if name in PLANTED_PATHS else {}),
                         **({"decode_dp_sizes": PLANTED_DECODE_DP[name]} if name in PLANTED_DECODE_DP else {})} for name in targets}
     procs = {name: Started(textwrap.dedent(_CHECK.format(target=str(t), overrides=overrides[name]))) for name, t in targets.items()}

@@ -21,8 +21,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from engine_releases import installed_ascend
-from prewarmed import Started
 
 from harness.engines.install import InstallError
 from harness.engines.sglang.errors import EngineAdapterError
@@ -35,6 +33,9 @@ from harness.engines.vllm_ascend.loader import compile_runner_methods, v2_runner
 from harness.engines.vllm_ascend.npu import NpuRuntime, RankTables, build_modules
 from harness.engines.vllm_ascend.runner import FIRST_BLOCK, blocks_per_request
 from harness.verdict import Verdict
+from tests.helpers.engine_releases import installed_ascend
+from tests.helpers.prewarmed import Started
+from tests.helpers.shared import computed_once
 
 VERSION = "0.23.0.post1"
 PROPOSER = "vllm_ascend/spec_decode/llm_base_proposer.py"
@@ -334,7 +335,10 @@ def installed() -> Path:
 
 @pytest.fixture(scope="module")
 def results(installed, tmp_path_factory) -> dict[str, dict]:
-    base = tmp_path_factory.mktemp("ascend-planted")
+    return computed_once(tmp_path_factory, f"vllm-ascend-{VERSION}-planted", lambda: _run_checks(installed, tmp_path_factory.mktemp("ascend-planted")))
+
+
+def _run_checks(installed: Path, base: Path) -> dict[str, dict]:
     targets = {"release": (installed, None)}
     for name, (rel, old, new) in PLANTED.items():
         targets[name] = (_plant(installed, base / name, rel, old, new), PLANTED_WORLDS[name])

@@ -23,7 +23,7 @@ holds the target's padded request count (dp_utils.py: "Holds the padded count wh
 descriptor imposed one"), which the draft decode pads from, so with 4 requests on the largest
 rank the one-token decode takes the 8-request graph while a 4-request one is captured. 0.33.0
 (token-keyed, num_reqs the ranks' real maximum) and 0.34.0 (request-keyed) pass. Releases are
-installed on first use (cached, locked) where SPECHARNESS_VLLM_TABLE=1 asks for it (tests/engine_releases.py);
+installed on first use (cached, locked) where SPECHARNESS_VLLM_TABLE=1 asks for it (tests/helpers/engine_releases.py);
 otherwise the table's tests skip saying so.
 """
 from __future__ import annotations
@@ -41,13 +41,13 @@ from pathlib import Path
 from typing import Optional
 
 import pytest
-from engine_releases import VLLM_TABLE_ENV, installed_vllm
 
 from harness.engines.command import add_arguments, main
 from harness.engines.install import MARKER
 from harness.engines.releases import VLLM, json_document, select
 from harness.engines.vllm.install import installed_vllm_versions
 from harness.engines.vllm.stubs import StubDistributionFinder
+from tests.helpers.engine_releases import VLLM_TABLE_ENV, installed_vllm
 
 REPO = Path(__file__).resolve().parent.parent
 TABLE_RELEASES = ("0.11.2", "0.24.0", "0.27.0", "0.28.0", "0.29.0", "0.32.0", "0.33.0", "0.34.0")

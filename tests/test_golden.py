@@ -8,8 +8,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -21,6 +19,7 @@ from harness.cases.case import default_cases, load_case
 from harness.cli import main
 from harness.golden.base import GoldenKind
 from harness.golden.case_goldens import missing_kinds, needed_kinds
+from tests.helpers.prewarmed import start_module
 
 SHIPPED = default_cases()
 TINY = """name = "{name}"
@@ -51,14 +50,7 @@ def tiny(tmp_path: Path, seed: int = 0, name: str = "tiny") -> Path:
 # ----------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("case", SHIPPED, ids=lambda c: c.name)
-def test_case_matches_its_golden(case):
-    try:
-        cmp = G.check_golden(case)
-    except G.GoldenError as e:
-        pytest.fail(str(e), pytrace=False)
-    if not cmp.ok:
-        pytest.fail(cmp.format(limit=20) + f"\nif the change is intended: harness golden record {case.name}", pytrace=False)
+# Every shipped case against its golden: harness.plugin's golden item per case (tests/conftest.py enables the plugin).
 
 
 def test_every_shipped_case_has_every_golden_its_checks_read():
@@ -236,23 +228,22 @@ def test_golden_check_cli_missing_and_passing(tmp_path, capsys):
 
 
 def _record_and_kill(path: Path, d: Path, point: str) -> None:
+    """`harness golden record` in a process of its own (forked from the prewarmed server), SIGKILLed where it pauses."""
     env = dict(os.environ, **{G.PAUSE_ENV: f"{point}:60"})
     env.pop("PYTEST_XDIST_WORKER", None)  # a private golden dir: no race with other workers
-    p = subprocess.Popen([sys.executable, "-m", "harness.cli", "golden", "record", str(path), "--golden-dir", str(d)],
-                         stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env)
+    p = start_module("harness.cli", "golden", "record", str(path), "--golden-dir", str(d), env=env)
     try:
         deadline = time.monotonic() + 120
-        for line in p.stderr:
-            if f"golden: paused at {point}" in line:
-                break
+        while f"golden: paused at {point}" not in p.stderr_so_far():
+            if p.wait(0.05) is not None:
+                pytest.fail(f"record exited (rc {p.wait(0)}) before pausing at {point}: {p.stderr_so_far()[-2000:]}")
             assert time.monotonic() < deadline, "record never reached the pause point"
-        else:
-            pytest.fail(f"record exited (rc {p.wait()}) before pausing at {point}")
         os.kill(p.pid, signal.SIGKILL)
     finally:
-        p.kill()
-        p.wait(timeout=30)
-    assert p.returncode == -signal.SIGKILL
+        if p.wait(0) is None:
+            os.kill(p.pid, signal.SIGKILL)
+        rc = p.result(30).returncode
+    assert rc == -signal.SIGKILL
 
 
 def test_sigkill_after_the_temporaries_leaves_the_old_golden_intact(tmp_path):

@@ -222,9 +222,8 @@ def test_case_files_on_gpu_with_simulated_graphs(name):
 # ---------------------------------------------------------------------------------------
 
 def _paged(prefixes, T, hq, hkv, d, dtype, pad_lanes=0, mode=None):
-    from test_triton_backend import paged_batch  # the CPU tests' batch builder (tests/ is on sys.path under pytest)
-
     from runners.batch import ForwardMode
+    from tests.test_triton_backend import paged_batch  # the CPU tests' batch builder
 
     return paged_batch(prefixes, T, hq, hkv, d, dtype=dtype, pad_lanes=pad_lanes, mode=mode or ForwardMode.DRAFT_EXTEND_V2)
 

@@ -14,7 +14,6 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from test_gpu import make_case, run_world
 
 from harness.props.p3 import check_eager_vs_graph
 from harness.ranks.simulated import SimulatedWorld
@@ -22,6 +21,7 @@ from harness.run.scenario import Iteration, RequestSpec, Scenario, materialize, 
 from runners.attention import BACKENDS, unavailable_reason
 from runners.attention.flashinfer_plan import WrapperSet, plan_inputs_key, plan_sources
 from runners.batch import EagleVerifyInput, ForwardMode
+from tests.test_gpu import make_case, run_world
 
 
 def _need_flashinfer() -> None:
@@ -197,13 +197,12 @@ def test_flashinfer_draft_decode_attention_matches_the_reference(dtype, topk):
     """Every step of a draft decode (3 requests and a padded lane: row 0, seq_len 1) eagerly, flashinfer against the
     torch reference on the same cache; with the host lengths no plan reads them back, without them each step's does."""
     _need_flashinfer()
-    from test_gpu import _paged
-
     from harness.props.tolerances import attn_vs_reference
     from runners.attention import make_backend
     from runners.attention.torch_ref import TorchAttnBackend
     from runners.batch import ForwardBatch
     from runners.eagle_draft import DraftDecodeSpecInfo, assign_draft_cache_locs
+    from tests.test_gpu import _paged
 
     tdt = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
     prefixes, steps, live = [5, 40, 17], 3, 3 * topk
@@ -271,9 +270,8 @@ def test_flashinfer_replay_plan_attends_as_its_own_plan(mode):
     _need_flashinfer()
     from dataclasses import replace
 
-    from test_gpu import _paged
-
     from runners.attention import make_backend
+    from tests.test_gpu import _paged
 
     fm = ForwardMode.DECODE if mode == "decode" else ForwardMode.DRAFT_EXTEND_V2
     T = 1 if mode == "decode" else 4

@@ -8,11 +8,11 @@ CPU suite only runs the torch and interpreted-Triton kernels. P5: the run's toke
 from __future__ import annotations
 
 import pytest
-from test_gpu import _assert_ok, _need, make_case
 
 from harness.props.p2 import check_padded_lanes
 from harness.props.p5 import check_spec_case
 from runners.attention.kinds import METADATA_IN_GRAPH
+from tests.test_gpu import _assert_ok, _need, make_case
 
 GRID = [("torch", "default"), ("triton", "default"), ("flashinfer", "hd64")]  # flashinfer: no head_dim-8 kernels
 DRAFTS = {  # the spec keys of each draft; single_layer adds the graphed draft decode, one_graph SGLang's one-graph draft-extend

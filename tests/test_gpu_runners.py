@@ -12,7 +12,6 @@ from dataclasses import asdict
 
 import pytest
 import torch
-from test_gpu import _bench_args, _record  # the GPU report (SPECHARNESS_GPU_REPORT): measured max differences
 
 from harness.bench.command import format_table, run_bench
 from harness.bench.runners import RunnerRig, build_rig, format_runner_table, rig_spec
@@ -27,6 +26,7 @@ from harness.verdict import Verdict
 from runners.attention import BACKENDS, unavailable_reason
 from runners.config import ModelConfig
 from runners.parallel.layout import ParallelLayout
+from tests.test_gpu import _bench_args, _record  # the GPU report (SPECHARNESS_GPU_REPORT): measured max differences
 
 LAYOUTS = {"tp1": ParallelLayout(), "tp1_attn_tp_gather": ParallelLayout(tp_size=1, moe_dense_tp_size=1)}
 BACKENDS_GPU = ("torch", "triton", "flashinfer")

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from case_driver import captured_driver
 
 from harness.bench.runners import build_rig, rig_spec
 from harness.cases.case import load_case
@@ -14,6 +13,7 @@ from harness.ranks.simulated import SimulatedWorld
 from harness.run.scenario import materialize, release
 from runners.config import ModelConfig
 from runners.parallel.layout import ParallelLayout
+from tests.helpers.case_driver import captured_driver
 
 MODEL = ModelConfig(hidden_size=64, num_heads=8, num_kv_heads=2, intermediate_size=128, vocab_size=512, max_context_len=64)
 

@@ -2,7 +2,6 @@
 replay fill, padded lanes, and the honesty of the CPU graph simulation."""
 import pytest
 import torch
-from case_driver import captured_driver
 
 from harness.cases.case import load_case
 from harness.run.case_run import run_spmd
@@ -15,6 +14,7 @@ from runners.graph.backend import GraphBackend
 from runners.multi_layer_eagle_draft_extend_cuda_graph_runner import MultiLayerEagleDraftExtendCudaGraphRunner
 from runners.parallel.dp_attention import RankContext
 from runners.parallel.layout import ParallelLayout as PL
+from tests.helpers.case_driver import captured_driver
 
 SPEC = SpecConfig(num_steps=3, capture_bs=(1, 2, 4, 8), max_running_requests=8)  # T = 4
 

@@ -3,7 +3,7 @@ no traceback, no hang; the resource budget names its estimate.
 
 Hundreds of files are generated from a valid case and a valid golden, one mistake each, and run
 in-process through harness.cli.main (fast); a few go through `python -m harness.cli` in a process of
-its own (tests/prewarmed.py).
+its own (tests/helpers/prewarmed.py).
 """
 from __future__ import annotations
 
@@ -19,13 +19,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from prewarmed import run_module
 
 from harness.cases.budget import MAX_ITERATIONS, estimate_bytes, memory_budget_bytes
 from harness.cases.case import CASES_DIR, load_case
 from harness.cases.template import toml_value
 from harness.cli import main
 from harness.golden import GOLDEN_DIR, npz_bytes
+from tests.helpers.prewarmed import run_module
 
 BASE_CASE = "tp2_dp2_mlp_tp_gather"
 BASE = tomllib.loads((CASES_DIR / f"{BASE_CASE}.toml").read_text())
@@ -71,7 +71,8 @@ FIELDS = {
 WRONG = {"s": [1, True, [1], {"a": 1}], "i": ["3", 2.5, True, [1], {"a": 1}], "b": [1, "yes", [True]], "f": ["1e-6", [1.0], True],
          "l": ["1,2", 3, {"a": 1}, [[["deep"]]]], "t": ["x", 1, [1]]}
 OUT_OF_RANGE = [
-    (("seed",), -1), (("seed",), 2**62), (("layout", "tp_size"), 0), (("layout", "tp_size"), 3), (("layout", "tp_size"), 12), (("layout", "tp_size"), 256), (("layout", "dp_size"), 3),
+    (("seed",), -1), (("seed",), 2**62), (("layout", "tp_size"), 0), (("layout", "tp_size"), 3), (("layout", "tp_size"), 12),
+    (("layout", "tp_size"), 256), (("layout", "dp_size"), 3),
     (("layout", "dp_size"), 0), (("layout", "moe_a2a_backend"), "nccl"), (("dtype",), "float64"),
     (("backend",), "cuda"), (("name",), "../escape"), (("name",), "other_name"), (("name",), ""),
     (("spec", "num_steps"), 0), (("spec", "num_steps"), 10_000), (("spec", "topk"), 0), (("spec", "topk"), 100_000), (("spec", "capture_bs"), []),
@@ -178,7 +179,8 @@ def test_budget_admits_every_shipped_case_and_scales_with_the_world():
         case = load_case(path)
         assert estimate_bytes(case.scenario.model, case.layout, case.scenario.spec) < memory_budget_bytes() / 10, path.name
     small, big = (load_case(CASES_DIR / f"{n}.toml") for n in ("tp1_neither", "tp8_neither"))
-    assert estimate_bytes(big.scenario.model, big.layout, big.scenario.spec) == 17 * estimate_bytes(small.scenario.model, small.layout, small.scenario.spec) // 3
+    small_bytes = estimate_bytes(small.scenario.model, small.layout, small.scenario.spec)
+    assert estimate_bytes(big.scenario.model, big.layout, big.scenario.spec) == 17 * small_bytes // 3
 
 
 def test_budget_follows_the_environment(tmp_path, monkeypatch, capsys):
@@ -268,7 +270,7 @@ def test_at_least_200_malformed_inputs(tmp_path):
 
 
 def harness_proc(*args: str, cwd: Path | None = None):
-    """`python -m harness.cli` in a process of its own (tests/prewarmed.py); a read that blocks is a timeout, not a hang."""
+    """`python -m harness.cli` in a process of its own (tests/helpers/prewarmed.py); a read that blocks is a timeout, not a hang."""
     p = run_module("harness.cli", *args, cwd=cwd or Path.cwd(), timeout=120)
     return p.returncode, p.stdout, p.stderr
 

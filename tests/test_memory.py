@@ -133,7 +133,8 @@ def test_rotary_table_gather_matches_the_closed_form():
     got = apply_rope(x, torch.tensor([pos]), cache)
     ang = [pos * cfg.rope_theta ** (-2 * i / d) for i in range(d // 2)]
     x1, x2 = x[0, 0, : d // 2].tolist(), x[0, 0, d // 2 :].tolist()
-    want = [a * math.cos(t) - b * math.sin(t) for a, b, t in zip(x1, x2, ang, strict=True)] + [b * math.cos(t) + a * math.sin(t) for a, b, t in zip(x1, x2, ang, strict=True)]
+    want = ([a * math.cos(t) - b * math.sin(t) for a, b, t in zip(x1, x2, ang, strict=True)]
+            + [b * math.cos(t) + a * math.sin(t) for a, b, t in zip(x1, x2, ang, strict=True)])
     torch.testing.assert_close(got[0, 0], torch.tensor(want), rtol=0, atol=1e-5)  # float32 cos/sin of angles up to 37 rad
 
 

@@ -15,7 +15,7 @@ from harness.props.p1 import GRID_TP_SIZES
 from harness.run.layouts import all_layouts
 from harness.verdict import Verdict
 
-FIXTURES = "mutant_fixtures:CATALOG"  # tests/mutant_fixtures.py; on sys.path under pytest, so the children import it too
+FIXTURES = "tests.helpers.mutant_fixtures:CATALOG"  # the repo root is on sys.path under pytest, so the children import it too
 # The fixtures name the whole metadata grid, a part per spec and TP size; their one layout is TP2, so the TP1 part
 # checks nothing and the chains' TP2 part is the one that sees the seed bug.
 GRID_TP1, GRID_TP2 = "metadata-grid:chains-tp1", "metadata-grid:chains-tp2"

@@ -6,10 +6,10 @@ import re
 from pathlib import Path
 
 import pytest
-from engine_releases import ENGINE_TESTS_ENV, VLLM_TABLE_ENV, installed_release, installed_vllm
 
 from harness.engines import install
 from harness.engines.install import MARKER
+from tests.helpers.engine_releases import ENGINE_TESTS_ENV, VLLM_TABLE_ENV, installed_release, installed_vllm
 
 TESTS = Path(__file__).resolve().parent
 
@@ -51,14 +51,14 @@ def test_the_opt_in_installs_and_an_installed_release_needs_none(pip, monkeypatc
 
 
 def test_tests_reach_pip_only_through_the_gate_and_ci_opens_it():
-    """Every install a test can cause goes through tests/engine_releases.py; the wheel build and install of
+    """Every install a test can cause goes through tests/helpers/engine_releases.py; the wheel build and install of
     test_packaging.py stay offline (--no-index)."""
     direct = re.compile(r"\b(ensure_installed|ensure_vllm_installed|ensure_deps|provide)\(|\"--install\"|pip\"?,\s*\"?download")
-    for path in sorted(TESTS.glob("*.py")):
+    for path in sorted(TESTS.rglob("*.py")):
         if path.name in ("engine_releases.py", "test_offline_suite.py"):
             continue
         text = path.read_text()
-        assert not direct.search(text), f"{path.name}: installs an engine outside tests/engine_releases.py"
+        assert not direct.search(text), f"{path.name}: installs an engine outside tests/helpers/engine_releases.py"
         for m in re.finditer(r"\"pip\", (?:\"--python\", \w+, )?\"(install|wheel)\"[^\n]*", text):
             assert "--no-index" in m.group(0), f"{path.name}: pip {m.group(1)} without --no-index: {m.group(0)}"
     assert "export SPECHARNESS_ENGINE_TESTS=1" in (TESTS.parent / ".ci" / "run").read_text()

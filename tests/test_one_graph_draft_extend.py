@@ -7,7 +7,6 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-from case_driver import captured_driver
 
 from harness.cases.case import CaseError, load_case, parse_case
 from harness.golden.base import GOLDEN_DIR
@@ -19,6 +18,7 @@ from runners.draft_extend_graph_driver import DraftExtendGraphDriver
 from runners.multi_layer_eagle_draft_extend_cuda_graph_runner import (
     OneGraphMultiLayerEagleMultiStepDraftExtendCudaGraphRunner,
 )
+from tests.helpers.case_driver import captured_driver
 
 
 def _with(sc: Scenario, graph: DraftExtendGraph) -> Scenario:

@@ -2,7 +2,7 @@
 
 tests/external_project is such a team's project: its own pytest.ini, and a conftest.py whose one
 line enables harness.plugin. It is copied to tmp_path and run with `python -m pytest` in a process of
-its own (forked from tests/prewarmed.py's server, so torch is imported once per worker), so its
+its own (forked from tests/helpers/prewarmed.py's server, so torch is imported once per worker), so its
 .pytest_cache (what --lf reads) and any goldens it writes stay out of the repo.
 """
 import os
@@ -11,12 +11,12 @@ import shutil
 from pathlib import Path
 
 import pytest
-from prewarmed import run_module
 
 import harness
 from harness.cases.case import CASES_DIR
 from harness.cli import main
 from harness.golden import GOLDEN_DIR
+from tests.helpers.prewarmed import run_module
 
 REPO = Path(__file__).resolve().parent.parent
 PROJECT = Path(__file__).resolve().parent / "external_project"

@@ -13,11 +13,11 @@ import textwrap
 from types import SimpleNamespace
 
 import pytest
-from engine_releases import installed_release
-from prewarmed import run_module
-from test_plugin import PROJECT, counts, pytest_in
 
 from harness.plugin import engine as plugin_engine
+from tests.helpers.engine_releases import installed_release
+from tests.helpers.prewarmed import run_module
+from tests.test_plugin import PROJECT, counts, pytest_in
 
 pytestmark = pytest.mark.timeout(900)
 

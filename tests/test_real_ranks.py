@@ -14,7 +14,6 @@ import time
 
 import pytest
 import torch
-from process_tree import live_children
 
 from harness import cli
 from harness.cases.case import load_case
@@ -44,6 +43,7 @@ from harness.run.case_run import run_spmd
 from harness.run.crash import crash_name
 from harness.verdict import Verdict
 from runners.parallel.layout import ParallelLayout
+from tests.helpers.process_tree import live_children
 
 pytestmark = pytest.mark.distributed
 

@@ -7,7 +7,6 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from prewarmed import run_module
 
 from harness.cases.case import CASES_DIR, load_case
 from harness.mutants import Mutant
@@ -17,6 +16,7 @@ from harness.pipeline.replay import replay_case
 from harness.props import registry
 from harness.props.base import Needs, Probe, Property
 from harness.verdict import Verdict
+from tests.helpers.prewarmed import run_module
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -15,7 +15,8 @@ def test_runner_eager_alone_is_compared_with_the_oracle(capsys):
     data = json.loads(capsys.readouterr().out)
     assert data["runner"] == "eager" and data["max_logit_diff"] == "eager vs the TP1 eager oracle"
     assert set(data["properties"]) == {"P1", "P4"}  # P3 needs both runners
-    assert data["steps"] and all(row["bs"] is None and row["global_num_tokens_for_logprob"] is None and row["rows_fed"] == row["num_tokens"] for row in data["steps"])
+    assert data["steps"] and all(row["bs"] is None and row["global_num_tokens_for_logprob"] is None and row["rows_fed"] == row["num_tokens"]
+                                 for row in data["steps"])
     assert all(row["max_logit_diff"] is not None and row["max_logit_diff"] < 1e-4 for row in data["steps"])
 
 

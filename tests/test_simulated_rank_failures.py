@@ -11,7 +11,17 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
-from simulated_world_helpers import (  # noqa: F401
+
+from harness.ranks import RanksKind, run
+from harness.ranks.simulated import (
+    PeerFailed,
+    RankFailure,
+    SimComm,
+    SimulatedWorld,
+)
+from harness.ranks.trace import CollectiveError, CollectiveMismatch, CollectiveTimeout
+from runners.parallel.layout import ParallelLayout
+from tests.helpers.simulated_world_helpers import (  # noqa: F401
     DP,
     FAST_S,
     L1,
@@ -27,16 +37,6 @@ from simulated_world_helpers import (  # noqa: F401
     no_thread_leak,
     sim_threads,
 )
-
-from harness.ranks import RanksKind, run
-from harness.ranks.simulated import (
-    PeerFailed,
-    RankFailure,
-    SimComm,
-    SimulatedWorld,
-)
-from harness.ranks.trace import CollectiveError, CollectiveMismatch, CollectiveTimeout
-from runners.parallel.layout import ParallelLayout
 
 
 def _fail(layout: ParallelLayout, fn, timeout_s: float = 30.0) -> tuple[RankFailure, float]:
@@ -254,14 +254,21 @@ def test_rank_that_raised_before_peers_arrive():
 
 
 def test_sleeping_rank_hits_the_deadline_and_is_named():
+    """Rank 3 stays away until a waiter has left the all_reduce, so only the deadline can end the wait: a world
+    without one leaves rank 3 waiting out its own 60 s and the test fails on its assertion instead of a clock."""
+    waiter_left = threading.Event()
+
     def fn(c: SimComm):
         c.all_gather(torch.zeros(2), TP)
         if c.rank == 3:
-            time.sleep(1.0)
-        return c.all_reduce(torch.zeros(2), W)
+            assert waiter_left.wait(60), "no waiter left the all_reduce: the 0.5 s deadline never fired"
+        try:
+            return c.all_reduce(torch.zeros(2), W)
+        finally:
+            waiter_left.set()
 
     err, elapsed = _fail(L4DP2, fn, timeout_s=0.5)
-    assert 0.5 <= elapsed < FAST_S
+    assert elapsed >= 0.5  # a lower bound only: load can lengthen the run, never shorten the deadline
     root = err.root_exception
     assert isinstance(root, CollectiveTimeout)
     assert err.root_rank in (0, 1, 2)
@@ -276,11 +283,16 @@ def test_sleeping_rank_hits_the_deadline_and_is_named():
 
 
 def test_deadline_reports_a_rank_that_never_called_a_collective():
+    waiter_left = threading.Event()  # rank 1 is still running when the deadline fires, however loaded the machine
+
     def fn(c: SimComm):
         if c.rank == 1:
-            time.sleep(0.8)
+            assert waiter_left.wait(60), "rank 0 never left the all_reduce: the 0.3 s deadline never fired"
             return None
-        return c.all_reduce(torch.zeros(1), W)
+        try:
+            return c.all_reduce(torch.zeros(1), W)
+        finally:
+            waiter_left.set()
 
     err, _ = _fail(L2, fn, timeout_s=0.3)
     assert err.root_rank == 0

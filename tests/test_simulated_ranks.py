@@ -12,13 +12,27 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
-from simulated_world_helpers import DP, L1, L2, L4, L4DP2, L8, L8DP2, L8DP4, LAYOUT_IDS, LAYOUTS, TP, W, no_thread_leak  # noqa: F401
 
 from harness.ranks import run
 from harness.ranks.simulated import RankFailure, SimComm, SimulatedWorld, compare_traces
 from harness.ranks.trace import CollectiveCall
 from runners.parallel.comm import Communicator, Group, group_rank
 from runners.parallel.layout import ParallelLayout
+from tests.helpers.simulated_world_helpers import (  # noqa: F401
+    DP,
+    L1,
+    L2,
+    L4,
+    L4DP2,
+    L8,
+    L8DP2,
+    L8DP4,
+    LAYOUT_IDS,
+    LAYOUTS,
+    TP,
+    W,
+    no_thread_leak,
+)
 
 
 def _fail(layout: ParallelLayout, fn, timeout_s: float = 30.0) -> tuple[RankFailure, float]:

@@ -10,7 +10,6 @@ from dataclasses import replace
 
 import pytest
 import torch
-from paged_batch import paged_batch
 
 from harness.props.tolerances import attn_vs_reference
 from runners.attention import make_backend
@@ -21,6 +20,7 @@ from runners.batch import EagleVerifyInput, ForwardMode
 from runners.eagle_draft import DraftDecodeSpecInfo
 from runners.graph.record import RecordedGraph
 from runners.verify import tree_mask
+from tests.helpers.paged_batch import paged_batch
 
 
 def _both(rp, kp, fb, q, k, v):

@@ -13,6 +13,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -24,6 +25,7 @@ from harness.ranks.joined_report import Outcome, launch_error
 from harness.ranks.launch_env import LauncherEnv, launcher_env
 from harness.ranks.outcomes import DistributedDeadlock, DistributedMismatch, DistributedRankFailure, DistributedTimeout
 from runners.parallel.layout import ParallelLayout
+from tests.helpers.prewarmed import start_module, start_script
 
 pytestmark = pytest.mark.distributed
 
@@ -53,8 +55,10 @@ def _torchrun(nproc: int, *args: str) -> subprocess.CompletedProcess:
 
 
 def _launch_by_env(nproc: int, args: list[str], slurm: bool = False, extra_env: dict[str, str] | None = None,
-                   program: tuple[str, ...] = ("-m", "harness.cli")) -> list[tuple[int, str, str]]:
-    """Start nproc `python -m harness.cli ...` as a launcher would; (exit code, stdout, stderr) per rank."""
+                   script: Path | None = None) -> list[tuple[int, str, str]]:
+    """nproc `python -m harness.cli ARGS` (or `python SCRIPT`) started as a launcher would, each a process of its own
+    forked from the prewarmed server (torch imported once): (exit code, stdout, stderr) per rank. What is under test is
+    the CLI's reading of the launcher's environment and its ranks' exits, not the interpreter's start."""
     port = str(_free_port())
     procs = []
     for r in range(nproc):
@@ -63,18 +67,12 @@ def _launch_by_env(nproc: int, args: list[str], slurm: bool = False, extra_env: 
             env |= {"SLURM_PROCID": str(r), "SLURM_NTASKS": str(nproc), "SLURM_LOCALID": str(r), "SLURM_JOB_ID": "7"}
         else:
             env |= {"RANK": str(r), "WORLD_SIZE": str(nproc), "LOCAL_RANK": str(r)}
-        procs.append(subprocess.Popen([sys.executable, *program, *args], cwd=ROOT, env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        procs.append(start_script(script, env=env) if script else start_module("harness.cli", *args, env=env))
+    deadline = time.monotonic() + LIMIT_S
     out = []
-    try:
-        for p in procs:
-            so, se = p.communicate(timeout=LIMIT_S)
-            out.append((p.returncode, so, se))
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+    for p in procs:  # a rank still running at the deadline is killed by result(), which raises TimeoutExpired
+        done = p.result(timeout=max(1.0, deadline - time.monotonic()))
+        out.append((done.returncode, done.stdout, done.stderr))
     return out
 
 
@@ -150,7 +148,7 @@ def test_rank_failure_names_the_rank_and_the_collective_its_peer_waits_in():
     """Rank 1 raises while rank 0 waits for it in an all_gather: rank 1 leaves its process group,
     so rank 0's collective fails at once instead of at the 60 s timeout, and the report leads
     with rank 1's exception, rank 0's collective named as a consequence."""
-    ranks = _launch_by_env(2, [], program=(str(ROOT / "tests" / "joined_rank_fails.py"),))
+    ranks = _launch_by_env(2, [], script=ROOT / "tests" / "helpers" / "joined_rank_fails.py")
     assert [code for code, _, _ in ranks] == [1, 1], ranks
     out0 = ranks[0][1]
     assert out0.startswith("DistributedRankFailure: rank 1 failed in all_reduce(group=world, shape=(3,), dtype=float32) "

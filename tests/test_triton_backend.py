@@ -18,7 +18,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from paged_batch import paged_batch
+
+from tests.helpers.paged_batch import paged_batch
 
 if "triton" not in sys.modules and not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")

@@ -3,7 +3,7 @@
 The CPU suite runs the kernels in Triton's interpreter, which executes their Python and so accepts code the
 GPU compiler refuses; a GPU run is the first to see such a kernel fail. Here each kernel is launched once
 for real (interpreter, small inputs), its launch recorded, and its TTIR for sm_90 built from the record in a
-fresh process without the interpreter (tests/triton_ttir.py).
+fresh process without the interpreter (tests/helpers/triton_ttir.py).
 """
 from __future__ import annotations
 
@@ -20,16 +20,15 @@ if "triton" not in sys.modules and not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 pytest.importorskip("triton", reason="triton is not installed (pip install triton==3.6.0)")
-import triton_ttir  # noqa: E402
-from test_draft_extend_fill import _tiny_buffers  # noqa: E402
-from test_triton_backend import paged_batch, run_both  # noqa: E402
-
 import runners.attention.flashinfer_kv_indices as kv_indices_module  # noqa: E402
 import runners.attention.triton_backend as triton_backend  # noqa: E402
 import runners.draft_extend_fill as fill_module  # noqa: E402
 from runners.batch import ForwardMode  # noqa: E402
 from runners.draft_extend import DraftExtendInputs  # noqa: E402
 from runners.memory import LanePadding  # noqa: E402
+from tests.helpers import triton_ttir  # noqa: E402
+from tests.test_draft_extend_fill import _tiny_buffers  # noqa: E402
+from tests.test_triton_backend import paged_batch, run_both  # noqa: E402
 
 HERE = Path(__file__).parent
 LAUNCHING_MODULES = (fill_module, kv_indices_module, triton_backend)  # every module of runners/ that calls run_kernel
@@ -50,11 +49,11 @@ def launches(monkeypatch) -> list[dict]:
 
 
 def _build(records: list[dict], tmp_path: Path, *path: Path) -> subprocess.CompletedProcess:
-    """tests/triton_ttir.py over `records` in a fresh process without the interpreter; `path` adds kernels' modules."""
+    """tests/helpers/triton_ttir.py over `records` in a fresh process without the interpreter; `path` adds kernels' modules."""
     launches = tmp_path / "launches.json"
     launches.write_text(json.dumps(records))
     env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": os.pathsep.join(map(str, [*path, HERE.parent, HERE]))}
-    return subprocess.run([sys.executable, str(HERE / "triton_ttir.py"), str(launches)], env=env, capture_output=True, text=True,
+    return subprocess.run([sys.executable, str(HERE / "helpers" / "triton_ttir.py"), str(launches)], env=env, capture_output=True, text=True,
                           timeout=300)
 
 

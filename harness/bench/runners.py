@@ -147,7 +147,8 @@ def bench_runners_backend(comm, backend: str, args, device: torch.device, bs_lis
 
 def format_runner_table(results: list[dict], meta: dict) -> str:
     lines = [f"harness bench: every runner, single-layer EAGLE, TP1, {meta['dtype']}, {meta['num_steps']} steps, {meta['date']}, {meta['device']}",
-             "eager vs graph, median ms (measured in alternating blocks); iteration = draft-extend + draft decode + verify back to back (no scheduler host work); "
+             "eager vs graph, median ms (measured in alternating blocks); "
+             "iteration = draft-extend + draft decode + verify back to back (no scheduler host work); "
              "every runner attends with the row's backend"]
     hdr = f"{'backend':<10} {'bs':>3}" + "".join(f" {n:>22}" for n in ("extend e/g (x)", "decode e/g (x)", "verify e/g (x)", "iteration e/g (x)"))
     for b in results:

@@ -78,8 +78,9 @@ _TOP = {"name": str, "description": str, "seed": int, "dtype": str, "backend": s
 _REQUIRED = ("name", "description", "layout", "schedule")
 _LAYOUT = {"tp_size": int, "dp_size": int, "enable_dp_attention": bool, "moe_dense_tp_size": int, "enable_dp_lm_head": bool, "moe_a2a_backend": str,
            "enable_two_batch_overlap": bool}
-_SPEC = {"num_steps": int, "topk": int, "num_tokens_per_bs": int, "capture_bs": list, "max_running_requests": int, "page_size": int, "draft": str, "draft_extend_graph": str,
-         "eagle_aux_hidden_state_layer_ids": list, "draft_vocab_size": int, "draft_tp_size": int, "draft_max_position_embeddings": int, "draft_rope_theta": float,
+_SPEC = {"num_steps": int, "topk": int, "num_tokens_per_bs": int, "capture_bs": list, "max_running_requests": int, "page_size": int,
+         "draft": str, "draft_extend_graph": str, "eagle_aux_hidden_state_layer_ids": list, "draft_vocab_size": int,
+         "draft_tp_size": int, "draft_max_position_embeddings": int, "draft_rope_theta": float,
          "dp_spec_prefill_coordination": bool, "overlap_schedule": bool,
          **dict.fromkeys(SPEC_OPTIONS, str)}
 PAGE_SIZES = (1, 2, 4, 8, 16, 32, 64)  # KV slots per page: a power of two (runners.memory.check_page_size), at most 64
@@ -284,7 +285,8 @@ def parse_case(data: dict, path: Path | str = "<case>") -> Case:
         raise CaseError(path, "spec.num_tokens_per_bs", f"num_steps + 1 ({spec.num_steps + 1}) with topk 1 (a chain of num_steps drafts and "
                         "the root; engines reset any other value), or topk > 1 for a wider tree", spec.num_tokens_per_bs)
     if spec.draft.has_draft_decode and spec.topk * (spec.num_steps - 1) > spec.num_tokens_per_bs:
-        raise CaseError(path, "spec.topk", f"topk * (num_steps - 1) <= num_tokens_per_bs ({spec.num_tokens_per_bs}): the {spec.draft.value} draft decode's slots", spec.topk)
+        raise CaseError(path, "spec.topk", f"topk * (num_steps - 1) <= num_tokens_per_bs ({spec.num_tokens_per_bs}): "
+                        f"the {spec.draft.value} draft decode's slots", spec.topk)
     if spec.topk > model.vocab_size:
         raise CaseError(path, "spec.topk", f"at most model.vocab_size ({model.vocab_size})", spec.topk)
 
@@ -334,7 +336,8 @@ def parse_case(data: dict, path: Path | str = "<case>") -> Case:
             ps = spec.page_size
             slots = sum(-(-(r.prefix_len + T) // ps) * ps for r in reqs)  # whole pages
             if slots > (MAX_KV_SLOTS_PER_RANK + 1) - ps:  # page 0 holds the padding slot
-                raise CaseError(path, f"schedule.batches[{i}][{j}]", f"requests whose prefix + draft tokens fit one rank's KV pool ({MAX_KV_SLOTS_PER_RANK} slots)",
+                raise CaseError(path, f"schedule.batches[{i}][{j}]",
+                                f"requests whose prefix + draft tokens fit one rank's KV pool ({MAX_KV_SLOTS_PER_RANK} slots)",
                                 f"{len(reqs)} requests needing {slots} slots")
     tolerances = _parse_tolerances(path, data.get("tolerances", {}))
     _positive(path, "schedule.top_logprobs_num", sched_t.get("top_logprobs_num", 0), 0, min(20, model.vocab_size))  # logprobs asked for: a top-k <= 20

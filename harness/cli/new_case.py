@@ -106,7 +106,8 @@ def cmd_new_case(args) -> int:
         raise flag_error(e, args) from None
     others = [n for n in coverage(layout, default_cases()) if n != args.name]
     print(f"wrote {show(path)}")
-    print(f"  layout   {case.layout.describe()}  (world {case.layout.world_size}, attn_tp {case.layout.attn_tp_size}, capture_bs base {case.layout.capture_bs_base})")
+    lay = case.layout
+    print(f"  layout   {lay.describe()}  (world {lay.world_size}, attn_tp {lay.attn_tp_size}, capture_bs base {lay.capture_bs_base})")
     given = "as --branch asked" if args.branch else "from the flags; --branch BRANCH requires one"
     print(f"  branch   {case.layout.branch.value}  ({given})")
     print(f"  schedule {[list(b) for b in case.schedule]}  (per iteration, each DP group's raw bs; 0 = idle)")

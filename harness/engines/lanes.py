@@ -71,7 +71,8 @@ class LiveBatch:
 
     def requests(self, T: int) -> dict[str, list[int]]:
         """Per request; select_index is each request's last accepted row, i*T + num_correct_drafts (after_model.py)."""
-        return {"select_index": [i * T + n for i, n in enumerate(self.num_correct_drafts)],"req_pool_indices": list(self.req_pool_indices), "seq_lens": list(self.seq_lens),
+        return {"select_index": [i * T + n for i, n in enumerate(self.num_correct_drafts)], "req_pool_indices": list(self.req_pool_indices),
+                "seq_lens": list(self.seq_lens),
                 "num_correct_drafts": self.num_correct_drafts, "num_accept_tokens": list(self.accept_lens)}
 
 

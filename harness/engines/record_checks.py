@@ -33,7 +33,8 @@ def check_captures(h: RunnerHandle, layout: ParallelLayout, tp_rank: int, line, 
         w = {"layout": layout.describe(), "branch": layout.branch.value, "runner": h.kind, "step": h.step, "rank": tp_rank, "bs": bs}
         v = ln.verdict
         v.expect_equal("branch", "require_*_gather", w, layout.branch.value, h.engine_branch, "the engine's derived branch for this layout")
-        v.expect_equal("padding", "capture_bs", w, expected_capture_bs, h.capture_bs, "the capture buckets: multiples of the base that fit the pool (`harness explain padding`)")
+        v.expect_equal("padding", "capture_bs", w, expected_capture_bs, h.capture_bs,
+                       "the capture buckets: multiples of the base that fit the pool (`harness explain padding`)")
         cap = h.captures[bs]
         host = cap.host
         rows_fed, logits_rows = h.capture_rows[bs]

@@ -79,7 +79,8 @@ class EngineRunners:
         return Strict(
             "model_runner", server_args=sa, device="cpu", gpu_id=0, tp_size=self.layout.tp_size, dp_size=self.layout.dp_size,
             tp_rank=self.tp_rank, model_config=model_config, spec_algorithm=spec_alg.from_string("EAGLE"),
-            req_to_token_pool=Strict("req_to_token_pool", size=cfg.max_running_requests, req_to_token=self._req_to_token), token_to_kv_pool=Strict("token_to_kv_pool", translate_loc_from_full_to_swa=lambda loc: loc),  # no sliding-window layers
+            req_to_token_pool=Strict("req_to_token_pool", size=cfg.max_running_requests, req_to_token=self._req_to_token),
+            token_to_kv_pool=Strict("token_to_kv_pool", translate_loc_from_full_to_swa=lambda loc: loc),  # no sliding-window layers
             attn_backend=attn,
             canary_manager=None, device_timer=None, tp_group=FakeGroup("tp", self.layout.tp_size, self.tp_rank),
             kv_index_translator=Strict("kv_index_translator", bind_runner_slots=noop),

@@ -127,7 +127,8 @@ class RunnerHandle(RunnerFacts):
     def _record_capture(self, bs: int) -> None:
         fb, dp, gpu_tokens, gpu_logprob = self._body
         if int(fb.batch_size) != bs:
-            raise EngineAdapterError(f"sglang {self.engine.version}: capturing bucket {bs} of the {self.kind} runner ran the model on a batch of {fb.batch_size}")
+            raise EngineAdapterError(f"sglang {self.engine.version}: capturing bucket {bs} of the {self.kind} runner ran the model on a batch "
+                                     f"of {fb.batch_size}")
         self._batches[bs] = fb
         def ints(x: Any) -> Optional[list[int]]:
             return None if x is None else [int(v) for v in x]

@@ -363,7 +363,8 @@ class RankStates:
         wrapper.set_metadata(hidden_size=self.hidden, dtype=torch.float32, device=torch.device("cpu"))
 
 
-def setup(engine: Engine, layout: ParallelLayout, server_args: Any, vocab: int, hidden: int, v: Verdict, w: dict) -> tuple[Optional[GatherCheck], Optional[str]]:
+def setup(engine: Engine, layout: ParallelLayout, server_args: Any, vocab: int, hidden: int, v: Verdict,
+          w: dict) -> tuple[Optional[GatherCheck], Optional[str]]:
     """The gather check for this layout, if the engine's processor gathers here (else None); the reason where this
     release's gather cannot be driven (n/a, never an adapter error). Our rule (DESIGN.md §6.5) is checked against the
     engine's own decision on the way."""

@@ -103,7 +103,8 @@ def configure_process(engine: Engine, sa: Any, layout: ParallelLayout, tp_rank: 
         par = rc.get_parallel()
         got = (par.attn_tp_size, _attn_dp_read_back(par, layout, engine.version))
         if got != (attn_tp, attn_dp):
-            raise EngineAdapterError(f"sglang {engine.version}: published layout {layout.describe()} reads back attn_tp/dp {got}, expected {(attn_tp, attn_dp)}")
+            raise EngineAdapterError(f"sglang {engine.version}: published layout {layout.describe()} reads back attn_tp/dp {got}, "
+                                     f"expected {(attn_tp, attn_dp)}")
 
 
 def _attn_dp_read_back(par: Any, layout: ParallelLayout, version: str) -> int:

@@ -29,7 +29,8 @@ class VLine:
 
     def to_json(self) -> dict:
         return {"runner": self.runner, "dp": self.dp, "bucket": self.bucket, "raw_bs": sorted(self.raw_bs), "ranks": sorted(self.ranks),
-                "captured_requests": self.captured, "ok": self.verdict.ok, "checked": self.verdict.checked, "failures": [asdict(f) for f in self.verdict.failures],
+                "captured_requests": self.captured, "ok": self.verdict.ok, "checked": self.verdict.checked,
+                "failures": [asdict(f) for f in self.verdict.failures],
                 "notes": list(self.verdict.notes)}
 
 

@@ -326,7 +326,8 @@ def build_modules(runtime: NpuRuntime) -> tuple[types.ModuleType, types.ModuleTy
         yield
 
     npu = _Namespace(
-        "torch.npu", NPUGraph=type("NPUGraph", (AclGraph,), {"__init__": lambda self: AclGraph.__init__(self, runtime)}), graph=runtime.graph, Stream=_Stream, Event=_Event, ExternalEvent=_Event,
+        "torch.npu", NPUGraph=type("NPUGraph", (AclGraph,), {"__init__": lambda self: AclGraph.__init__(self, runtime)}), graph=runtime.graph,
+        Stream=_Stream, Event=_Event, ExternalEvent=_Event,
         stream=stream, current_stream=lambda device=None: _Stream(), default_stream=lambda device=None: _Stream(),
         is_current_stream_capturing=lambda: runtime.state().capturing is not None, synchronize=lambda device=None: None,
         empty_cache=lambda: None, graph_task_group_begin=runtime.graph_task_group_begin, graph_task_group_end=runtime.graph_task_group_end,

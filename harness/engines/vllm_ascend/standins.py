@@ -71,7 +71,8 @@ def vllm_config(engine: Any, cfg: AscendCheckConfig, world: World, dp_rank: int)
                   draft_tensor_parallel_size=1, rejection_sample_method="standard", draft_sample_method="greedy",
                   use_eagle=lambda: True, uses_draft_model=lambda: False, uses_extract_hidden_states=lambda: False)
     return Strict(
-        "vllm_config", num_speculative_tokens=cfg.num_speculative_tokens, model_config=model, speculative_config=spec, compilation_config=compilation_config(engine, cfg, world.mode),
+        "vllm_config", num_speculative_tokens=cfg.num_speculative_tokens, model_config=model, speculative_config=spec,
+        compilation_config=compilation_config(engine, cfg, world.mode),
         scheduler_config=Strict("scheduler_config", max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_seqs * q,
                                 async_scheduling=False, enable_chunked_prefill=True),
         parallel_config=Strict("parallel_config", tensor_parallel_size=1, data_parallel_size=world.dp, data_parallel_rank=dp_rank,

@@ -4,7 +4,7 @@ Triton's interpreter runs a kernel's Python body, so it accepts code that the GP
 typed differently across the branches of an if, a block shape that is not a power of two). The front end
 needs no device: tests/test_triton_ttir.py records every launch of the CPU suite's kernels in the interpreter
 (`record`), and hands the records to this module in a fresh process without the interpreter (`python
-tests/triton_ttir.py RECORDS.json`), where the kernels are compiled ones and `ASTSource.make_ir` builds TTIR
+tests/helpers/triton_ttir.py RECORDS.json`), where the kernels are compiled ones and `ASTSource.make_ir` builds TTIR
 for an sm_90 target (the H200's).
 """
 from __future__ import annotations

@@ -23,7 +23,7 @@ from typing import Optional, Sequence
 
 from harness.ranks import forkserver
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 # torch's own heavy subpackages that the engines' modules import (dynamo, inductor, distributed, ...), and ours. None
 # of them is a name the engine adapters stub (harness/engines/*/stubs.py), so every engine module still resolves as
 # it would in a fresh process.
@@ -74,6 +74,19 @@ class Started:
         self._proc = forkserver.context().Process(target=_child, args=(code, self._out, self._err, cwd, env))
         self._proc.start()
 
+    @property
+    def pid(self) -> int:
+        return self._proc.pid
+
+    def stderr_so_far(self) -> str:
+        """What the child has written to stderr yet (Python's stderr is line-buffered: whole lines)."""
+        return Path(self._err).read_text() if os.path.exists(self._err) else ""
+
+    def wait(self, timeout: float) -> Optional[int]:
+        """The exit code (a signal's as -N, as Popen gives it), or None while it still runs after timeout."""
+        self._proc.join(timeout)
+        return self._proc.exitcode
+
     def result(self, timeout: float = 600) -> subprocess.CompletedProcess:
         self._proc.join(timeout)
         if self._proc.exitcode is None:
@@ -90,12 +103,25 @@ def run_python(code: str, timeout: float = 600) -> subprocess.CompletedProcess:
     return Started(code).result(timeout)
 
 
-def run_module(module: str, *args: str, cwd: Path = REPO, env: Optional[dict[str, str]] = None, fresh: Sequence[str] = (),
-               timeout: float = 600) -> subprocess.CompletedProcess:
-    """`python -m MODULE ARGS` run in cwd with env (default: this process's environment, as subprocess.run inherits it):
+def start_module(module: str, *args: str, cwd: Path = REPO, env: Optional[dict[str, str]] = None, fresh: Sequence[str] = ()) -> Started:
+    """`python -m MODULE ARGS` started in cwd with env (default: this process's environment, as subprocess.run inherits it):
     sys.argv and sys.path[0] as -m sets them, the module's own `if __name__ == "__main__"` block, its exit code.
     The packages named in `fresh` are dropped from the preloaded modules and imported by the run itself, as a fresh
     process would: pytest rewrites the asserts of a plugin's package (an editable install's `harness`) as it imports it."""
     code = (f"import runpy, sys\nfor m in [m for m in sys.modules if m.partition('.')[0] in {tuple(fresh)!r}]:\n    del sys.modules[m]\n"
             f"sys.argv = ['-m', *{list(args)!r}]\nsys.path.insert(0, {str(cwd)!r})\nrunpy.run_module({module!r}, run_name='__main__', alter_sys=True)\n")
-    return Started(code, cwd, dict(os.environ) if env is None else env).result(timeout)
+    return Started(code, cwd, dict(os.environ) if env is None else env)
+
+
+def start_script(path: Path, *args: str, cwd: Path = REPO, env: Optional[dict[str, str]] = None) -> Started:
+    """`python PATH ARGS` started in cwd with env (default: this process's environment): sys.argv and sys.path[0] as
+    running a script sets them."""
+    code = (f"import runpy, sys\nsys.argv = [{str(path)!r}, *{list(args)!r}]\nsys.path.insert(0, {str(Path(path).parent)!r})\n"
+            f"runpy.run_path({str(path)!r}, run_name='__main__')\n")
+    return Started(code, cwd, dict(os.environ) if env is None else env)
+
+
+def run_module(module: str, *args: str, cwd: Path = REPO, env: Optional[dict[str, str]] = None, fresh: Sequence[str] = (),
+               timeout: float = 600) -> subprocess.CompletedProcess:
+    """start_module's run, waited for as subprocess.run would."""
+    return start_module(module, *args, cwd=cwd, env=env, fresh=fresh).result(timeout)

@@ -21,7 +21,9 @@ L8DP4 = ParallelLayout(tp_size=8, dp_size=4, enable_dp_attention=True)  # ATTN_T
 LAYOUTS = [L1, L2, L4, L4DP2, L8, L8DP2, L8DP4]
 LAYOUT_IDS = [lay.describe() for lay in LAYOUTS]
 
-FAST_S = 2.0  # failures that need no deadline must be reported well within this
+# failures that need no deadline must be reported well within this: half the 30 s deadline the failure tests run
+# under, so a report that waited for the deadline fails it while a loaded machine's slower report does not
+FAST_S = 15.0
 
 
 def sim_threads() -> list[threading.Thread]:
