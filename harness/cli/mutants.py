@@ -54,7 +54,9 @@ def cmd_mutants(args) -> int:
     total = time.perf_counter() - t0
     bad = [r for r in results if not r.killed]
     if args.json:
-        print(json.dumps({"seconds": round(total, 2), "all_properties": args.all_properties, "all_probes": args.all_probes, "mutants": [r.to_json() for r in results]}, indent=2))
+        doc = {"seconds": round(total, 2), "all_properties": args.all_properties, "all_probes": args.all_probes,
+               "mutants": [r.to_json() for r in results]}
+        print(json.dumps(doc, indent=2))
     else:
         for r in results:
             print(line(r), flush=True)

@@ -199,7 +199,8 @@ def check_replay_rows(v: Verdict, layout: ParallelLayout, rec: ReplayRecord, tp_
     w = record_where(layout, rec, tp_rank, iteration)
     d = layout.attn_dp_rank(tp_rank)
     lp = rec.global_num_tokens_for_logprob_gpu
-    rule = f"the {expected_rows} rows this bucket gives lm_head" + (f" ({rec.bs} x {rec.tokens_per_bs} tokens)" if expected_rows == rec.bs * rec.tokens_per_bs else "")
+    per_token = f" ({rec.bs} x {rec.tokens_per_bs} tokens)" if expected_rows == rec.bs * rec.tokens_per_bs else ""
+    rule = f"the {expected_rows} rows this bucket gives lm_head{per_token}"
     if lp is not None:
         own = lp[d if layout.require_mlp_tp_gather else 0]
         v.expect_agree("I2", None, w, {"global_num_tokens_for_logprob": own, "rows fed to lm_head": rec.rows_fed}, expected_rows, rule)

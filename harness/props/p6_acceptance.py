@@ -22,7 +22,8 @@ def compare_acceptance(v: Verdict, golden: dict, session: SpecSession, where: di
         if g["accept_lens"] == e["accept_lens"] and g["position_accepts"] == e["position_accepts"]:
             continue
         changed = [k + 1 for k in range(S) if g["position_accepts"][k] != e["position_accepts"][k]]
-        rnd = next((i for i, (a, b) in enumerate(zip(g["accept_lens"], e["accept_lens"], strict=False)) if a != b), min(len(g["accept_lens"]), len(e["accept_lens"])))
+        got_lens, want_lens = g["accept_lens"], e["accept_lens"]
+        rnd = next((i for i, (a, b) in enumerate(zip(got_lens, want_lens, strict=False)) if a != b), min(len(got_lens), len(want_lens)))
         ga = g["accept_lens"][rnd] if rnd < len(g["accept_lens"]) else "-"
         ea = e["accept_lens"][rnd] if rnd < len(e["accept_lens"]) else "-"
         v.fail("golden", "position_accepts", {**where, "request": int(rid)}, e["position_accepts"], g["position_accepts"],

@@ -145,7 +145,8 @@ def check_idle_path(sc: Scenario, runs: Sequence[RankRun], v: Optional[Verdict] 
                     busy = [r for r in runs if sizes[layout.attn_dp_rank(r.rank)] > 0 and it < len(r.records) and r.records[it]]
                     if busy:
                         want = busy[0].records[it][rec.step].bs
-                        v.expect_equal("idle-path", "bucket", ws, want, rec.bs, f"the bucket busy rank {busy[0].rank} replayed (every DP group replays one bucket)")
+                        v.expect_equal("idle-path", "bucket", ws, want, rec.bs,
+                                       f"the bucket busy rank {busy[0].rank} replayed (every DP group replays one bucket)")
     return v
 
 

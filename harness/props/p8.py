@@ -118,7 +118,8 @@ class ChurnPair:
                 if rid in self.diverged:
                     continue
                 sl, rq = slice(i * T, (i + 1) * T), slice(i, i + 1)
-                pick = lambda o, sl=sl, rq=rq: {"logits": o.logits[sl], "hidden": o.hidden[sl], "logprobs": o.logprobs[rq], "topk_p": o.topk_p[rq], "topk_index": o.topk_index[rq]}  # noqa: E731
+                pick = lambda o, sl=sl, rq=rq: {"logits": o.logits[sl], "hidden": o.hidden[sl], "logprobs": o.logprobs[rq],  # noqa: E731
+                                                "topk_p": o.topk_p[rq], "topk_index": o.topk_index[rq]}
                 before = len(self.v.failures)
                 same = compare_outputs(self.v, "eager-vs-graph", {**where, "dp_rank": d, "draft_step": step, "request": rid}, pick(oe), pick(og), self.tol)
                 if not same and len(self.v.failures) == before:  # a near-tie of the draft: the two runs may now part
