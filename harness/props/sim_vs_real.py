@@ -20,6 +20,7 @@ from harness.props.base import Needs, Property
 from harness.props.tolerances import Tol, cross_layout
 from harness.ranks.simulated import compare_traces
 from harness.ranks.trace import CollectiveCall
+from harness.run.records import ReplayRecord, device_independent
 from harness.run.rig import RankRun
 from harness.verdict import Verdict
 
@@ -70,11 +71,15 @@ def compare_runs(sim: Sequence[RankRun], real: Sequence[RankRun], tol: Optional[
                         d = _tensor_diff(ta[name], tb[name], tol)
                         if d is not None:
                             v.fail("results", name, ws, "simulated ranks' tensor", "differs", d)
-        v.expect_equal("results", "replay records", w, a.records, b.records)  # host ints only: exact on either back end
+        v.expect_equal("results", "replay records", w, _device_independent(a.records), _device_independent(b.records))  # exact on either back end
         stats_a = None if a.stats is None else (a.stats.captures, a.stats.replays, a.stats.eager_fallbacks)
         stats_b = None if b.stats is None else (b.stats.captures, b.stats.replays, b.stats.eager_fallbacks)
         v.expect_equal("results", "graph stats", w, stats_a, stats_b)
     return v
+
+
+def _device_independent(records: Sequence[Sequence[ReplayRecord]]) -> list[list[ReplayRecord]]:
+    return [[device_independent(r) for r in step] for step in records]
 
 
 def compare_run_traces(sim: Sequence[Sequence[CollectiveCall]], real: Sequence[Sequence[CollectiveCall]], v: Optional[Verdict] = None) -> Verdict:

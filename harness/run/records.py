@@ -151,3 +151,11 @@ def _members(obj: Any) -> list[tuple[str, Any, Any]]:
             out.append((name, getattr(obj, name), default))
         return out
     return [(k, v, dataclasses.MISSING) for k, v in getattr(obj, "__dict__", {}).items() if not k.startswith("_") and not callable(v)]
+
+
+def device_independent(rec: ReplayRecord) -> ReplayRecord:
+    """rec as two devices' runs of one case must agree on it: without the tensor fields its replay was seen to write.
+    A fill's writes are seen through the buffers' version counters, which a fill by a kernel (the CUDA fused fill)
+    does not move, so which tensors show depends on the device; the counts, the host fields and the capture's fields
+    (compared by dtype and shape, never by memory) are the same on either."""
+    return dataclasses.replace(rec, fields={k: f for k, f in rec.fields.items() if f.kind != "tensor"})
