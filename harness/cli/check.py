@@ -65,11 +65,9 @@ def next_command(rep, case: Case, args) -> str:
 _worker_plants = contextlib.ExitStack()  # a worker's planted mutant, for the worker's life
 
 
-def _worker_init(mutant_id: Optional[str], threads: int) -> None:
-    """A case worker: the mutant planted as in the parent (each process runs its own copy of the code), and its share
-    of the cores for torch's intra-op threads (the workers' threads would otherwise contend for the same cores)."""
-    import torch  # preloaded by the forkserver; the CLI's cold start imports no torch
-    torch.set_num_threads(threads)
+def _worker_init(mutant_id: Optional[str]) -> None:
+    """A case worker: the mutant planted as in the parent (each process runs its own copy of the code). Its ranks run
+    on one torch thread each already (harness.ranks.simulated.one_torch_thread), so workers never contend for cores."""
     _worker_plants.enter_context(mutant_ctx(mutant_id))
 
 
@@ -99,8 +97,7 @@ def _reports(cases: Sequence[Case], props: tuple[str, ...], args, jobs: int, pro
             yield check_case_in_process(case, props, args.ranks, progress)
         return
     ctx = forkserver.context(["harness.pipeline.check", "harness.mutants"])
-    with ProcessPoolExecutor(jobs, mp_context=ctx, initializer=_worker_init,
-                             initargs=(args.mutant, max(1, (os.cpu_count() or 1) // jobs))) as pool:
+    with ProcessPoolExecutor(jobs, mp_context=ctx, initializer=_worker_init, initargs=(args.mutant,)) as pool:
         order = sorted(range(len(cases)), key=lambda i: -cases[i].layout.world_size)
         futures: dict[int, Future] = {i: pool.submit(_check_in_worker, cases[i], props, str(args.ranks)) for i in order}
         for i in range(len(cases)):
