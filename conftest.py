@@ -6,6 +6,7 @@ CI run is a pure function of the code; `dev` is quick; `thorough` is for nightly
 from __future__ import annotations
 
 import functools
+import gc
 import os
 import re
 from typing import TYPE_CHECKING
@@ -84,6 +85,17 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         reason = _multigpu_skip_reason(item.nodeid, multi) if multi is not None else None
         if reason:
             item.add_marker(pytest.mark.skip(reason=reason))
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Move what collection built (torch, the modules, the items, the cases) out of the collector's reach.
+
+    The suite's runs make and drop many cyclic objects (graphs, records, rank threads), so each worker runs full
+    collections all session; without this each one walks every object the worker imported or collected, none of which
+    is ever garbage. gc.freeze() is the documented way to exempt them; what tests make afterwards is collected as before.
+    """
+    gc.collect()
+    gc.freeze()
 
 
 ENGINE_FILES = ("test_plugin_engine.py",)  # besides every test_engine_*.py
