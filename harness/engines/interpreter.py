@@ -1,12 +1,16 @@
 """Triton's interpreter, as the engine adapters run the engines' kernels with it on CPU tensors.
 
-`prepare_interpreter()` makes three changes to it, all idempotent:
+`prepare_interpreter()` makes four changes to it, all idempotent:
 
 * an index fix (numpy 2 refuses int() of a 1-element array, which loop bounds loaded from memory need);
 * no integer-overflow sanitizer where its assertion is dropped: Triton's semantic layer recomputes every
   32-bit add, sub and mul in 64 bits and builds the range condition for a device_assert, which drops it
   unless the builder's options say debug (the interpreter's never do), so every integer op of every
   program paid for a condition nobody reads;
+* two lookups remembered instead of redone: the numpy dtype of a Triton dtype (the interpreter builds
+  its whole table on every call, several per operation) and which members of triton.language are
+  builtins to rebind for a launch (inspect.getmembers of each module and class, on every launch and
+  every device-function call);
 * a memory guard. The interpreter turns a kernel's pointers into raw addresses and loads and
   stores through them with no bounds: a kernel bug that computes an offset past its buffer
   writes into whatever the heap holds there, and the checker dies (`munmap_chunk(): invalid
@@ -29,6 +33,7 @@ from __future__ import annotations
 import bisect
 import gc
 import importlib
+import inspect
 import threading
 import weakref
 from dataclasses import dataclass, field
@@ -199,7 +204,44 @@ def _tensors(arg: Any) -> list[Any]:
 def prepare_interpreter() -> None:
     patch_interpreter_index()
     skip_dropped_overflow_checks()
+    remember_interpreter_lookups()
     guard_interpreter_memory()
+
+
+def remember_interpreter_lookups() -> None:
+    """The interpreter's dtype table and its list of triton.language builtins, each computed once instead of per call. The
+    builtins of a module or class are listed the first time a launch rebinds them, when nothing has rebound them yet (only
+    this function rebinds them, and a launch restores them); each later launch takes the members of those names that are
+    still builtins, which is what a full scan would find. Idempotent."""
+    interp = importlib.import_module("triton.runtime.interpreter")
+    if getattr(interp._get_np_dtype, "__specharness_memo__", False):
+        return
+    tl, get_np_dtype, patch_attr = interp.tl, interp._get_np_dtype, interp._patch_attr
+    np_dtypes: dict[Any, np.dtype] = {}
+
+    def np_dtype(tt_dtype: Any) -> np.dtype:
+        if isinstance(tt_dtype, tl.block_type) and not isinstance(tt_dtype.element_ty, tl.pointer_type):
+            tt_dtype = tt_dtype.element_ty  # the table maps a block to its element's dtype (a block type is unhashable)
+        if isinstance(tt_dtype, (tl.pointer_type, tl.block_type)):
+            return get_np_dtype(tt_dtype)
+        found = np_dtypes.get(tt_dtype)
+        if found is None:
+            found = np_dtypes[tt_dtype] = get_np_dtype(tt_dtype)
+        return found
+
+    builtin_names: dict[Any, list[str]] = {}
+
+    def patch_builtin(pkg: Any, builder: Any, scope: Any) -> None:
+        names = builtin_names.get(pkg)
+        if names is None:
+            names = builtin_names[pkg] = [name for name, member in inspect.getmembers(pkg) if tl.core.is_builtin(member)]
+        for name in names:
+            member = getattr(pkg, name, None)
+            if tl.core.is_builtin(member):
+                patch_attr(pkg, name, member, builder, scope)
+
+    np_dtype.__specharness_memo__ = True  # type: ignore[attr-defined]
+    interp._get_np_dtype, interp._patch_builtin = np_dtype, patch_builtin
 
 
 def skip_dropped_overflow_checks() -> None:
