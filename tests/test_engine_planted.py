@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import textwrap
 from pathlib import Path
 
 import pytest
 
 from tests.helpers.engine_releases import installed_release
+from tests.helpers.planted import link_tree
 from tests.helpers.prewarmed import run_module, run_python
 
 REPO = Path(__file__).resolve().parent.parent
@@ -40,7 +40,7 @@ pytestmark = pytest.mark.timeout(900)
 
 def _plant(src: Path, dst: Path, rel: str, old: str, new: str) -> Path:
     """dst: src's files as symlinks, except `rel`, a real copy with `old` replaced by `new` (exactly once)."""
-    shutil.copytree(src, dst, symlinks=True, copy_function=os.symlink)
+    link_tree(src, dst, [rel])
     text = (src / rel).read_text()
     if text.count(old) != 1:
         pytest.skip(f"sglang at {src.name}: {rel} does not have the line {old.strip()!r} exactly once")

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import textwrap
 import types
 from pathlib import Path
@@ -27,6 +26,7 @@ from harness.engines.sglang import dflash_verify, frozen_kv_mtp, ragged_verify, 
 from harness.engines.sglang.other_runners import OTHER_RUNNERS
 from runners.parallel.layout import Branch, ParallelLayout
 from tests.helpers.engine_releases import installed_release
+from tests.helpers.planted import link_tree
 from tests.helpers.prewarmed import run_python
 from tests.helpers.shared import computed_once
 
@@ -245,7 +245,7 @@ DFLASH_INFO = "sglang/srt/speculative/dflash_info.py"
 
 def _plant(src: Path, dst: Path, plants: list[tuple[str, str, str]]) -> Path:
     """dst: src's files as symlinks, except each planted file, a real copy with its `old` replaced by `new` (exactly once)."""
-    shutil.copytree(src, dst, symlinks=True, copy_function=os.symlink)
+    link_tree(src, dst, [rel for rel, _, _ in plants])
     for rel, old, new in plants:
         text = (dst / rel).read_text()
         if text.count(old) != 1:

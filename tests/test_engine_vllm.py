@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import textwrap
 import time
 from pathlib import Path
@@ -28,6 +27,7 @@ from harness.engines.vllm.api import DispatchOrder, RunnerQueryLenApi
 from harness.engines.vllm.checks import expected_graph
 from harness.engines.vllm.standins import DPWorld, Strict
 from tests.helpers.engine_releases import installed_vllm
+from tests.helpers.planted import link_tree
 from tests.helpers.prewarmed import Started
 
 REPO = Path(__file__).resolve().parent.parent
@@ -130,7 +130,7 @@ def _plant(src: Path, dst: Path, edits: list[tuple[str, str, str]], version: str
         if texts[rel].count(old) != 1:
             pytest.skip(f"vllm {version}: {rel} does not have the line {old!r} exactly once")
         texts[rel] = texts[rel].replace(old, new)
-    shutil.copytree(src, dst, symlinks=True, copy_function=os.symlink)
+    link_tree(src, dst, texts)
     for rel, text in texts.items():
         (dst / rel).unlink()
         (dst / rel).write_text(text)
