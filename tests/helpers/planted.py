@@ -11,15 +11,20 @@ from __future__ import annotations
 
 import os
 import shutil
-from collections.abc import Iterable
+from collections.abc import Mapping
 from pathlib import Path
 
 
-def link_tree(src: Path, dst: Path, edited: Iterable[str]) -> Path:
-    """dst made a view of src through symlinks; each path in `edited` (relative to src) is a symlink in a real directory,
-    for the caller to replace with its edited text (unlink, then write)."""
-    wanted = [Path(rel).parts for rel in edited]
+def planted_copy(src: Path, dst: Path, edits: Mapping[str, str]) -> Path:
+    """dst made a view of src through symlinks, with each file in `edits` (a path relative to src -> its new text) a real
+    file holding that text. Write nothing else under dst: any other path there may lead into the release itself."""
+    wanted = [Path(rel).parts for rel in edits]
     _link_dir(src, dst, (), wanted)
+    for rel, text in edits.items():
+        path = dst / rel
+        assert not path.parent.resolve().is_relative_to(src.resolve()), f"{rel}: its directory would be the release's"
+        path.unlink()
+        path.write_text(text)
     return dst
 
 
