@@ -210,9 +210,9 @@ def prepare_interpreter() -> None:
 
 def remember_interpreter_lookups() -> None:
     """The interpreter's dtype table and its list of triton.language builtins, each computed once instead of per call. The
-    builtins of a module or class are listed the first time a launch rebinds them, when nothing has rebound them yet (only
-    this function rebinds them, and a launch restores them); each later launch takes the members of those names that are
-    still builtins, which is what a full scan would find. Idempotent."""
+    builtins of a module or class are listed the first time a launch rebinds them, before anything has rebound them; each
+    later launch rebinds those names whose member is still a builtin, which is what a full scan finds (a name rebound and
+    never restored, as a device-function call leaves it, holds a wrapper, no builtin, either way). Idempotent."""
     interp = importlib.import_module("triton.runtime.interpreter")
     if getattr(interp._get_np_dtype, "__specharness_memo__", False):
         return
