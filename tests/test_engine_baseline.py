@@ -10,7 +10,9 @@ import json
 import sys
 import textwrap
 
+import numpy as np
 import pytest
+import torch
 
 from harness.engines.baseline import Baseline, BaselineError, Finding
 from harness.engines.options import ALL_PATHS, FillPath, Selection
@@ -184,6 +186,65 @@ def test_an_interpreted_kernel_that_writes_past_its_buffer_is_masked_off_and_rep
     assert (check, field, where) == ("out of bounds", "fill", {"runner": "r", "kernel": "fill", "argument": "out_ptr"})
     assert message.startswith("interpreted Triton kernel fill, program (0, 0, 0): a masked store of 20 element(s) reaches 4 outside")
     assert "the first at bytes [64, 68) of argument `out_ptr`, whose storage holds 64; masked off" in message, message
+
+
+def test_accesses_spanning_two_arguments_pass_and_a_lane_in_the_gap_between_them_is_masked_off():
+    """A launch's accesses are checked against each argument's storage on its own: lanes in two arguments (the lowest in
+    one, the highest in the other) are in bounds, a lane between or past them is not, whatever the others' addresses."""
+    from triton.language import int1, int32, pointer_type
+    from triton.runtime.interpreter import TensorHandle
+
+    from harness.engines import interpreter
+
+    a, b = torch.zeros(16, dtype=torch.int32), torch.zeros(16, dtype=torch.int32)  # 64 bytes each, wherever the heap puts them
+    launch = interpreter._Launch("k")
+    launch.bind([("a_ptr", a), ("b_ptr", b)])
+    lo, hi = sorted((a, b), key=lambda t: t.data_ptr())
+    mark = len(interpreter.VIOLATIONS)
+
+    def check(addrs: list[int], mask: list[bool]) -> object:
+        ptrs = TensorHandle(np.array(addrs, dtype=np.uint64), pointer_type(int32))
+        return launch.check("load", ptrs, TensorHandle(np.array(mask), int1), (0, 0, 0))
+
+    ends = [lo.data_ptr(), lo.data_ptr() + 60, hi.data_ptr(), hi.data_ptr() + 60]
+    assert check(ends, [True] * 4) is None  # both storages, from first to last element
+    gap = lo.data_ptr() + 64 if hi.data_ptr() > lo.data_ptr() + 64 else hi.data_ptr() + 64  # past the lower one's storage
+    keep = check([*ends, gap, hi.data_ptr() + 62], [True] * 5 + [False])  # the last lane is masked off already
+    assert keep.tolist() == [True] * 4 + [False, False]
+    [v] = interpreter.VIOLATIONS[mark:]
+    del interpreter.VIOLATIONS[mark:]
+    assert (v.kernel, v.op) == ("k", "load") and "reaches 1 outside every tensor argument's storage" in v.message, v
+
+
+def test_the_integer_overflow_check_runs_as_triton_has_it_only_where_its_assertion_is_kept():
+    """prepare_interpreter() skips building the overflow condition of an int32 add only where device_assert would drop it
+    (the interpreter's options, debug off): the add wraps as it does on a GPU; with debug on, the check runs and fails."""
+    proc = run_python(textwrap.dedent("""
+        import dataclasses, json, torch, triton, triton.language as tl
+        from triton.runtime import interpreter as interp
+        from harness.engines import interpreter
+        interpreter.prepare_interpreter()
+        interpreter.prepare_interpreter()  # idempotent
+
+        @triton.jit
+        def add(x_ptr, out_ptr, k):
+            tl.store(out_ptr, tl.load(x_ptr) + k)
+
+        x, out = torch.tensor([2**31 - 1], dtype=torch.int32), torch.zeros(1, dtype=torch.int32)
+        add[(1,)](x, out, 1)
+        wrapped = out.tolist()
+        interp.interpreter_builder.options = dataclasses.replace(interp.interpreter_builder.options, debug=True)
+        try:
+            add[(1,)](x, out, 1)
+            raised = ""
+        except Exception as e:
+            raised = str(e)
+        print(json.dumps({"wrapped": wrapped, "raised": raised}))
+    """), timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got["wrapped"] == [-2**31]
+    assert "int32 overflow detected for operation add" in got["raised"], got
 
 
 def test_a_call_the_process_dies_in_is_recorded_and_the_rest_still_reported():

@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import textwrap
 from pathlib import Path
 
@@ -22,6 +21,7 @@ import pytest
 
 from harness.engines import command
 from tests.helpers.engine_releases import installed_release
+from tests.helpers.planted import planted_copy
 from tests.helpers.prewarmed import run_python
 from tests.helpers.shared import computed_once
 
@@ -104,9 +104,7 @@ def test_a_bug_planted_in_the_eager_count_scaling_is_caught_on_eager_lines_only(
     if text.count(old) != 1:
         pytest.skip(f"sglang {NEWEST}: {SPEC_INFO} does not have {old!r} exactly once")
     dst = tmp_path / "planted"
-    shutil.copytree(src, dst, symlinks=True, copy_function=os.symlink)
-    (dst / SPEC_INFO).unlink()
-    (dst / SPEC_INFO).write_text(text.replace(old, "x * spec_info.num_tokens_per_req"))
+    planted_copy(src, dst, {SPEC_INFO: text.replace(old, "x * spec_info.num_tokens_per_req")})
     rep = _check(dst)
     assert _graph_kinds(rep) == _graph_kinds(newest)
     for ln in _eager(rep):

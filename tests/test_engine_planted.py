@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import textwrap
 from pathlib import Path
 
 import pytest
 
 from tests.helpers.engine_releases import installed_release
+from tests.helpers.planted import planted_copy
 from tests.helpers.prewarmed import run_module, run_python
 
 REPO = Path(__file__).resolve().parent.parent
@@ -39,14 +39,11 @@ pytestmark = pytest.mark.timeout(900)
 
 
 def _plant(src: Path, dst: Path, rel: str, old: str, new: str) -> Path:
-    """dst: src's files as symlinks, except `rel`, a real copy with `old` replaced by `new` (exactly once)."""
-    shutil.copytree(src, dst, symlinks=True, copy_function=os.symlink)
+    """dst: a view of src through symlinks (tests/helpers/planted.py), except `rel`, a real copy with `old` replaced by `new` (exactly once)."""
     text = (src / rel).read_text()
     if text.count(old) != 1:
         pytest.skip(f"sglang at {src.name}: {rel} does not have the line {old.strip()!r} exactly once")
-    (dst / rel).unlink()
-    (dst / rel).write_text(text.replace(old, new))
-    return dst
+    return planted_copy(src, dst, {rel: text.replace(old, new)})
 
 
 def _failures(target: Path, layouts: str, kernel_layouts: str) -> list[dict]:
@@ -338,11 +335,13 @@ def test_kernel_writing_past_its_buffer_and_a_process_killing_bug_are_findings(n
     # two plants: the Triton fill kernel stores each request's seq_len max_bs rows past it (past the end of seq_lens: under
     # the interpreter, unguarded, a heap write, `malloc(): smallbin double linked list corrupted` and an abort); the
     # single-layer replay fill reads address 0 (a segfault, which no bounds check sees)
-    target = _plant(newest, tmp_path / "sglang", KERNEL, "        tl.store(seq_lens_ptr + i, sl.to(tl.int32))\n",
-                    "        tl.store(seq_lens_ptr + i + max_bs, sl.to(tl.int32))\n")
-    (target / SINGLE).unlink()
-    (target / SINGLE).write_text((newest / SINGLE).read_text().replace("            buffers.req_pool_indices.zero_()\n",
-                                                                       "            __import__('ctypes').string_at(0)\n", 1))
+    kernel = (newest / KERNEL).read_text()
+    old = "        tl.store(seq_lens_ptr + i, sl.to(tl.int32))\n"
+    if kernel.count(old) != 1:
+        pytest.skip(f"sglang at {newest.name}: {KERNEL} does not have the line {old.strip()!r} exactly once")
+    target = planted_copy(newest, tmp_path / "sglang", {
+        KERNEL: kernel.replace(old, "        tl.store(seq_lens_ptr + i + max_bs, sl.to(tl.int32))\n"),
+        SINGLE: (newest / SINGLE).read_text().replace("            buffers.req_pool_indices.zero_()\n", "            __import__('ctypes').string_at(0)\n", 1)})
     rc, doc, err = _cli(target, "--path", "gpu", "--runner", "multi_layer", "--runner", "single_layer")
     assert rc == 1, err[-3000:]
     fails = [f for ln in doc["lines"] for f in ln["failures"]]

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import textwrap
 import types
 from pathlib import Path
@@ -27,6 +26,7 @@ from harness.engines.sglang import dflash_verify, frozen_kv_mtp, ragged_verify, 
 from harness.engines.sglang.other_runners import OTHER_RUNNERS
 from runners.parallel.layout import Branch, ParallelLayout
 from tests.helpers.engine_releases import installed_release
+from tests.helpers.planted import planted_copy
 from tests.helpers.prewarmed import run_python
 from tests.helpers.shared import computed_once
 
@@ -244,15 +244,14 @@ DFLASH_INFO = "sglang/srt/speculative/dflash_info.py"
 
 
 def _plant(src: Path, dst: Path, plants: list[tuple[str, str, str]]) -> Path:
-    """dst: src's files as symlinks, except each planted file, a real copy with its `old` replaced by `new` (exactly once)."""
-    shutil.copytree(src, dst, symlinks=True, copy_function=os.symlink)
-    for rel, old, new in plants:
-        text = (dst / rel).read_text()
+    """dst: a view of src through symlinks (tests/helpers/planted.py), except each planted file, a real copy with its `old` replaced by `new` (exactly once)."""
+    texts: dict[str, str] = {}
+    for rel, old, new in plants:  # plants in one file apply in turn
+        text = texts.get(rel) or (src / rel).read_text()
         if text.count(old) != 1:
             pytest.skip(f"sglang at {src.name}: {rel} does not have {old.strip()!r} exactly once")
-        (dst / rel).unlink()
-        (dst / rel).write_text(text.replace(old, new))
-    return dst
+        texts[rel] = text.replace(old, new)
+    return planted_copy(src, dst, texts)
 
 
 def _added(newest_run: dict, planted: dict) -> dict[str, set[tuple]]:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import textwrap
 import time
 from pathlib import Path
@@ -28,6 +27,7 @@ from harness.engines.vllm.api import DispatchOrder, RunnerQueryLenApi
 from harness.engines.vllm.checks import expected_graph
 from harness.engines.vllm.standins import DPWorld, Strict
 from tests.helpers.engine_releases import installed_vllm
+from tests.helpers.planted import planted_copy
 from tests.helpers.prewarmed import Started
 
 REPO = Path(__file__).resolve().parent.parent
@@ -123,18 +123,14 @@ PLANTED_TOKEN_KEYED_DP = {"dp_pads_to_own_count": (2,), "rounded_size_ignores_ca
 
 
 def _plant(src: Path, dst: Path, edits: list[tuple[str, str, str]], version: str) -> Path:
-    """dst: src's files as symlinks, except each edited file, a real copy with its line replaced (exactly once)."""
+    """dst: a view of src through symlinks (tests/helpers/planted.py), except each edited file, a real copy with its line replaced (exactly once)."""
     texts: dict[str, str] = {}
     for rel, old, new in edits:
         texts.setdefault(rel, (src / rel).read_text())
         if texts[rel].count(old) != 1:
             pytest.skip(f"vllm {version}: {rel} does not have the line {old!r} exactly once")
         texts[rel] = texts[rel].replace(old, new)
-    shutil.copytree(src, dst, symlinks=True, copy_function=os.symlink)
-    for rel, text in texts.items():
-        (dst / rel).unlink()
-        (dst / rel).write_text(text)
-    return dst
+    return planted_copy(src, dst, texts)
 
 
 def _run_checks(version: str, planted: dict, planted_dp: dict, base: Path) -> dict[str, dict]:

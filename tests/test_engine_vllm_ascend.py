@@ -12,8 +12,6 @@ from __future__ import annotations
 import contextlib
 import io
 import json
-import os
-import shutil
 import tarfile
 import textwrap
 import types
@@ -34,6 +32,7 @@ from harness.engines.vllm_ascend.npu import NpuRuntime, RankTables, build_module
 from harness.engines.vllm_ascend.runner import FIRST_BLOCK, blocks_per_request
 from harness.verdict import Verdict
 from tests.helpers.engine_releases import installed_ascend
+from tests.helpers.planted import planted_copy
 from tests.helpers.prewarmed import Started
 from tests.helpers.shared import computed_once
 
@@ -318,14 +317,11 @@ _CHECK = """
 
 
 def _plant(src: Path, dst: Path, rel: str, old: str, new: str) -> Path:
-    """dst: src's files as symlinks, except the edited file, a real copy with its line replaced (exactly once)."""
+    """dst: a view of src through symlinks (tests/helpers/planted.py), except the edited file, a real copy with its line replaced (exactly once)."""
     text = (src / rel).read_text()
     if text.count(old) != 1:
         pytest.skip(f"vllm-ascend {VERSION}: {rel} does not have the line {old!r} exactly once")
-    shutil.copytree(src, dst, symlinks=True, copy_function=os.symlink)
-    (dst / rel).unlink()
-    (dst / rel).write_text(text.replace(old, new))
-    return dst
+    return planted_copy(src, dst, {rel: text.replace(old, new)})
 
 
 @pytest.fixture(scope="module")

@@ -33,8 +33,6 @@ import contextlib
 import importlib.metadata
 import io
 import json
-import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -48,6 +46,7 @@ from harness.engines.releases import VLLM, json_document, select
 from harness.engines.vllm.install import installed_vllm_versions
 from harness.engines.vllm.stubs import StubDistributionFinder
 from tests.helpers.engine_releases import VLLM_TABLE_ENV, installed_vllm
+from tests.helpers.planted import planted_copy
 
 REPO = Path(__file__).resolve().parent.parent
 TABLE_RELEASES = ("0.11.2", "0.24.0", "0.27.0", "0.28.0", "0.29.0", "0.32.0", "0.33.0", "0.34.0")
@@ -147,9 +146,7 @@ def _planted_failures(release: Path, copies: dict[str, Optional[tuple[str, str, 
             text = (release / rel).read_text()
             assert text.count(old) == 1, name
             planted = tmp_path / name / release.name
-            shutil.copytree(release, planted, symlinks=True, copy_function=os.symlink)
-            (planted / rel).unlink()
-            (planted / rel).write_text(text.replace(old, new))
+            planted_copy(release, planted, {rel: text.replace(old, new)})
         procs[name] = subprocess.Popen([sys.executable, "-c", _PLANTED, str(planted)], cwd=REPO, stdout=subprocess.PIPE,
                                        stderr=subprocess.PIPE, text=True)
     out = {}

@@ -43,6 +43,7 @@ from harness.engines.sglang.other_runners import KINDS as OTHER_KINDS
 from harness.engines.sglang.other_runners import OTHER_RUNNERS, OtherRunner
 from harness.engines.sglang.paths import FillPlan
 from harness.props.p1_records import P1
+from harness.ranks.simulated import one_torch_thread
 from harness.verdict import Verdict
 from runners.base_cuda_graph_runner import compute_capture_bs
 from runners.parallel.layout import ParallelLayout
@@ -147,6 +148,7 @@ class _Built:
 # ----------------------------------------------------------------------------------------
 
 
+@one_torch_thread()  # tiny tensors: torch's intra-op pool only spins (harness/ranks/simulated.py)
 def check_engine(engine: Engine, layouts: tuple[ParallelLayout, ...] = REPRESENTATIVE_LAYOUTS, cfg: Optional[EngineConfig] = None, progress=None,
                  kernel_layouts: tuple[ParallelLayout, ...] = KERNEL_LAYOUTS, eager: bool = False,
                  selection: Selection = EVERYTHING) -> EngineReport:

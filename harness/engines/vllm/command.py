@@ -24,8 +24,10 @@ from harness.engines.vllm.drive import DECODE_RUNNERS, DECODE_RUNS, RUNNERS, dec
 from harness.engines.vllm.install import ensure_vllm_installed, installed_vllm_versions, vllm_deps_dir, vllm_dir
 from harness.engines.vllm.loader import VllmEngine, load
 from harness.engines.vllm.report import VllmReport, format_report
+from harness.ranks.simulated import one_torch_thread
 
 
+@one_torch_thread()  # tiny tensors: torch's intra-op pool only spins (harness/ranks/simulated.py)
 def check_vllm(engine: VllmEngine, cfg: Optional[VllmCheckConfig] = None, progress: Optional[Callable[[str], None]] = None,
                selection: Selection = EVERYTHING) -> VllmReport:
     cfg = cfg or VllmCheckConfig()

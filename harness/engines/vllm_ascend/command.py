@@ -29,8 +29,10 @@ from harness.engines.vllm_ascend.install import (
 )
 from harness.engines.vllm_ascend.loader import AscendEngine, load
 from harness.engines.vllm_ascend.report import AscendReport, format_report
+from harness.ranks.simulated import one_torch_thread
 
 
+@one_torch_thread()  # tiny tensors: torch's intra-op pool only spins (harness/ranks/simulated.py)
 def check_ascend(engine: AscendEngine, cfg: Optional[AscendCheckConfig] = None,
                  progress: Optional[Callable[[str], None]] = None) -> AscendReport:
     cfg = cfg or AscendCheckConfig()

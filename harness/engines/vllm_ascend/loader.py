@@ -44,7 +44,7 @@ import numpy as np
 import torch
 
 from harness.engines.install import write_engine_bytecode
-from harness.engines.interpreter import patch_interpreter_index
+from harness.engines.interpreter import patch_interpreter_index, remember_interpreter_lookups, skip_dropped_overflow_checks
 from harness.engines.sglang.errors import EngineAdapterError, ReleaseNotCovered
 from harness.engines.sglang.stubs import StubFinder
 from harness.engines.vllm.loader import _import_real_triton
@@ -160,6 +160,8 @@ def load(tree: Path, vllm_target: Path, deps: list[Path]) -> AscendEngine:
         warnings.simplefilter("ignore")
         _import_real_triton()
         patch_interpreter_index()
+        skip_dropped_overflow_checks()
+        remember_interpreter_lookups()
         vllm = importlib.import_module("vllm")
         vllm_version = getattr(vllm, "__version__", "unknown")
         if vllm_version != release["vllm"]:
