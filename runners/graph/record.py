@@ -279,9 +279,8 @@ def _record(plan: _Plan, args: tuple, kwargs: dict, out: Any) -> Optional[Record
 
 
 def _tensors_in(args: tuple, kwargs: dict) -> list[torch.Tensor]:
-    """The tensors among an op's arguments, in tree_leaves((args, kwargs)) order. An op's arguments hold tensors
-    directly or in lists and tuples (Tensor[], Tensor?[]); walking those by hand spares every argument of every
-    recorded op pytree's per-node type lookup, most of what recording an op cost."""
+    """The tensors of an op's arguments (as such or in Tensor[] lists), in tree_leaves order, without pytree's per-node
+    type lookup: run on every op a capture records, pytree was most of what recording cost."""
     out: list[torch.Tensor] = []
     stack: list[Any] = [*reversed(kwargs.values()), *reversed(args)]
     while stack:
@@ -329,12 +328,8 @@ class _Recorder(TorchDispatchMode):
         finally:
             _state.capturing = True
         if plan.effect == _FUNCTIONAL and self.pool is not None:
-            if isinstance(out, torch.Tensor):  # the common case, one output: no pytree walk
-                out = self.pool.place(out)
-                self.made.append(out)
-            else:
-                out = tree_map_only(torch.Tensor, self.pool.place, out)
-                self.made.extend(t for t in tree_leaves(out) if isinstance(t, torch.Tensor))
+            out = self.pool.place(out) if isinstance(out, torch.Tensor) else tree_map_only(torch.Tensor, self.pool.place, out)
+            self.made.extend(_tensors_in((out,), {}))
         op = _record(plan, args, kwargs, out)
         if op is None:
             self.views += 1
