@@ -288,7 +288,7 @@ class SimulatedWorld:
                     CollectiveMismatch,
                     f"rank {rank} called {arrival.describe()} where rank {slot.first} called {ref.describe()} [{slot.label}]",
                 )
-        if slot.error is None and not slot.missing():
+        if slot.error is None and len(slot.arrivals) == len(slot.ranks):  # every member arrived (each arrives once, in its own ranks)
             ordered = [slot.arrivals[r] for r in slot.ranks]
             try:
                 outputs = combine([a.tensor for a in ordered], ordered[0].params)
@@ -343,10 +343,14 @@ class SimulatedWorld:
 
     def _deadlocked(self) -> bool:
         """No live rank can make progress: every one is blocked in a slot, and no slot is doomed (that error is more precise)."""
-        blocked = [st for st in self._ranks if st.blocked]
-        if not blocked or any(not st.terminal and not st.blocked for st in self._ranks):
-            return False
-        return all(st.slot is not None and self._doomed(st.slot) is None for st in blocked)
+        # asked by every waiting arrival: one pass that stops at the first rank still running free (the usual answer)
+        blocked: list[_Slot] = []
+        for st in self._ranks:
+            if st.status == "running":
+                if st.slot is None or not st.slot.pending:
+                    return False
+                blocked.append(st.slot)
+        return bool(blocked) and all(self._doomed(slot) is None for slot in blocked)
 
     def _deadlock_message(self) -> str:
         parts = [f"rank {r} {self._doing(r)}" for r in range(self.world_size)]

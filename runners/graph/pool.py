@@ -79,9 +79,13 @@ class RecordedPool:
     def release(self, made: list[torch.Tensor], outputs: Any) -> None:
         """The end of a capture: the blocks of every tensor it made, but its outputs', are free again."""
         held = {o.untyped_storage().data_ptr() for o in tensors_in(outputs)}
+        freed = []
         for t in made:
             s = t.untyped_storage()
             ptr = s.data_ptr()
             if ptr not in held:
                 held.add(ptr)  # one block once, however many tensors of the capture view it
-                bisect.insort(self.free, (s.nbytes(), next(self._order), s))
+                freed.append((s.nbytes(), next(self._order), s))
+        self.free += freed
+        self.free.sort()  # one sort, not an insertion per block; (size, order) are unique, so no block is compared
+

@@ -278,6 +278,22 @@ def _record(plan: _Plan, args: tuple, kwargs: dict, out: Any) -> Optional[Record
     return RecordedOp(plan.func, args, kwargs, tuple((i, t) for i, t in enumerate(leaves) if isinstance(t, torch.Tensor) and t.numel()))
 
 
+def _tensors_in(args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    """The tensors of an op's arguments (as such or in Tensor[] lists), in tree_leaves order, without pytree's per-node
+    type lookup: run on every op a capture records, pytree was most of what recording cost."""
+    out: list[torch.Tensor] = []
+    stack: list[Any] = [*reversed(kwargs.values()), *reversed(args)]
+    while stack:
+        x = stack.pop()
+        if isinstance(x, torch.Tensor):
+            out.append(x)
+        elif isinstance(x, (list, tuple)):
+            stack.extend(reversed(x))
+        elif isinstance(x, dict):
+            stack.extend(reversed(x.values()))
+    return out
+
+
 class _Recorder(TorchDispatchMode):
     @classmethod
     def _should_skip_dynamo(cls) -> bool:
@@ -294,7 +310,7 @@ class _Recorder(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         plan = _plan(func)
-        tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        tensors = _tensors_in(args, kwargs)
         host = [t for t in tensors if is_host_mirror(t)]
         if host and len(host) == len(tensors):
             return self._host_op(func, args, kwargs)
@@ -312,8 +328,8 @@ class _Recorder(TorchDispatchMode):
         finally:
             _state.capturing = True
         if plan.effect == _FUNCTIONAL and self.pool is not None:
-            out = tree_map_only(torch.Tensor, self.pool.place, out)
-            self.made.extend(t for t in tree_leaves(out) if isinstance(t, torch.Tensor))
+            out = self.pool.place(out) if isinstance(out, torch.Tensor) else tree_map_only(torch.Tensor, self.pool.place, out)
+            self.made.extend(_tensors_in((out,), {}))
         op = _record(plan, args, kwargs, out)
         if op is None:
             self.views += 1
