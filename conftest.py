@@ -6,6 +6,7 @@ CI run is a pure function of the code; `dev` is quick; `thorough` is for nightly
 from __future__ import annotations
 
 import functools
+import gc
 import os
 import re
 from typing import TYPE_CHECKING
@@ -85,6 +86,18 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if reason:
             item.add_marker(pytest.mark.skip(reason=reason))
 
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """What collection imported (torch, the runners, every test module) and built (the items) lives until the session
+    ends. After one last collection it is frozen into the garbage collector's permanent generation, so the full
+    collections the tests trigger as they allocate skip it instead of walking it again each time (gc.freeze). Nothing
+    in this process looks for objects through gc.get_objects(), which no longer lists frozen ones: the engine checks,
+    whose memory guard does (harness/engines/interpreter.py), run in processes of their own, forked from a server that
+    was exec'd, not forked from here."""
+    gc.collect()
+    gc.freeze()
 
 ENGINE_FILES = ("test_plugin_engine.py",)  # besides every test_engine_*.py
 LARGE_WORLD = 16  # ranks: world_large from here (the 32- and 16-rank shipped cases)
