@@ -87,13 +87,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.skip(reason=reason))
 
 
+@pytest.hookimpl(trylast=True)
 def pytest_collection_finish(session: pytest.Session) -> None:
-    """Move what collection built (torch, the modules, the items, the cases) out of the collector's reach.
-
-    The suite's runs make and drop many cyclic objects (graphs, records, rank threads), so each worker runs full
-    collections all session; without this each one walks every object the worker imported or collected, none of which
-    is ever garbage. gc.freeze() is the documented way to exempt them; what tests make afterwards is collected as before.
-    """
+    """What collection imported (torch, the runners, every test module) and built (the items) lives until the session
+    ends. After one last collection it is frozen into the garbage collector's permanent generation, so the full
+    collections the tests trigger as they allocate skip it instead of walking it again each time (gc.freeze); what
+    the tests make is collected as before. gc.get_objects() no longer lists frozen objects: the engine interpreter's
+    memory guard, which finds live tensors through it, thaws the heap first (harness/engines/interpreter.py)."""
     gc.collect()
     gc.freeze()
 

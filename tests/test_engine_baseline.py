@@ -280,3 +280,19 @@ def test_a_call_the_process_dies_in_is_recorded_and_the_rest_still_reported():
     assert out["logs"] == ["the check process died (signal SIGSEGV) in replay (runner r) [runner=r, iteration=1]; checking again "
                            "without that call"]
     assert out["died"] and "outside any call into the engine" in out["died"], out["died"]
+
+
+def test_live_storages_find_a_tensor_made_before_the_heap_was_frozen():
+    """A pointer loaded from memory may name a tensor made before the process froze its heap (the suite freezes after
+    collection); gc.get_objects() leaves frozen objects out, so the guard's scan thaws the heap before looking."""
+    proc = run_python(textwrap.dedent("""
+        import gc, numpy as np, torch
+        from harness.engines.interpreter import _LiveStorages
+        early = torch.arange(8, dtype=torch.int64)
+        gc.collect()
+        gc.freeze()
+        found = _LiveStorages().holds(np.array([early.data_ptr() + 8], dtype=np.uint64), np.uint64(8))
+        print(bool(found.all()), gc.get_freeze_count())
+    """))
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["True", "0"]

@@ -12,7 +12,6 @@ import json
 import os
 import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -25,7 +24,7 @@ from harness.ranks.joined_report import Outcome, launch_error
 from harness.ranks.launch_env import LauncherEnv, launcher_env
 from harness.ranks.outcomes import DistributedDeadlock, DistributedMismatch, DistributedRankFailure, DistributedTimeout
 from runners.parallel.layout import ParallelLayout
-from tests.helpers.prewarmed import start_module, start_script
+from tests.helpers.prewarmed import Started, start_module, start_script
 
 pytestmark = pytest.mark.distributed
 
@@ -49,9 +48,15 @@ def _base_env() -> dict[str, str]:
 
 
 def _torchrun(nproc: int, *args: str) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port", str(_free_port()),
-           "-m", "harness.cli", *args]
-    return subprocess.run(cmd, cwd=ROOT, env=_base_env(), capture_output=True, text=True, timeout=LIMIT_S)
+    """`torchrun --nproc-per-node N -m harness.cli ARGS`. The ranks are what is under test: torchrun starts each as a
+    fresh `python -m harness.cli` with its variables, as on a user's node. torchrun's own agent (which imports torch
+    before it starts them) is forked from the prewarmed server, its environment the caller's: the Triton setting the
+    server's children carry is dropped unless the caller has it, so the ranks see exactly the launcher's environment."""
+    env = _base_env()
+    argv = ["--nproc-per-node", str(nproc), "--master-port", str(_free_port()), "-m", "harness.cli", *args]
+    code = ("import os, runpy, sys\n" + ("" if "TRITON_INTERPRET" in env else "del os.environ['TRITON_INTERPRET']\n") +
+            f"sys.argv = ['torchrun', *{argv!r}]\nrunpy.run_module('torch.distributed.run', run_name='__main__', alter_sys=True)\n")
+    return Started(code, ROOT, env, freeze=True).result(timeout=LIMIT_S)
 
 
 def _launch_by_env(nproc: int, args: list[str], slurm: bool = False, extra_env: dict[str, str] | None = None,
@@ -67,7 +72,7 @@ def _launch_by_env(nproc: int, args: list[str], slurm: bool = False, extra_env: 
             env |= {"SLURM_PROCID": str(r), "SLURM_NTASKS": str(nproc), "SLURM_LOCALID": str(r), "SLURM_JOB_ID": "7"}
         else:
             env |= {"RANK": str(r), "WORLD_SIZE": str(nproc), "LOCAL_RANK": str(r)}
-        procs.append(start_script(script, env=env) if script else start_module("harness.cli", *args, env=env))
+        procs.append(start_script(script, env=env, freeze=True) if script else start_module("harness.cli", *args, env=env, freeze=True))
     deadline = time.monotonic() + LIMIT_S
     out = []
     for p in procs:  # a rank still running at the deadline is killed by result(), which raises TimeoutExpired

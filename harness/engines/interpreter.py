@@ -169,6 +169,10 @@ class _LiveStorages:
         return found
 
     def _scan(self) -> None:
+        # gc.get_objects() leaves out what a gc.freeze() moved to the permanent generation (a test process freezes its
+        # heap after collection; a tensor made before then may be what a pointer names): thaw it, for good
+        if gc.get_freeze_count():
+            gc.unfreeze()
         seen: dict[int, tuple[int, weakref.ref]] = {}
         for o in gc.get_objects():
             if issubclass(type(o), torch.Tensor) and o.device.type == "cpu":  # type(): no proxy's __class__ is asked
