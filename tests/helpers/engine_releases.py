@@ -18,8 +18,7 @@ import pytest
 
 from harness.engines.install import InstallError, deps_dir, engine_dir, engines_root, ensure_installed, is_installed
 from harness.engines.vllm.install import ensure_vllm_installed, vllm_deps_dir, vllm_dir
-from harness.engines.vllm_ascend.install import ascend_dir, ensure_ascend_installed
-from harness.engines.vllm_ascend.loader import RELEASE_FILE
+from harness.engines.vllm_ascend.install import RELEASE_FILE, ascend_dir, ensure_ascend_installed
 
 ENGINE_TESTS_ENV = "SPECHARNESS_ENGINE_TESTS"  # "1": tests may install the engine releases they check (network)
 VLLM_TABLE_ENV = "SPECHARNESS_VLLM_TABLE"  # "1": the vLLM release table's six extra releases too

@@ -29,9 +29,9 @@ from typing import Callable, Optional
 
 from harness.engines.install import MARKER, InstallError, _locked, engines_root, installed_releases, is_installed
 from harness.engines.vllm.install import ensure_vllm_installed, vllm_dir
-from harness.engines.vllm_ascend.loader import RELEASE_FILE
 
 PACKAGE = "vllm-ascend"
+RELEASE_FILE = "release.json"  # the install's record: the release's version and the vLLM it pairs with
 SIMPLE_INDEX = "https://pypi.org/simple/vllm-ascend/"  # PEP 503: one link per file, its sha256 in the URL fragment
 MATRIX = "docs/source/community/versioning_policy.md"
 DOCKERFILE = "Dockerfile"

@@ -51,9 +51,9 @@ from harness.engines.vllm.loader import _import_real_triton
 from harness.engines.vllm.standins import DPWorld, dist_standin
 from harness.engines.vllm.stubs import REAL_MODULES, StubDistributionFinder
 from harness.engines.vllm.stubs import STUBBED_MODULES as VLLM_STUBBED
+from harness.engines.vllm_ascend.install import RELEASE_FILE
 from harness.engines.vllm_ascend.npu import NpuRuntime, build_modules
 
-RELEASE_FILE = "release.json"  # written by install.py: the release's version and the vLLM it pairs with
 # Third-party imports of the driven modules beyond the vLLM adapter's list, never exercised on the driven path
 STUBBED_MODULES = (*VLLM_STUBBED, "numba", "scipy", "compressed_tensors")
 CANN_EXTENSION = "triton.language.extra.cann.extension"
