@@ -15,7 +15,7 @@ from tests.helpers.prewarmed import run_module
 
 
 def run(*args):
-    p = run_module("harness.cli", *args, freeze=True, timeout=240)
+    p = run_module("harness.cli", *args, timeout=240)
     return p.returncode, p.stdout, p.stderr
 
 
@@ -27,9 +27,9 @@ def test_help_lists_commands(capsys):
 
 
 def test_python_dash_m_harness_is_the_command_with_its_exit_codes():
-    ok = run_module("harness", "list", freeze=True, timeout=240)
+    ok = run_module("harness", "list", timeout=240)
     assert ok.returncode == 0 and "tp4_attn_tp_gather" in ok.stdout, ok.stderr
-    bad = run_module("harness", "no-such-command", freeze=True, timeout=240)
+    bad = run_module("harness", "no-such-command", timeout=240)
     assert bad.returncode == 2 and "invalid choice" in bad.stderr, (bad.returncode, bad.stderr)
 
 

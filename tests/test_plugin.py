@@ -34,7 +34,7 @@ def pytest_in(project: Path, *args: str):
     env = dict(os.environ, PYTHONPATH=str(REPO))
     env.pop("PYTEST_XDIST_WORKER", None)
     env.pop("PYTEST_ADDOPTS", None)
-    p = run_module("pytest", "-q", "-p", "no:randomly", *args, cwd=project, env=env, fresh=("harness",), freeze=True, timeout=280)
+    p = run_module("pytest", "-q", "-p", "no:randomly", *args, cwd=project, env=env, fresh=("harness",), timeout=280)
     return p.returncode, p.stdout + p.stderr
 
 

@@ -56,7 +56,7 @@ def _torchrun(nproc: int, *args: str) -> subprocess.CompletedProcess:
     argv = ["--nproc-per-node", str(nproc), "--master-port", str(_free_port()), "-m", "harness.cli", *args]
     code = ("import os, runpy, sys\n" + ("" if "TRITON_INTERPRET" in env else "del os.environ['TRITON_INTERPRET']\n") +
             f"sys.argv = ['torchrun', *{argv!r}]\nrunpy.run_module('torch.distributed.run', run_name='__main__', alter_sys=True)\n")
-    return Started(code, ROOT, env, freeze=True).result(timeout=LIMIT_S)
+    return Started(code, ROOT, env).result(timeout=LIMIT_S)
 
 
 def _launch_by_env(nproc: int, args: list[str], slurm: bool = False, extra_env: dict[str, str] | None = None,
@@ -72,7 +72,7 @@ def _launch_by_env(nproc: int, args: list[str], slurm: bool = False, extra_env: 
             env |= {"SLURM_PROCID": str(r), "SLURM_NTASKS": str(nproc), "SLURM_LOCALID": str(r), "SLURM_JOB_ID": "7"}
         else:
             env |= {"RANK": str(r), "WORLD_SIZE": str(nproc), "LOCAL_RANK": str(r)}
-        procs.append(start_script(script, env=env, freeze=True) if script else start_module("harness.cli", *args, env=env, freeze=True))
+        procs.append(start_script(script, env=env) if script else start_module("harness.cli", *args, env=env))
     deadline = time.monotonic() + LIMIT_S
     out = []
     for p in procs:  # a rank still running at the deadline is killed by result(), which raises TimeoutExpired

@@ -39,9 +39,12 @@ PRELOAD = ["torch", "triton", "torch._dynamo", "torch._inductor.compile_fx", "to
 forkserver.register(PRELOAD, {"TRITON_INTERPRET": "1"})
 
 
-def _child(code: str, out: str, err: str, cwd: Path, env: Optional[dict[str, str]], freeze: bool) -> None:
-    if freeze:
-        gc.freeze()
+def _child(code: str, out: str, err: str, cwd: Path, env: Optional[dict[str, str]]) -> None:
+    # the preloaded modules' objects (torch's, most of a million) are never garbage: frozen out of the collector's
+    # reach, every full collection the child makes (the automatic ones, pytest's at exit) skips them. An engine
+    # check's memory guard, which finds live tensors through gc.get_objects(), thaws them first
+    # (harness/engines/interpreter.py)
+    gc.freeze()
     os.chdir(cwd)
     if env is not None:  # the caller's environment, as subprocess.run(env=...) gives it; Triton was imported interpreted
         os.environ.clear()
@@ -69,18 +72,12 @@ def _child(code: str, out: str, err: str, cwd: Path, env: Optional[dict[str, str
 
 
 class Started:
-    """One child running; result() waits for it as subprocess.run would.
+    """One child running; result() waits for it as subprocess.run would."""
 
-    freeze: the preloaded modules' objects (torch's, most of a million) moved to the garbage collector's permanent
-    generation as the child starts, so that every full collection the child makes (the automatic ones while it runs,
-    pytest's at exit) skips them instead of walking them again: a nested pytest collecting the shipped cases costs about
-    0.55 CPU-s instead of 0.87. Off by default: gc.get_objects() no longer lists frozen objects, and an engine check's
-    memory guard finds live tensors through it (harness/engines/interpreter.py), so engine checks keep the plain heap."""
-
-    def __init__(self, code: str, cwd: Path = REPO, env: Optional[dict[str, str]] = None, freeze: bool = False) -> None:
+    def __init__(self, code: str, cwd: Path = REPO, env: Optional[dict[str, str]] = None) -> None:
         self._dir = tempfile.TemporaryDirectory(prefix="prewarmed-")
         self._out, self._err = os.path.join(self._dir.name, "out"), os.path.join(self._dir.name, "err")
-        self._proc = forkserver.context().Process(target=_child, args=(code, self._out, self._err, cwd, env, freeze))
+        self._proc = forkserver.context().Process(target=_child, args=(code, self._out, self._err, cwd, env))
         self._proc.start()
 
     @property
@@ -112,26 +109,25 @@ def run_python(code: str, timeout: float = 600) -> subprocess.CompletedProcess:
     return Started(code).result(timeout)
 
 
-def start_module(module: str, *args: str, cwd: Path = REPO, env: Optional[dict[str, str]] = None, fresh: Sequence[str] = (),
-                 freeze: bool = False) -> Started:
+def start_module(module: str, *args: str, cwd: Path = REPO, env: Optional[dict[str, str]] = None, fresh: Sequence[str] = ()) -> Started:
     """`python -m MODULE ARGS` started in cwd with env (default: this process's environment, as subprocess.run inherits it):
     sys.argv and sys.path[0] as -m sets them, the module's own `if __name__ == "__main__"` block, its exit code.
     The packages named in `fresh` are dropped from the preloaded modules and imported by the run itself, as a fresh
     process would: pytest rewrites the asserts of a plugin's package (an editable install's `harness`) as it imports it."""
     code = (f"import runpy, sys\nfor m in [m for m in sys.modules if m.partition('.')[0] in {tuple(fresh)!r}]:\n    del sys.modules[m]\n"
             f"sys.argv = ['-m', *{list(args)!r}]\nsys.path.insert(0, {str(cwd)!r})\nrunpy.run_module({module!r}, run_name='__main__', alter_sys=True)\n")
-    return Started(code, cwd, dict(os.environ) if env is None else env, freeze)
+    return Started(code, cwd, dict(os.environ) if env is None else env)
 
 
-def start_script(path: Path, *args: str, cwd: Path = REPO, env: Optional[dict[str, str]] = None, freeze: bool = False) -> Started:
+def start_script(path: Path, *args: str, cwd: Path = REPO, env: Optional[dict[str, str]] = None) -> Started:
     """`python PATH ARGS` started in cwd with env (default: this process's environment): sys.argv and sys.path[0] as
     running a script sets them."""
     code = (f"import runpy, sys\nsys.argv = [{str(path)!r}, *{list(args)!r}]\nsys.path.insert(0, {str(Path(path).parent)!r})\n"
             f"runpy.run_path({str(path)!r}, run_name='__main__')\n")
-    return Started(code, cwd, dict(os.environ) if env is None else env, freeze)
+    return Started(code, cwd, dict(os.environ) if env is None else env)
 
 
 def run_module(module: str, *args: str, cwd: Path = REPO, env: Optional[dict[str, str]] = None, fresh: Sequence[str] = (),
-               freeze: bool = False, timeout: float = 600) -> subprocess.CompletedProcess:
+               timeout: float = 600) -> subprocess.CompletedProcess:
     """start_module's run, waited for as subprocess.run would."""
-    return start_module(module, *args, cwd=cwd, env=env, fresh=fresh, freeze=freeze).result(timeout)
+    return start_module(module, *args, cwd=cwd, env=env, fresh=fresh).result(timeout)
