@@ -27,11 +27,12 @@ if "triton" not in sys.modules and not torch.cuda.is_available():
 triton_backend = pytest.importorskip("runners.attention.triton_backend", reason="triton is not installed (pip install triton==3.6.0)")
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
+from triton.runtime import interpreter as interp  # noqa: E402
 
 from harness.props.tolerances import attn_vs_reference  # noqa: E402
 from runners.attention import BACKENDS, make_backend  # noqa: E402
 from runners.attention.torch_ref import TorchAttnBackend  # noqa: E402
-from runners.attention.triton_launch import INTERPRET  # noqa: E402
+from runners.attention.triton_launch import INTERPRET, run_kernel, tl, triton  # noqa: E402
 from runners.batch import ForwardMode  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -175,3 +176,19 @@ def test_case_tp2_attn_tp_gather_on_triton_backend():
     assert case.layout.branch.value == "attn_tp_gather"
     rep = check_case(case)
     assert rep.ok, rep.first_failure()
+
+
+@pytest.mark.skipif(not INTERPRET, reason="the interpreter's speed-ups apply where the kernels are interpreted (CPU)")
+def test_the_runners_kernels_run_with_the_interpreters_speed_ups_and_wrap_int32_as_a_gpu_does():
+    """The runners' kernels run in an interpreter sped up as the engine checks' is (runners/attention/triton_interpreter.py),
+    and an int32 add still wraps as it does on a GPU (the overflow assertion it skips is the one Triton drops)."""
+    assert getattr(interp.TritonSemantic.binary_op_sanitize_overflow_impl, "__specharness_skip__", False)
+    assert getattr(interp._get_np_dtype, "__specharness_memo__", False)
+
+    @triton.jit
+    def add(x_ptr, out_ptr, k):
+        tl.store(out_ptr, tl.load(x_ptr) + k)
+
+    x, out = torch.tensor([2**31 - 1], dtype=torch.int32), torch.zeros(1, dtype=torch.int32)
+    run_kernel(add, (1,), x, out, 1)
+    assert out.tolist() == [-2**31]

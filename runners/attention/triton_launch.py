@@ -19,9 +19,13 @@ if "triton" not in sys.modules and not torch.cuda.is_available():
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
+from runners.attention.triton_interpreter import speed_up_interpreter  # noqa: E402
+
 __all__ = ["INTERPRET", "interpreter_error", "run_kernel", "tl", "triton"]
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+if INTERPRET:
+    speed_up_interpreter()
 _INTERPRETER_LOCK = threading.Lock()  # the interpreter patches triton.language globally: one launch at a time
 
 

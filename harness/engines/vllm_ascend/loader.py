@@ -44,7 +44,7 @@ import numpy as np
 import torch
 
 from harness.engines.install import write_engine_bytecode
-from harness.engines.interpreter import patch_interpreter_index, remember_interpreter_lookups, skip_dropped_overflow_checks
+from harness.engines.interpreter import patch_interpreter_index
 from harness.engines.sglang.errors import EngineAdapterError, ReleaseNotCovered
 from harness.engines.sglang.stubs import StubFinder
 from harness.engines.vllm.loader import _import_real_triton
@@ -53,6 +53,7 @@ from harness.engines.vllm.stubs import REAL_MODULES, StubDistributionFinder
 from harness.engines.vllm.stubs import STUBBED_MODULES as VLLM_STUBBED
 from harness.engines.vllm_ascend.install import RELEASE_FILE
 from harness.engines.vllm_ascend.npu import NpuRuntime, build_modules
+from runners.attention.triton_interpreter import speed_up_interpreter
 
 # Third-party imports of the driven modules beyond the vLLM adapter's list, never exercised on the driven path
 STUBBED_MODULES = (*VLLM_STUBBED, "numba", "scipy", "compressed_tensors")
@@ -160,8 +161,7 @@ def load(tree: Path, vllm_target: Path, deps: list[Path]) -> AscendEngine:
         warnings.simplefilter("ignore")
         _import_real_triton()
         patch_interpreter_index()
-        skip_dropped_overflow_checks()
-        remember_interpreter_lookups()
+        speed_up_interpreter()
         vllm = importlib.import_module("vllm")
         vllm_version = getattr(vllm, "__version__", "unknown")
         if vllm_version != release["vllm"]:
