@@ -7,6 +7,7 @@ import torch
 
 from harness.props.p1_records import P1, check_replay_record, record_where, verify_capture_bs
 from harness.props.p1_shapes import MULTI_STEP_KINDS, check_live_attention_batch, check_ragged_gather_index
+from harness.ranks.simulated import one_torch_thread
 from harness.run.layouts import branch_sibling
 from harness.run.observe import RunnerObserver
 from harness.run.rig import decode_runner, draft_extend_runners, verify_runner
@@ -34,6 +35,9 @@ def _synthetic_inputs(raw_bs: int, T: int, hidden: int, dp_batch_sizes: list[int
     )
 
 
+# tiny tensors: torch's intra-op pool only spins (harness/ranks/simulated.py); a verify runner's chain-mask tril alone,
+# which parallelizes even a single T x T matrix, costs ms a call with the pool on a busy machine
+@one_torch_thread()
 def check_metadata(
     layout: ParallelLayout,
     spec: SpecConfig,
@@ -148,6 +152,7 @@ def _check_decode_metadata(v: Verdict, layout: ParallelLayout, spec: SpecConfig,
             check_replay_record(v, dl, observer.prepare(inp), tp_rank, it, needed)
 
 
+@one_torch_thread()  # as check_metadata
 def check_decode_metadata(layout: ParallelLayout, spec: SpecConfig, schedule: Sequence[Sequence[int]], model: ModelConfig = DEFAULT_MODEL,
                           seed: int = 0) -> Verdict:
     """P1 of the draft-decode runner alone, on every rank of the layout."""
