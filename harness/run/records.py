@@ -56,7 +56,13 @@ class ReplayRecord:
 
 def tensor_values(t: Optional[torch.Tensor]) -> Optional[list[int]]:
     """A small static int tensor read back to the host (a device sync: an engine never does this)."""
-    return None if t is None else [int(x) for x in t.tolist()]
+    if t is None:
+        return None
+    values = t.tolist()
+    return values if t.dim() == 1 and t.dtype in _INT_DTYPES else [int(x) for x in values]  # a 1-D integer tensor's are ints already
+
+
+_INT_DTYPES = frozenset((torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8))
 
 
 # A tensor this small has its values kept in its FieldValue (a bucket-determined tensor, the gathered counts, is
