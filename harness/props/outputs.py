@@ -1,7 +1,8 @@
-"""Tensor comparison shared by P3 and P4: float fields within a tolerance, top-k ids exact up to the reference's ties."""
+"""Tensor comparison shared by P3, P4 and P8: float fields within a tolerance, top-k ids exact up to the reference's ties."""
 from __future__ import annotations
 
 import math
+from typing import Callable, Sequence
 
 import torch
 
@@ -10,29 +11,30 @@ from harness.verdict import Verdict
 FLOAT_FIELDS = ("logits", "hidden", "logprobs", "topk_p")
 
 
+def _differs(ref: torch.Tensor, got: torch.Tensor, tol) -> torch.Tensor:
+    """Elementwise: got differs from ref (in double) past tol (None: bitwise); NaN agrees with NaN."""
+    ref, got = ref.double(), got.double()
+    if tol is None:
+        return ~((ref == got) | (ref.isnan() & got.isnan()))
+    return ~torch.isclose(got, ref, rtol=tol.rtol, atol=tol.atol, equal_nan=True)
+
+
 def first_bad_row(ref: torch.Tensor, got: torch.Tensor, tol) -> tuple[int, float] | None:
     if ref.numel() == 0:
         return None
-    ref, got = ref.double(), got.double()
-    if tol is None:
-        bad = ~((ref == got) | (ref.isnan() & got.isnan()))
-    else:
-        bad = ~torch.isclose(got, ref, rtol=tol.rtol, atol=tol.atol, equal_nan=True)
+    bad = _differs(ref, got, tol)
     if ref.dim() > 1:
         bad = bad.reshape(bad.shape[0], -1).any(dim=1)
     if not bad.any():
         return None
     row = int(bad.nonzero()[0, 0])
-    return row, float((ref - got).abs().nan_to_num(float("inf")).max())
+    return row, float((ref.double() - got.double()).abs().nan_to_num(float("inf")).max())
 
 
 def first_diffs(ref_row: torch.Tensor, got_row: torch.Tensor, tol, k: int = 3) -> tuple[list[int], list[float], list[float]]:
     """The first k differing elements of one row: their columns, the reference's values and the compared ones."""
     ref, got = ref_row.double().flatten(), got_row.double().flatten()
-    if tol is None:
-        bad = ~((ref == got) | (ref.isnan() & got.isnan()))
-    else:
-        bad = ~torch.isclose(got, ref, rtol=tol.rtol, atol=tol.atol, equal_nan=True)
+    bad = _differs(ref, got, tol)
     cols = bad.nonzero().flatten()[:k].tolist()
     return cols, [_value(ref[c]) for c in cols], [_value(got[c]) for c in cols]
 
@@ -87,3 +89,42 @@ def compare_outputs(v: Verdict, check: str, where: dict, ref: dict[str, torch.Te
         same_path = False
     return same_path
 
+
+
+def compare_requests(v: Verdict, check: str, items: Sequence[tuple[dict, dict[str, torch.Tensor], dict[str, torch.Tensor], Callable]], tol,
+                     ) -> list[bool]:
+    """compare_outputs on each (where, ref, got, row_label) of one step's requests, in order; its return for each.
+
+    The requests that agree (every field's shape, the float fields within tol, the top-k ids equal) are found for all
+    of them at once, one comparison per field, and counted as compare_outputs counts a request it passes; the others go
+    through compare_outputs, which reports them (or finds a top-k tie). A passing request is the common case: its
+    fields are a few rows each, so a comparison per request per field cost more than the comparison itself."""
+    agree = _agreeing([(ref, got) for _, ref, got, _ in items], tol)
+    out = []
+    for (where, ref, got, label), ok in zip(items, agree, strict=True):
+        if ok:
+            v.checked += len(FLOAT_FIELDS) + 1  # compare_outputs': each float field, then the top-k ids
+            out.append(True)
+        else:
+            out.append(compare_outputs(v, check, where, ref, got, tol, label))
+    return out
+
+
+def _agreeing(pairs: Sequence[tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]], tol) -> list[bool]:
+    """Per (ref, got) pair: compare_outputs would find nothing (fails none, notes none, returns True). Where the
+    requests' fields are not all of one shape (not rows of one batch), none is known to agree."""
+    fields = (*FLOAT_FIELDS, "topk_index")
+    shapes = {(f, ref[f].shape, got[f].shape) for ref, got in pairs for f in fields}
+    if not pairs or len(shapes) != len(fields) or any(a != b for _, a, b in shapes):
+        return [False] * len(pairs)
+    n = len(pairs)
+
+    def side(k: int, names: Sequence[str]) -> torch.Tensor:  # [n, the named fields' elements of a request, side by side]
+        return torch.cat([torch.stack([p[k][f] for p in pairs]).reshape(n, -1).double() for f in names], dim=1)
+
+    floats = side(0, FLOAT_FIELDS), side(1, FLOAT_FIELDS)  # one tolerance for every float field: compared at once
+    differs = _differs(*floats, tol).any(dim=1) if floats[0].shape[1] else torch.zeros(n, dtype=torch.bool)
+    ids = torch.stack([ref["topk_index"] for ref, _ in pairs]).reshape(n, -1), torch.stack([got["topk_index"] for _, got in pairs]).reshape(n, -1)
+    if ids[0].shape[1]:
+        differs |= (ids[0] != ids[1]).any(dim=1)  # the ids exactly, as torch.equal
+    return (~differs).tolist()

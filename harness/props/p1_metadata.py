@@ -7,8 +7,10 @@ import torch
 
 from harness.props.p1_records import P1, check_replay_record, record_where, verify_capture_bs
 from harness.props.p1_shapes import MULTI_STEP_KINDS, check_live_attention_batch, check_ragged_gather_index
+from harness.ranks.simulated import one_torch_thread
 from harness.run.layouts import branch_sibling
 from harness.run.observe import RunnerObserver
+from harness.run.records import ReplayRecord
 from harness.run.rig import decode_runner, draft_extend_runners, verify_runner
 from harness.verdict import Verdict
 from runners.base_cuda_graph_runner import RunnerKind
@@ -34,6 +36,9 @@ def _synthetic_inputs(raw_bs: int, T: int, hidden: int, dp_batch_sizes: list[int
     )
 
 
+# tiny tensors: torch's intra-op pool only spins (harness/ranks/simulated.py); a verify runner's chain-mask tril alone,
+# which parallelizes even a single T x T matrix, costs ms a call with the pool on a busy machine
+@one_torch_thread()
 def check_metadata(
     layout: ParallelLayout,
     spec: SpecConfig,
@@ -49,20 +54,24 @@ def check_metadata(
     """
     v = Verdict(P1)
     T = spec.num_tokens_per_bs
+    step0_rows: dict[int, dict[int, int]] = {}  # per DP group: the step-0 runner's logprob rows per request (I3)
     for d in range(layout.attn_dp_size):
         tp_rank = d * layout.attn_tp_size
         runners = [RunnerObserver(r) for r in draft_extend_runners(layout, spec, model, tp_rank)]
         lp_by_runner: dict[tuple[str, int], list[Optional[int]]] = {}
         bs_by_runner: dict[tuple[str, int], list[int]] = {}
+        step0: dict[int, ReplayRecord] = {}
         for it, sizes in enumerate(schedule):
-            dp_sizes = list(sizes) if layout.attn_dp_size > 1 else [sizes[0]]
+            dp_sizes = _dp_sizes(layout, sizes)
             raw_bs = dp_sizes[d]
-            inp = _synthetic_inputs(raw_bs, T, draft_input_hidden_size(model, spec), dp_sizes, seed + 1000 * it + d)
+            inp = _draft_extend_input(spec, model, dp_sizes, d, it, seed)
             for obs in runners:
                 r = obs.runner
                 if not r.can_run(inp):
                     continue
                 rec = obs.prepare(inp)
+                if obs is runners[0]:
+                    step0[it] = rec
                 dl = r.layout  # the draft's: the target's, or its own (SpecConfig.draft_tp_size)
                 needed = max(dp_sizes) if dl.require_mlp_tp_gather else raw_bs
                 piecewise = r.runner_kind is RunnerKind.PIECEWISE
@@ -88,8 +97,19 @@ def check_metadata(
                                [b * T for b in single_bs] if same_buckets else None,
                                "bs * T per batch, every DRAFT_EXTEND_V2 token of the bucket it replays" if same_buckets else
                                "one value for the same batches (the two runners replayed different buckets)")
-    _check_branch_parity(v, layout, spec, schedule, model, seed)
+        step0_rows[d] = _logprob_rows_per_request(layout, d, step0)
+    _check_branch_parity(v, layout, spec, schedule, model, seed, step0_rows)
     return v
+
+
+def _dp_sizes(layout: ParallelLayout, sizes: Sequence[int]) -> list[int]:
+    """One iteration's row of the schedule as the runners' dp_batch_sizes: [bs] without DP attention."""
+    return list(sizes) if layout.attn_dp_size > 1 else [sizes[0]]
+
+
+def _draft_extend_input(spec: SpecConfig, model: ModelConfig, dp_sizes: list[int], d: int, it: int, seed: int) -> DraftExtendInputs:
+    """DP group d's draft-extend batch of iteration `it`: what each of the group's draft-extend runners replays."""
+    return _synthetic_inputs(dp_sizes[d], spec.num_tokens_per_bs, draft_input_hidden_size(model, spec), dp_sizes, seed + 1000 * it + d)
 
 
 def _check_verify_metadata(v: Verdict, layout: ParallelLayout, spec: SpecConfig, schedule, model: ModelConfig, tp_rank: int, seed: int) -> None:
@@ -100,7 +120,7 @@ def _check_verify_metadata(v: Verdict, layout: ParallelLayout, spec: SpecConfig,
     T = spec.num_tokens_per_bs
     trees = spec.topk > 1 and T >= 3  # fewer nodes make only chains
     for it, sizes in enumerate(schedule):
-        dp_sizes = list(sizes) if layout.attn_dp_size > 1 else [sizes[0]]
+        dp_sizes = _dp_sizes(layout, sizes)
         g = torch.Generator().manual_seed(seed + 1000 * it + d)
         raw_bs = dp_sizes[d]
         inp = _verify_batch(raw_bs, T, dp_sizes, trees, g)
@@ -136,7 +156,7 @@ def _check_decode_metadata(v: Verdict, layout: ParallelLayout, spec: SpecConfig,
     observer = RunnerObserver(runner)
     d = layout.attn_dp_rank(tp_rank)
     for it, sizes in enumerate(schedule):
-        dp_sizes = list(sizes) if layout.attn_dp_size > 1 else [sizes[0]]
+        dp_sizes = _dp_sizes(layout, sizes)
         raw_bs = dp_sizes[d]
         g = torch.Generator().manual_seed(seed + 1000 * it + d)
         seq = torch.randint(1, 4 * k + 8, (raw_bs,), generator=g)
@@ -148,6 +168,7 @@ def _check_decode_metadata(v: Verdict, layout: ParallelLayout, spec: SpecConfig,
             check_replay_record(v, dl, observer.prepare(inp), tp_rank, it, needed)
 
 
+@one_torch_thread()  # as check_metadata
 def check_decode_metadata(layout: ParallelLayout, spec: SpecConfig, schedule: Sequence[Sequence[int]], model: ModelConfig = DEFAULT_MODEL,
                           seed: int = 0) -> Verdict:
     """P1 of the draft-decode runner alone, on every rank of the layout."""
@@ -157,16 +178,11 @@ def check_decode_metadata(layout: ParallelLayout, spec: SpecConfig, schedule: Se
     return v
 
 
-def _logprob_rows_per_request(layout: ParallelLayout, spec: SpecConfig, schedule, model: ModelConfig, d: int, seed: int) -> dict[int, int]:
-    """for_logprob of DP group d's step-0 runner divided by its padded bs, per iteration it could replay."""
-    runner = draft_extend_runners(layout, spec, model, d * layout.attn_tp_size)[0]
-    observer = RunnerObserver(runner)
+def _logprob_rows_per_request(layout: ParallelLayout, d: int, step0: dict[int, ReplayRecord]) -> dict[int, int]:
+    """for_logprob of DP group d's step-0 runner divided by its padded bs, per iteration it replayed (`step0`: its
+    replay record of each)."""
     out = {}
-    for it, sizes in enumerate(schedule):
-        inp = _synthetic_inputs(sizes[d], spec.num_tokens_per_bs, draft_input_hidden_size(model, spec), list(sizes), seed + 1000 * it + d)
-        if not runner.can_run(inp):
-            continue
-        rec = observer.prepare(inp)
+    for it, rec in step0.items():
         lp = rec.capture.host["global_num_tokens_for_logprob_cpu"]
         if lp is None:
             continue  # a draft in its own plain-TP layout (SpecConfig.draft_tp_size) bakes no counts: no branch to compare
@@ -174,18 +190,32 @@ def _logprob_rows_per_request(layout: ParallelLayout, spec: SpecConfig, schedule
     return out
 
 
-def _check_branch_parity(v: Verdict, layout: ParallelLayout, spec: SpecConfig, schedule, model: ModelConfig, seed: int) -> None:
+def _step0_replays(layout: ParallelLayout, spec: SpecConfig, schedule, model: ModelConfig, d: int, seed: int) -> dict[int, ReplayRecord]:
+    """DP group d's step-0 draft-extend runner alone over the schedule, as check_metadata drives it: its replay record of
+    each iteration it could replay."""
+    observer = RunnerObserver(draft_extend_runners(layout, spec, model, d * layout.attn_tp_size)[0])
+    out = {}
+    for it, sizes in enumerate(schedule):
+        inp = _draft_extend_input(spec, model, _dp_sizes(layout, sizes), d, it, seed)
+        if observer.runner.can_run(inp):
+            out[it] = observer.prepare(inp)
+    return out
+
+
+def _check_branch_parity(v: Verdict, layout: ParallelLayout, spec: SpecConfig, schedule, model: ModelConfig, seed: int,
+                         rows: dict[int, dict[int, int]]) -> None:
     """I3: the per-rank value is the same in the MLP and attn branches for the same batch.
 
     The two branches may pad to different buckets (the attn branch's base is attn_tp_size),
-    so the comparable quantity is logprob rows per padded request: T in both.
+    so the comparable quantity is logprob rows per padded request: T in both. `rows`: this layout's, per DP group, from
+    check_metadata's own replays (the same runner over the same batches); the sibling's step-0 runner is driven here.
     """
     sib = branch_sibling(layout)
     if sib is None:
         return
     for d in range(layout.attn_dp_size):
-        ours = _logprob_rows_per_request(layout, spec, schedule, model, d, seed)
-        theirs = _logprob_rows_per_request(sib, spec, schedule, model, d, seed)
+        ours = rows[d]
+        theirs = _logprob_rows_per_request(sib, d, _step0_replays(sib, spec, schedule, model, d, seed))
         both = sorted(set(ours) & set(theirs))  # iterations both branches could replay (buckets differ)
         if not both:
             continue  # no batch both branches replay: nothing to compare (not a check)

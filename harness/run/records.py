@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -55,7 +56,13 @@ class ReplayRecord:
 
 def tensor_values(t: Optional[torch.Tensor]) -> Optional[list[int]]:
     """A small static int tensor read back to the host (a device sync: an engine never does this)."""
-    return None if t is None else [int(x) for x in t.tolist()]
+    if t is None:
+        return None
+    values = t.tolist()
+    return values if t.dim() == 1 and t.dtype in _INT_DTYPES else [int(x) for x in values]  # a 1-D integer tensor's are ints already
+
+
+_INT_DTYPES = frozenset((torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8))
 
 
 # A tensor this small has its values kept in its FieldValue (a bucket-determined tensor, the gathered counts, is
@@ -102,16 +109,33 @@ def field_value(x: Any, default: Any = dataclasses.MISSING) -> FieldValue:
     if x is None:
         return FieldValue("none", default=is_default)
     if isinstance(x, torch.Tensor):
-        sample = tuple(x.reshape(-1).tolist()) if x.numel() <= SMALL_TENSOR and not x.is_meta else None
-        storage = None if x.is_meta else (x.untyped_storage().data_ptr(), int(x.storage_offset()))
-        return FieldValue("tensor", str(x.dtype).removeprefix("torch."), tuple(x.shape), None, storage, is_default, sample)
+        meta = x.is_meta
+        sample = None
+        if x.numel() <= SMALL_TENSOR and not meta:
+            sample = tuple((x if x.dim() == 1 else x.reshape(-1)).tolist())
+        storage = None if meta else (x.untyped_storage().data_ptr(), int(x.storage_offset()))
+        return FieldValue("tensor", _dtype_name(x.dtype), tuple(x.shape), None, storage, is_default, sample)
     if isinstance(x, enum.Enum):
         return FieldValue("host", value=x.name.lower(), default=is_default)
-    if isinstance(x, (bool, int, float, str)):
+    if isinstance(x, _HOST_SCALARS):
         return FieldValue("host", value=x, default=is_default)
-    if isinstance(x, (list, tuple)) and all(isinstance(e, (bool, int, float, str)) for e in x):
+    if isinstance(x, (list, tuple)) and _host_scalars(x):
         return FieldValue("host", value=tuple(x), default=is_default)
     return FieldValue("object", value=type(x).__name__, default=is_default)
+
+
+_HOST_SCALARS = (bool, int, float, str)
+_HOST_SCALAR_TYPES = frozenset(_HOST_SCALARS)
+
+
+def _host_scalars(seq: list | tuple) -> bool:
+    """Every element a host scalar; the exact types first (a host list is ints), isinstance for their subclasses."""
+    return set(map(type, seq)) <= _HOST_SCALAR_TYPES or all(isinstance(e, _HOST_SCALARS) for e in seq)
+
+
+@functools.lru_cache(maxsize=None)
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 def _same(x: Any, default: Any) -> bool:
@@ -139,18 +163,21 @@ def batch_fields(batch: Any, nested: tuple[str, ...] = ("spec_info",)) -> dict[s
 
 def _members(obj: Any) -> list[tuple[str, Any, Any]]:
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        declared = {f.name: f for f in dataclasses.fields(obj)}
-        names = list(declared) + [k for k in getattr(obj, "__dict__", {}) if k not in declared]  # attributes set past the declared fields too
-        out = []
-        for name in names:
-            if name.startswith("_"):
-                continue
-            f = declared.get(name)
-            default = dataclasses.MISSING if f is None else f.default if f.default is not dataclasses.MISSING else (
-                f.default_factory() if f.default_factory is not dataclasses.MISSING else dataclasses.MISSING)
-            out.append((name, getattr(obj, name), default))
+        declared = _declared(type(obj))
+        out = [(name, getattr(obj, name), default if factory is dataclasses.MISSING else factory())
+               for name, default, factory in declared if not name.startswith("_")]
+        names = {name for name, _, _ in declared}
+        # attributes set past the declared fields too
+        out += [(k, v, dataclasses.MISSING) for k, v in getattr(obj, "__dict__", {}).items() if k not in names and not k.startswith("_")]
         return out
     return [(k, v, dataclasses.MISSING) for k, v in getattr(obj, "__dict__", {}).items() if not k.startswith("_") and not callable(v)]
+
+
+@functools.lru_cache(maxsize=None)
+def _declared(cls: type) -> tuple[tuple[str, Any, Any], ...]:
+    """A dataclass's declared fields as (name, default, default_factory), MISSING where it has none: what depends on the
+    class alone, read once per class. The factory is still called per record (what it returns is not ours to share)."""
+    return tuple((f.name, f.default, f.default_factory) for f in dataclasses.fields(cls))
 
 
 def device_independent(rec: ReplayRecord) -> ReplayRecord:
