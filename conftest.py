@@ -96,6 +96,12 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     memory guard, which finds live tensors through it, thaws the heap first (harness/engines/interpreter.py)."""
     gc.collect()
     gc.freeze()
+    # one intra-op thread: the suite's tensors are tiny (a few KiB), where a second pool thread only spins beside the
+    # other xdist workers (one per core, plus one); the ranks run on one thread each already (one_torch_thread). torch is
+    # imported by now (collection imported it), as in pytest_collection_modifyitems
+    import torch
+
+    torch.set_num_threads(1)
 
 
 ENGINE_FILES = ("test_plugin_engine.py",)  # besides every test_engine_*.py
