@@ -57,6 +57,8 @@ class Violation:
     message: str
 
 
+_MIN, _MAX = np.minimum.reduce, np.maximum.reduce  # ndarray.min/max less their Python-level argument handling
+
 # every violation as it happens, in order; guard.guarded takes those of its call (and removes them)
 VIOLATIONS: list[Violation] = []
 
@@ -88,7 +90,7 @@ class _Launch:
 
     def check(self, op: str, ptrs: Any, mask: Optional[Any], program: Any) -> Optional[np.ndarray]:
         """None: every active lane is in bounds; else the mask of the lanes that are (the others are recorded)."""
-        all_p = np.asarray(ptrs.data, dtype=np.uint64)
+        all_p = np.asarray(ptrs.data, dtype=np.uint64)  # the interpreter's pointers are uint64 and masks bool: no copy
         if mask is None:
             active = None
         else:
@@ -96,11 +98,11 @@ class _Launch:
             if active.shape != all_p.shape:
                 active = np.broadcast_to(active, all_p.shape)
         p = all_p if active is None else all_p[active]
-        if p.size == 0:
+        if not p.size:
             return None
         width = np.uint64(max(1, ptrs.get_element_ty().primitive_bitwidth // 8))
         # the common case, in a few scalar steps: the lowest and the highest address in one storage, hence all between
-        lo, hi = int(p.min()), int(p.max())
+        lo, hi = int(_MIN(p)), int(_MAX(p))
         k = bisect.bisect_right(self.start_list, lo) - 1
         if k >= 0 and hi + int(width) <= self.end_list[k]:
             return None
@@ -141,17 +143,37 @@ class _Launch:
 
 
 class _LiveStorages:
-    """The storages of live tensors, by address: what a pointer loaded from memory may point into. Found by one scan of the
-    live objects when an address lies in none of those seen, which then holds them (a weak reference each: a storage
-    freed since is not one a pointer may use)."""
+    """The storages of live tensors, by address: what a pointer loaded from memory may point into (a weak reference each:
+    a storage freed since is not one a pointer may use).
+
+    A pointer table holds addresses some code asked tensors for (`t.data_ptr()`, as vLLM builds its block-table pointers),
+    so the tensors asked are noted as they are asked (note()) and looked at first; an address in none of them is looked
+    for by one scan of every live object, which finds any tensor however its address was taken. The scan decides every
+    address the noted tensors do not hold, so noting only saves scans: an address is held exactly when it lies in the
+    storage of a tensor alive at the time of the access, either way."""
+
+    _NOTED_MAX = 4096  # noted tensors before they are merged (the dead dropped): a process that never misses stays small
 
     def __init__(self) -> None:
         self._starts = np.zeros(0, dtype=np.uint64)
         self._ends = np.zeros(0, dtype=np.uint64)
         self._refs: list[weakref.ref] = []
+        self._noted: dict[int, weakref.ref] = {}  # id(tensor) -> the tensor, asked for its address since the last merge
+
+    def note(self, t: Any) -> None:
+        try:
+            ref = weakref.ref(t)
+        except TypeError:  # an object without weak references: the scan finds what it holds
+            return
+        self._noted[id(t)] = ref
+        if len(self._noted) > self._NOTED_MAX:
+            self._merge()
 
     def holds(self, addrs: np.ndarray, width: np.uint64) -> np.ndarray:
         found = self._find(addrs, width)
+        if not bool(found.all()) and self._noted:
+            self._merge()
+            found = self._find(addrs, width)
         if not bool(found.all()):
             self._scan()
             found = self._find(addrs, width)
@@ -168,6 +190,17 @@ class _LiveStorages:
                 found &= i != k
         return found
 
+    def _merge(self) -> None:
+        """The noted tensors' storages joined to those held (the dead of both dropped)."""
+        noted, self._noted = self._noted, {}  # swapped first: a DP rank's thread may note while another merges
+        seen = {a: (e, r) for a, e, r in zip(self._starts.tolist(), self._ends.tolist(), self._refs, strict=True) if r() is not None}
+        for ref in noted.values():
+            t = ref()
+            if t is not None and t.device.type == "cpu":
+                st = t.untyped_storage()
+                seen[st.data_ptr()] = (st.data_ptr() + st.nbytes(), ref)  # the newest tensor at an address: the one alive there
+        self._hold(seen)
+
     def _scan(self) -> None:
         # gc.get_objects() leaves out what a gc.freeze() moved to the permanent generation (a test process freezes its
         # heap after collection; a tensor made before then may be what a pointer names): thaw it, for good
@@ -178,6 +211,9 @@ class _LiveStorages:
             if issubclass(type(o), torch.Tensor) and o.device.type == "cpu":  # type(): no proxy's __class__ is asked
                 st = o.untyped_storage()
                 seen.setdefault(st.data_ptr(), (st.data_ptr() + st.nbytes(), weakref.ref(o)))
+        self._hold(seen)
+
+    def _hold(self, seen: dict[int, tuple[int, weakref.ref]]) -> None:
         order = sorted(seen)
         self._starts = np.array(order, dtype=np.uint64)
         self._ends = np.array([seen[a][0] for a in order], dtype=np.uint64)
@@ -313,6 +349,14 @@ def guard_interpreter_memory() -> None:
 
     call.__specharness_guard__ = True  # type: ignore[attr-defined]
     executor.__call__, executor._init_args_hst = call, init_args_hst
+    tensor_data_ptr = torch.Tensor.data_ptr
+
+    def data_ptr(self: torch.Tensor) -> int:
+        address = tensor_data_ptr(self)
+        _LIVE.note(self)  # an address handed out may be stored in a pointer table a kernel loads from (_LiveStorages)
+        return address
+
+    torch.Tensor.data_ptr = data_ptr  # type: ignore[method-assign]
     for method, ptr_at, mask_at, op in _MEMORY_OPS:
         setattr(builder, method, _guarded_op(getattr(builder, method), ptr_at, mask_at, op))
     int_to_ptr = builder.create_int_to_ptr
