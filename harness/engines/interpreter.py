@@ -1,12 +1,13 @@
 """Triton's interpreter, as the engine adapters run the engines' kernels with it on CPU tensors.
 
-`prepare_interpreter()` makes four changes to it, all idempotent:
+`prepare_interpreter()` makes six changes to it, all idempotent:
 
 * an index fix (numpy 2 refuses int() of a 1-element array, which loop bounds loaded from memory need);
 * no integer-overflow sanitizer where its assertion is dropped: Triton's semantic layer recomputes every
   32-bit add, sub and mul in 64 bits and builds the range condition for a device_assert, which drops it
   unless the builder's options say debug (the interpreter's never do), so every integer op of every
   program paid for a condition nobody reads;
+* a tuple type's printable name made when first read, not each time one is made (one per tensor);
 * two lookups remembered instead of redone: the numpy dtype of a Triton dtype (the interpreter builds
   its whole table on every call, several per operation) and which members of triton.language are
   builtins to rebind for a launch (inspect.getmembers of each module and class, on every launch and
@@ -27,20 +28,27 @@
   already spends milliseconds per program), where a child process per launch would pay a
   process and lose the launch memo (sglang/fill.py). Torch's own CPU indexing checks its
   bounds and raises, so the engines' gathers and scatters need no such guard.
+* a launch memo (launch_memo.py): a launch on exactly the state a clean launch of the same kernel,
+  grid and options ran on writes back that launch's effect instead of being interpreted again. A
+  launch that went through a pointer made from an integer, made an integer from a pointer, or had an
+  access masked off is never kept, so every launch the guard has something to say about runs.
 """
 from __future__ import annotations
 
 import bisect
+import functools
 import gc
 import importlib
 import inspect
 import threading
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Hashable, Optional
 
 import numpy as np
 import torch
+
+from harness.engines.launch_memo import LaunchMemo
 
 
 class OutOfBoundsAccess(RuntimeError):
@@ -74,6 +82,7 @@ class _Launch:
     start_list: list[int] = field(default_factory=list)  # starts and ends as Python ints, for check()'s scalar bisect
     end_list: list[int] = field(default_factory=list)
     indirect: bool = False  # the kernel made a pointer from an integer (create_int_to_ptr)
+    addressed: bool = False  # the kernel made an integer from a pointer (create_ptr_to_int)
     reported: set[tuple[str, str]] = field(default_factory=set)  # (operation, argument) already in VIOLATIONS
 
     def bind(self, named: list[tuple[str, Any]]) -> None:
@@ -221,6 +230,7 @@ class _LiveStorages:
 
 
 _LIVE = _LiveStorages()
+MEMO = LaunchMemo()  # every memoizable launch of the process (launch_memo.py)
 
 
 class _Current(threading.local):
@@ -245,7 +255,33 @@ def prepare_interpreter() -> None:
     patch_interpreter_index()
     skip_dropped_overflow_checks()
     remember_interpreter_lookups()
+    name_tuple_types_on_use()
     guard_interpreter_memory()
+
+
+def name_tuple_types_on_use() -> None:
+    """triton.language's tuple_type spells out its printable name (each member's repr) when it is made; the interpreter
+    makes one for every tensor it creates (a tensor's shape is a triton.language tuple) and prints almost none. Make the
+    name when first read instead, by Triton's own constructor, from the members it was made with. Idempotent."""
+    core = importlib.import_module("triton.language.core")
+    cls = core.tuple_type
+    if isinstance(cls.__dict__.get("name"), functools.cached_property):
+        return
+    make = cls.__init__
+
+    def init(self: Any, types: Any, fields: Any = None) -> None:
+        self.types = types
+        self.fields = fields or [""] * len(types)
+        self._made_with = fields
+
+    def name(self: Any) -> str:
+        made = object.__new__(cls)
+        make(made, self.types, self._made_with)
+        return made.name
+
+    cls.__init__ = init
+    cls.name = functools.cached_property(name)
+    cls.name.__set_name__(cls, "name")
 
 
 def remember_interpreter_lookups() -> None:
@@ -335,11 +371,18 @@ def guard_interpreter_memory() -> None:
     launch_call, init_args = executor.__call__, executor._init_args_hst
 
     def call(self: Any, *args: Any, **kwargs: Any) -> Any:
-        _CURRENT.launches.append(_Launch(getattr(self.fn, "__name__", str(self.fn))))
+        key, storages = _memo_key(self, args, kwargs, interp.interpreter_builder.options)
+        if key is not None and MEMO.replay(key, storages):
+            return None
+        launch = _Launch(getattr(self.fn, "__name__", str(self.fn)))
+        _CURRENT.launches.append(launch)
         try:
-            return launch_call(self, *args, **kwargs)
+            ret = launch_call(self, *args, **kwargs)
         finally:
             _CURRENT.launches.pop()
+        if key is not None and ret is None and not (launch.indirect or launch.addressed or launch.reported):
+            MEMO.record(key, storages)
+        return ret
 
     def init_args_hst(self: Any, args_dev: Any, kwargs: Any) -> Any:
         args_hst, kwargs_hst = init_args(self, args_dev, kwargs)
@@ -367,6 +410,25 @@ def guard_interpreter_memory() -> None:
         return int_to_ptr(self, *args, **kwargs)
 
     builder.create_int_to_ptr = create_int_to_ptr
+    ptr_to_int = builder.create_ptr_to_int
+
+    def create_ptr_to_int(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if _CURRENT.launches:
+            _CURRENT.launches[-1].addressed = True
+        return ptr_to_int(self, *args, **kwargs)
+
+    builder.create_ptr_to_int = create_ptr_to_int
+
+
+def _memo_key(executor: Any, args: tuple, kwargs: dict, options: Any) -> tuple[Optional[Hashable], list[torch.UntypedStorage]]:
+    """The launch's key in MEMO, or None where the key could not hold all it depends on: a grid computed by a function
+    (it may read anything) or a pre-run hook (it may do anything). The kernel's code is its function (a Triton kernel
+    reads no mutable global: the language has only constexpr globals); the options (debug among them) steer the
+    semantic layer."""
+    grid = executor.grid
+    if executor.pre_run_hooks or not isinstance(grid, (tuple, list)) or not all(type(g) is int for g in grid):
+        return None, []
+    return MEMO.key((executor.fn, tuple(grid), repr(options)), args, kwargs)
 
 
 def _guarded_op(original: Any, ptr_at: int, mask_at: Optional[int], op: str) -> Any:
