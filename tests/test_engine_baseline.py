@@ -253,6 +253,29 @@ def test_a_pointer_loaded_from_a_table_is_in_bounds_inside_a_live_tensor_and_mas
     assert got["untracked_values"] == [0] * 16
 
 
+def test_tuple_types_named_on_first_read_have_the_names_triton_gives_them():
+    """name_tuple_types_on_use() defers a tuple type's name to its first read: the same text as Triton's eager one, for
+    unnamed and named members, a tensor's shape and an empty tuple; equality is the members', as before."""
+    proc = run_python(textwrap.dedent("""
+        import json, triton.language as tl
+        from triton.language.core import tuple_type, _type_for_tuple_values
+        from harness.engines import interpreter
+        made = lambda: [_type_for_tuple_values([tl.constexpr(4), 3, tl.int32]), tuple_type([tl.int32, tl.float16], ["a", "b"]),
+                        tuple_type([]), tl.tuple([tl.constexpr(8), tl.constexpr(2)]).type]
+        eager = [t.name for t in made()]
+        interpreter.name_tuple_types_on_use()
+        interpreter.name_tuple_types_on_use()  # idempotent
+        lazy = made()
+        print(json.dumps({"eager": eager, "lazy": [str(t) for t in lazy], "deferred": ["name" not in vars(t) for t in made()],
+                          "equal": lazy[1] == tuple_type([tl.int32, tl.float16], ["a", "b"]) and lazy[1] != lazy[2]}))
+    """))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got["eager"] == ["[:constexpr_type[4],:constexpr_type[3],:constexpr_type[int32]]", "[a:int32,b:fp16]", "[]",
+                            "[:constexpr_type[8],:constexpr_type[2]]"]
+    assert got["lazy"] == got["eager"] and got["deferred"] == [True] * 4 and got["equal"]
+
+
 def test_the_integer_overflow_check_runs_as_triton_has_it_only_where_its_assertion_is_kept():
     """prepare_interpreter() skips building the overflow condition of an int32 add only where device_assert would drop it
     (the interpreter's options, debug off): the add wraps as it does on a GPU; with debug on, the check runs and fails."""

@@ -71,7 +71,8 @@ def test_what_the_key_cannot_hold_is_not_keyed_and_the_byte_budget_stops_keeping
 def test_interpreted_launches_replay_only_where_the_key_sees_everything_the_kernel_read():
     """Under prepare_interpreter(): a kernel launched again on other tensors with equal bytes is replayed (its output
     as computed by hand); one reading through a pointer table, one with a lane masked off as out of bounds (reported
-    at every launch), and one with a grid computed by a function are interpreted every time."""
+    at every launch), one that stores an argument's address, and one with a grid computed by a function are interpreted
+    every time."""
     proc = run_python(textwrap.dedent("""
         import json, numpy as np, torch, triton, triton.language as tl
         from harness.engines import interpreter
@@ -87,6 +88,10 @@ def test_interpreted_launches_replay_only_where_the_key_sees_everything_the_kern
             dst = tl.cast(tl.load(table_ptr), tl.pointer_type(tl.int32))
             offs = tl.arange(0, BLOCK)
             tl.store(dst + offs, offs + 1, mask=offs < BLOCK)
+
+        @triton.jit
+        def address_of(x_ptr, out_ptr):
+            tl.store(out_ptr, tl.cast(x_ptr, tl.int64))
 
         got = {}
         def hits_after(name, launch, times=2):
@@ -108,6 +113,13 @@ def test_interpreted_launches_replay_only_where_the_key_sees_everything_the_kern
             through_table[(1,)](torch.tensor([target.data_ptr()], dtype=torch.uint64), BLOCK=8)
             return target.tolist()
         hits_after("pointer table", tabled)
+        alive = []
+        def addressed():
+            x, out = torch.zeros(2, dtype=torch.int32), torch.zeros(1, dtype=torch.int64)
+            alive.append(x)  # each launch its own x: equal bytes, another address
+            address_of[(1,)](x, out)
+            return out.item() == x.data_ptr()
+        hits_after("address", addressed)
         print(json.dumps(got))
     """), timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -118,3 +130,4 @@ def test_interpreted_launches_replay_only_where_the_key_sees_everything_the_kern
     assert got["out of bounds"]["hits"] == 0 and got["out of bounds"]["violations"] >= 2
     assert got["out of bounds"]["outs"] == [[0, 3, 6, 9, 12, 15, 18, 21]] * 2
     assert got["pointer table"] == {"hits": 0, "violations": 0, "outs": [list(range(1, 9))] * 2}
+    assert got["address"] == {"hits": 0, "violations": 0, "outs": [True, True]}
