@@ -288,7 +288,9 @@ def remember_interpreter_lookups() -> None:
     """The interpreter's dtype table and its list of triton.language builtins, each computed once instead of per call. The
     builtins of a module or class are listed the first time a launch rebinds them, before anything has rebound them; each
     later launch rebinds those names whose member is still a builtin, which is what a full scan finds (a name rebound and
-    never restored, as a device-function call leaves it, holds a wrapper, no builtin, either way). Idempotent."""
+    never restored, as a device-function call leaves it, holds a wrapper, no builtin, either way). The wrapper a name is
+    rebound to is made once per builtin and builder by the interpreter's own code, and bound again on each later launch:
+    it holds only the builtin and a semantic object over the builder, which keeps no state of its own. Idempotent."""
     interp = importlib.import_module("triton.runtime.interpreter")
     if getattr(interp._get_np_dtype, "__specharness_memo__", False):
         return
@@ -306,6 +308,7 @@ def remember_interpreter_lookups() -> None:
         return found
 
     builtin_names: dict[Any, list[str]] = {}
+    wrappers: dict[tuple[Any, str], tuple[Any, Any, Any]] = {}  # (pkg, name) -> (builtin, builder, the wrapper made for them)
 
     def patch_builtin(pkg: Any, builder: Any, scope: Any) -> None:
         names = builtin_names.get(pkg)
@@ -314,10 +317,28 @@ def remember_interpreter_lookups() -> None:
         for name in names:
             member = getattr(pkg, name, None)
             if tl.core.is_builtin(member):
-                patch_attr(pkg, name, member, builder, scope)
+                made = wrappers.get((pkg, name))
+                if made is None or made[0] is not member or made[1] is not builder:
+                    made = wrappers[(pkg, name)] = (member, builder, _made_wrapper(patch_attr, pkg, name, member, builder))
+                scope.set_attr(pkg, name, made[2])
 
     np_dtype.__specharness_memo__ = True  # type: ignore[attr-defined]
     interp._get_np_dtype, interp._patch_builtin = np_dtype, patch_builtin
+
+
+class _Kept:
+    """A patch scope that keeps the value instead of setting it."""
+
+    value: Any = None
+
+    def set_attr(self, obj: Any, name: str, value: Any) -> None:
+        self.value = value
+
+
+def _made_wrapper(patch_attr: Any, pkg: Any, name: str, member: Any, builder: Any) -> Any:
+    kept = _Kept()
+    patch_attr(pkg, name, member, builder, kept)
+    return kept.value
 
 
 def skip_dropped_overflow_checks() -> None:
