@@ -423,22 +423,18 @@ def guard_interpreter_memory() -> None:
     torch.Tensor.data_ptr = data_ptr  # type: ignore[method-assign]
     for method, ptr_at, mask_at, op in _MEMORY_OPS:
         setattr(builder, method, _guarded_op(getattr(builder, method), ptr_at, mask_at, op))
-    int_to_ptr = builder.create_int_to_ptr
+    builder.create_int_to_ptr = _flagging(builder.create_int_to_ptr, "indirect")
+    builder.create_ptr_to_int = _flagging(builder.create_ptr_to_int, "addressed")
 
-    def create_int_to_ptr(self: Any, *args: Any, **kwargs: Any) -> Any:
+
+def _flagging(original: Any, flag: str) -> Any:
+    """The builder method, setting `flag` on the launch under way when the kernel uses it."""
+    def flagged(self: Any, *args: Any, **kwargs: Any) -> Any:
         if _CURRENT.launches:
-            _CURRENT.launches[-1].indirect = True
-        return int_to_ptr(self, *args, **kwargs)
+            setattr(_CURRENT.launches[-1], flag, True)
+        return original(self, *args, **kwargs)
 
-    builder.create_int_to_ptr = create_int_to_ptr
-    ptr_to_int = builder.create_ptr_to_int
-
-    def create_ptr_to_int(self: Any, *args: Any, **kwargs: Any) -> Any:
-        if _CURRENT.launches:
-            _CURRENT.launches[-1].addressed = True
-        return ptr_to_int(self, *args, **kwargs)
-
-    builder.create_ptr_to_int = create_ptr_to_int
+    return flagged
 
 
 def _memo_key(executor: Any, args: tuple, kwargs: dict, options: Any) -> tuple[Optional[Hashable], list[torch.UntypedStorage]]:
