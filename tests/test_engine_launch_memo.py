@@ -71,7 +71,7 @@ def test_what_the_key_cannot_hold_is_not_keyed_and_the_byte_budget_stops_keeping
 def test_interpreted_launches_replay_only_where_the_key_sees_everything_the_kernel_read():
     """Under prepare_interpreter(): a kernel launched again on other tensors with equal bytes is replayed (its output
     as computed by hand); one reading through a pointer table, one with a lane masked off as out of bounds (reported
-    at every launch), one that stores an argument's address, and one with a grid computed by a function are interpreted
+    at every launch), one that stores an argument's address, one that prints, and one with a grid computed by a function are interpreted
     every time."""
     proc = run_python(textwrap.dedent("""
         import json, numpy as np, torch, triton, triton.language as tl
@@ -92,6 +92,10 @@ def test_interpreted_launches_replay_only_where_the_key_sees_everything_the_kern
         @triton.jit
         def address_of(x_ptr, out_ptr):
             tl.store(out_ptr, tl.cast(x_ptr, tl.int64))
+
+        @triton.jit
+        def printing(x_ptr):
+            tl.device_print("x", tl.load(x_ptr))
 
         got = {}
         def hits_after(name, launch, times=2):
@@ -120,6 +124,13 @@ def test_interpreted_launches_replay_only_where_the_key_sees_everything_the_kern
             address_of[(1,)](x, out)
             return out.item() == x.data_ptr()
         hits_after("address", addressed)
+        import contextlib, io
+        def printed():
+            out = io.StringIO()
+            with contextlib.redirect_stdout(out):
+                printing[(1,)](torch.tensor([7], dtype=torch.int32))
+            return out.getvalue().count("7")
+        hits_after("print", printed)
         print(json.dumps(got))
     """), timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -131,3 +142,4 @@ def test_interpreted_launches_replay_only_where_the_key_sees_everything_the_kern
     assert got["out of bounds"]["outs"] == [[0, 3, 6, 9, 12, 15, 18, 21]] * 2
     assert got["pointer table"] == {"hits": 0, "violations": 0, "outs": [list(range(1, 9))] * 2}
     assert got["address"] == {"hits": 0, "violations": 0, "outs": [True, True]}
+    assert got["print"] == {"hits": 0, "violations": 0, "outs": [1, 1]}

@@ -30,8 +30,8 @@
   bounds and raises, so the engines' gathers and scatters need no such guard.
 * a launch memo (launch_memo.py): a launch on exactly the state a clean launch of the same kernel,
   grid and options ran on writes back that launch's effect instead of being interpreted again. A
-  launch that went through a pointer made from an integer, made an integer from a pointer, or had an
-  access masked off is never kept, so every launch the guard has something to say about runs.
+  launch that went through a pointer made from an integer, made an integer from a pointer, printed,
+  or had an access masked off is never kept, so every launch the guard has something to say about runs.
 """
 from __future__ import annotations
 
@@ -83,6 +83,7 @@ class _Launch:
     end_list: list[int] = field(default_factory=list)
     indirect: bool = False  # the kernel made a pointer from an integer (create_int_to_ptr)
     addressed: bool = False  # the kernel made an integer from a pointer (create_ptr_to_int)
+    printed: bool = False  # the kernel printed (device_print): output a replay would not repeat
     reported: set[tuple[str, str]] = field(default_factory=set)  # (operation, argument) already in VIOLATIONS
 
     def bind(self, named: list[tuple[str, Any]]) -> None:
@@ -401,7 +402,7 @@ def guard_interpreter_memory() -> None:
             ret = launch_call(self, *args, **kwargs)
         finally:
             _CURRENT.launches.pop()
-        if key is not None and ret is None and not (launch.indirect or launch.addressed or launch.reported):
+        if key is not None and ret is None and not (launch.indirect or launch.addressed or launch.printed or launch.reported):
             MEMO.record(key, storages)
         return ret
 
@@ -425,6 +426,7 @@ def guard_interpreter_memory() -> None:
         setattr(builder, method, _guarded_op(getattr(builder, method), ptr_at, mask_at, op))
     builder.create_int_to_ptr = _flagging(builder.create_int_to_ptr, "indirect")
     builder.create_ptr_to_int = _flagging(builder.create_ptr_to_int, "addressed")
+    builder.create_print = _flagging(builder.create_print, "printed")
 
 
 def _flagging(original: Any, flag: str) -> Any:

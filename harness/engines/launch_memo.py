@@ -10,8 +10,8 @@ the caller's context (which kernel, grid and options) -- an equal key means an e
 writing back every byte of those storages as the first launch left them is exact, not an
 approximation. What the key cannot see is the caller's to leave out (`record` is never called for it):
 interpreter.py never memoizes a launch that made a pointer from an integer (it read memory no argument
-names) or an integer from a pointer (its result may depend on where the heap put the arguments), nor
-one that raised or had an access masked off.
+names) or an integer from a pointer (its result may depend on where the heap put the arguments), one
+that printed (output is an effect too), nor one that raised or had an access masked off.
 """
 from __future__ import annotations
 
