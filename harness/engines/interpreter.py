@@ -23,7 +23,9 @@
   the argument it ran past; the kernel runs on, so the checks after it still see what the rest
   of it did, and the call that launched it records each violation as a finding
   (harness/engines/guard.py). An access that cannot be masked (a compare-and-swap has no mask)
-  raises OutOfBoundsAccess instead.
+  raises OutOfBoundsAccess instead. A kernel that makes a pointer from an integer it loaded (a
+  pointer table) may also reach any live tensor's storage: to find those without scanning the
+  heap, torch.Tensor.data_ptr is wrapped, process-wide, to note the tensors asked (_LiveStorages).
   In-process on purpose: the check costs a few numpy operations per access (the interpreter
   already spends milliseconds per program), where a child process per launch would pay a
   process and lose the launch memo (sglang/fill.py). Torch's own CPU indexing checks its
