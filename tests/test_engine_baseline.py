@@ -216,6 +216,66 @@ def test_accesses_spanning_two_arguments_pass_and_a_lane_in_the_gap_between_them
     assert (v.kernel, v.op) == ("k", "load") and "reaches 1 outside every tensor argument's storage" in v.message, v
 
 
+def test_a_pointer_loaded_from_a_table_is_in_bounds_inside_a_live_tensor_and_masked_off_outside_every_one():
+    """A kernel storing through a pointer it loads from memory (vLLM's block-table pointers): into a live tensor whose
+    address was asked with data_ptr() (found among the tensors noted then, the frozen heap left frozen: no scan), into one
+    whose address came another way (found by the scan of live objects, which thaws the heap), and into memory no tensor
+    holds (a numpy buffer), where the lanes are masked off and recorded, and the buffer keeps its zeros."""
+    proc = run_python(textwrap.dedent("""
+        import gc, json, numpy as np, torch, triton, triton.language as tl
+        from harness.engines import interpreter
+        interpreter.prepare_interpreter()
+
+        @triton.jit
+        def through_table(table_ptr, BLOCK: tl.constexpr):
+            dst = tl.cast(tl.load(table_ptr), tl.pointer_type(tl.int32))
+            offs = tl.arange(0, BLOCK)
+            tl.store(dst + offs, offs + 1, mask=offs < BLOCK)
+
+        asked, other, untracked = torch.zeros(16, dtype=torch.int32), torch.zeros(16, dtype=torch.int32), np.zeros(16, np.int32)
+        gc.collect()
+        gc.freeze()
+        got = {}
+        for name, address in (("asked", asked.data_ptr()), ("other", other.untyped_storage().data_ptr()),
+                              ("untracked", untracked.ctypes.data)):
+            mark = len(interpreter.VIOLATIONS)
+            through_table[(1,)](torch.tensor([address], dtype=torch.uint64), BLOCK=16)
+            got[name] = {"frozen": gc.get_freeze_count() > 0, "violations": [[v.kernel, v.op, v.message] for v in interpreter.VIOLATIONS[mark:]]}
+        print(json.dumps({**got, "asked_values": asked.tolist(), "other_values": other.tolist(), "untracked_values": untracked.tolist()}))
+    """), timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got["asked"] == {"frozen": True, "violations": []}, got["asked"]
+    assert got["other"] == {"frozen": False, "violations": []}, got["other"]
+    assert got["asked_values"] == got["other_values"] == list(range(1, 17))
+    [[kernel, op, message]] = got["untracked"]["violations"]
+    assert (kernel, op) == ("through_table", "store") and "a masked store of 16 element(s) reaches 16 outside" in message, message
+    assert got["untracked_values"] == [0] * 16
+
+
+def test_tuple_types_named_on_first_read_have_the_names_triton_gives_them():
+    """name_tuple_types_on_use() defers a tuple type's name to its first read: the same text as Triton's eager one, for
+    unnamed and named members, a tensor's shape and an empty tuple; equality is the members', as before."""
+    proc = run_python(textwrap.dedent("""
+        import json, triton.language as tl
+        from triton.language.core import tuple_type, _type_for_tuple_values
+        from runners.attention.triton_interpreter import name_tuple_types_on_use
+        made = lambda: [_type_for_tuple_values([tl.constexpr(4), 3, tl.int32]), tuple_type([tl.int32, tl.float16], ["a", "b"]),
+                        tuple_type([]), tl.tuple([tl.constexpr(8), tl.constexpr(2)]).type]
+        eager = [t.name for t in made()]
+        name_tuple_types_on_use()
+        name_tuple_types_on_use()  # idempotent
+        lazy = made()
+        print(json.dumps({"eager": eager, "lazy": [str(t) for t in lazy], "deferred": ["name" not in vars(t) for t in made()],
+                          "equal": lazy[1] == tuple_type([tl.int32, tl.float16], ["a", "b"]) and lazy[1] != lazy[2]}))
+    """))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got["eager"] == ["[:constexpr_type[4],:constexpr_type[3],:constexpr_type[int32]]", "[a:int32,b:fp16]", "[]",
+                            "[:constexpr_type[8],:constexpr_type[2]]"]
+    assert got["lazy"] == got["eager"] and got["deferred"] == [True] * 4 and got["equal"]
+
+
 def test_the_integer_overflow_check_runs_as_triton_has_it_only_where_its_assertion_is_kept():
     """prepare_interpreter() skips building the overflow condition of an int32 add only where device_assert would drop it
     (the interpreter's options, debug off): the add wraps as it does on a GPU; with debug on, the check runs and fails."""

@@ -1,10 +1,11 @@
 """Triton's interpreter, as the engine adapters run the engines' kernels with it on CPU tensors.
 
-`prepare_interpreter()` makes three changes to it, all idempotent:
+`prepare_interpreter()` makes four changes to it, all idempotent:
 
 * an index fix (numpy 2 refuses int() of a 1-element array, which loop bounds loaded from memory need);
-* the interpreter's speed-ups that our own kernels run with too (runners/attention/triton_interpreter.py: no
-  overflow condition built where its assertion is dropped, two lookups remembered instead of redone);
+* the speed-ups our own kernels run with too (runners/attention/triton_interpreter.py: no overflow
+  condition built where its assertion is dropped, tuple types named when first read, the dtype table
+  and the builtins a launch rebinds remembered);
 * a memory guard. The interpreter turns a kernel's pointers into raw addresses and loads and
   stores through them with no bounds: a kernel bug that computes an offset past its buffer
   writes into whatever the heap holds there, and the checker dies (`munmap_chunk(): invalid
@@ -16,11 +17,17 @@
   the argument it ran past; the kernel runs on, so the checks after it still see what the rest
   of it did, and the call that launched it records each violation as a finding
   (harness/engines/guard.py). An access that cannot be masked (a compare-and-swap has no mask)
-  raises OutOfBoundsAccess instead.
+  raises OutOfBoundsAccess instead. A kernel that makes a pointer from an integer it loaded (a
+  pointer table) may also reach any live tensor's storage: to find those without scanning the
+  heap, torch.Tensor.data_ptr is wrapped, process-wide, to note the tensors asked (_LiveStorages).
   In-process on purpose: the check costs a few numpy operations per access (the interpreter
   already spends milliseconds per program), where a child process per launch would pay a
   process and lose the launch memo (sglang/fill.py). Torch's own CPU indexing checks its
   bounds and raises, so the engines' gathers and scatters need no such guard.
+* a launch memo (launch_memo.py): a launch on exactly the state a clean launch of the same kernel,
+  grid and options ran on writes back that launch's effect instead of being interpreted again. A
+  launch that went through a pointer made from an integer, made an integer from a pointer, printed,
+  or had an access masked off is never kept, so every launch the guard has something to say about runs.
 """
 from __future__ import annotations
 
@@ -30,11 +37,12 @@ import importlib
 import threading
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Hashable, Optional
 
 import numpy as np
 import torch
 
+from harness.engines.launch_memo import LaunchMemo
 from runners.attention.triton_interpreter import speed_up_interpreter
 
 
@@ -52,6 +60,8 @@ class Violation:
     message: str
 
 
+_MIN, _MAX = np.minimum.reduce, np.maximum.reduce  # ndarray.min/max less their Python-level argument handling
+
 # every violation as it happens, in order; guard.guarded takes those of its call (and removes them)
 VIOLATIONS: list[Violation] = []
 
@@ -67,6 +77,8 @@ class _Launch:
     start_list: list[int] = field(default_factory=list)  # starts and ends as Python ints, for check()'s scalar bisect
     end_list: list[int] = field(default_factory=list)
     indirect: bool = False  # the kernel made a pointer from an integer (create_int_to_ptr)
+    addressed: bool = False  # the kernel made an integer from a pointer (create_ptr_to_int)
+    printed: bool = False  # the kernel printed (device_print): output a replay would not repeat
     reported: set[tuple[str, str]] = field(default_factory=set)  # (operation, argument) already in VIOLATIONS
 
     def bind(self, named: list[tuple[str, Any]]) -> None:
@@ -83,7 +95,7 @@ class _Launch:
 
     def check(self, op: str, ptrs: Any, mask: Optional[Any], program: Any) -> Optional[np.ndarray]:
         """None: every active lane is in bounds; else the mask of the lanes that are (the others are recorded)."""
-        all_p = np.asarray(ptrs.data, dtype=np.uint64)
+        all_p = np.asarray(ptrs.data, dtype=np.uint64)  # the interpreter's pointers are uint64 and masks bool: no copy
         if mask is None:
             active = None
         else:
@@ -91,11 +103,11 @@ class _Launch:
             if active.shape != all_p.shape:
                 active = np.broadcast_to(active, all_p.shape)
         p = all_p if active is None else all_p[active]
-        if p.size == 0:
+        if not p.size:
             return None
         width = np.uint64(max(1, ptrs.get_element_ty().primitive_bitwidth // 8))
         # the common case, in a few scalar steps: the lowest and the highest address in one storage, hence all between
-        lo, hi = int(p.min()), int(p.max())
+        lo, hi = int(_MIN(p)), int(_MAX(p))
         k = bisect.bisect_right(self.start_list, lo) - 1
         if k >= 0 and hi + int(width) <= self.end_list[k]:
             return None
@@ -136,17 +148,37 @@ class _Launch:
 
 
 class _LiveStorages:
-    """The storages of live tensors, by address: what a pointer loaded from memory may point into. Found by one scan of the
-    live objects when an address lies in none of those seen, which then holds them (a weak reference each: a storage
-    freed since is not one a pointer may use)."""
+    """The storages of live tensors, by address: what a pointer loaded from memory may point into (a weak reference each:
+    a storage freed since is not one a pointer may use).
+
+    A pointer table holds addresses some code asked tensors for (`t.data_ptr()`, as vLLM builds its block-table pointers),
+    so the tensors asked are noted as they are asked (note()) and looked at first; an address in none of them is looked
+    for by one scan of every live object, which finds any tensor however its address was taken. The scan decides every
+    address the noted tensors do not hold, so noting only saves scans: an address is held exactly when it lies in the
+    storage of a tensor alive at the time of the access, either way."""
+
+    _NOTED_MAX = 4096  # noted tensors before they are merged (the dead dropped): a process that never misses stays small
 
     def __init__(self) -> None:
         self._starts = np.zeros(0, dtype=np.uint64)
         self._ends = np.zeros(0, dtype=np.uint64)
         self._refs: list[weakref.ref] = []
+        self._noted: dict[int, weakref.ref] = {}  # id(tensor) -> the tensor, asked for its address since the last merge
+
+    def note(self, t: Any) -> None:
+        try:
+            ref = weakref.ref(t)
+        except TypeError:  # an object without weak references: the scan finds what it holds
+            return
+        self._noted[id(t)] = ref
+        if len(self._noted) > self._NOTED_MAX:
+            self._merge()
 
     def holds(self, addrs: np.ndarray, width: np.uint64) -> np.ndarray:
         found = self._find(addrs, width)
+        if not bool(found.all()) and self._noted:
+            self._merge()
+            found = self._find(addrs, width)
         if not bool(found.all()):
             self._scan()
             found = self._find(addrs, width)
@@ -163,6 +195,17 @@ class _LiveStorages:
                 found &= i != k
         return found
 
+    def _merge(self) -> None:
+        """The noted tensors' storages joined to those held (the dead of both dropped)."""
+        noted, self._noted = self._noted, {}  # swapped first: a DP rank's thread may note while another merges
+        seen = {a: (e, r) for a, e, r in zip(self._starts.tolist(), self._ends.tolist(), self._refs, strict=True) if r() is not None}
+        for ref in noted.values():
+            t = ref()
+            if t is not None and t.device.type == "cpu":
+                st = t.untyped_storage()
+                seen[st.data_ptr()] = (st.data_ptr() + st.nbytes(), ref)  # the newest tensor at an address: the one alive there
+        self._hold(seen)
+
     def _scan(self) -> None:
         # gc.get_objects() leaves out what a gc.freeze() moved to the permanent generation (a test process freezes its
         # heap after collection; a tensor made before then may be what a pointer names): thaw it, for good
@@ -173,6 +216,9 @@ class _LiveStorages:
             if issubclass(type(o), torch.Tensor) and o.device.type == "cpu":  # type(): no proxy's __class__ is asked
                 st = o.untyped_storage()
                 seen.setdefault(st.data_ptr(), (st.data_ptr() + st.nbytes(), weakref.ref(o)))
+        self._hold(seen)
+
+    def _hold(self, seen: dict[int, tuple[int, weakref.ref]]) -> None:
         order = sorted(seen)
         self._starts = np.array(order, dtype=np.uint64)
         self._ends = np.array([seen[a][0] for a in order], dtype=np.uint64)
@@ -180,6 +226,7 @@ class _LiveStorages:
 
 
 _LIVE = _LiveStorages()
+MEMO = LaunchMemo()  # every memoizable launch of the process (launch_memo.py)
 
 
 class _Current(threading.local):
@@ -236,11 +283,18 @@ def guard_interpreter_memory() -> None:
     launch_call, init_args = executor.__call__, executor._init_args_hst
 
     def call(self: Any, *args: Any, **kwargs: Any) -> Any:
-        _CURRENT.launches.append(_Launch(getattr(self.fn, "__name__", str(self.fn))))
+        key, storages = _memo_key(self, args, kwargs, interp.interpreter_builder.options)
+        if key is not None and MEMO.replay(key, storages):
+            return None
+        launch = _Launch(getattr(self.fn, "__name__", str(self.fn)))
+        _CURRENT.launches.append(launch)
         try:
-            return launch_call(self, *args, **kwargs)
+            ret = launch_call(self, *args, **kwargs)
         finally:
             _CURRENT.launches.pop()
+        if key is not None and ret is None and not (launch.indirect or launch.addressed or launch.printed or launch.reported):
+            MEMO.record(key, storages)
+        return ret
 
     def init_args_hst(self: Any, args_dev: Any, kwargs: Any) -> Any:
         args_hst, kwargs_hst = init_args(self, args_dev, kwargs)
@@ -250,16 +304,40 @@ def guard_interpreter_memory() -> None:
 
     call.__specharness_guard__ = True  # type: ignore[attr-defined]
     executor.__call__, executor._init_args_hst = call, init_args_hst
+    tensor_data_ptr = torch.Tensor.data_ptr
+
+    def data_ptr(self: torch.Tensor) -> int:
+        address = tensor_data_ptr(self)
+        _LIVE.note(self)  # an address handed out may be stored in a pointer table a kernel loads from (_LiveStorages)
+        return address
+
+    torch.Tensor.data_ptr = data_ptr  # type: ignore[method-assign]
     for method, ptr_at, mask_at, op in _MEMORY_OPS:
         setattr(builder, method, _guarded_op(getattr(builder, method), ptr_at, mask_at, op))
-    int_to_ptr = builder.create_int_to_ptr
+    builder.create_int_to_ptr = _flagging(builder.create_int_to_ptr, "indirect")
+    builder.create_ptr_to_int = _flagging(builder.create_ptr_to_int, "addressed")
+    builder.create_print = _flagging(builder.create_print, "printed")
 
-    def create_int_to_ptr(self: Any, *args: Any, **kwargs: Any) -> Any:
+
+def _flagging(original: Any, flag: str) -> Any:
+    """The builder method, setting `flag` on the launch under way when the kernel uses it."""
+    def flagged(self: Any, *args: Any, **kwargs: Any) -> Any:
         if _CURRENT.launches:
-            _CURRENT.launches[-1].indirect = True
-        return int_to_ptr(self, *args, **kwargs)
+            setattr(_CURRENT.launches[-1], flag, True)
+        return original(self, *args, **kwargs)
 
-    builder.create_int_to_ptr = create_int_to_ptr
+    return flagged
+
+
+def _memo_key(executor: Any, args: tuple, kwargs: dict, options: Any) -> tuple[Optional[Hashable], list[torch.UntypedStorage]]:
+    """The launch's key in MEMO, or None where the key could not hold all it depends on: a grid computed by a function
+    (it may read anything) or a pre-run hook (it may do anything). The kernel's code is its function (a Triton kernel
+    reads no mutable global: the language has only constexpr globals); the options (debug among them) steer the
+    semantic layer."""
+    grid = executor.grid
+    if executor.pre_run_hooks or not isinstance(grid, (tuple, list)) or not all(type(g) is int for g in grid):
+        return None, []
+    return MEMO.key((executor.fn, tuple(grid), repr(options)), args, kwargs)
 
 
 def _guarded_op(original: Any, ptr_at: int, mask_at: Optional[int], op: str) -> Any:

@@ -5,14 +5,16 @@ interpreter, which pays per operation for two things whose results never change 
 
 * Triton's semantic layer recomputes every 32-bit integer add, sub and mul in 64 bits to build the range condition
   of a device_assert, which drops it unless the builder's options say debug (the interpreter's never do);
-* the interpreter rebuilds its whole numpy dtype table on every dtype lookup (several per operation), and lists the
-  builtins of triton.language with inspect.getmembers on every launch and every device-function call.
+* the interpreter rebuilds its whole numpy dtype table on every dtype lookup (several per operation), lists the
+  builtins of triton.language with inspect.getmembers and makes a wrapper for each on every launch and every
+  device-function call, and spells out a tuple type's printable name for every tensor it makes (its shape).
 
-`speed_up_interpreter()` skips the first where the assertion is dropped and remembers the second. Both are
-idempotent and leave a compiling (GPU) build alone.
+`speed_up_interpreter()` skips the first where the assertion is dropped, remembers the lookups and wrappers, and
+names a tuple type when the name is first read. All are idempotent and leave a compiling (GPU) build alone.
 """
 from __future__ import annotations
 
+import functools
 import importlib
 import inspect
 from typing import Any
@@ -23,13 +25,41 @@ import numpy as np
 def speed_up_interpreter() -> None:
     skip_dropped_overflow_checks()
     remember_interpreter_lookups()
+    name_tuple_types_on_use()
+
+
+def name_tuple_types_on_use() -> None:
+    """triton.language's tuple_type spells out its printable name (each member's repr) when it is made; the interpreter
+    makes one for every tensor it creates (a tensor's shape is a triton.language tuple) and prints almost none. Make the
+    name when first read instead, by Triton's own constructor, from the members it was made with. Idempotent."""
+    core = importlib.import_module("triton.language.core")
+    cls = core.tuple_type
+    if isinstance(cls.__dict__.get("name"), functools.cached_property):
+        return
+    make = cls.__init__
+
+    def init(self: Any, types: Any, fields: Any = None) -> None:
+        self.types = types
+        self.fields = fields or [""] * len(types)
+        self._made_with = fields
+
+    def name(self: Any) -> str:
+        made = object.__new__(cls)
+        make(made, self.types, self._made_with)
+        return made.name
+
+    cls.__init__ = init
+    cls.name = functools.cached_property(name)
+    cls.name.__set_name__(cls, "name")
 
 
 def remember_interpreter_lookups() -> None:
     """The interpreter's dtype table and its list of triton.language builtins, each computed once instead of per call. The
     builtins of a module or class are listed the first time a launch rebinds them, before anything has rebound them; each
     later launch rebinds those names whose member is still a builtin, which is what a full scan finds (a name rebound and
-    never restored, as a device-function call leaves it, holds a wrapper, no builtin, either way). Idempotent."""
+    never restored, as a device-function call leaves it, holds a wrapper, no builtin, either way). The wrapper a name is
+    rebound to is made once per builtin and builder by the interpreter's own code, and bound again on each later launch:
+    it holds only the builtin and a semantic object over the builder, which keeps no state of its own. Idempotent."""
     interp = importlib.import_module("triton.runtime.interpreter")
     if getattr(interp._get_np_dtype, "__specharness_memo__", False):
         return
@@ -47,6 +77,7 @@ def remember_interpreter_lookups() -> None:
         return found
 
     builtin_names: dict[Any, list[str]] = {}
+    wrappers: dict[tuple[Any, str], tuple[Any, Any, Any]] = {}  # (pkg, name) -> (builtin, builder, the wrapper made for them)
 
     def patch_builtin(pkg: Any, builder: Any, scope: Any) -> None:
         names = builtin_names.get(pkg)
@@ -55,10 +86,28 @@ def remember_interpreter_lookups() -> None:
         for name in names:
             member = getattr(pkg, name, None)
             if tl.core.is_builtin(member):
-                patch_attr(pkg, name, member, builder, scope)
+                made = wrappers.get((pkg, name))
+                if made is None or made[0] is not member or made[1] is not builder:
+                    made = wrappers[(pkg, name)] = (member, builder, _made_wrapper(patch_attr, pkg, name, member, builder))
+                scope.set_attr(pkg, name, made[2])
 
     np_dtype.__specharness_memo__ = True  # type: ignore[attr-defined]
     interp._get_np_dtype, interp._patch_builtin = np_dtype, patch_builtin
+
+
+class _Kept:
+    """A patch scope that keeps the value instead of setting it."""
+
+    value: Any = None
+
+    def set_attr(self, obj: Any, name: str, value: Any) -> None:
+        self.value = value
+
+
+def _made_wrapper(patch_attr: Any, pkg: Any, name: str, member: Any, builder: Any) -> Any:
+    kept = _Kept()
+    patch_attr(pkg, name, member, builder, kept)
+    return kept.value
 
 
 def skip_dropped_overflow_checks() -> None:

@@ -34,13 +34,13 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-import struct
 from dataclasses import dataclass, field
 from typing import Any, Callable, Hashable, Iterator, Optional
 
 import torch
 
 from harness.engines.interpreter import VIOLATIONS, Violation
+from harness.engines.launch_memo import launch_state, storage_bytes
 
 # The per-request and per-token buffers the fill writes, as the fill's parameters name them.
 FILLED = ("input_ids", "positions", "out_cache_loc", "seq_lens", "req_pool_indices", "num_correct_drafts",
@@ -88,13 +88,6 @@ class FillObserver:
         return self.memo.call(self.engine_fill, args, kwargs)
 
 
-_SCALARS = (int, bool, str, type(None))
-
-
-def _bytes(storage: torch.UntypedStorage) -> bytes:
-    return torch.empty(0, dtype=torch.uint8).set_(storage).numpy().tobytes()
-
-
 @dataclass
 class FillMemo:
     """A deterministic launcher's effect per exact input state (the module docstring says why replaying it is exact)."""
@@ -102,29 +95,8 @@ class FillMemo:
     effects: dict[Hashable, tuple[list[bytes], list[Violation]]] = field(default_factory=dict)
     hits: int = 0
 
-    @staticmethod
-    def _state(args: tuple, kwargs: dict) -> tuple[Optional[Hashable], list[torch.UntypedStorage]]:
-        """(the key, the storages the tensor arguments view, in first-seen order); key None: not memoizable."""
-        storages: dict[int, torch.UntypedStorage] = {}
-        parts: list[Hashable] = []
-        for name, v in [*enumerate(args), *sorted(kwargs.items())]:
-            if isinstance(v, torch.Tensor):
-                if v.device.type != "cpu":
-                    return None, []
-                s = v.untyped_storage()
-                index = list(storages).index(s.data_ptr()) if s.data_ptr() in storages else len(storages)
-                storages.setdefault(s.data_ptr(), s)
-                parts.append((name, "tensor", v.dtype, tuple(v.shape), v.stride(), v.storage_offset(), index))
-            elif isinstance(v, float):  # by its bits: -0.0 is not 0.0, a NaN equals itself
-                parts.append((name, "float", struct.pack("<d", v)))
-            elif isinstance(v, _SCALARS):
-                parts.append((name, type(v).__name__, v))
-            else:
-                return None, []
-        return (tuple(parts), tuple(_bytes(s) for s in storages.values())), list(storages.values())
-
     def call(self, fn: Callable, args: tuple, kwargs: dict) -> Any:
-        key, storages = self._state(args, kwargs)
+        key, storages = launch_state(args, kwargs)
         seen = None if key is None else self.effects.get(key)
         if seen is not None:
             after, violations = seen
@@ -136,7 +108,7 @@ class FillMemo:
         mark = len(VIOLATIONS)
         ret = fn(*args, **kwargs)
         if key is not None and ret is None:
-            self.effects[key] = ([_bytes(s) for s in storages], VIOLATIONS[mark:])
+            self.effects[key] = ([storage_bytes(s) for s in storages], VIOLATIONS[mark:])
         return ret
 
 

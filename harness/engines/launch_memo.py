@@ -1,0 +1,84 @@
+"""A launch's effect, written back on an exactly equal state instead of computed again.
+
+Triton's interpreter runs a launch program by program in Python (milliseconds each), and engine-check
+launches the same kernels on the same inputs many times: the DP ranks of a world replay one schedule,
+and the decode paths share their prefill. A launch is a deterministic function of what it can read,
+and its only effect is writes into the memory it can address. Where all of that is in the key -- the
+bytes of every storage its tensor arguments view (compared whole, not hashed), each tensor's dtype,
+shape, strides, storage offset and which arguments share a storage, the plain scalar arguments, and
+the caller's context (which kernel, grid and options) -- an equal key means an equal effect, and
+writing back every byte of those storages as the first launch left them is exact, not an
+approximation. What the key cannot see is the caller's to leave out (`record` is never called for it):
+interpreter.py never memoizes a launch that made a pointer from an integer (it read memory no argument
+names) or an integer from a pointer (its result may depend on where the heap put the arguments), one
+that printed (output is an effect too), nor one that raised or had an access masked off.
+"""
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass, field
+from typing import Hashable, Optional
+
+import torch
+
+_SCALARS = (int, bool, str, type(None))
+
+
+def storage_bytes(storage: torch.UntypedStorage) -> bytes:
+    return torch.empty(0, dtype=torch.uint8).set_(storage).numpy().tobytes()
+
+
+def launch_state(args: tuple, kwargs: dict) -> tuple[Optional[Hashable], list[torch.UntypedStorage]]:
+    """(the key of a call's inputs, the storages its tensor arguments view, in first-seen order); key None: an argument
+    of a kind the key cannot hold (not a CPU tensor, a float or a plain scalar), so the call is not memoizable."""
+    storages: dict[int, torch.UntypedStorage] = {}
+    parts: list[Hashable] = []
+    for name, v in [*enumerate(args), *sorted(kwargs.items())]:
+        if isinstance(v, torch.Tensor):
+            if v.device.type != "cpu":
+                return None, []
+            s = v.untyped_storage()
+            index = list(storages).index(s.data_ptr()) if s.data_ptr() in storages else len(storages)
+            storages.setdefault(s.data_ptr(), s)
+            parts.append((name, "tensor", v.dtype, tuple(v.shape), v.stride(), v.storage_offset(), index))
+        elif isinstance(v, float):  # by its bits: -0.0 is not 0.0, a NaN equals itself
+            parts.append((name, "float", struct.pack("<d", v)))
+        elif isinstance(v, _SCALARS):
+            parts.append((name, type(v).__name__, v))
+        else:
+            return None, []
+    return (tuple(parts), tuple(storage_bytes(s) for s in storages.values())), list(storages.values())
+
+
+@dataclass
+class LaunchMemo:
+    """Per key, the bytes each storage held after the first launch (None: the launch left it as it was)."""
+
+    max_bytes: int = 256 << 20  # held in all before new launches are no longer kept (the memo must not crowd the check out)
+    effects: dict[Hashable, tuple[Optional[bytes], ...]] = field(default_factory=dict)
+    held: int = 0
+    hits: int = 0
+
+    def key(self, context: Hashable, args: tuple, kwargs: dict) -> tuple[Optional[Hashable], list[torch.UntypedStorage]]:
+        state, storages = launch_state(args, kwargs)
+        return (None, []) if state is None else ((context, state), storages)
+
+    def replay(self, key: Hashable, storages: list[torch.UntypedStorage]) -> bool:
+        """Write back the effect of the launch first seen at `key` (True), or do nothing (False: not seen)."""
+        after = self.effects.get(key)
+        if after is None:
+            return False
+        for s, b in zip(storages, after, strict=True):
+            if b is not None:
+                s.copy_(torch.frombuffer(bytearray(b), dtype=torch.uint8).untyped_storage())
+        self.hits += 1
+        return True
+
+    def record(self, key: Hashable, storages: list[torch.UntypedStorage]) -> None:
+        """Keep what the launch just made at `key` left in its storages."""
+        before = key[1][1]
+        after = tuple(None if a == b else a for a, b in zip((storage_bytes(s) for s in storages), before, strict=True))
+        size = sum(map(len, before)) + sum(len(a) for a in after if a is not None)
+        if self.held + size <= self.max_bytes:
+            self.effects[key] = after
+            self.held += size
