@@ -42,6 +42,20 @@ def spec_skip_reason(case: Case) -> Optional[str]:
 # ----------------------------------------------------------------------------------------
 
 
+def cheaper_triton_interpreter() -> None:
+    """Without a GPU the triton backend's kernels run in Triton's interpreter, thousands of launches and device-function
+    calls per session: give it the engine checks' two lookups remembered and its dropped overflow conditions skipped
+    (harness.engines.interpreter; the kernels compute the same, and both are idempotent and process-wide)."""
+    # imported here: triton is heavy, and runners' launcher must set TRITON_INTERPRET before triton's first import
+    from runners.attention import triton_launch
+
+    if triton_launch.INTERPRET:
+        from harness.engines.interpreter import remember_interpreter_lookups, skip_dropped_overflow_checks
+
+        remember_interpreter_lookups()
+        skip_dropped_overflow_checks()
+
+
 class SpecSession:
     """A layout's SpecEngines on simulated ranks, stepped together; `hook(engine)` instruments each."""
 
@@ -53,6 +67,8 @@ class SpecSession:
         self.keep_traces = keep_traces
         self.traces: list[list[list[CollectiveCall]]] = []  # keep_traces: per step, per rank, its collective calls (P7)
         self.runner, self.proposer, self.attention_backend = runner, proposer, attention_backend
+        if attention_backend == "triton":
+            cheaper_triton_interpreter()
         self.world = SimulatedWorld(layout, timeout_s=timeout_s)
 
         def build(comm):
