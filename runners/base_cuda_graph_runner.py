@@ -2,9 +2,10 @@
 bucket.
 
 The four runners differ in their buffers, their `get_forward_batch(bs)` and their replay fill; they share the capture
-loop (two warm-ups with the capture-time metadata, a barrier after each, then the capture, largest bucket first,
-DESIGN.md §6.2) and the bucket rule (the smallest captured bs >= the batch; in the MLP-TP gather branch every DP group
-replays the same bucket, so the largest group's batch decides, §6.4), the gathered token-count tensors with their
+loop (the engine's eager warm-ups with the capture-time metadata, a barrier after each, then the capture, largest
+bucket first, DESIGN.md §6.2; two warm-ups on a GPU, one on the recorded CPU graph: GraphBackend.num_warmups) and the
+bucket rule (the smallest captured bs >= the batch; in the MLP-TP gather branch every DP group replays the same
+bucket, so the largest group's batch decides, §6.4), the gathered token-count tensors with their
 capture-time bake, and the replay itself (a host re-plan for backends that plan outside the graph, then the graph).
 SGLang splits this between BaseCudaGraphRunner (the capture sizes, the bucket rule) and DecodeCudaGraphRunner, which
 the draft runners there subclass; ours subclass this class alone, since our DecodeCudaGraphRunner
@@ -117,7 +118,7 @@ class BaseCudaGraphRunner:
             fb = self.get_forward_batch(bs).frozen()
             self.capture_batches[bs] = fb
             self.init_capture_metadata(fb)
-            for _ in range(2):  # warm-up, as the engine does, with the capture-time metadata
+            for _ in range(self.backend.num_warmups):  # warm-ups, as the engine runs them, with the capture-time metadata
                 self.backend.warmup(lambda fb=fb: self._body(fb))
                 self.comm.barrier(Group.WORLD)
             self.graphs[bs] = self.backend.capture(lambda fb=fb: self._body(fb), piecewise=self.piecewise_graphs)

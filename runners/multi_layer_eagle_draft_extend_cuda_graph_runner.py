@@ -271,14 +271,15 @@ class OneGraphMultiLayerEagleMultiStepDraftExtendCudaGraphRunner(MultiLayerEagle
         return outs
 
     def capture(self) -> None:
-        """Largest bucket first, as the engine; two warm-ups with the capture-time metadata, a barrier after each."""
+        """Largest bucket first, as the engine; its warm-ups (GraphBackend.num_warmups) with the capture-time metadata, a
+        barrier after each."""
         first = self.runners[0]
         for bs in reversed(first.capture_bs):
             batches = [r.get_forward_batch(bs).frozen() for r in self.runners]
             for r, fb in zip(self.runners, batches, strict=True):
                 r.capture_batches[bs] = fb
                 r.init_capture_metadata(fb)
-            for _ in range(2):
+            for _ in range(self.backend.num_warmups):
                 self.backend.warmup(lambda bs=bs, batches=batches: self._body(bs, batches))
                 first.comm.barrier(Group.WORLD)
             first.graphs[bs] = self.backend.capture(lambda bs=bs, batches=batches: self._body(bs, batches))

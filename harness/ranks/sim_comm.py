@@ -26,7 +26,14 @@ class CollectiveWorld(Protocol):
     layout: ParallelLayout
     world_size: int
 
+    def group_instance(self, group: Group, rank: int) -> tuple[int, ...]: ...
+
     def _collective(self, rank: int, op: str, group: Group, t: Optional[torch.Tensor], params: tuple, combine: Combine): ...
+
+
+def _group(group: Group | str) -> Group:
+    """A Group from a Group or its value (Enum's lookup by value is Python code, run on every collective otherwise)."""
+    return group if type(group) is Group else Group(group)
 
 
 class SimComm(DispatchedCollectives):
@@ -38,13 +45,13 @@ class SimComm(DispatchedCollectives):
         self.world_size = world.world_size
 
     def group_ranks(self, group: Group) -> list[int]:
-        return self._world.layout.group_ranks(Group(group), self.rank)
+        return list(self._world.group_instance(_group(group), self.rank))
 
     def _run(self, op: str, t: Optional[torch.Tensor], group: Group, params: tuple, combine: Combine):
         if t is not None and not isinstance(t, torch.Tensor):
             raise TypeError(f"{op}: expected a torch.Tensor, got {type(t).__name__}")
         return self._world._collective(
-            self.rank, op, Group(group), t.detach() if t is not None else None, params, combine
+            self.rank, op, _group(group), t.detach() if t is not None else None, params, combine
         )
 
     def _need_dim0(self, op: str, t: torch.Tensor) -> None:

@@ -165,6 +165,7 @@ class SimulatedWorld:
         self.world_size = layout.world_size
         self.timeout_s = timeout_s
         self.traces: list[list[CollectiveCall]] = []
+        self._group_ranks: dict[tuple[Group, int], tuple[int, ...]] = {}  # (group, rank) -> its instance: a layout is immutable
         self._lock = threading.Lock()
         self._running = False
         self._reset()
@@ -244,6 +245,13 @@ class SimulatedWorld:
             slot.cond.notify_all()
 
     # ---- collectives ----
+    def group_instance(self, group: Group, rank: int) -> tuple[int, ...]:
+        """The global ranks of `rank`'s instance of `group`, in group-rank order (the layout's group_ranks, kept)."""
+        ranks = self._group_ranks.get((group, rank))
+        if ranks is None:
+            ranks = self._group_ranks[(group, rank)] = tuple(self.layout.group_ranks(group, rank))
+        return ranks
+
     def _collective(
         self,
         rank: int,
@@ -254,7 +262,7 @@ class SimulatedWorld:
         combine: Combine,
     ) -> Optional[torch.Tensor]:
         """Record the call, meet the group's other members, return this member's fresh output."""
-        ranks = tuple(self.layout.group_ranks(group, rank))
+        ranks = self.group_instance(group, rank)
         with self._lock:
             if not self._running:
                 raise RuntimeError(f"rank {rank} called {op} outside SimulatedWorld.run (a SimComm is only valid inside fn)")
@@ -333,9 +341,9 @@ class SimulatedWorld:
         for r, st in missing:
             if st.status == "raised":
                 return PeerFailed(r, exc_line(st.exc))  # type: ignore[arg-type]
-        ref = slot.arrivals[slot.first].describe() if slot.first is not None else "?"
         for r, st in missing:
             if st.status == "returned":
+                ref = slot.arrivals[slot.first].describe() if slot.first is not None else "?"
                 return CollectiveMismatch(
                     f"rank {r} returned from fn without calling {ref} [{slot.label}]; arrived: ranks {sorted(slot.arrivals)}"
                 )

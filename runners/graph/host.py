@@ -52,6 +52,20 @@ def is_host_mirror(t: torch.Tensor) -> bool:
     return held is not None and held() is storage
 
 
+def host_mirrors(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The host mirrors among `tensors`, in order: is_host_mirror of each, for the recorder's every op. The device test
+    is left to the identity test (a marked storage is a CPU storage, so no other device's storage is it)."""
+    if not _marked:
+        return []
+    out = []
+    for t in tensors:
+        storage = t.untyped_storage()
+        held = _marked.get(storage.data_ptr())
+        if held is not None and held() is storage:
+            out.append(t)
+    return out
+
+
 # ---- a device op that takes host tensors, inside a capture ----
 
 _COPIES = (torch.ops.aten.copy_.default, torch.ops.aten._to_copy.default, torch.ops.aten._copy_from.default)

@@ -44,12 +44,6 @@ def tensors_in(obj: Any) -> Iterator[torch.Tensor]:
             yield from tensors_in(x)
 
 
-def _placeable(t: torch.Tensor) -> bool:
-    """A tensor that is its storage, whole: a new result (an op's fresh output), not a view of something."""
-    return (t.layout == torch.strided and t.numel() > 0 and t.is_contiguous() and t.storage_offset() == 0
-            and t.untyped_storage().nbytes() == t.numel() * t.element_size())
-
-
 class RecordedPool:
     """Blocks freed by the captures into this pool, handed to the next ones (module doc)."""
 
@@ -61,17 +55,25 @@ class RecordedPool:
         self.placed = 0  # tensors a capture placed in an earlier capture's freed block
 
     def place(self, t: torch.Tensor) -> torch.Tensor:
-        """`t`, a tensor a capture just made, moved into the smallest freed block that holds it (or `t` itself)."""
-        if not self.free or not _placeable(t):
+        """`t`, a tensor a capture just made, moved into the smallest freed block that holds it (or `t` itself).
+
+        Only a tensor that is its storage, whole, moves: a new result (an op's fresh output), not a view of something.
+        """
+        if not self.free or t.layout != torch.strided:
             return t
-        need = t.untyped_storage().nbytes()
-        i = bisect.bisect_left(self.free, (need, -1))
-        while i < len(self.free) and self.free[i][2].device != t.device:
+        storage = t.untyped_storage()
+        need = storage.nbytes()
+        if not need or need != t.numel() * t.element_size() or t.storage_offset() or not t.is_contiguous():
+            return t
+        free = self.free
+        i = bisect.bisect_left(free, (need, -1))
+        device = storage.device
+        while i < len(free) and free[i][2].device != device:
             i += 1
-        if i == len(self.free):
+        if i == len(free):
             return t
-        block = self.free.pop(i)[2]
-        moved = torch.empty(0, dtype=t.dtype, device=t.device).set_(block, 0, t.shape, t.stride())
+        block = free.pop(i)[2]
+        moved = t.new_empty(0).set_(block, 0, t.shape, t.stride())
         moved.copy_(t)
         self.placed += 1
         return moved

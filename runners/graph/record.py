@@ -52,7 +52,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map_only
 
-from runners.graph.host import host_device_mix, host_mirror, is_host_mirror
+from runners.graph.host import host_device_mix, host_mirror, host_mirrors, is_host_mirror
 from runners.graph.pool import RecordedPool
 
 
@@ -244,6 +244,7 @@ class _Plan(NamedTuple):
     capturability: int
     effect: int
     out: Optional[tuple[torch._ops.OpOverload, tuple[str, ...]]]
+    call: Callable  # the C++ op OpOverload.__call__ forwards to (a Python frame fewer per op)
 
 
 _PLANS: dict[int, _Plan] = {}  # by id(func): an OpOverload's own hash is Python code, run per op otherwise
@@ -253,8 +254,14 @@ def _plan(func: torch._ops.OpOverload) -> _Plan:
     plan = _PLANS.get(id(func))
     if plan is None:
         effect = _effect(func)
-        plan = _PLANS[id(func)] = _Plan(func, _capturability(func), effect, _out_overload(func) if effect == _FUNCTIONAL else None)
+        plan = _PLANS[id(func)] = _Plan(func, _capturability(func), effect, _out_overload(func) if effect == _FUNCTIONAL else None,
+                                        _op_call(func))
     return plan
+
+
+def _op_call(func: torch._ops.OpOverload) -> Callable:
+    """OpOverload.__call__ only forwards to the C++ op: call that directly (replay does, for every recorded op)."""
+    return getattr(func, "_op", func)
 
 
 def _record(plan: _Plan, args: tuple, kwargs: dict, out: Any) -> Optional[RecordedOp]:
@@ -280,18 +287,29 @@ def _record(plan: _Plan, args: tuple, kwargs: dict, out: Any) -> Optional[Record
 
 def _tensors_in(args: tuple, kwargs: dict) -> list[torch.Tensor]:
     """The tensors of an op's arguments (as such or in Tensor[] lists), in tree_leaves order, without pytree's per-node
-    type lookup: run on every op a capture records, pytree was most of what recording cost."""
+    type lookup: run on every op a capture records, pytree was most of what recording cost. An aten argument is a
+    tensor, a scalar or a flat list; the first level is walked inline, anything deeper by `_nested`."""
     out: list[torch.Tensor] = []
-    stack: list[Any] = [*reversed(kwargs.values()), *reversed(args)]
-    while stack:
-        x = stack.pop()
+    for x in args:
         if isinstance(x, torch.Tensor):
             out.append(x)
-        elif isinstance(x, (list, tuple)):
-            stack.extend(reversed(x))
-        elif isinstance(x, dict):
-            stack.extend(reversed(x.values()))
+        elif isinstance(x, (list, tuple, dict)):
+            _nested(x, out)
+    if kwargs:
+        for x in kwargs.values():
+            if isinstance(x, torch.Tensor):
+                out.append(x)
+            elif isinstance(x, (list, tuple, dict)):
+                _nested(x, out)
     return out
+
+
+def _nested(x: Any, out: list[torch.Tensor]) -> None:
+    for y in (x.values() if isinstance(x, dict) else x):
+        if isinstance(y, torch.Tensor):
+            out.append(y)
+        elif isinstance(y, (list, tuple, dict)):
+            _nested(y, out)
 
 
 class _Recorder(TorchDispatchMode):
@@ -309,9 +327,9 @@ class _Recorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        plan = _plan(func)
+        plan = _PLANS.get(id(func)) or _plan(func)
         tensors = _tensors_in(args, kwargs)
-        host = [t for t in tensors if is_host_mirror(t)]
+        host = host_mirrors(tensors)
         if host and len(host) == len(tensors):
             return self._host_op(func, args, kwargs)
         if host:
@@ -324,7 +342,7 @@ class _Recorder(TorchDispatchMode):
             _check_capturable(func, args, plan.capturability)
         _state.capturing = False  # the op's own implementation may read the host (collective bookkeeping, interpreter)
         try:
-            out = func(*args, **kwargs)
+            out = plan.call(*args, **kwargs)
         finally:
             _state.capturing = True
         if plan.effect == _FUNCTIONAL and self.pool is not None:
@@ -383,8 +401,7 @@ class RecordedGraph:
         if self.pool is not None:
             self.pool.release(recorder.made, self.output)
         self.ops, self.num_views, self.num_host_ops, self._body = recorder.ops, recorder.views, recorder.host_ops, None
-        # OpOverload.__call__ only forwards to the C++ op: call that directly
-        self._calls = [(getattr(op.func, "_op", op.func), op.args, op.kwargs, op.refresh) for op in self.ops]
+        self._calls = [(_op_call(op.func), op.args, op.kwargs, op.refresh) for op in self.ops]
         return self.output
 
     def replay(self) -> None:

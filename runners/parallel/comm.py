@@ -102,8 +102,11 @@ def _undispatched(comm: "DispatchedCollectives", op: str, t: torch.Tensor, group
     return getattr(comm, f"_{op}")(t, group)
 
 
+_GROUPS = {g.value: g for g in Group}  # the op's group string back to its Group without Enum's Python lookup, per call
+
+
 def _collective_kernel(t: torch.Tensor, op: str, group: str, params: list[int], comm: int) -> torch.Tensor:
-    return _undispatched(_communicator(comm), op, t, Group(group), params)
+    return _undispatched(_communicator(comm), op, t, _GROUPS.get(group) or Group(group), params)
 
 
 def _collective_fake(t: torch.Tensor, op: str, group: str, params: list[int], comm: int) -> torch.Tensor:
@@ -133,7 +136,8 @@ class DispatchedCollectives:
     def _issue(self, op: str, t: torch.Tensor, group: Group, params: Sequence[int] = ()) -> torch.Tensor:
         if not isinstance(t, torch.Tensor):
             return _undispatched(self, op, t, group, params)
-        return torch.ops.specharness.collective(t, op, Group(group).value, [int(p) for p in params], _handle(self))
+        value = group.value if type(group) is Group else Group(group).value
+        return torch.ops.specharness.collective(t, op, value, [int(p) for p in params], _handle(self))
 
     def all_reduce(self, t: torch.Tensor, group: Group) -> torch.Tensor:
         return self._issue("all_reduce", t, group)
