@@ -2,9 +2,8 @@
 bucket.
 
 The four runners differ in their buffers, their `get_forward_batch(bs)` and their replay fill; they share the capture
-loop (the engine's eager warm-ups with the capture-time metadata, a barrier after each, then the capture, largest
-bucket first, DESIGN.md §6.2; two warm-ups on a GPU, one on the recorded CPU graph: GraphBackend.num_warmups) and the
-bucket rule (the smallest captured bs >= the batch; in the MLP-TP gather branch every DP group replays the same
+loop (two warm-ups with the capture-time metadata, a barrier after each, then the capture, largest bucket first,
+DESIGN.md §6.2) and the bucket rule (the smallest captured bs >= the batch; in the MLP-TP gather branch every DP group replays the same
 bucket, so the largest group's batch decides, §6.4), the gathered token-count tensors with their
 capture-time bake, and the replay itself (a host re-plan for backends that plan outside the graph, then the graph).
 SGLang splits this between BaseCudaGraphRunner (the capture sizes, the bucket rule) and DecodeCudaGraphRunner, which
@@ -51,6 +50,13 @@ def gathered_buffers(layout: ParallelLayout, device: torch.device) -> tuple[Opti
         return None, None
     n = layout.attn_dp_size if layout.require_mlp_tp_gather else 1
     return torch.zeros(n, dtype=torch.int32, device=device), torch.zeros(n, dtype=torch.int32, device=device)
+
+
+# Eager warm-ups per bucket before its capture, a world barrier after each, on every graph backend. On a GPU the engine's
+# two pay for one-time work (lazy library init, the allocator settling), which a recorded CPU graph has none of; it runs
+# them all the same, because a warm-up pass issues the layer's collectives and the barrier its own: the simulated ranks'
+# collective trace must be the real ranks' (sim-vs-real compares them with NCCL ranks, whose graphs are CUDA graphs).
+WARMUPS = 2
 
 
 class RunnerKind(StrEnum):
@@ -118,7 +124,7 @@ class BaseCudaGraphRunner:
             fb = self.get_forward_batch(bs).frozen()
             self.capture_batches[bs] = fb
             self.init_capture_metadata(fb)
-            for _ in range(self.backend.num_warmups):  # warm-ups, as the engine runs them, with the capture-time metadata
+            for _ in range(WARMUPS):  # the engine's warm-ups, with the capture-time metadata, a barrier after each
                 self.backend.warmup(lambda fb=fb: self._body(fb))
                 self.comm.barrier(Group.WORLD)
             self.graphs[bs] = self.backend.capture(lambda fb=fb: self._body(fb), piecewise=self.piecewise_graphs)

@@ -27,7 +27,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from runners.base_cuda_graph_runner import RunnerKind
+from runners.base_cuda_graph_runner import WARMUPS, RunnerKind
 from runners.batch import EagleDraftInput, ForwardBatch, ForwardMode, host_copy
 from runners.dp_metadata import GatheredMetadata
 from runners.draft_extend import SEQ_LEN_FILL_VALUE, DraftExtendInputs, DraftWorker, StepOutputs, draft_extend_step
@@ -271,15 +271,14 @@ class OneGraphMultiLayerEagleMultiStepDraftExtendCudaGraphRunner(MultiLayerEagle
         return outs
 
     def capture(self) -> None:
-        """Largest bucket first, as the engine; its warm-ups (GraphBackend.num_warmups) with the capture-time metadata, a
-        barrier after each."""
+        """Largest bucket first, as the engine; its warm-ups (WARMUPS) with the capture-time metadata, a barrier after each."""
         first = self.runners[0]
         for bs in reversed(first.capture_bs):
             batches = [r.get_forward_batch(bs).frozen() for r in self.runners]
             for r, fb in zip(self.runners, batches, strict=True):
                 r.capture_batches[bs] = fb
                 r.init_capture_metadata(fb)
-            for _ in range(self.backend.num_warmups):
+            for _ in range(WARMUPS):
                 self.backend.warmup(lambda bs=bs, batches=batches: self._body(bs, batches))
                 first.comm.barrier(Group.WORLD)
             first.graphs[bs] = self.backend.capture(lambda bs=bs, batches=batches: self._body(bs, batches))

@@ -92,14 +92,6 @@ class GraphBackend:
             raise ValueError(f"unknown graph backend {kind!r}: expected auto, sim or cuda")
         self.kind = kind
         self.stats = GraphStats()
-        # Eager warm-ups per bucket before its capture (the runners' capture loops). The engine runs two on a GPU: they
-        # pay the one-time work before the graph captures (lazy library and kernel init, the caching allocator
-        # settling). A recorded CPU graph has none of that; what a warm-up gives its capture there is the state the
-        # pass writes with the capture-time metadata (a host-planned backend's plan, the buffers the body writes), and
-        # a second pass over the same inputs writes the same bits again. Where a body advances its own inputs (the
-        # draft decode's positions, the one-graph chain), a second pass writes other bits, but only where no replay
-        # reads them: buffers the replay fill rewrites, padded lanes no live row reads, the padding KV slot.
-        self.num_warmups = 2 if kind == "cuda" else 1
         # one pool for every graph of this backend, on a GPU and (simulated: runners.graph.pool) on CPU
         self.pool = torch.cuda.graph_pool_handle() if kind == "cuda" else RecordedPool()
         self.stream = torch.cuda.Stream(device) if kind == "cuda" else None
