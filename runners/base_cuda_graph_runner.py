@@ -2,9 +2,9 @@
 bucket.
 
 The four runners differ in their buffers, their `get_forward_batch(bs)` and their replay fill; they share the capture
-loop (two warm-ups with the capture-time metadata, a barrier after each, then the capture, largest bucket first,
-DESIGN.md §6.2) and the bucket rule (the smallest captured bs >= the batch; in the MLP-TP gather branch every DP group replays the same
-bucket, so the largest group's batch decides, §6.4), the gathered token-count tensors with their
+loop (two warm-ups with the capture-time metadata, a barrier after each: WARMUPS; then the capture, largest bucket
+first) and the bucket rule (the smallest captured bs >= the batch; in the MLP-TP gather branch every DP group replays
+the same bucket, so the largest group's batch decides), the gathered token-count tensors with their
 capture-time bake, and the replay itself (a host re-plan for backends that plan outside the graph, then the graph).
 SGLang splits this between BaseCudaGraphRunner (the capture sizes, the bucket rule) and DecodeCudaGraphRunner, which
 the draft runners there subclass; ours subclass this class alone, since our DecodeCudaGraphRunner
@@ -44,7 +44,7 @@ def compute_capture_bs(layout: ParallelLayout, configured: tuple[int, ...] | lis
 
 
 def gathered_buffers(layout: ParallelLayout, device: torch.device) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
-    """global_num_tokens_gpu and global_num_tokens_for_logprob_gpu of a graph runner (§6.2): int32,
+    """global_num_tokens_gpu and global_num_tokens_for_logprob_gpu of a graph runner: int32,
     (dp,) in the MLP-TP gather branch, (1,) in the attn-TP gather branch, none in the other."""
     if not layout.require_gathered_buffer:
         return None, None
@@ -140,7 +140,7 @@ class BaseCudaGraphRunner:
     def _choose_bucket(self, needed: int) -> int:
         return self.capture_bs[bisect.bisect_left(self.capture_bs, needed)]
 
-    # ---- the gathered token counts (§6.2: int32, (dp,) in the MLP branch, (1,) in the attn branch) ----
+    # ---- the gathered token counts (int32, (dp,) in the MLP branch, (1,) in the attn branch) ----
     def _init_gathered(self, device: torch.device) -> None:
         self.global_num_tokens_gpu, self.global_num_tokens_for_logprob_gpu = gathered_buffers(self.layout, device)
 

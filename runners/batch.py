@@ -2,7 +2,7 @@
 
 Host-side values (ints, lists) are what a CUDA graph bakes at capture; tensors are
 views of static buffers that replay reads. Keeping the two apart in one dataclass is
-what lets the CPU graph simulation be honest (DESIGN.md §2).
+what lets the CPU graph simulation be honest.
 """
 from __future__ import annotations
 

@@ -6,7 +6,7 @@ TARGET_VERIFY mode when speculative decoding is on, and DECODE otherwise; this e
 (its other forwards run eagerly), so ours has the TARGET_VERIFY mode only, and buffers of its own (the tree masks, the
 output rows). The draft runners, which subclass SGLang's, subclass runners.base_cuda_graph_runner here.
 
-As the engine's runner in TARGET_VERIFY mode (DESIGN.md §6.2-6.4): static
+As the engine's runner in TARGET_VERIFY mode (its replay fill: docs/replay-fill.md): static
 buffers sized for the largest bucket; one graph per capture_bs bucket; `get_forward_batch(bs)`
 bakes the per-branch gathered metadata, counting tokens (bs * num_draft_tokens) with
 logits for every token; replay copies the live lanes in, writes the replay fill into the
@@ -116,7 +116,7 @@ class DecodeCudaGraphRunner(BaseCudaGraphRunner):
         self.graphs: dict[int, object] = {}
         self.capture_batches: dict[int, ForwardBatch] = {}
 
-    # ---- metadata, per branch (§6.3): every count is tokens, and every token gets logits ----
+    # ---- metadata, per branch: every count is tokens, and every token gets logits ----
     def get_forward_batch(self, bs: int) -> ForwardBatch:
         n = bs * self.T
         meta = gathered_metadata(self.layout, [n] * self.layout.attn_dp_size, [n] * self.layout.attn_dp_size, self.ctx.attn_dp_rank)
@@ -145,7 +145,7 @@ class DecodeCudaGraphRunner(BaseCudaGraphRunner):
         )
         return fb
 
-    # ---- capture (§6.2) ----
+    # ---- capture ----
     def _body(self, fb: ForwardBatch) -> TargetOutput:
         out = target_step(self.target, fb)
         n = fb.batch_size * self.T
@@ -161,7 +161,7 @@ class DecodeCudaGraphRunner(BaseCudaGraphRunner):
     def attn_backend(self):
         return self.target.attn
 
-    # ---- replay (§6.4) ----
+    # ---- replay ----
     def _copy_live_inputs(self, inp: VerifyInputs) -> None:
         raw_bs = inp.bs
         raw_n = raw_bs * self.T

@@ -1,7 +1,7 @@
 """Per-branch gathered metadata: one helper for the eager path, capture and replay.
 
-DESIGN.md §6.3. In DRAFT_EXTEND_V2 every value counts tokens (bs * num_tokens_per_bs),
-never requests.
+In DRAFT_EXTEND_V2 every value counts tokens (bs * num_tokens_per_bs), never requests
+(docs/properties.md, I5).
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Draft proposers: the multi-layer EAGLE draft (eager or graph draft-extend) and an agreeing draft.
 
-Multi-layer EAGLE (MTP): draft step k runs draft layer k (DESIGN.md §1), so the draft's
+Multi-layer EAGLE (MTP): draft step k runs draft layer k (docs/spec-decode.md), so the draft's
 decode steps *are* the steps of its draft-extend pass: after each verify, draft-extend runs
 the S layers over every request's T = S + 1 verified tokens (DRAFT_EXTEND_V2), and step k's
 top-k at the request's selected row (its last accepted token) is the proposal for depth

@@ -1,7 +1,7 @@
 """What the two draft-extend graph runners share: the static input buffers and the runner around them (construction,
 the step body, the replay of a filled bucket), under which each writes its own `get_forward_batch` and replay fill
-(runners.multi_layer_eagle_draft_extend_cuda_graph_runner, runners.eagle_draft_extend_cuda_graph_runner; DESIGN.md
-§6.2-6.4).
+(runners.multi_layer_eagle_draft_extend_cuda_graph_runner, runners.eagle_draft_extend_cuda_graph_runner;
+their replay fills line by line: docs/replay-fill.md).
 
 SGLang's two runners each subclass DecodeCudaGraphRunner and each declare a buffer set of their own
 (MultiLayerEagleDraftExtendInputBuffers, EagleDraftExtendInputBuffers). Ours hold one layout, DraftExtendInputBuffers,

@@ -2,8 +2,8 @@
 
 After the single-layer draft-extend has given every request its first top-k (depth 1) and the
 hidden state of its selected row, the draft decode runs the one draft layer num_steps - 1 more
-times, over bs * topk lanes (one per kept tree node), as the engine's EAGLE worker does
-(DESIGN.md §1): each step selects the topk best of the topk * topk children of the kept nodes by
+times, over bs * topk lanes (one per kept tree node), as the engine's EAGLE worker does:
+each step selects the topk best of the topk * topk children of the kept nodes by
 cumulative score (the product of the probabilities along the path), remembers each new node's
 parent lane, feeds the new nodes with their parent's hidden state, and advances every lane's
 position by one, in place, inside the graph.
@@ -179,7 +179,7 @@ def draft_decode_forward(worker: DraftWorker, fb: ForwardBatch) -> DraftDecodeOu
 def decode_forward_batch(worker: DraftWorker, bs: int, positions: torch.Tensor, seq_lens: torch.Tensor, req_pool_indices: torch.Tensor,
                          out_cache_loc: torch.Tensor, input_ids: torch.Tensor, spec_info: DraftDecodeSpecInfo, seq_lens_sum: int,
                          tokens_per_dp_rank: list[int]) -> ForwardBatch:
-    """A DECODE batch of bs * topk lanes; the gathered metadata counts lanes (tokens), never requests (§6.3)."""
+    """A DECODE batch of bs * topk lanes; the gathered metadata counts lanes (tokens), never requests."""
     meta = gathered_metadata(worker.ctx.layout, tokens_per_dp_rank, list(tokens_per_dp_rank), worker.ctx.attn_dp_rank)
     return ForwardBatch(
         forward_mode=ForwardMode.DECODE,

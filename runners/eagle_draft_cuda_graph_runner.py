@@ -1,6 +1,6 @@
 """EAGLEDraftCudaGraphRunner: the whole multi-step draft decode of the single-layer EAGLE draft in one graph per bucket.
 
-As the engine's runner (DESIGN.md §6.2-6.4): static topk_p / topk_index / hidden_states (one
+As the engine's runner: static topk_p / topk_index / hidden_states (one
 row per request), positions (one per lane, bs * topk), seq_lens / req_pool_indices (one per
 request) and out_cache_loc (bs * topk * (num_steps - 1)) sized for the largest bucket; its own
 capture_bs and `get_forward_batch(bs)`, whose gathered metadata counts bs * topk tokens (DECODE:
@@ -63,7 +63,7 @@ class EAGLEDraftCudaGraphRunner(BaseCudaGraphRunner):
         self.graphs: dict[int, object] = {}
         self.capture_batches: dict[int, ForwardBatch] = {}
 
-    # ---- metadata, per branch (§6.3): DECODE counts every lane (bs * topk tokens), logits for each ----
+    # ---- metadata, per branch: DECODE counts every lane (bs * topk tokens), logits for each ----
     def _capture_num_tokens(self, bs: int) -> int:
         return bs * self.T
 
@@ -103,7 +103,7 @@ class EAGLEDraftCudaGraphRunner(BaseCudaGraphRunner):
         )
         return fb
 
-    # ---- capture (§6.2) ----
+    # ---- capture ----
     def _body(self, fb: ForwardBatch) -> DraftDecodeOutputs:
         return draft_decode_forward(self.worker, fb)
 
@@ -115,7 +115,7 @@ class EAGLEDraftCudaGraphRunner(BaseCudaGraphRunner):
     def attn_backend(self):
         return self.attn
 
-    # ---- replay (§6.4) ----
+    # ---- replay ----
     def _fill_padded_lanes(self, raw_bs: int, bs: int) -> None:
         """Padded lanes get the padding row, the fill seq_len, position 0 and zero top-k / hidden state.
 

@@ -75,7 +75,7 @@ class EAGLEDraftExtendCudaGraphRunner(DraftExtendCudaGraphRunner):
         )
         return fb
 
-    # ---- the replay fill (§6.4) ----
+    # ---- the replay fill ----
     def _fill_padded_lanes(self, num_tokens: int, bs: int) -> None:
         """Every lane to the padding state when the bucket holds more tokens than the batch, before the
         live lanes are copied over it; with no padding the graph reads live lanes only, and nothing is reset.

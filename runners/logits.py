@@ -1,9 +1,9 @@
 """The logits processor, with the DP gather driven by global_num_tokens_for_logprob.
 
-DESIGN.md §6.5. When the batch carries gathered metadata (a gathered buffer is
-required), the hidden rows given to lm_head are exactly the first for_logprob[r] rows of
-each DP rank, copied into a buffer of G rows (G = Σ for_logprob_cpu if the host list is
-given, else global_dp_buffer_len), at offset start_r = Σ_{q<r} for_logprob[q]. Offsets
+When the batch carries gathered metadata (a gathered buffer is required), the hidden rows
+given to lm_head are exactly the first for_logprob[r] rows of each DP rank, copied into a
+buffer of G rows (G = Σ for_logprob_cpu if the host list is given, else global_dp_buffer_len),
+at offset start_r = Σ_{q<r} for_logprob[q] (why: docs/properties.md, I2 and I4). Offsets
 and counts are read from the gpu tensor (what the graph holds at replay), G from the
 host list (what the graph baked at capture). The cross-DP all-reduce and the world-wide
 vocab shard are only used when the layout's logits DP gather is active; in the

@@ -1,7 +1,7 @@
 """The MLP-sync step of an eager pass: pad a short or idle DP rank's batch to the DP maximum, unpad after.
 
 Under DP attention every DP rank gathers every rank's tokens before the MLP, padded to the
-longest (MAX_LEN, DESIGN.md §6.3). The engine pads the ForwardBatch itself before the
+longest (MAX_LEN). The engine pads the ForwardBatch itself before the
 forward, not only the gathered rows: the short rank then runs the whole pass (attention
 included) over the padded lanes, as a graph replay runs its bucket, and the padded lanes
 must be harmless the same way: request row 0 (the padding row) and position 0, so the

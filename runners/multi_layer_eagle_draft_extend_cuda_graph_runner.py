@@ -2,7 +2,7 @@
 runner (MultiLayerEagleDraftExtendCudaGraphRunner: one draft layer, its get_forward_batch and the replay fill), the
 composite that owns one buffer set and a runner per step (MultiLayerEagleMultiStepDraftExtendCudaGraphRunner: a graph
 per step, chained on the host) and its one-graph variant (OneGraphMultiLayerEagleMultiStepDraftExtendCudaGraphRunner:
-one graph per bucket runs every step). DESIGN.md §6.2-6.4.
+one graph per bucket runs every step). Their replay fill, line by line: docs/replay-fill.md.
 
 Static buffers sized for the largest bucket; one graph per capture_bs bucket; `get_forward_batch(bs)` bakes the
 per-branch metadata; the replay fill copies only the live lanes in and writes the gathered gpu tensors; each step
@@ -72,7 +72,7 @@ class MultiLayerEagleDraftExtendCudaGraphRunner(DraftExtendCudaGraphRunner):
         super().__init__(worker, step, backend, buffers)
         self.prepare_fill = PrepareFill.for_device(worker.device)
 
-    # ---- metadata, per branch (§6.3) ----
+    # ---- metadata, per branch ----
     def get_forward_batch(self, bs: int) -> ForwardBatch:
         num_tokens = bs * self.T
         if self.layout.require_mlp_tp_gather:
@@ -112,7 +112,7 @@ class MultiLayerEagleDraftExtendCudaGraphRunner(DraftExtendCudaGraphRunner):
         )
         return fb
 
-    # ---- the replay fill (§6.4) ----
+    # ---- the replay fill ----
     def reset_for_iteration(self, raw_bs: int, accept_lens: torch.Tensor) -> None:
         """Once per decode iteration, before the first step: reset token buffers, seq lens and request rows.
 
@@ -127,7 +127,7 @@ class MultiLayerEagleDraftExtendCudaGraphRunner(DraftExtendCudaGraphRunner):
         self.num_accept_tokens[:raw_bs].copy_(accept_lens)  # unread here (the body selects by num_correct_drafts); the engine's backends read it
 
     def _copy_live_inputs(self, inp: DraftExtendInputs) -> None:
-        """Real lanes only; padded lanes keep reset or stale values (§6.4)."""
+        """Real lanes only; padded lanes keep reset or stale values."""
         raw_n = inp.bs * self.T
         self.input_ids[:raw_n].copy_(inp.input_ids)
         self.positions[:raw_n].copy_(inp.positions)

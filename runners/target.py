@@ -3,7 +3,7 @@
 Every target pass is an EXTEND over lanes of any length (a prefill of a whole prompt, a
 one-token decode step) or a TARGET_VERIFY over tree lanes of num_draft_tokens nodes each (the
 last token and the draft's tree, runners.verify). The gathered metadata comes from
-`gathered_metadata` like every other batch (DESIGN.md §6.3) with the token counts of every
+`gathered_metadata` like every other batch with the token counts of every
 DP group from the scheduler's MLP sync; a short or idle DP group pads its eager pass to the
 largest group's token count (one padding lane) whenever some group is busy, so every rank
 joins every collective with the same rows (runners.mlp_sync).

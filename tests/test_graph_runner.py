@@ -1,4 +1,4 @@
-"""The graph runners: per-branch capture metadata (DESIGN.md §6.3 table, by hand), buckets,
+"""The graph runners: per-branch capture metadata (by hand), buckets,
 replay fill, padded lanes, and the honesty of the CPU graph simulation."""
 import pytest
 import torch
@@ -33,7 +33,7 @@ def inputs(raw_bs, T=4, dp_sizes=None, seq=10):
     )
 
 
-# §6.3 for bs = 4, T = 4 (N = 16), dp = 2: hand-computed
+# The per-branch metadata for bs = 4, T = 4 (N = 16), dp = 2: hand-computed
 @pytest.mark.parametrize(
     "layout,gnt,lp,buf",
     [
@@ -89,7 +89,7 @@ def test_replay_picks_smallest_bucket_and_fills():
 
 
 def test_padded_lanes_get_the_padding_row_and_seq_len_fill_after_a_shrink():
-    """§6.4 (SGLang 0.5.23): after a shrink, padded lanes' req_pool_indices are the padding row 0, not
+    """As SGLang 0.5.23: after a shrink, padded lanes' req_pool_indices are the padding row 0, not
     the larger batch's rows (the step body looks KV write slots up through them); seq_lens are the fill."""
     r = runner(PL(1))
     assert r.prepare_replay(inputs(7)) == 8

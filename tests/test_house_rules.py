@@ -133,3 +133,22 @@ def test_no_property_id_literal_outside_the_registry():
             if isinstance(node, ast.Constant) and isinstance(node.value, str) and PROPERTY_ID.fullmatch(node.value):
                 bad.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.value!r}")
     assert not bad, "\n".join(bad)
+
+
+# The private design note's file name, built from pieces so this file never names it itself.
+PRIVATE_NOTE = "DESIGN" + "." + "md"
+CITING = ("harness", "runners", "benchmarks", "tests")  # every module, and the pages that ship inside a package
+
+
+def _product_text() -> list[Path]:
+    files = [p for d in CITING for suffix in ("*.py", "*.md") for p in (ROOT / d).rglob(suffix) if "__pycache__" not in p.parts]
+    return sorted(files + [ROOT / "conftest.py", ROOT / "README.md", *(ROOT / "docs").glob("*.md")])
+
+
+def test_nothing_cites_the_private_design_note():
+    """The design note does not ship: what a reader needs is in docs/ and the docstrings, in the project's own words."""
+    files = _product_text()
+    assert ROOT / "harness" / "props" / "reference.md" in files and ROOT / "docs" / "index.md" in files  # the walk found them
+    bad = [f"{p.relative_to(ROOT)}:{i}: {line.strip()}" for p in files
+           for i, line in enumerate(p.read_text().splitlines(), 1) if PRIVATE_NOTE in line]
+    assert not bad, f"{len(bad)} line(s) cite {PRIVATE_NOTE}, which does not ship (point to docs/ instead):\n" + "\n".join(bad)

@@ -1,4 +1,4 @@
-"""ParallelLayout derives the engine's flags (DESIGN.md §6.1); expectations written by hand from the spec."""
+"""ParallelLayout derives the branch flags as the engine does; expectations written by hand."""
 import pytest
 
 from harness.run.layouts import all_layouts, branch_sibling, deployed_layouts, layouts_by_branch
@@ -8,7 +8,7 @@ from runners.parallel.comm import Group
 from runners.parallel.layout import Branch, LayoutError
 from runners.parallel.layout import ParallelLayout as PL
 
-# (layout, attn_tp_size, require_mlp_tp_gather, require_attn_tp_gather, branch) — from the §6.1 rules
+# (layout, attn_tp_size, require_mlp_tp_gather, require_attn_tp_gather, branch) — by hand
 TABLE = [
     (PL(1), 1, False, False, Branch.NEITHER),
     (PL(4), 4, False, False, Branch.NEITHER),

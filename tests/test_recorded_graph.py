@@ -1,4 +1,4 @@
-"""The CPU graph records ops at capture and replays the record (runners/graph/record.py, DESIGN.md §2, §7):
+"""The CPU graph records ops at capture and replays the record (runners/graph/record.py):
 capture refuses host reads as a CUDA capture does, replay runs no Python of the body, outputs
 are overwritten in place, views of static buffers alias them, host values are frozen, and
 collectives and Triton launches are recorded like any other op."""

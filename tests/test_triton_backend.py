@@ -1,7 +1,7 @@
 """The Triton attention backend against the torch reference, on CPU in Triton's interpreter.
 
 The interpreter (TRITON_INTERPRET=1) is an oracle for the kernels' indexing and masks in
-fp32 (DESIGN.md §5): every test compares the kernels' output with the reference's on the
+fp32 (docs/gpu.md, Backends): every test compares the kernels' output with the reference's on the
 same paged KV cache. The variable must be set before triton is first imported; this file
 sets it only when triton is not imported yet and CUDA is absent (the backend module does
 the same on import), so it changes nothing for a process that already chose.

@@ -3,7 +3,7 @@ runner against its eager run, and the refusal of a backend that cannot run it.
 
 The attention of draft step s: lane (b, t) reads request b's prefix (req_to_token row, keys below seq_len)
 and its own draft slots of steps 0..s (runners.attention.torch_ref.TorchAttnBackend.init_draft_decode_metadata).
-On CPU the kernel runs in Triton's interpreter, an oracle for indexing and masks in fp32 (DESIGN.md §5).
+On CPU the kernel runs in Triton's interpreter, an oracle for indexing and masks in fp32.
 """
 from __future__ import annotations
 

@@ -11,8 +11,8 @@ peaked at one token, next_token(x) = SEED + 37 x mod VOCAB (37 odd: injective on
 consecutive ids, and the live batch's ids in one iteration are consecutive). A top-k that read
 the wrong row, or a chain write that moved the drafted token, shows as a wrong token.
 
-What the engine must produce, written from DESIGN.md §1 (DRAFT_EXTEND_V2: a fixed window of T
-tokens per request) and the runner sources, not computed by the engine code under test:
+What the engine must produce, written from DRAFT_EXTEND_V2 (a fixed window of T tokens per
+request: docs/properties.md, I5) and the runner sources, not computed by the engine code under test:
 
 * a request's window at step 0 is its T rows [i·T, (i+1)·T); its last accepted token sits at
   offset num_correct_drafts[i] (the front tokens, none here, come first);

@@ -1,8 +1,8 @@
 """Our invariants on an engine's own runners: drive the adapter's capture and replay, check the records.
 
 Builds SGLang's multi-layer EAGLE draft-extend graph runner (one per speculative step) and
-the single-layer one for a representative layout of every branch of DESIGN.md §6 (MLP-TP
-gather, attn-TP gather, neither), without a model or a GPU; runs the engine's capture path
+the single-layer one for a representative layout of every branch (MLP-TP gather, attn-TP
+gather, neither), without a model or a GPU; runs the engine's capture path
 for every bucket (get_forward_batch(bs) and the step body up to the model) and its replay /
 prepare path for every raw batch size up to each bucket; converts what the engine produced
 into our records (harness.run.records.CaptureRecord / ReplayRecord) and runs the same P1
@@ -48,7 +48,7 @@ from harness.verdict import Verdict
 from runners.base_cuda_graph_runner import compute_capture_bs
 from runners.parallel.layout import ParallelLayout
 
-# One or two representative layouts per branch (DESIGN.md §6.1, "which layouts reach which branch").
+# One or two representative layouts per branch (the branch a layout reaches: ParallelLayout.branch, derived as the engine does).
 REPRESENTATIVE_LAYOUTS: tuple[ParallelLayout, ...] = (
     ParallelLayout(4, 2, True),  # MLP-TP gather: DP attention with default flags
     ParallelLayout(4, 1, False, 1),  # attn-TP gather (i): no DP attention, moe_dense_tp_size = 1

@@ -109,7 +109,7 @@ def check_parity(per_request: dict, layouts: tuple[ParallelLayout, ...], line: C
     The comparable quantity is for_logprob per padded token, for_logprob / (bs * T): 1 for
     DRAFT_EXTEND_V2 (the widths T differ between the runners of some releases, so raw values
     would not compare). A difference that both runners explain by what they feed lm_head (I2
-    holds on both: one prunes logits to a row per request, 1/T, DESIGN.md §6.3) is the legal
+    holds on both: one prunes logits to a row per request, 1/T; docs/properties.md, I6) is the legal
     pruned variant: it is reported as a note with its evidence, not hidden. Anything else fails.
     `line(layout, rank, runner, step, bucket)` is the report line a result goes on.
     """

@@ -22,7 +22,7 @@ graph-capturable and a replay reads the static buffers' live contents.
 
 Without CUDA the kernels run in Triton's interpreter (runners/attention/triton_launch.py says
 when that can be and `interpreter_error()` why it cannot). The interpreter is an oracle for
-indexing and masks in fp32, not for GPU numerics (DESIGN.md §5).
+indexing and masks in fp32, not for GPU numerics (bf16 is checked on the GPU: docs/gpu.md, Backends).
 A row with no visible key (impossible for a well-formed batch: key 0 is always visible
 to a token at position >= 0 with seq_len >= 1) gives 0 where the reference gives NaN.
 """

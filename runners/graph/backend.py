@@ -4,8 +4,7 @@ The CPU graph (runners.graph.record.RecordedGraph) captures by recording the ops
 launches and replays that record: host values are the ones baked at capture, tensors
 are the static buffers' current contents, and the captured outputs are overwritten in
 place, as a real graph leaves them. No Python of the body runs at replay, so nothing
-the body reads on the host (the live batch, a runner attribute) can reach a replay
-(DESIGN.md §2, §7).
+the body reads on the host (the live batch, a runner attribute) can reach a replay.
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The CPU graph: record the ops a step body launches at capture, replay the record (DESIGN.md §2, §7).
+"""The CPU graph: record the ops a step body launches at capture, replay the record (docs/architecture.md, the graph mechanism).
 
 A CUDA graph replays kernels, not Python: every host value the body computed during
 capture (an int read from an attribute, a branch taken, a shape) is frozen into the

@@ -1,4 +1,4 @@
-"""The collectives around a layer that depend on the layout branch (DESIGN.md §1, §6).
+"""The collectives around a layer that depend on the layout branch.
 
 - MLP-TP gather: DP-attention ranks gather every DP group's tokens (padded to the
   longest, MAX_LEN) before a world-sharded MLP and scatter their own chunk back; or, in a

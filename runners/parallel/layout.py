@@ -1,6 +1,6 @@
 """ParallelLayout: the server-args slice that decides how a draft step is sharded.
 
-The derived flags follow the engine exactly (DESIGN.md §6.1): the graph runner's
+The derived flags follow the engine exactly: the graph runner's
 `get_forward_batch` has one branch per outcome, and the seed bug lived in one of them,
 so getting the derivation wrong would test the wrong branch.
 """
@@ -71,7 +71,7 @@ class ParallelLayout:
         if self.enable_dp_lm_head and not self.enable_dp_attention:
             raise bad("enable_dp_lm_head", "only meaningful with enable_dp_attention")
 
-    # ---- sizes (§6.1) ----
+    # ---- sizes ----
     @property
     def world_size(self) -> int:
         return self.tp_size
@@ -100,7 +100,7 @@ class ParallelLayout:
         """Dense MLP weights whole on every rank (moe_dense_tp_size == 1, or tokens scattered in the attn-TP branch)."""
         return self.dense_tp_size == 1 or self.branch is Branch.ATTN_TP_GATHER
 
-    # ---- derived flags (§6.1) ----
+    # ---- derived flags ----
     @property
     def require_mlp_tp_gather(self) -> bool:
         if not self.enable_dp_attention:
@@ -137,12 +137,12 @@ class ParallelLayout:
 
     @property
     def dp_padding_mode(self) -> DpPaddingMode:
-        """Draft-extend graphs always pad every DP rank to the same bucket (§6.2)."""
+        """Draft-extend graphs always pad every DP rank to the same bucket."""
         return DpPaddingMode.MAX_LEN
 
     @property
     def logits_dp_gather(self) -> bool:
-        """The logits processor's cross-DP gather before lm_head (§6.5)."""
+        """The logits processor's cross-DP gather before lm_head."""
         return not self.enable_dp_lm_head and self.tp_size > 1 and self.attn_dp_size != 1
 
     @property

@@ -135,7 +135,7 @@ class DraftDecodeHandle(RunnerFacts):
             "batch_size": bs,
             "num_tokens": int(fb.positions.shape[0]),  # DECODE: input_ids is left unset, positions are the token rows
             "global_num_tokens_cpu": None if nt is None else [int(x) for x in nt],
-            "global_num_tokens_for_logprob_cpu": None,  # the engine bakes the gpu tensor only (§6.5)
+            "global_num_tokens_for_logprob_cpu": None,  # the engine bakes the gpu tensor only
             "global_dp_buffer_len": dp.get("global_dp_buffer_len"),
             "dp_padding_mode": "max_len" if dp.get("dp_max_padding") else "sum_len",
             "local_dp_buffer_len": dp.get("local_dp_buffer_len"),

@@ -1,4 +1,4 @@
-"""The engine's eager draft-extend batch, from the scheduler's MLP sync to the first draft forward (DESIGN.md §6.6, I7).
+"""The engine's eager draft-extend batch, from the scheduler's MLP sync to the first draft forward (I7: docs/engine-check.md).
 
 Why: when the draft-extend graph cannot run, the multi-layer worker runs each draft layer
 eagerly on a ForwardBatch it builds from the ScheduleBatch, and that batch's

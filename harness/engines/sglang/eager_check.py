@@ -1,4 +1,4 @@
-"""I7 on the engine: its eager draft-extend batch (eager.py) against what its graph runner bakes, per DP rank (DESIGN.md §6.6).
+"""I7 on the engine: its eager draft-extend batch (eager.py) against what its graph runner bakes, per DP rank (docs/engine-check.md, I7).
 
 Two checks per DP rank of every distinct DP load of the schedule (an idle DP rank among them):
 the eager batch's for_logprob equals the rows its own logits processor hands lm_head (the

@@ -4,7 +4,7 @@ Why: with DP attention and no dp lm_head the engine's LogitsProcessor gathers ev
 pruned hidden rows into one buffer sized from global_num_tokens_for_logprob (its start and count
 per group read from the gpu tensor the replay fill wrote), runs lm_head on all of them (a vocab
 shard per TP rank), all-gathers the vocabulary and scatters each group's rows back
-(DESIGN.md §6.5). A wrong count there hands a group zero rows or another group's logits, which
+(docs/properties.md, I2 and I4). A wrong count there hands a group zero rows or another group's logits, which
 the record invariants (I1-I6) see only as a count. Here the engine's own
 `LogitsProcessor._get_logits` -- its `compute_dp_attention_metadata`, `dp_gather_replicate`,
 lm_head call, TP all-gather and `dp_scatter` -- runs at every replay of a layout whose processor
@@ -366,8 +366,8 @@ class RankStates:
 def setup(engine: Engine, layout: ParallelLayout, server_args: Any, vocab: int, hidden: int, v: Verdict,
           w: dict) -> tuple[Optional[GatherCheck], Optional[str]]:
     """The gather check for this layout, if the engine's processor gathers here (else None); the reason where this
-    release's gather cannot be driven (n/a, never an adapter error). Our rule (DESIGN.md §6.5) is checked against the
-    engine's own decision on the way."""
+    release's gather cannot be driven (n/a, never an adapter error). Our rule (DP attention, no dp lm_head, tp > 1:
+    ParallelLayout.logits_dp_gather) is checked against the engine's own decision on the way."""
     try:
         gc = GatherCheck(engine, layout, server_args, vocab, hidden)
         gathers = gc.processor_gathers()

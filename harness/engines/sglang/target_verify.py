@@ -1,8 +1,8 @@
 """SGLang's target verify graphs (the target's DecodeCudaGraphRunner in TARGET_VERIFY mode), driven up to the model call.
 
 A verify graph replays the target model on every draft token of every request: a bug in
-its capture or replay fill corrupts committed tokens, not just acceptance (DESIGN.md §7).
-The runner's __init__ (its capture_forward_mode, num_tokens_per_bs / captured_req_width,
+its capture or replay fill corrupts committed tokens, not just acceptance (docs/engine-check.md,
+the target verify graphs). The runner's __init__ (its capture_forward_mode, num_tokens_per_bs / captured_req_width,
 get_batch_sizes_to_capture, the static buffers and their registry), capture_one_shape
 (capture_prepare's forward batch, gathered gpu tensors, spec_info and the body's
 set_dp_buffer_len) and execute (can_run_graph, load_batch: the bucket and the registry's
