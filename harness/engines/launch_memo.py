@@ -28,6 +28,11 @@ def storage_bytes(storage: torch.UntypedStorage) -> bytes:
     return torch.empty(0, dtype=torch.uint8).set_(storage).numpy().tobytes()
 
 
+def write_storage(storage: torch.UntypedStorage, data: bytes) -> None:
+    """Put back bytes storage_bytes() read from a storage of the same size."""
+    storage.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8).untyped_storage())
+
+
 def launch_state(args: tuple, kwargs: dict) -> tuple[Optional[Hashable], list[torch.UntypedStorage]]:
     """(the key of a call's inputs, the storages its tensor arguments view, in first-seen order); key None: an argument
     of a kind the key cannot hold (not a CPU tensor, a float or a plain scalar), so the call is not memoizable."""
@@ -70,7 +75,7 @@ class LaunchMemo:
             return False
         for s, b in zip(storages, after, strict=True):
             if b is not None:
-                s.copy_(torch.frombuffer(bytearray(b), dtype=torch.uint8).untyped_storage())
+                write_storage(s, b)
         self.hits += 1
         return True
 

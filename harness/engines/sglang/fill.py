@@ -40,7 +40,7 @@ from typing import Any, Callable, Hashable, Iterator, Optional
 import torch
 
 from harness.engines.interpreter import VIOLATIONS, Violation
-from harness.engines.launch_memo import launch_state, storage_bytes
+from harness.engines.launch_memo import launch_state, storage_bytes, write_storage
 
 # The per-request and per-token buffers the fill writes, as the fill's parameters name them.
 FILLED = ("input_ids", "positions", "out_cache_loc", "seq_lens", "req_pool_indices", "num_correct_drafts",
@@ -101,7 +101,7 @@ class FillMemo:
         if seen is not None:
             after, violations = seen
             for s, b in zip(storages, after, strict=True):
-                s.copy_(torch.frombuffer(bytearray(b), dtype=torch.uint8).untyped_storage())
+                write_storage(s, b)
             VIOLATIONS.extend(violations)
             self.hits += 1
             return None
