@@ -49,6 +49,7 @@ from typing import Callable, Iterator, Optional, TypeVar
 
 import torch
 
+from harness.ranks.one_cpu import threads_on_one_cpu
 from harness.ranks.sim_combine import Combine
 from harness.ranks.sim_comm import SimComm
 from harness.ranks.sim_failures import PeerFailed, RankFailure, exc_line
@@ -201,9 +202,10 @@ class SimulatedWorld:
         ]
         started: list[threading.Thread] = []
         try:
-            for t in threads:
-                t.start()
-                started.append(t)
+            with threads_on_one_cpu():  # they take turns at every collective: on two CPUs they only ping-pong the GIL
+                for t in threads:
+                    t.start()
+                    started.append(t)
         except BaseException as exc:
             # Ranks that never started count as raised, so started peers fail fast instead of waiting.
             for r in range(len(started), self.world_size):

@@ -23,6 +23,7 @@ import torch
 
 from harness.engines.drive import Strict as BaseStrict
 from harness.engines.sglang.errors import EngineAdapterError, MissingEngineAttribute
+from harness.ranks.one_cpu import threads_on_one_cpu
 
 
 class Strict(BaseStrict):
@@ -156,8 +157,9 @@ class DPWorld:
                 self._turn.release()
 
         threads = [threading.Thread(target=body, args=(r,)) for r in range(self.dp_size)]
-        for t in threads:
-            t.start()
+        with threads_on_one_cpu():  # one rank runs at a time (the turn lock): on two CPUs each hand-off crosses CPUs
+            for t in threads:
+                t.start()
         for t in threads:
             t.join()
         if errors:
