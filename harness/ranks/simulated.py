@@ -71,7 +71,10 @@ BARRIER_DTYPE = ""  # a barrier carries no tensor: recorded with shape () and dt
 def one_torch_thread() -> Iterator[None]:
     """Simulated ranks are threads running tiny ops: torch's intra-op pool only spins (5x the CPU time for the same
     results on a 2-core machine), and a reduction split over however many pool threads are free that moment sums in
-    another order, so two runs of one rank could differ in their last bits. Scoped, restored after."""
+    another order, so two runs of one rank could differ in their last bits. Scoped, restored after. Each rank thread
+    sets it again for itself (_rank_main): MKL's thread count is per thread, and torch applies its own to a new thread
+    only at the thread's first parallel op, so a matmul before that split over every core and summed in another order
+    than the same matmul later in the run."""
     old = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -223,6 +226,7 @@ class SimulatedWorld:
         return [self._results[r] for r in range(self.world_size)]  # type: ignore[misc]
 
     def _rank_main(self, rank: int, fn: Callable[["SimComm"], T]) -> None:
+        torch.set_num_threads(1)  # this thread's MKL and OpenMP count too (one_torch_thread)
         try:
             value = fn(SimComm(self, rank))
         except BaseException as exc:  # reported through RankFailure, including KeyboardInterrupt/SystemExit in fn
