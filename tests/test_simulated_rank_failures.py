@@ -219,6 +219,22 @@ def test_rank_that_raises_wakes_peers_and_is_the_root_cause():
     assert "traceback of rank 1:" in msg and "raise ValueError" in msg
 
 
+def test_several_ranks_raising_name_the_lowest_whichever_raised_first():
+    """The report is the same on every run: rank 2 raises first, rank 1 later, and rank 1 is named."""
+
+    def fn(c: SimComm):
+        if c.rank == 1:
+            time.sleep(0.2)
+        if c.rank in (1, 2):
+            raise ValueError(f"boom on rank {c.rank}")
+        return None
+
+    err, _ = _fail(L4, fn, timeout_s=30.0)
+    assert sorted(err.failures) == [1, 2]
+    assert err.root_rank == 1
+    assert _msg(err).startswith("rank 1 failed: ValueError: boom on rank 1\n")
+
+
 def test_failure_cascades_across_groups_to_the_root_cause():
     """Rank 5 raises; its ATTN_TP peers fail; ranks 0..3 then fail in WORLD because of those."""
 

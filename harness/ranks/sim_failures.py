@@ -3,7 +3,7 @@ and the launch's error, which leads with the rank that failed on its own.
 """
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Optional
 
 from harness.ranks.trace import CollectiveError
 
@@ -20,14 +20,16 @@ class RankFailure(RuntimeError):
     """One or more ranks raised in fn. The message leads with the root cause.
 
     failures: rank -> (exception, formatted traceback), for every rank that raised.
-    root_rank: the first rank to fail on its own (not with PeerFailed); falls back to the
-    first rank to fail when every failure is a consequence of another.
+    root_rank: the lowest rank whose own code raised; else the lowest whose collective failed on its own (a mismatch,
+    a deadlock, a deadline), not with PeerFailed; else the lowest rank. Never the first in time: several ranks that
+    hit one bug raise in whatever order their threads ran, and the report names the same rank on every run.
     """
 
-    def __init__(self, failures: dict[int, tuple[BaseException, str]], order: Sequence[int]) -> None:
-        own = [r for r in order if not is_consequence(failures[r][0])]
-        self.root_rank = own[0] if own else order[0]
+    def __init__(self, failures: dict[int, tuple[BaseException, str]]) -> None:
         self.failures = dict(sorted(failures.items()))
+        own = [r for r, (exc, _) in self.failures.items() if not is_consequence(exc)]
+        raised = [r for r in own if not isinstance(self.failures[r][0], CollectiveError)]
+        self.root_rank = (raised or own or list(self.failures))[0]
         root_exc, root_tb = failures[self.root_rank]
         lines = [f"rank {self.root_rank} failed: {exc_line(root_exc)}"]
         others = [r for r in self.failures if r != self.root_rank]

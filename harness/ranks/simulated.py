@@ -179,7 +179,6 @@ class SimulatedWorld:
         self._slots: dict[tuple[tuple[int, ...], int], _Slot] = {}
         self._results: dict[int, object] = {}
         self._failures: dict[int, tuple[BaseException, str]] = {}
-        self._fail_order: list[int] = []
 
     # ---- launch ----
     def run(self, fn: Callable[["SimComm"], T]) -> list[T]:
@@ -222,7 +221,7 @@ class SimulatedWorld:
                 self._running = False
             sys.setswitchinterval(switch_interval)
         if self._failures:
-            raise RankFailure(self._failures, self._fail_order)
+            raise RankFailure(self._failures)
         return [self._results[r] for r in range(self.world_size)]  # type: ignore[misc]
 
     def _rank_main(self, rank: int, fn: Callable[["SimComm"], T]) -> None:
@@ -242,7 +241,6 @@ class SimulatedWorld:
             st = self._ranks[rank]
             st.status, st.exc = "raised", exc
             self._failures[rank] = (exc, tb)
-            self._fail_order.append(rank)
             self._wake_everyone()
 
     def _wake_everyone(self) -> None:
