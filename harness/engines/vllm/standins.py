@@ -146,6 +146,9 @@ class DPWorld:
         errors: list[BaseException] = []
 
         def body(rank: int) -> None:
+            # the caller's torch thread count applied to this thread now, not at its first parallel op: MKL's count is
+            # per thread, and a matmul before that op would split over every core (harness/ranks/simulated.py)
+            torch.set_num_threads(torch.get_num_threads())
             self._local.rank = rank
             self._turn.acquire()
             try:
