@@ -7,6 +7,7 @@ import threading
 import pytest
 
 from harness.engines.vllm.standins import DPWorld
+from harness.ranks import one_cpu
 from harness.ranks.one_cpu import current_cpu, threads_on_one_cpu
 from harness.ranks.simulated import SimulatedWorld
 from runners.parallel.layout import ParallelLayout
@@ -38,6 +39,20 @@ def test_the_caller_gets_its_cpus_back_when_the_block_raises():
     with pytest.raises(ValueError), threads_on_one_cpu():
         raise ValueError
     assert os.sched_getaffinity(0) == allowed
+
+
+def test_without_proc_the_cpu_is_picked_by_pid(monkeypatch):
+    """A sandbox without /proc/thread-self: the threads still share one CPU, the pid's among the allowed ones."""
+
+    def no_proc(*_a, **_k):
+        raise FileNotFoundError("/proc/thread-self/stat")
+
+    monkeypatch.setattr(one_cpu, "open", no_proc, raising=False)
+    assert current_cpu() is None
+    allowed = sorted(os.sched_getaffinity(0))
+    with threads_on_one_cpu():
+        inside = _affinity_of_a_new_thread()
+    assert inside == {allowed[os.getpid() % len(allowed)]}
 
 
 def test_every_simulated_rank_and_every_vllm_dp_rank_runs_on_the_same_one_cpu():
