@@ -349,21 +349,6 @@ def test_dp_world_runs_one_rank_at_a_time_outside_its_collectives():
     assert votes_seen == [[1, 2, 3]] * 6
 
 
-@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="MKL splits a matmul over threads only on a machine of two cores or more")
-def test_dp_world_ranks_run_their_first_matmul_on_the_callers_thread_count():
-    """MKL's count is per thread: a DP rank's matmul before its first parallel op split over every core."""
-    a = torch.arange(2 * 4096, dtype=torch.float32).reshape(2, 4096).sin()
-    b = torch.arange(4096 * 256, dtype=torch.float32).reshape(4096, 256).cos()
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)  # as the checks run (harness/engines/vllm/command.py)
-    try:
-        one_thread = a @ b
-        outs = DPWorld(2).run(lambda rank: a @ b)
-    finally:
-        torch.set_num_threads(old)
-    assert all(torch.equal(o, one_thread) for o in outs)
-
-
 def test_dp_world_ranks_that_diverge_at_a_collective_raise_instead_of_hanging():
     world = DPWorld(2, meet_timeout_s=0.2)
 

@@ -6,7 +6,6 @@ per-rank inputs, never by calling the communicator under test a second time.
 """
 from __future__ import annotations
 
-import os
 import time
 
 import pytest
@@ -306,17 +305,3 @@ def test_compare_traces_lengths_and_world_sizes():
         "b called nothing (its trace ends after 2 calls)"
     )
     assert compare_traces(a, a[:1]) == "world sizes differ: a has 2 ranks, b has 1"
-
-
-@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="MKL splits a matmul over threads only on a machine of two cores or more")
-def test_a_ranks_first_matmul_sums_as_on_one_thread():
-    """MKL's thread count is per thread: a rank thread's matmul before its first parallel op split over every core."""
-    a, b = torch.arange(2 * 4096, dtype=torch.float32).reshape(2, 4096).sin(), torch.arange(4096 * 256, dtype=torch.float32).reshape(4096, 256).cos()
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        one_thread = a @ b
-    finally:
-        torch.set_num_threads(old)
-    for out in SimulatedWorld(L2).run(lambda comm: a @ b):
-        assert torch.equal(out, one_thread)
