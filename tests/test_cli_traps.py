@@ -4,11 +4,13 @@ command that would not join the world refused in one line. (Spawned gloo ranks w
 torchrun itself: tests/test_torchrun.py.)"""
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 
 from harness import mutants
 from harness.cases.case import CaseError, load_case
-from harness.cli import main
+from harness.cli import main, ranks
 
 TOML = """name = "t"
 description = "x"
@@ -96,11 +98,15 @@ def test_under_a_launcher_a_command_that_would_not_join_is_refused_in_one_line(m
     twice. (The real launch: tests/test_torchrun.py.)"""
     for k, v in {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}.items():
         monkeypatch.setenv(k, v)
+    slept: list[float] = []
+    monkeypatch.setattr(ranks, "time", SimpleNamespace(sleep=slept.append))
     assert main(["check", "tp1_neither"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "WORLD_SIZE=2" in err and "pass --ranks gloo (CPU) or --ranks nccl" in err
     assert main(["list"]) == 2
     assert "this command runs in one process: run it without the launcher" in capsys.readouterr().err
+    assert slept == []  # rank 0 refuses at once
     monkeypatch.setenv("RANK", "1")
     assert main(["check", "tp1_neither"]) == 2  # every process exits 2; only rank 0 says why
     assert capsys.readouterr().err == ""
+    assert slept == [ranks.REFUSAL_GRACE_S]  # after waiting, so that torchrun does not stop rank 0 before it has said why

@@ -47,13 +47,13 @@ def _base_env() -> dict[str, str]:
     return env
 
 
-def _torchrun(nproc: int, *args: str) -> subprocess.CompletedProcess:
-    """`torchrun --nproc-per-node N -m harness.cli ARGS`. The ranks are what is under test: torchrun starts each as a
+def _torchrun(nproc: int, *args: str, module: str = "harness.cli") -> subprocess.CompletedProcess:
+    """`torchrun --nproc-per-node N -m harness.cli ARGS` (or another module that runs it). The ranks are what is under test: torchrun starts each as a
     fresh `python -m harness.cli` with its variables, as on a user's node. torchrun's own agent (which imports torch
     before it starts them) is forked from the prewarmed server, its environment the caller's: the Triton setting the
     server's children carry is dropped unless the caller has it, so the ranks see exactly the launcher's environment."""
     env = _base_env()
-    argv = ["--nproc-per-node", str(nproc), "--master-port", str(_free_port()), "-m", "harness.cli", *args]
+    argv = ["--nproc-per-node", str(nproc), "--master-port", str(_free_port()), "-m", module, *args]
     code = ("import os, runpy, sys\n" + ("" if "TRITON_INTERPRET" in env else "del os.environ['TRITON_INTERPRET']\n") +
             f"sys.argv = ['torchrun', *{argv!r}]\nrunpy.run_module('torch.distributed.run', run_name='__main__', alter_sys=True)\n")
     return Started(code, ROOT, env).result(timeout=LIMIT_S)
@@ -101,8 +101,9 @@ def test_torchrun_4_ranks_green_report_once():
 
 
 def test_torchrun_without_real_ranks_is_refused_once_and_runs_nothing():
-    """Without --ranks gloo every process would run the case alone and print its own report."""
-    res = _torchrun(2, "check", "tp2_neither")
+    """Without --ranks gloo every process would run the case alone and print its own report. Rank 0, the one that says
+    why, starts a second behind: torchrun stops it when rank 1 exits unless rank 1 waits (harness.cli.ranks)."""
+    res = _torchrun(2, "check", "tp2_neither", module="tests.helpers.rank0_behind")
     assert res.returncode != 0 and "PASS" not in res.stdout and "passed" not in res.stdout, res.stdout[-2000:]
     assert res.stderr.count("--ranks sim would run the case once in every process") == 1, res.stderr[-3000:]
 

@@ -12,9 +12,15 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import time
 from typing import Optional
 
 from harness.errors import UsageError
+
+# torchrun stops every process of a launch once one of them exits with an error. A rank other than 0 that left at once
+# could have rank 0 stopped before it printed why the launch was refused (under load it is seconds behind): the others
+# wait this long first, then leave with the same code.
+REFUSAL_GRACE_S = 2.0
 
 # The catalog (harness.mutants) and the joined world (harness.ranks.joined) import torch and the runners: imported when
 # a command needs them, so a command that needs neither starts without them (harness.cli).
@@ -36,10 +42,14 @@ def refuse_unjoined_launch(command: str, ranks: str) -> None:
     if env is None or env.world_size < 2 or ranks in ("gloo", "nccl"):
         return
     if command in ("check", "replay"):
-        raise UsageError(f"harness {command}: {env.describe()}, and --ranks {ranks} would run the case once in every process: "
-                         "pass --ranks gloo (CPU) or --ranks nccl to run it on the launched processes, or run it without the launcher")
-    raise UsageError(f"harness {command}: {env.describe()}; this command runs in one process: run it without the launcher "
-                     "(only check and replay with --ranks gloo|nccl join a launched world)")
+        refusal = UsageError(f"harness {command}: {env.describe()}, and --ranks {ranks} would run the case once in every process: "
+                             "pass --ranks gloo (CPU) or --ranks nccl to run it on the launched processes, or run it without the launcher")
+    else:
+        refusal = UsageError(f"harness {command}: {env.describe()}; this command runs in one process: run it without the launcher "
+                             "(only check and replay with --ranks gloo|nccl join a launched world)")
+    if env.rank != 0:
+        time.sleep(REFUSAL_GRACE_S)
+    raise refusal
 
 
 def _joined_world(ranks: str):
