@@ -29,6 +29,7 @@ import shutil
 import subprocess
 import sys
 import time
+import zipfile
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -139,26 +140,78 @@ def _locked(base: Path, name: str) -> Iterator[None]:
             fcntl.flock(fh, fcntl.LOCK_UN)
 
 
-def _pip_target(target: Path, requirements: list[str], log) -> None:
-    tmp = target.with_name(f"{target.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    cmd = [sys.executable, "-m", "pip", "install", "--no-deps", "--no-compile", "--disable-pip-version-check", "-q", "--target", str(tmp), *requirements]
+def _run_pip(args: list[str], what: str, log) -> None:
+    cmd = [sys.executable, "-m", "pip", *args]
     log(f"$ {' '.join(cmd)}")
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
-        shutil.rmtree(tmp, ignore_errors=True)
         tail = (proc.stderr or proc.stdout).strip().splitlines()[-6:]
-        raise InstallError(f"pip install {' '.join(requirements)} failed (exit {proc.returncode}): " + " | ".join(tail))
-    (tmp / MARKER).write_text(" ".join(requirements) + "\n")
+        raise InstallError(f"pip {what} failed (exit {proc.returncode}): " + " | ".join(tail))
+
+
+def _built(target: Path, marker: str, fill: Callable[[Path], None]) -> None:
+    """target made by fill() in a temporary sibling, marked complete and renamed into place (call under target's lock)."""
+    tmp = target.with_name(f"{target.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        fill(tmp)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    (tmp / MARKER).write_text(marker + "\n")
     shutil.rmtree(target, ignore_errors=True)
     tmp.rename(target)
 
 
-def provide(target: Path, requirements: list[str], log) -> None:
-    """target installed (pip --target) unless it is; call under target's lock."""
+def _pip_target(target: Path, requirements: list[str], log) -> None:
+    _built(target, " ".join(requirements), lambda tmp: _run_pip(
+        ["install", "--no-deps", "--no-compile", "--disable-pip-version-check", "-q", "--target", str(tmp), *requirements],
+        f"install {' '.join(requirements)}", log))
+
+
+# A wheel's compiled extension modules (lib.so, lib.so.12): CUDA kernels and C++ ops.
+_COMPILED = re.compile(r"\.so(\.[0-9]+)*$")
+
+
+def _wheel_target(target: Path, requirement: str, log) -> None:
+    """requirement's wheel unpacked into target without its compiled extension modules.
+
+    vLLM's wheels carry 0.3-0.6 GB of CUDA libraries each. A check drives the release's Python on a CPU and never loads
+    one (without CUDA an import of one fails as the import of a missing module does, with ImportError), so pip's full
+    install only cost the time and disk of writing them. requirement: `name==version` (downloaded, no dependencies, a
+    wheel for this interpreter) or the path of a wheel."""
+    def fill(tmp: Path) -> None:
+        download = tmp.with_name(f"{tmp.name}-wheel")
+        shutil.rmtree(download, ignore_errors=True)
+        try:
+            if requirement.endswith(".whl"):
+                wheel = Path(requirement)
+            else:
+                _run_pip(["download", "--no-deps", "--only-binary=:all:", "--disable-pip-version-check", "-q", "-d", str(download),
+                          requirement], f"download {requirement}", log)
+                (wheel,) = download.glob("*.whl")
+            with zipfile.ZipFile(wheel) as z:
+                members = z.infolist()
+                data = sorted({m.filename.split("/", 1)[0] for m in members if m.filename.split("/", 1)[0].endswith(".data")})
+                if data:
+                    raise InstallError(f"{wheel.name}: its {data[0]}/ holds files pip would place elsewhere; install it with pip")
+                z.extractall(tmp, [m for m in members if not _COMPILED.search(m.filename)])
+        finally:
+            shutil.rmtree(download, ignore_errors=True)
+
+    _built(target, f"{requirement} (without compiled extension modules)", fill)
+
+
+def provide(target: Path, requirements: list[str], log, compiled: bool = True) -> None:
+    """target installed unless it is (call under target's lock): pip --target, or with compiled=False one wheel unpacked
+    without its compiled extension modules (_wheel_target)."""
     if not is_installed(target):
         t0 = time.perf_counter()
-        _pip_target(target, requirements, log)
+        if compiled:
+            _pip_target(target, requirements, log)
+        else:
+            (requirement,) = requirements
+            _wheel_target(target, requirement, log)
         log(f"installed {' '.join(requirements)} into {target} in {time.perf_counter() - t0:.1f}s")
 
 

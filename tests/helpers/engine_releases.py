@@ -53,7 +53,7 @@ def installed_release(version: str) -> Path:
 def installed_vllm(version: str, opt_in: str = ENGINE_TESTS_ENV) -> Path:
     """vllm==version's install, or a skip (see the module docstring)."""
     return _provided(f"vllm=={version}", [deps_dir(), vllm_deps_dir(), vllm_dir(version)], lambda: ensure_vllm_installed(version, log=_log),
-                     opt_in, "about 900 MB")
+                     opt_in, "a wheel of about 300 MB")
 
 
 def installed_ascend(version: str) -> Path:
@@ -63,4 +63,4 @@ def installed_ascend(version: str) -> Path:
     if (tree / RELEASE_FILE).exists():  # installed: its vLLM must be too
         parts.append(vllm_dir(json.loads((tree / RELEASE_FILE).read_text())["vllm"]))
     return _provided(f"vllm-ascend=={version}", parts, lambda: ensure_ascend_installed(version, log=_log), ENGINE_TESTS_ENV,
-                     "about 15 MB of source and its vLLM release (about 900 MB)")
+                     "about 15 MB of source and its vLLM release (a wheel of about 300 MB)")

@@ -1,8 +1,9 @@
 """Install a vLLM release for `harness engine-check --engine vllm==X`, beside the SGLang installs.
 
-`pip install --no-deps --target ROOT/vllm-VERSION vllm==VERSION` (its declared dependencies pin
-CUDA torch builds we must not install), pydantic and its three helpers once into
-ROOT/vllm-deps (stubs.REAL_REQUIREMENTS), and the shared deps of harness/engines/install.py.
+The release's wheel unpacked into ROOT/vllm-VERSION without its compiled extension modules
+(`pip download --no-deps`: its declared dependencies pin CUDA torch builds we must not install;
+the CUDA libraries it carries are never loaded on a CPU), pydantic and its three helpers once into
+ROOT/vllm-deps (stubs.REAL_REQUIREMENTS, pip --target), and the shared deps of harness/engines/install.py.
 A wheel already on disk is used when $SPECHARNESS_WHEELS names a directory holding it.
 Same cache, marker and lock discipline as the SGLang installs.
 """
@@ -50,5 +51,5 @@ def ensure_vllm_installed(version: str, root: Optional[os.PathLike] = None, log=
         provide(deps, list(REAL_REQUIREMENTS), log)
     target = vllm_dir(version, root)
     with _locked(target.parent, f"vllm-{version}"):
-        provide(target, [_requirement(version)], log)
+        provide(target, [_requirement(version)], log, compiled=False)
     return target
