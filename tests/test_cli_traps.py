@@ -109,4 +109,7 @@ def test_under_a_launcher_a_command_that_would_not_join_is_refused_in_one_line(m
     monkeypatch.setenv("RANK", "1")
     assert main(["check", "tp1_neither"]) == 2  # every process exits 2; only rank 0 says why
     assert capsys.readouterr().err == ""
-    assert slept == [ranks.REFUSAL_GRACE_S]  # after waiting, so that torchrun does not stop rank 0 before it has said why
+    assert slept == [ranks.FOLLOWER_GRACE_S]  # after waiting, so that torchrun does not stop rank 0 before it has said why
+    assert main(["check", "--bogus", "tp1_neither"]) == 2  # a usage error before any world is joined: the same
+    assert capsys.readouterr().err == "" and slept == [ranks.FOLLOWER_GRACE_S] * 2
+    assert main(["--version"]) == 0 and slept == [ranks.FOLLOWER_GRACE_S] * 2  # nothing failed: no wait

@@ -16,11 +16,12 @@ import time
 from typing import Optional
 
 from harness.errors import UsageError
+from harness.ranks.launch_env import is_follower, launcher_env
 
-# torchrun stops every process of a launch once one of them exits with an error. A rank other than 0 that left at once
-# could have rank 0 stopped before it printed why the launch was refused (under load it is seconds behind): the others
-# wait this long first, then leave with the same code.
-REFUSAL_GRACE_S = 2.0
+# torchrun stops every process of a launch once one of them exits with an error. A rank other than 0 that fails before
+# it joined a world (a refused launch, a usage error: every rank fails alike and only rank 0 says why) and left at once
+# could have rank 0 stopped before it printed why (under load rank 0 may be seconds behind): it waits this long first.
+FOLLOWER_GRACE_S = 2.0
 
 # The catalog (harness.mutants) and the joined world (harness.ranks.joined) import torch and the runners: imported when
 # a command needs them, so a command that needs neither starts without them (harness.cli).
@@ -36,20 +37,14 @@ def mutant_ctx(mutant_id: Optional[str]):
 
 def refuse_unjoined_launch(command: str, ranks: str) -> None:
     """A launcher started this process as one of several, and the command would not join them: refuse."""
-    from harness.ranks.launch_env import launcher_env
-
     env = launcher_env()
     if env is None or env.world_size < 2 or ranks in ("gloo", "nccl"):
         return
     if command in ("check", "replay"):
-        refusal = UsageError(f"harness {command}: {env.describe()}, and --ranks {ranks} would run the case once in every process: "
-                             "pass --ranks gloo (CPU) or --ranks nccl to run it on the launched processes, or run it without the launcher")
-    else:
-        refusal = UsageError(f"harness {command}: {env.describe()}; this command runs in one process: run it without the launcher "
-                             "(only check and replay with --ranks gloo|nccl join a launched world)")
-    if env.rank != 0:
-        time.sleep(REFUSAL_GRACE_S)
-    raise refusal
+        raise UsageError(f"harness {command}: {env.describe()}, and --ranks {ranks} would run the case once in every process: "
+                         "pass --ranks gloo (CPU) or --ranks nccl to run it on the launched processes, or run it without the launcher")
+    raise UsageError(f"harness {command}: {env.describe()}; this command runs in one process: run it without the launcher "
+                     "(only check and replay with --ranks gloo|nccl join a launched world)")
 
 
 def _joined_world(ranks: str):
@@ -73,16 +68,17 @@ def run_command(args) -> int:
 
 
 def finish(rc: int) -> int:
-    """Launched ranks all leave with rank 0's code (and never return); otherwise rc."""
+    """Launched ranks all leave with rank 0's code (and never return); otherwise rc, a failed follower after
+    FOLLOWER_GRACE_S."""
     joined = sys.modules.get("harness.ranks.joined")  # a process that never imported it joined no world
     world = joined.current_world() if joined is not None else None
     if world is not None:
         world.finish(rc)
+    if rc != 0 and quiet():
+        time.sleep(FOLLOWER_GRACE_S)
     return rc
 
 
 def quiet() -> bool:
     """This process is a launched rank other than 0: rank 0 reports for it."""
-    from harness.ranks.joined import is_follower
-
     return is_follower()

@@ -189,7 +189,10 @@ def _wheel_target(target: Path, requirement: str, log) -> None:
             else:
                 _run_pip(["download", "--no-deps", "--only-binary=:all:", "--disable-pip-version-check", "-q", "-d", str(download),
                           requirement], f"download {requirement}", log)
-                (wheel,) = download.glob("*.whl")
+                wheels = sorted(download.glob("*.whl"))
+                if len(wheels) != 1:
+                    raise InstallError(f"pip download {requirement} left {[w.name for w in wheels]}, expected one wheel")
+                (wheel,) = wheels
             with zipfile.ZipFile(wheel) as z:
                 members = z.infolist()
                 data = sorted({m.filename.split("/", 1)[0] for m in members if m.filename.split("/", 1)[0].endswith(".data")})

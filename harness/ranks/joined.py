@@ -67,15 +67,6 @@ def join_if_launched(ranks: str) -> Optional["JoinedWorld"]:
     return _current
 
 
-def is_follower() -> bool:
-    """A rank other than 0 of an outside launch: it stays quiet (rank 0 reports for everyone)."""
-    try:
-        env = launcher_env()
-    except UsageError:
-        return False
-    return env is not None and env.rank != 0
-
-
 def check_world(named_layouts: list[tuple[str, ParallelLayout]]) -> None:
     """Under a launcher every case must need exactly the launched world size (a usage error otherwise)."""
     if _current is not None:

@@ -90,3 +90,12 @@ def launcher_env(environ: Optional[Mapping[str, str]] = None) -> Optional[Launch
     if not 0 < port < 65536:
         raise UsageError(f"{source} launcher environment: MASTER_PORT={port} is not a port")
     return LauncherEnv(source, rank, ws, local, env["MASTER_ADDR"], port, run_id)
+
+
+def is_follower() -> bool:
+    """A rank other than 0 of an outside launch: it stays quiet (rank 0 reports for everyone)."""
+    try:
+        env = launcher_env()
+    except UsageError:
+        return False
+    return env is not None and env.rank != 0
