@@ -7,6 +7,7 @@ import sys
 import textwrap
 import zipfile
 from pathlib import Path
+from typing import Any, Callable
 
 import pytest
 
@@ -88,18 +89,16 @@ def test_vllm_releases_are_unpacked_from_their_wheel_and_their_deps_installed_by
     pip: list[list[str]] = []
     unpacked: list[str] = []
 
-    def fake_pip(target: Path, requirements: list[str], log) -> None:
-        pip.append(requirements)
-        target.mkdir(parents=True)
-        (target / MARKER).write_text("")
+    def recorder(calls: list) -> Callable[[Path, Any, Any], None]:
+        """An installer that records what it was asked for and installs nothing but the marker."""
+        def install_(target: Path, what: Any, log: Any) -> None:
+            calls.append(what)
+            target.mkdir(parents=True)
+            (target / MARKER).write_text("")
+        return install_
 
-    def fake_wheel(target: Path, requirement: str, log) -> None:
-        unpacked.append(requirement)
-        target.mkdir(parents=True)
-        (target / MARKER).write_text("")
-
-    monkeypatch.setattr(install, "_pip_target", fake_pip)
-    monkeypatch.setattr(install, "_wheel_target", fake_wheel)
+    monkeypatch.setattr(install, "_pip_target", recorder(pip))
+    monkeypatch.setattr(install, "_wheel_target", recorder(unpacked))
     monkeypatch.delenv("SPECHARNESS_WHEELS", raising=False)
     vllm_install.ensure_vllm_installed("0.34.0", tmp_path, log=lambda msg: None)
     assert unpacked == ["vllm==0.34.0"]

@@ -195,7 +195,7 @@ def _wheel_target(target: Path, requirement: str, log) -> None:
                 (wheel,) = wheels
             with zipfile.ZipFile(wheel) as z:
                 members = z.infolist()
-                data = sorted({m.filename.split("/", 1)[0] for m in members if m.filename.split("/", 1)[0].endswith(".data")})
+                data = sorted({top for top in (m.filename.split("/", 1)[0] for m in members) if top.endswith(".data")})
                 if data:
                     raise InstallError(f"{wheel.name}: its {data[0]}/ holds files pip would place elsewhere; install it with pip")
                 z.extractall(tmp, [m for m in members if not _COMPILED.search(m.filename)])
