@@ -84,7 +84,9 @@ def test_seed_bug_release_fails_naming_the_field_branch_and_counts():
 
 
 def test_fixed_release_passes_with_json():
-    installed_release(FIXED)
+    path = installed_release(FIXED)
+    tag = sys.implementation.cache_tag  # the gate loaded the release once, writing the bytecode of what a check imports
+    assert (path / f".bytecode-{tag}").is_file() and (path / "sglang" / "__pycache__" / f"__init__.{tag}.pyc").is_file()
     proc = _run("--engine", f"sglang=={FIXED}", "--json")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rep = json.loads(proc.stdout)

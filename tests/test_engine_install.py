@@ -14,6 +14,7 @@ import pytest
 from harness.engines import install
 from harness.engines.install import MARKER, InstallError, is_installed, provide
 from harness.engines.vllm import install as vllm_install
+from tests.helpers.engine_releases import BytecodeError, write_bytecode
 from tests.helpers.prewarmed import run_python
 
 
@@ -103,3 +104,14 @@ def test_vllm_releases_are_unpacked_from_their_wheel_and_their_deps_installed_by
     vllm_install.ensure_vllm_installed("0.34.0", tmp_path, log=lambda msg: None)
     assert unpacked == ["vllm==0.34.0"]
     assert pip == [install._dep_requirements(), list(vllm_install.REAL_REQUIREMENTS)]
+
+
+def test_a_release_that_does_not_load_is_an_error_naming_it_and_is_not_marked_written(tmp_path):
+    """The tests' gate loads each install once to write its bytecode (tests/helpers/engine_releases.py): an install the
+    engine's loader refuses is an error naming the release, its path and the loader's reason, and stays unmarked, so the
+    next test tries again."""
+    target = _install(tmp_path)  # no sglang package in it
+    with pytest.raises(BytecodeError, match=r"sglang==9\.9\.9 at .*sglang-9\.9\.9 did not load \(to write its bytecode\), exit 1: "
+                                            r"(?s:.*)no sglang package under"):
+        write_bytecode("sglang==9.9.9", target)
+    assert not list(target.glob(".bytecode-*"))

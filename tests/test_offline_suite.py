@@ -3,12 +3,14 @@ skip, saying how to run them, unless SPECHARNESS_ENGINE_TESTS=1 (which .ci/run s
 from __future__ import annotations
 
 import re
+import subprocess
 from pathlib import Path
 
 import pytest
 
 from harness.engines import install
 from harness.engines.install import MARKER
+from tests.helpers import engine_releases
 from tests.helpers.engine_releases import ENGINE_TESTS_ENV, VLLM_TABLE_ENV, installed_release, installed_vllm
 
 TESTS = Path(__file__).resolve().parent
@@ -16,7 +18,8 @@ TESTS = Path(__file__).resolve().parent
 
 @pytest.fixture
 def pip(monkeypatch, tmp_path):
-    """An empty engines root, and pip replaced by a recorder that installs nothing but the marker."""
+    """An empty engines root, pip replaced by a recorder that installs nothing but the marker, and the process that loads
+    an install to write its bytecode by one that records the code it was given."""
     monkeypatch.setenv("SPECHARNESS_ENGINES", str(tmp_path / "engines"))
     monkeypatch.delenv(ENGINE_TESTS_ENV, raising=False)
     monkeypatch.delenv(VLLM_TABLE_ENV, raising=False)
@@ -27,7 +30,12 @@ def pip(monkeypatch, tmp_path):
         target.mkdir(parents=True)
         (target / MARKER).write_text("")
 
+    def fake_load(code: str, timeout: float) -> subprocess.CompletedProcess:
+        calls.append(["load", code])
+        return subprocess.CompletedProcess(["python", "-c"], 0, "", "")
+
     monkeypatch.setattr(install, "_pip_target", fake_pip)
+    monkeypatch.setattr(engine_releases, "run_python", fake_load)
     return calls
 
 
@@ -45,9 +53,11 @@ def test_without_the_opt_in_a_missing_release_skips_saying_how_and_pip_never_run
 def test_the_opt_in_installs_and_an_installed_release_needs_none(pip, monkeypatch):
     monkeypatch.setenv(ENGINE_TESTS_ENV, "1")
     path = installed_release("0.5.23")
-    assert pip == [install._dep_requirements(), ["sglang==0.5.23"]] and (path / MARKER).is_file()
+    assert pip[:2] == [install._dep_requirements(), ["sglang==0.5.23"]] and (path / MARKER).is_file()
+    (load, code), = pip[2:]  # then loaded once, as a check loads it, to write its bytecode
+    assert load == "load" and f"load(Path({str(path)!r})" in code and "harness.engines.sglang.loader" in code
     monkeypatch.delenv(ENGINE_TESTS_ENV)
-    assert installed_release("0.5.23") == path and len(pip) == 2  # cached: used without the opt-in, pip not run again
+    assert installed_release("0.5.23") == path and len(pip) == 3  # cached: used without the opt-in, pip and the load not run again
 
 
 def test_tests_reach_pip_only_through_the_gate_and_ci_opens_it():

@@ -130,7 +130,9 @@ def version_key(v: str):
 
 
 @contextmanager
-def _locked(base: Path, name: str) -> Iterator[None]:
+def install_lock(base: Path, name: str) -> Iterator[None]:
+    """An exclusive lock of base/.lock-NAME for the block: processes installing (or otherwise writing) one install
+    take turns."""
     base.mkdir(parents=True, exist_ok=True)
     with open(base / f".lock-{name}", "w") as fh:
         fcntl.flock(fh, fcntl.LOCK_EX)
@@ -228,7 +230,7 @@ def _dep_requirements() -> list[str]:
 
 def ensure_deps(root: Optional[os.PathLike] = None, log=print) -> Path:
     target = deps_dir(root)
-    with _locked(target.parent, "deps"):
+    with install_lock(target.parent, "deps"):
         provide(target, _dep_requirements(), log)
     return target
 
@@ -239,7 +241,7 @@ def ensure_installed(version: str, root: Optional[os.PathLike] = None, log=print
         raise ValueError(f"not a version: {version!r}")
     ensure_deps(root, log)
     target = engine_dir(version, root)
-    with _locked(target.parent, f"sglang-{version}"):
+    with install_lock(target.parent, f"sglang-{version}"):
         provide(target, [f"sglang=={version}"], log)
     return target
 

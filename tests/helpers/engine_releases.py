@@ -16,9 +16,10 @@ from typing import Callable, Sequence
 
 import pytest
 
-from harness.engines.install import InstallError, deps_dir, engine_dir, engines_root, ensure_installed, is_installed
+from harness.engines.install import InstallError, deps_dir, engine_dir, engines_root, ensure_installed, install_lock, is_installed
 from harness.engines.vllm.install import ensure_vllm_installed, vllm_deps_dir, vllm_dir
 from harness.engines.vllm_ascend.install import RELEASE_FILE, ascend_dir, ensure_ascend_installed
+from tests.helpers.prewarmed import run_python
 
 ENGINE_TESTS_ENV = "SPECHARNESS_ENGINE_TESTS"  # "1": tests may install the engine releases they check (network)
 VLLM_TABLE_ENV = "SPECHARNESS_VLLM_TABLE"  # "1": the vLLM release table's six extra releases too
@@ -33,15 +34,54 @@ def _log(msg: str) -> None:
 
 
 def _provided(spec: str, parts: Sequence[Path], install: Callable[[], Path], opt_in: str, size: str) -> Path:
-    """install() when every part is installed already or the run opted in (opt_in=1); else skip with how to run it."""
+    """install() when every part is installed already or the run opted in (opt_in=1), its bytecode written; else skip
+    with how to run it."""
     if all(is_installed(p) for p in parts) or asked(opt_in):
         try:
-            return install()
+            path = install()
         except InstallError as e:
             pytest.skip(f"cannot install {spec} here: {e}")
+        try:
+            write_bytecode(spec, path)
+        except BytecodeError as e:
+            pytest.fail(str(e))
+        return path
     ci = " (.ci/run does)" if opt_in == ENGINE_TESTS_ENV else ""
     pytest.skip(f"{spec} is not installed under {engines_root()} and installing it downloads {size}: set {opt_in}=1 to let "
                 f"tests install engine releases{ci}, or install it once: harness engine-check --install --engine {spec}")
+
+
+class BytecodeError(RuntimeError):
+    """An installed release that did not load in the process meant to write its bytecode."""
+
+
+# engine -> the code that loads an install at {path} as a check does (deps: the SGLang and vLLM dependency dirs)
+_LOADS = {
+    "sglang": "from harness.engines.sglang.loader import load\nload(Path({path!r}), Path({deps[0]!r}))",
+    "vllm": "from harness.engines.vllm.loader import load\nload(Path({path!r}), [Path(d) for d in {deps!r}])",
+    "vllm-ascend": ("from harness.engines.vllm_ascend.install import paired_vllm_dir\nfrom harness.engines.vllm_ascend.loader import load\n"
+                    "load(Path({path!r}), paired_vllm_dir(Path({path!r})), [Path(d) for d in {deps!r}])"),
+}
+
+
+def write_bytecode(spec: str, path: Path) -> None:
+    """Load the install of spec (ENGINE==VERSION) at path once as a check does, writing the bytecode of every module it
+    imports; once per install and Python version, under a lock. A release is installed without bytecode and each check
+    writes what it compiles, but the tests start several checks of one release side by side (the release and its planted
+    copies, in three workers): each would compile the same hundreds of modules from source, none finding another's
+    bytecode written yet. The loading process is forked from the forkserver that starts the suite's engine checks
+    (tests/helpers/prewarmed.py), which writes the bytecode of the torch modules it preloads the first time it starts."""
+    marker = path / f".bytecode-{sys.implementation.cache_tag}"
+    if marker.is_file():
+        return
+    engine = spec.partition("==")[0]
+    code = "from pathlib import Path\n" + _LOADS[engine].format(path=str(path), deps=[str(deps_dir()), str(vllm_deps_dir())])
+    with install_lock(path.parent, f"bytecode-{path.name}"):
+        if not marker.is_file():
+            proc = run_python(code, timeout=300)
+            if proc.returncode != 0:
+                raise BytecodeError(f"{spec} at {path} did not load (to write its bytecode), exit {proc.returncode}: {proc.stderr[-2000:]}")
+            marker.write_text(f"loaded by {sys.implementation.cache_tag}: the bytecode of the modules a check imports is written\n")
 
 
 def installed_release(version: str) -> Path:

@@ -14,7 +14,7 @@ import re
 from pathlib import Path
 from typing import Optional
 
-from harness.engines.install import _locked, engines_root, ensure_deps, installed_releases, provide
+from harness.engines.install import engines_root, ensure_deps, install_lock, installed_releases, provide
 from harness.engines.vllm.stubs import REAL_REQUIREMENTS
 
 _VERSION = re.compile(r"^[0-9][0-9A-Za-z.+!-]*$")
@@ -47,9 +47,9 @@ def ensure_vllm_installed(version: str, root: Optional[os.PathLike] = None, log=
         raise ValueError(f"not a version: {version!r}")
     ensure_deps(root, log)
     deps = vllm_deps_dir(root)
-    with _locked(deps.parent, "vllm-deps"):
+    with install_lock(deps.parent, "vllm-deps"):
         provide(deps, list(REAL_REQUIREMENTS), log)
     target = vllm_dir(version, root)
-    with _locked(target.parent, f"vllm-{version}"):
+    with install_lock(target.parent, f"vllm-{version}"):
         provide(target, [_requirement(version)], log, compiled=False)
     return target

@@ -27,7 +27,7 @@ import urllib.request
 from pathlib import Path
 from typing import Callable, Optional
 
-from harness.engines.install import MARKER, InstallError, _locked, engines_root, installed_releases, is_installed
+from harness.engines.install import MARKER, InstallError, engines_root, install_lock, installed_releases, is_installed
 from harness.engines.vllm.install import ensure_vllm_installed, vllm_dir
 
 PACKAGE = "vllm-ascend"
@@ -152,7 +152,7 @@ def ensure_ascend_installed(version: str, root: Optional[os.PathLike] = None, lo
     if not _VERSION.match(version):
         raise ValueError(f"not a version: {version!r}")
     target = ascend_dir(version, root)
-    with _locked(target.parent, f"{PACKAGE}-{version}"):
+    with install_lock(target.parent, f"{PACKAGE}-{version}"):
         if not is_installed(target):
             sdist = _sdist(version, root, log)
             tmp = target.with_name(f"{target.name}.tmp-{os.getpid()}")
