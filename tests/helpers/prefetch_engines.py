@@ -1,12 +1,11 @@
 """Install the engine releases the suite checks before pytest starts: `python -m tests.helpers.prefetch_engines`.
 
 .ci/run starts this in the background while `harness check` runs, so the downloads (about 2 GB, a minute of network)
-overlap that step instead of holding an xdist worker inside pytest. Each release is then loaded once as a check loads it,
-which writes its bytecode and that of the torch modules the suite's engine checks preload, so pytest's first checks,
-started side by side, find them compiled. The list is a shortcut, not a contract: a test whose release is missing here
-still installs it and writes its bytecode on first use (tests/helpers/engine_releases.py, under the same file locks),
-only later. Each line says which release it installs and how long it took; the exit status is the number of releases
-that failed to install or load (their tests then try again and skip or fail naming the error).
+overlap that step instead of holding an xdist worker inside pytest; tests/helpers/engine_bytecode.py then loads each
+one once, to write its bytecode. The list is a shortcut, not a contract: a test
+whose release is missing here still installs it on first use (tests/helpers/engine_releases.py, under the same file
+lock), only later. Each line says which release it installs and how long it took; the exit status is the number of
+releases that failed to install (their tests then try again and skip naming the error).
 """
 from __future__ import annotations
 
@@ -17,7 +16,6 @@ from typing import Callable
 from harness.engines.install import InstallError, ensure_installed
 from harness.engines.vllm.install import ensure_vllm_installed
 from harness.engines.vllm_ascend.install import ensure_ascend_installed
-from tests.helpers.engine_releases import BytecodeError, write_bytecode
 
 # (engine, version, installer): the releases tests/test_engine_*.py and tests/test_plugin_engine.py read
 RELEASES: tuple[tuple[str, str, Callable[..., object]], ...] = (
@@ -38,13 +36,11 @@ def main() -> int:
         start = time.monotonic()
         try:
             path = install(version, log=lambda msg: None)
-            installed = time.monotonic()
-            write_bytecode(f"{engine}=={version}", path)
-        except (InstallError, BytecodeError) as e:
+        except InstallError as e:
             failed += 1
-            print(f"{engine}=={version}: not installed and loaded: {e}", flush=True)
+            print(f"{engine}=={version}: not installed: {e}", flush=True)
             continue
-        print(f"{engine}=={version}: {path} ({installed - start:.1f} s, its bytecode {time.monotonic() - installed:.1f} s)", flush=True)
+        print(f"{engine}=={version}: {path} ({time.monotonic() - start:.1f} s)", flush=True)
     return failed
 
 
