@@ -1,8 +1,7 @@
 """Install the engine releases the suite checks before pytest starts: `python -m tests.helpers.prefetch_engines`.
 
 .ci/run starts this in the background while `harness check` runs, so the downloads (about 2 GB, a minute of network)
-overlap that step instead of holding an xdist worker inside pytest; tests/helpers/engine_bytecode.py then loads each
-one once, to write its bytecode. The list is a shortcut, not a contract: a test
+overlap that step instead of holding an xdist worker inside pytest. The list is a shortcut, not a contract: a test
 whose release is missing here still installs it on first use (tests/helpers/engine_releases.py, under the same file
 lock), only later. Each line says which release it installs and how long it took; the exit status is the number of
 releases that failed to install (their tests then try again and skip naming the error).
