@@ -3,8 +3,9 @@
 On a shared host the suite's time can grow several-fold while the load average stays where it was: what a neighbour
 takes is memory bandwidth and cache, which the load average does not show, and the suite leans on both (the
 interpreter walking a heap of millions of objects, torch allocating and gathering). So `.ci/run` prints these figures
-at its start and at its end, and a slow run says whether the machine or the suite was slow: a run whose phases grew
-with these figures is the machine's; one that grew against steady figures is the code's.
+at its start and at its end: a run whose phases grew several-fold with these figures was a slow machine. The figures
+are coarse: the same code's suite also moves from run to run while they hold steady, so only a change well past
+that spread, beside steady figures, points at the code.
 
 The workloads never change (a changed workload would be a new yardstick, not a faster machine) and use the standard
 library alone (no torch import to pay). Each stands for one thing the suite leans on: interpreted Python over a heap
