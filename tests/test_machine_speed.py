@@ -25,15 +25,16 @@ def test_the_copy_round_copies_the_whole_buffer():
 
 
 def test_figures_are_medians_of_the_clock(monkeypatch, capsys):
-    """Rounds of 1, 5 and 3 ticks: the median, 3, whatever the order; the copy figure is bytes read and written over it."""
-    ticks = iter([0, 1, 10, 15, 20, 23] * 2)
+    """Rounds of 1, 5 and 3 ms: the median, 3 ms, whatever the order; the copy figure is bytes read and written over it."""
+    ticks = iter([0, 0.001, 0.010, 0.015, 0.020, 0.023] * 2)
     monkeypatch.setattr(machine_speed, "time", SimpleNamespace(perf_counter=lambda: next(ticks)))  # its clock alone
     monkeypatch.setattr(machine_speed, "python_round", lambda: None)
     monkeypatch.setattr(machine_speed, "copy_round", lambda src, dst: None)
     monkeypatch.setattr(machine_speed, "COPY_BYTES", 3_000_000)
+    monkeypatch.setattr(machine_speed, "COPIES", 8)
     assert machine_speed.main(["--json"]) == 0
     got = json.loads(capsys.readouterr().out)
-    assert got == {"python_s": 3, "copy_gb_s": round(2 * 3_000_000 * machine_speed.COPIES / 3 / 1e9, 2)}
+    assert got == {"python_s": 0.003, "copy_gb_s": 16.0}  # 3 MB read and 3 MB written, 8 times, in 3 ms
 
 
 def test_rounds_below_one_is_a_usage_error(capsys):
