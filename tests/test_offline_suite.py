@@ -1,13 +1,15 @@
 """A plain `pytest -n auto` after the install downloads nothing: the tests that need an engine release not installed yet
-skip, saying how to run them, unless SPECHARNESS_ENGINE_TESTS=1 (which .ci/run sets) asks them to install it."""
+skip, saying how to run them, unless SPECHARNESS_ENGINE_TESTS=1 (which the engine step of .ci/run sets) asks them to install it."""
 from __future__ import annotations
 
 import re
 import subprocess
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
+from conftest import derived_markers
 from harness.engines import install
 from harness.engines.install import MARKER
 from tests.helpers import engine_releases
@@ -71,4 +73,18 @@ def test_tests_reach_pip_only_through_the_gate_and_ci_opens_it():
         assert not direct.search(text), f"{path.name}: installs an engine outside tests/helpers/engine_releases.py"
         for m in re.finditer(r"\"pip\", (?:\"--python\", \w+, )?\"(install|wheel)\"[^\n]*", text):
             assert "--no-index" in m.group(0), f"{path.name}: pip {m.group(1)} without --no-index: {m.group(0)}"
-    assert "export SPECHARNESS_ENGINE_TESTS=1" in (TESTS.parent / ".ci" / "run").read_text()
+    ci = (TESTS.parent / ".ci" / "run").read_text()
+    assert re.search(r"^pytest -n auto$", ci, re.M), "CI runs the README's plain `pytest -n auto`"
+    assert re.search(r"^SPECHARNESS_ENGINES=\S+ SPECHARNESS_ENGINE_TESTS=1 pytest -n auto -m engine$", ci, re.M)
+    assert "export SPECHARNESS_ENGINE_TESTS" not in ci  # the opt-in is the engine step's alone
+
+
+def test_every_test_behind_the_gate_is_an_engine_test():
+    """CI's suite step runs offline, so a test that needs an engine release skips there; CI runs it in the step that
+    selects `-m engine`. A test module outside that marker reaching the gate would skip in both and run nowhere."""
+    gated = [p for p in sorted(TESTS.glob("test_*.py")) if "engine_releases" in p.read_text()
+             and p.name not in ("test_offline_suite.py", "test_engine_install.py")]  # the gate's own tests: no release
+    assert len(gated) >= 10, [p.name for p in gated]
+    for path in gated:
+        item = SimpleNamespace(path=path, name="test_x", originalname="test_x", parent=None)
+        assert "engine" in derived_markers(item), f"{path.name} installs engine releases but is not marked engine (conftest.py)"

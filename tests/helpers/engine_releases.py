@@ -2,7 +2,7 @@
 
 A release already installed (cached under .engines/, or $SPECHARNESS_ENGINES) is used as it is. One that is not is
 installed (under a file lock, so xdist workers share one install) only when the run asks for it with
-SPECHARNESS_ENGINE_TESTS=1, as .ci/run does; otherwise the test skips saying how to run it. So a plain
+SPECHARNESS_ENGINE_TESTS=1, as .ci/run's engine step does; otherwise the test skips saying how to run it. So a plain
 `pytest -n auto` after the install downloads nothing. The vLLM release table (about 5.4 GB) has an opt-in of its own,
 SPECHARNESS_VLLM_TABLE=1, which CI does not set.
 """
@@ -46,9 +46,9 @@ def _provided(spec: str, parts: Sequence[Path], install: Callable[[], Path], opt
         except BytecodeError as e:
             pytest.fail(str(e))
         return path
-    ci = " (.ci/run does)" if opt_in == ENGINE_TESTS_ENV else ""
+    run = f" (`{opt_in}=1 pytest -n auto -m engine`, .ci/run's engine step)" if opt_in == ENGINE_TESTS_ENV else ""
     pytest.skip(f"{spec} is not installed under {engines_root()} and installing it downloads {size}: set {opt_in}=1 to let "
-                f"tests install engine releases{ci}, or install it once: harness engine-check --install --engine {spec}")
+                f"tests install engine releases{run}, or install it once: harness engine-check --install --engine {spec}")
 
 
 class BytecodeError(RuntimeError):

@@ -1,7 +1,8 @@
-"""Install the engine releases the suite checks before pytest starts: `python -m tests.helpers.prefetch_engines`.
+"""Install the engine releases the engine tests check before they start: `python -m tests.helpers.prefetch_engines`.
 
-.ci/run starts this in the background while `harness check` runs, so the downloads (about 2 GB, a minute of network)
-overlap that step instead of holding an xdist worker inside pytest. The list is a shortcut, not a contract: a test
+.ci/run starts this in the background while `harness check` and the offline suite run, so the downloads (about 2 GB,
+a minute of network) overlap those steps instead of holding an xdist worker in the engine step. It installs where the
+tests look ($SPECHARNESS_ENGINES, else .engines/). The list is a shortcut, not a contract: a test
 whose release is missing here still installs it on first use (tests/helpers/engine_releases.py, under the same file
 lock), only later. Each line says which release it installs and how long it took; the exit status is the number of
 releases that failed to install (their tests then try again and skip naming the error).
