@@ -104,18 +104,16 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     torch.set_num_threads(1)
 
 
-ENGINE_FILES = ("test_plugin_engine.py",)  # besides every test_engine_*.py
 LARGE_WORLD = 16  # ranks: world_large from here (the 32- and 16-rank shipped cases)
 _PROPERTY = re.compile(r"(?:^|_)p([1-8])(?=_|$)")  # test_p6_..., test_p1_p3_p4_..., test_p7.py
 
 
 def derived_markers(item: pytest.Item) -> set[str]:
-    """The markers a test's file, name and parameters imply (pyproject.toml registers them): engine for the engine
-    tests; pN for a property the test names (test_p6_acceptance_...) or takes as a parameter ("P6"); the gather
-    branch and world_large for a layout, a case or a shipped case's name among its parameters."""
+    """The markers a test's file, name and parameters imply (pyproject.toml registers them): pN for a property the test
+    names (test_p6_acceptance_...) or takes as a parameter ("P6"); the gather branch and world_large for a layout, a
+    case or a shipped case's name among its parameters. (engine is written on the tests themselves: the release gate
+    refuses a test without it, tests/helpers/engine_releases.py.)"""
     marks = set()
-    if item.path.name.startswith("test_engine_") or item.path.name in ENGINE_FILES:
-        marks.add("engine")
     name = getattr(item, "originalname", item.name)
     for text in (item.path.stem, name):
         marks.update(f"p{n}" for n in _PROPERTY.findall(text))

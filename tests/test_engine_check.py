@@ -52,6 +52,7 @@ def _python(code: str, timeout: float = 600) -> subprocess.CompletedProcess:
 # ----------------------------------------------------------------------------------------
 
 
+@pytest.mark.engine
 def test_seed_bug_release_fails_naming_the_field_branch_and_counts():
     installed_release(SEED_BUG)
     proc = _run("--engine", f"sglang=={SEED_BUG}")
@@ -83,6 +84,7 @@ def test_seed_bug_release_fails_naming_the_field_branch_and_counts():
         assert check in summary, summary
 
 
+@pytest.mark.engine
 def test_fixed_release_passes_with_json():
     path = installed_release(FIXED)
     tag = sys.implementation.cache_tag  # the gate loaded the release once, writing the bytecode of what a check imports
@@ -195,6 +197,7 @@ def newest_run(tmp_path_factory) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.engine
 def test_newest_release_passes_on_the_gpu_path_and_fails_only_the_native_twins_token_tail(newest_run):
     """The Triton fill kernel (the GPU path) zeroes the padded token rows; its native twin (the NPU path)
     leaves them as the last, larger batch wrote them: the only failures, and each says path=npu."""
@@ -222,6 +225,7 @@ def test_newest_release_passes_on_the_gpu_path_and_fails_only_the_native_twins_t
     assert any(why.startswith("I7 ") for why in rep["skipped"]), rep["skipped"]
 
 
+@pytest.mark.engine
 def test_newest_release_gpu_path_passes_and_npu_path_fails_naming_the_stale_slot_writes(newest_run):
     """--path gpu: the kernel on every replay of every layout, the one graph built, no twin: exit 0, and the NPU path said
     not checked. --path npu: the twin on every replay, no one graph: exit 1, led by the stale-slot KV writes."""
@@ -242,6 +246,7 @@ def test_newest_release_gpu_path_passes_and_npu_path_fails_naming_the_stale_slot
     assert {f["where"]["branch"] for f in stale} == {"mlp_tp_gather", "attn_tp_gather", "neither"}, stale[:3]
 
 
+@pytest.mark.engine
 def test_baseline_round_trips_and_gates_on_new_findings_only(newest_run):
     """A baseline written from a run classifies that run's findings as known (exit 0, nothing stale), the default run's
     NPU findings too; a run that checks no NPU path leaves the NPU entries not checked (not stale); the seed bug planted
@@ -266,6 +271,7 @@ def test_baseline_round_trips_and_gates_on_new_findings_only(newest_run):
     assert {(f["check"], f["runner"], f["branch"]) for f in seed["new_findings"]} >= {("I1", "multi_layer", "attn_tp_gather")}, seed
 
 
+@pytest.mark.engine
 def test_newest_release_one_graph_composite_is_driven_beside_the_per_step_one(newest_run):
     """The one-graph composite (FA3's default) gets its own lines: every layout, every step, the per-step composite's buckets,
     the restore and served checks run (on step 0 / every step), and the logits it hands back but its worker never reads are said skipped."""
@@ -280,6 +286,7 @@ def test_newest_release_one_graph_composite_is_driven_beside_the_per_step_one(ne
     assert any(why.startswith("multi_layer_1g: prepare()'s native (NPU) fill twin: not run") for why in rep["skipped"]), rep["skipped"]
 
 
+@pytest.mark.engine
 def test_newest_release_draft_decode_runner_is_driven_on_every_layout_and_passes(newest_run):
     """SGLang's graphed draft decode (EAGLEDraftCudaGraphRunner) gets its own lines: every representative layout, every
     bucket its capture_bs lists, DECODE's width (topk tokens per request), and nothing said skipped for it."""
@@ -293,6 +300,7 @@ def test_newest_release_draft_decode_runner_is_driven_on_every_layout_and_passes
     assert not any("draft_decode" in why for why in rep["skipped"]), rep["skipped"]
 
 
+@pytest.mark.engine
 def test_newest_release_target_verify_graphs_are_driven_on_every_layout_and_pass(newest_run):
     """The target's TARGET_VERIFY graphs get their own lines: every representative layout, every bucket, the verify's
     width (num_draft_tokens per request), buckets aligned by tokens (bs * T a multiple of attn_tp_size, so the
@@ -311,6 +319,7 @@ def test_newest_release_target_verify_graphs_are_driven_on_every_layout_and_pass
 # ----------------------------------------------------------------------------------------
 
 
+@pytest.mark.engine
 def test_newest_release_planted_engine_bugs_are_caught_and_moves_are_named(newest_run):
     """Plant the seed bug, a stale padded lane and DP counts in the verify graph of a branch without a gathered buffer
     in the newest release's own code; then make its runner read an attribute our stand-ins lack, as a new release would."""

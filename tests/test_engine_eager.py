@@ -64,6 +64,7 @@ def _graph_kinds(rep: dict) -> set[tuple]:
             for f in ln["failures"]}
 
 
+@pytest.mark.engine
 def test_newest_eager_path_reports_requests_against_every_token_in_the_gathered_branches(newest):
     assert not any(why.startswith("I7") for why in newest["skipped"]), newest["skipped"]
     eager = _eager(newest)
@@ -95,6 +96,7 @@ def test_newest_eager_path_reports_requests_against_every_token_in_the_gathered_
     assert plain and all(ln["ok"] and ln["checked"] >= 1 for ln in plain), plain
 
 
+@pytest.mark.engine
 def test_a_bug_planted_in_the_eager_count_scaling_is_caught_on_eager_lines_only(newest, tmp_path):
     """for_logprob scaled by the tokens per request: the gathered branches now agree (every token reaches lm_head),
     the pruned branch (one row per request) fails on I7; no graph runner's line changes."""

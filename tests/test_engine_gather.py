@@ -114,6 +114,7 @@ def _gather_failures(rep: dict) -> list[dict]:
 pytestmark = pytest.mark.timeout(900)
 
 
+@pytest.mark.engine
 def test_newest_passes_and_a_wrong_count_in_its_gather_is_caught_on_the_gathering_layout(tmp_path):
     newest = installed_release(NEWEST)
     clean = _check(newest, f"{MLP_TP}, {ATTN_TP_DP}")
@@ -130,6 +131,7 @@ def test_newest_passes_and_a_wrong_count_in_its_gather_is_caught_on_the_gatherin
     assert all(f["got"] == "a zero row (no rows gathered there)" for f in fails), fails
 
 
+@pytest.mark.engine
 def test_seed_bug_releases_where_a_wrong_count_reaches_the_gather():
     # 0.5.7's single-layer runner counts bs where lm_head sees bs * T, also in the MLP-TP branch, whose processor gathers
     sibling = _gather_failures(_check(installed_release("0.5.7"), MLP_TP))

@@ -35,7 +35,7 @@ CHAIN = "sglang/srt/speculative/triton_ops/multi_layer_eagle.py"  # FIXED's assi
 ATTN_TP = "ParallelLayout(4, 1, False, 1)"  # attn-TP gather: gathered buffers, one DP rank
 PLAIN = "ParallelLayout(4)"  # neither branch
 
-pytestmark = pytest.mark.timeout(900)
+pytestmark = [pytest.mark.engine, pytest.mark.timeout(900)]
 
 
 def _plant(src: Path, dst: Path, rel: str, old: str, new: str) -> Path:

@@ -162,6 +162,7 @@ FROZEN_BUCKET = {("frozen_kv_mtp", 0, "mlp_tp_gather", "padding", f) for f in ("
 RAGGED_DP = {("ragged_verify", 0, "mlp_tp_gather", "DP", "global_num_tokens_gpu (every DP group's tier)")}
 
 
+@pytest.mark.engine
 def test_newest_release_findings_are_the_frozen_dp_bucket_and_the_ragged_dp_tier(newest_run):
     assert _findings(newest_run) == FROZEN_BUCKET | RAGGED_DP
     lines = newest_run["lines"]
@@ -175,6 +176,7 @@ def test_newest_release_findings_are_the_frozen_dp_bucket_and_the_ragged_dp_tier
     assert any(f["where"]["dp_tiers"] == [4, 8] and f["expected"] == [4, 8] and f["got"] in ([4, 4], [8, 8]) for f in dp), dp[:3]
 
 
+@pytest.mark.engine
 def test_newest_release_uno_and_dflash_pass_where_they_run(newest_run):
     lines = newest_run["lines"]
     uno_lines = [ln for ln in lines if ln["runner"] == "uno"]
@@ -186,6 +188,7 @@ def test_newest_release_uno_and_dflash_pass_where_they_run(newest_run):
     assert ragged == {"tp4-dp2-dp_lm_head [mlp_tp_gather]", "tp4-dense_tp1 [attn_tp_gather]", "tp4 [neither]"}
 
 
+@pytest.mark.engine
 def test_what_the_runners_never_check_is_said_with_the_reason(newest_run):
     skipped = newest_run["skipped"]
     for start in ("uno: the gathered-buffer invariants", "uno: tree mode", "ragged_verify: the Triton twins", "dflash_draft (",
@@ -194,6 +197,7 @@ def test_what_the_runners_never_check_is_said_with_the_reason(newest_run):
     assert not any("off unless named" in why for why in skipped if why.split(" ")[0] in KINDS)
 
 
+@pytest.mark.engine
 def test_unnamed_the_runners_are_said_off(newest):
     doc = _check(newest, "ParallelLayout(4)", kinds=["single_layer"])
     assert {ln["runner"] for ln in doc["lines"]} == {"single_layer"}
@@ -201,6 +205,7 @@ def test_unnamed_the_runners_are_said_off(newest):
     assert sorted(off) == sorted(KINDS), doc["skipped"]
 
 
+@pytest.mark.engine
 def test_first_ragged_release_replays_the_capture_time_layout(tmp_path):
     # 0.5.16 keys the verify graphs by tier but never refreshes the layout the graph baked (0.5.17's
     # _stage_ragged_verify_layout: "Without this refresh every replay reuses the capture-time synthetic verify_lens /
@@ -213,6 +218,7 @@ def test_first_ragged_release_replays_the_capture_time_layout(tmp_path):
     assert not [f for f in _findings(doc) if f[0] == "dflash_verify"]
 
 
+@pytest.mark.engine
 def test_a_release_where_every_named_runner_is_na_is_na():
     # 0.5.13.post1: Frozen-KV MTP on the CudaGraphRunner-era API, no UNO yet: exit 3 with both reasons, before anything is built
     code = f"""
@@ -299,6 +305,7 @@ def planted_b(newest: Path, tmp_path_factory) -> dict:
                          lambda: _check(_plant(newest, tmp_path_factory.mktemp("b") / "sglang", PLANTS_B), LAYOUTS))
 
 
+@pytest.mark.engine
 def test_frozen_plants_are_caught_on_its_lines(newest_run, planted_a, planted_b):
     a, b = _added(newest_run, planted_a)["frozen_kv_mtp"], _added(newest_run, planted_b)["frozen_kv_mtp"]
     # a batch that pads after a larger one finds that batch's request slots in its padded rows (both gathered branches)
@@ -310,12 +317,14 @@ def test_frozen_plants_are_caught_on_its_lines(newest_run, planted_a, planted_b)
     assert {f[3] for f in b} == {"global_num_tokens_gpu (replay fill)", "global_num_tokens_gpu", "global_num_tokens_cpu"}, b
 
 
+@pytest.mark.engine
 def test_uno_plants_are_caught_on_its_lines(newest_run, planted_a, planted_b):
     a, b = _added(newest_run, planted_a)["uno"], _added(newest_run, planted_b)["uno"]
     assert a == {(0, "neither", "capture", "LoRA routing")}, a  # the draft pass's graph only
     assert b == {(0, "neither", "replay", "graph variant")}, b
 
 
+@pytest.mark.engine
 def test_ragged_plants_are_caught_on_its_lines(newest_run, planted_a, planted_b):
     a, b = _added(newest_run, planted_a)["ragged_verify"], _added(newest_run, planted_b)["ragged_verify"]
     assert {f[2:] for f in a} == {("replay", "qo_indptr real rows")}, a
@@ -325,6 +334,7 @@ def test_ragged_plants_are_caught_on_its_lines(newest_run, planted_a, planted_b)
     assert {f[2:] for f in b} <= {("replay", "verify_lens range"), ("replay", "verify_lens last real row")}, b
 
 
+@pytest.mark.engine
 def test_dflash_plants_are_caught_on_its_lines(newest_run, planted_a, planted_b):
     a, b = _added(newest_run, planted_a)["dflash_verify"], _added(newest_run, planted_b)["dflash_verify"]
     assert {f[2:] for f in a} == {("capture", "spec_info.draft_token_num")}, a

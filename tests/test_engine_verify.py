@@ -34,6 +34,7 @@ def _verify_kinds(fails: list[dict]) -> tuple[set[tuple], set[str]]:
     return mine, runners
 
 
+@pytest.mark.engine
 def test_replay_fill_that_stops_resetting_padded_seq_lens_is_caught_on_target_verify_lines(newest, tmp_path):
     # load_batch hands the registry the raw batch as the padded one: the per-request slots' padded lanes are not reset
     target = _plant(newest, tmp_path / "sglang", VERIFY, "            padded_bs=bs,\n", "            padded_bs=raw_bs,\n")
@@ -42,6 +43,7 @@ def test_replay_fill_that_stops_resetting_padded_seq_lens_is_caught_on_target_ve
     assert runners == {"target_verify"}, runners
 
 
+@pytest.mark.engine
 def test_replay_fill_padding_index_buffers_with_one_is_caught_by_the_pad_value_only(newest, tmp_path):
     # the registry's ZERO policy writes 1: every replay alike, so the padded lanes are history independent and only
     # the value check sees that padded tokens now write KV slot 1 and read request row 1
@@ -52,6 +54,7 @@ def test_replay_fill_padding_index_buffers_with_one_is_caught_by_the_pad_value_o
     assert runners == {"target_verify"}, runners  # the registry is the verify runner's alone among those driven
 
 
+@pytest.mark.engine
 def test_capture_that_counts_requests_for_the_gathered_tokens_is_caught_on_target_verify_lines(newest, tmp_path):
     # capture_prepare bakes bs where the verify's tokens are bs * num_draft_tokens (the seed bug's sibling, in verify)
     target = _plant(newest, tmp_path / "sglang", VERIFY, "        global_num_tokens_cpu = self._global_num_tokens_for_graph(num_tokens)\n",

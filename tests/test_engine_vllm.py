@@ -166,6 +166,7 @@ def _failed(rep: dict) -> set[tuple[str, str, str]]:
     return {(f["check"], f["field"], f["where"].get("runner")) for ln in rep["lines"] for f in ln["failures"]}
 
 
+@pytest.mark.engine
 def test_release_passes_and_says_what_does_not_apply(results):
     rep, text = results["release"]["report"], results["release"]["text"]
     assert rep["version"] == VERSION
@@ -191,6 +192,7 @@ def test_release_passes_and_says_what_does_not_apply(results):
     assert "n/a: padded-lane input_ids" in text
 
 
+@pytest.mark.engine
 def test_planted_padded_tail_is_caught(results):
     rep = results["padded_tail_not_written"]["report"]
     assert not rep["ok"]
@@ -204,6 +206,7 @@ def test_planted_padded_tail_is_caught(results):
     assert {b for c, b, _ in failed if c in ("padded tail", "canonical")} == {"seq_lens", "slot_mapping"}
 
 
+@pytest.mark.engine
 def test_release_drives_the_fused_decode_as_its_own_path(results):
     rep = results["release"]["report"]
     lines = {(ln["runner"], ln["dp"], ln["bucket"]): ln for ln in rep["lines"]}
@@ -221,6 +224,7 @@ def test_release_drives_the_fused_decode_as_its_own_path(results):
     # the replayed graph attends with metadata derived for another batch and writes KV through stale slot mappings
     ("fused_graph_skips_refresh", {("metadata", "seq_lens"), ("metadata", "query_start_loc"), ("lanes", "slot_mapping (real lanes)")}),
 ])
+@pytest.mark.engine
 def test_planted_fused_bug_is_caught_on_the_fused_path_only(results, planted, caught):
     rep = results[planted]["report"]
     assert not rep["ok"]
@@ -240,6 +244,7 @@ def test_planted_fused_bug_is_caught_on_the_fused_path_only(results, planted, ca
     ("per_step_refresh_only_first", {"draft_decode"}, {("lanes", "slot_mapping (real lanes)"), ("metadata", "seq_lens")}),
     ("fused_refresh_only_first", {"draft_decode_fused"}, {("lanes", "slot_mapping (real lanes)"), ("metadata", "seq_lens")}),
 ])
+@pytest.mark.engine
 def test_planted_between_step_bug_is_caught_at_step_2_on_its_path(results, planted, runners, caught):
     rep = results[planted]["report"]
     assert not rep["ok"]
@@ -251,6 +256,7 @@ def test_planted_between_step_bug_is_caught_at_step_2_on_its_path(results, plant
         assert {f["field"] for f in fails} == {"positions (real lanes)", "slot_mapping (real lanes)"}
 
 
+@pytest.mark.engine
 @pytest.mark.parametrize("release", ["results", "token_keyed"])
 def test_planted_dp_pad_count_is_caught(release, request):
     rep = request.getfixturevalue(release)["dp_pads_to_own_count"]["report"]
@@ -263,6 +269,7 @@ def test_planted_dp_pad_count_is_caught(release, request):
     assert all(f["where"]["dp"] > 1 for ln in rep["lines"] for f in ln["failures"])
 
 
+@pytest.mark.engine
 @pytest.mark.parametrize("release, planted", [("results", "capture_limit_ignores_query_len"), ("token_keyed", "rounded_size_ignores_cap")])
 def test_planted_capture_limit_is_caught(release, planted, request):
     rep = request.getfixturevalue(release)[planted]["report"]
@@ -275,6 +282,7 @@ def test_planted_capture_limit_is_caught(release, planted, request):
     assert not any(r == "draft_decode" and c == "capture sizes" for c, _, r in failed)
 
 
+@pytest.mark.engine
 def test_token_keyed_release_passes_under_its_own_rules(token_keyed):
     rep, text = token_keyed["release"]["report"], token_keyed["release"]["text"]
     assert (rep["version"], rep["api"]) == (TOKEN_KEYED, "mrv2-tok")

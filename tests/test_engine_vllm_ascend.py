@@ -354,6 +354,7 @@ def _failed(rep: dict) -> set[tuple[str, str]]:
 INSTALLS = pytest.mark.timeout(900)  # an install and six checks, on two cores
 
 
+@pytest.mark.engine
 @INSTALLS
 def test_release_holds_every_invariant_but_the_draft_steps_kv_length(results):
     rep = results["release"]
@@ -371,6 +372,7 @@ def test_release_holds_every_invariant_but_the_draft_steps_kv_length(results):
     assert any("on vllm 0.23.0 the worker falls back to the v1 runner (vllm_ascend/worker/worker.py:161)" in n for n in rep["not_applicable"])
 
 
+@pytest.mark.engine
 @INSTALLS
 def test_release_captures_one_graph_per_key_and_replays_it_with_rewritten_tasks(results):
     lines = {(ln["world"], ln["bucket"]): ln for ln in results["release"]["lines"]}
@@ -380,6 +382,7 @@ def test_release_captures_one_graph_per_key_and_replays_it_with_rewritten_tasks(
     assert lines[("FULL_DECODE_ONLY dp=2 moe", "tokens=16")]["raw_bs"] == [1, 2, 3, 4]
 
 
+@pytest.mark.engine
 @INSTALLS
 @pytest.mark.parametrize("planted", sorted(PLANTED))
 def test_planted_bug_is_caught_by_the_check_that_owns_it(results, planted):
@@ -387,6 +390,7 @@ def test_planted_bug_is_caught_by_the_check_that_owns_it(results, planted):
     assert CAUGHT[planted] <= new, f"{planted}: newly failing {sorted(new)}"
 
 
+@pytest.mark.engine
 @INSTALLS
 def test_a_tree_without_the_merged_draft_graph_is_not_applicable(installed, tmp_path):
     tree = _plant(installed, tmp_path / "gone", PROPOSER, "    def _run_merged_draft(", "    def _run_merged_draft_gone(")

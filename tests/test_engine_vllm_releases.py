@@ -81,6 +81,7 @@ def test_stubbed_transformers_reports_the_version_old_releases_require():
         sys.meta_path.remove(finder)
 
 
+@pytest.mark.engine
 @pytest.mark.timeout(900)
 def test_release_table_verdicts_follow_the_sources():
     """Six more vLLM releases than tests/test_engine_vllm.py needs (0.11.2 .. 0.32.0, about 5.4 GB installed): only
@@ -157,6 +158,7 @@ def _planted_failures(release: Path, copies: dict[str, Optional[tuple[str, str, 
     return out
 
 
+@pytest.mark.engine
 @pytest.mark.timeout(900)
 def test_planted_028_bugs_are_caught(tmp_path):
     failed = _planted_failures(_installed("0.28.0"), {"release": None, "runner_q": RUNNER_Q, "prefill_dp": PREFILL_SKIPS_AGREEMENT},
@@ -178,6 +180,7 @@ def test_planted_028_bugs_are_caught(tmp_path):
                                     ("padding", "graph (mode, requests)", "draft_prefill")}  # a rank's own graph, not the agreed one
 
 
+@pytest.mark.engine
 @pytest.mark.timeout(900)
 def test_planted_029_draft_decode_skipping_its_own_agreement_is_caught(tmp_path):
     copy = {"decode_dp": (AR_SPECULATOR, OWN_AGREEMENT, OWN_AGREEMENT_SKIPPED)}

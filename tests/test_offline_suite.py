@@ -5,11 +5,9 @@ from __future__ import annotations
 import re
 import subprocess
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 
-from conftest import derived_markers
 from harness.engines import install
 from harness.engines.install import MARKER
 from tests.helpers import engine_releases
@@ -38,6 +36,7 @@ def pip(monkeypatch, tmp_path):
 
     monkeypatch.setattr(install, "_pip_target", fake_pip)
     monkeypatch.setattr(engine_releases, "run_python", fake_load)
+    monkeypatch.setattr(engine_releases, "_running", None)  # these tests call the gate as a marked test's fixture would
     return calls
 
 
@@ -79,12 +78,15 @@ def test_tests_reach_pip_only_through_the_gate_and_ci_opens_it():
     assert "export SPECHARNESS_ENGINE_TESTS" not in ci  # the opt-in is the engine step's alone
 
 
-def test_every_test_behind_the_gate_is_an_engine_test():
-    """CI's suite step runs offline, so a test that needs an engine release skips there; CI runs it in the step that
-    selects `-m engine`. A test module outside that marker reaching the gate would skip in both and run nowhere."""
-    gated = [p for p in sorted(TESTS.glob("test_*.py")) if "engine_releases" in p.read_text()
-             and p.name not in ("test_offline_suite.py", "test_engine_install.py")]  # the gate's own tests: no release
-    assert len(gated) >= 10, [p.name for p in gated]
-    for path in gated:
-        item = SimpleNamespace(path=path, name="test_x", originalname="test_x", parent=None)
-        assert "engine" in derived_markers(item), f"{path.name} installs engine releases but is not marked engine (conftest.py)"
+def test_a_test_not_marked_engine_that_needs_a_release_fails_naming_itself_and_the_marker(pip, request, monkeypatch):
+    """CI's offline step skips a test that needs a release; its engine step selects `-m engine`. An unmarked one
+    would run in neither, so the gate fails it, before it skips or installs anything."""
+    monkeypatch.setattr(engine_releases, "_running", request.node)
+    monkeypatch.setenv(ENGINE_TESTS_ENV, "1")
+    with pytest.raises(pytest.fail.Exception, match=r"test_offline_suite\.py::test_a_test_not_marked_engine\S* needs the engine "
+                                                    r"release sglang==0\.5\.23 but is not marked @pytest\.mark\.engine: mark it, "
+                                                    r"so that `SPECHARNESS_ENGINE_TESTS=1 pytest -n auto -m engine`"):
+        installed_release("0.5.23")
+    assert pip == []
+    request.node.add_marker(pytest.mark.engine)  # marked, it reaches the gate: installed, as the opt-in asks
+    assert (installed_release("0.5.23") / MARKER).is_file()

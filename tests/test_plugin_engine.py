@@ -31,6 +31,7 @@ def _items(out: str, outcome: str) -> set[str]:
     return {ln.split(" ", 1)[1].split(" - ")[0] for ln in out.splitlines() if ln.startswith(outcome + " ")}
 
 
+@pytest.mark.engine
 def test_seed_bug_release_fails_its_attn_tp_gather_multi_layer_items_only(project):
     target = installed_release("0.5.13.post1")
     rc, out = pytest_in(project, "-k", "engine-check", "-rA", f"--specharness-engine-check=--engine sglang --target {target}")
@@ -49,6 +50,7 @@ def test_seed_bug_release_fails_its_attn_tp_gather_multi_layer_items_only(projec
     assert any("not checked: I7 (eager vs graph): not run" in ln for ln in skipped), skipped
 
 
+@pytest.mark.engine
 def test_fixed_release_passes_every_item_and_skips_what_it_did_not_check(project):
     target = installed_release("0.5.14")
     rc, out = pytest_in(project, "-k", "engine-check", "-rA", f"--specharness-engine-check=--engine sglang --target {target}")

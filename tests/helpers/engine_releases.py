@@ -12,7 +12,7 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Callable, Optional, Sequence
 
 import pytest
 
@@ -33,9 +33,28 @@ def _log(msg: str) -> None:
     print(msg, file=sys.stderr)
 
 
+ENGINE_MARK = "engine"
+_running: Optional[pytest.Item] = None  # the test being set up or run (tests/conftest.py), None outside pytest's run
+
+
+def begin_test(item: pytest.Item) -> None:
+    """Called before a test's fixtures are set up, so that the gate sees which test a module-scoped fixture serves."""
+    global _running
+    _running = item
+
+
+def _require_engine_mark(spec: str) -> None:
+    """CI's offline step skips a test that needs a release and its engine step selects `-m engine`: an unmarked test
+    that needs one would run in neither, so it fails here."""
+    if _running is not None and _running.get_closest_marker(ENGINE_MARK) is None:
+        pytest.fail(f"{_running.nodeid} needs the engine release {spec} but is not marked @pytest.mark.{ENGINE_MARK}: mark it, so "
+                    f"that `{ENGINE_TESTS_ENV}=1 pytest -n auto -m {ENGINE_MARK}` (.ci/run's engine step) runs it", pytrace=False)
+
+
 def _provided(spec: str, parts: Sequence[Path], install: Callable[[], Path], opt_in: str, size: str) -> Path:
     """install() when every part is installed already or the run opted in (opt_in=1), its bytecode written; else skip
-    with how to run it."""
+    with how to run it. Only a test marked engine may ask."""
+    _require_engine_mark(spec)
     if all(is_installed(p) for p in parts) or asked(opt_in):
         try:
             path = install()
