@@ -97,7 +97,7 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     gc.collect()
     gc.freeze()
     # one intra-op thread: the suite's tensors are tiny (a few KiB), where a second pool thread only spins beside the
-    # other xdist workers (one per core, plus one); the ranks run on one thread each already (one_torch_thread). torch is
+    # other xdist workers (one per core); the ranks run on one thread each already (one_torch_thread). torch is
     # imported by now (collection imported it), as in pytest_collection_modifyitems
     import torch
 
@@ -165,10 +165,11 @@ def _multigpu_skip_reason(nodeid: str, marker: pytest.Mark) -> str | None:
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
-    """`-n auto`: one worker more than the cores. Part of this suite waits rather than computes (rank and engine
-    processes starting, torchrun rendezvous, collective timeouts that must expire), and with a worker per core those
-    waits leave a core idle; the extra worker fills them. Results do not depend on the worker count."""
-    return (os.cpu_count() or 1) + 1
+    """`-n auto`: one worker per core, as os.cpu_count() counts them (xdist's own default counts physical cores where
+    psutil is installed, so the count would depend on an optional package). The suite computes far more than it waits
+    (rank and engine processes starting, torchrun rendezvous, timeouts that must expire), so a worker beyond the cores
+    finds no idle core to fill and only adds its processes to the contention. Results do not depend on the count."""
+    return os.cpu_count() or 1
 
 
 @pytest.hookimpl(tryfirst=True, optionalhook=True)

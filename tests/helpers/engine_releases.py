@@ -87,7 +87,7 @@ def write_bytecode(spec: str, path: Path) -> None:
     """Load the install of spec (ENGINE==VERSION) at path once as a check does, writing the bytecode of every module it
     imports; once per install and Python version, under a lock. A release is installed without bytecode and each check
     writes what it compiles, but the tests start several checks of one release side by side (the release and its planted
-    copies, in three workers): each would compile the same hundreds of modules from source, none finding another's
+    copies, in several workers): each would compile the same hundreds of modules from source, none finding another's
     bytecode written yet. The loading process is forked from the server that starts the engine checks
     (tests/helpers/prewarmed.py), so it compiles the release's modules alone."""
     marker = path / f".bytecode-{sys.implementation.cache_tag}"
