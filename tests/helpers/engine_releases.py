@@ -34,6 +34,7 @@ def _log(msg: str) -> None:
 
 
 ENGINE_MARK = "engine"
+ENGINE_STEP = f"`{ENGINE_TESTS_ENV}=1 pytest -n auto -m {ENGINE_MARK}`, .ci/run's engine step"  # what runs the marked tests
 _running: Optional[pytest.Item] = None  # the test being set up or run (tests/conftest.py), None outside pytest's run
 
 
@@ -48,7 +49,7 @@ def _require_engine_mark(spec: str) -> None:
     that needs one would run in neither, so it fails here."""
     if _running is not None and _running.get_closest_marker(ENGINE_MARK) is None:
         pytest.fail(f"{_running.nodeid} needs the engine release {spec} but is not marked @pytest.mark.{ENGINE_MARK}: mark it, so "
-                    f"that `{ENGINE_TESTS_ENV}=1 pytest -n auto -m {ENGINE_MARK}` (.ci/run's engine step) runs it", pytrace=False)
+                    f"that {ENGINE_STEP} runs it", pytrace=False)
 
 
 def _provided(spec: str, parts: Sequence[Path], install: Callable[[], Path], opt_in: str, size: str) -> Path:
@@ -65,7 +66,7 @@ def _provided(spec: str, parts: Sequence[Path], install: Callable[[], Path], opt
         except BytecodeError as e:
             pytest.fail(str(e))
         return path
-    run = f" (`{opt_in}=1 pytest -n auto -m engine`, .ci/run's engine step)" if opt_in == ENGINE_TESTS_ENV else ""
+    run = f" ({ENGINE_STEP})" if opt_in == ENGINE_TESTS_ENV else ""
     pytest.skip(f"{spec} is not installed under {engines_root()} and installing it downloads {size}: set {opt_in}=1 to let "
                 f"tests install engine releases{run}, or install it once: harness engine-check --install --engine {spec}")
 
