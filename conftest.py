@@ -63,8 +63,8 @@ SHARED_SETUP = ("test_packaging.py", "test_engine_vllm.py", "test_engine_check.p
 PLUGIN_ITEMS = "::specharness::"  # harness.plugin's case items (tests/conftest.py enables it), grouped per case
 # Modules of long tests (subprocesses, engine imports, real ranks), handed out first: xdist gives tests to whichever
 # worker is free in collection order, so the ones that start last should be short. Only wall time depends on it.
-LONG_FIRST = ("test_engine_vllm.py", "test_packaging.py", "test_plugin.py", "test_engine_planted.py", "test_engine_verify.py",
-              "test_engine_gather.py", "test_engine_check.py", "test_properties.py", "test_real_ranks.py", "test_torchrun.py",
+LONG_FIRST = ("test_engine_vllm.py", "test_plugin_engine.py", "test_engine_gather.py", "test_engine_verify.py", "test_packaging.py", "test_plugin.py",
+              "test_engine_planted.py", "test_engine_check.py", "test_properties.py", "test_real_ranks.py", "test_torchrun.py",
               "test_distributed_ranks.py", "test_spec_decode.py")
 
 

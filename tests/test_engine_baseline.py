@@ -276,6 +276,33 @@ def test_tuple_types_named_on_first_read_have_the_names_triton_gives_them():
     assert got["lazy"] == got["eager"] and got["deferred"] == [True] * 4 and got["equal"]
 
 
+def test_tuples_typed_on_first_read_have_the_types_triton_gives_them():
+    """type_tuples_on_use() defers an untyped triton.language tuple's type to its first read: equal to, and printed as,
+    the type Triton works out when the tuple is made; a type given at construction is kept (a list of types made a
+    tuple type, as Triton does), and _setitem's new member is in the type read after it."""
+    proc = run_python(textwrap.dedent("""
+        import json, triton.language as tl
+        from triton.language.core import tuple_type
+        from runners.attention.triton_interpreter import type_tuples_on_use
+        given = tuple_type([tl.int32, tl.float16], ["a", "b"])
+        made = lambda: [tl.tuple([tl.constexpr(4), 3, tl.int32]), tl.tuple([]), tl.tuple([1, 2], given), tl.tuple([7], [tl.int64])]
+        eager = [str(t.type) for t in made()]
+        type_tuples_on_use()
+        type_tuples_on_use()  # idempotent
+        lazy = made()
+        deferred = ["type" not in vars(t) for t in lazy]
+        edited = tl.tuple([1, 2])
+        edited._setitem(1, tl.constexpr(5))
+        print(json.dumps({"eager": eager, "lazy": [str(t.type) for t in lazy], "deferred": deferred, "kept": lazy[2].type is given,
+                          "edited": str(edited.type)}))
+    """))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got["eager"] == ["[:constexpr_type[4],:constexpr_type[3],:constexpr_type[int32]]", "[]", "[a:int32,b:fp16]", "[:int64]"]
+    assert got["lazy"] == got["eager"] and got["deferred"] == [True, True, False, False] and got["kept"]
+    assert got["edited"] == "[:constexpr_type[1],:constexpr_type[5]]"
+
+
 def test_the_integer_overflow_check_runs_as_triton_has_it_only_where_its_assertion_is_kept():
     """prepare_interpreter() skips building the overflow condition of an int32 add only where device_assert would drop it
     (the interpreter's options, debug off): the add wraps as it does on a GPU; with debug on, the check runs and fails."""

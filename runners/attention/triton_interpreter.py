@@ -7,10 +7,12 @@ interpreter, which pays per operation for two things whose results never change 
   of a device_assert, which drops it unless the builder's options say debug (the interpreter's never do);
 * the interpreter rebuilds its whole numpy dtype table on every dtype lookup (several per operation), lists the
   builtins of triton.language with inspect.getmembers and makes a wrapper for each on every launch and every
-  device-function call, and spells out a tuple type's printable name for every tensor it makes (its shape).
+  device-function call, and types every triton.language tuple it makes (a tensor's shape is one) and spells out that
+  type's printable name, for tuples whose type is almost never read.
 
 `speed_up_interpreter()` skips the first where the assertion is dropped, remembers the lookups and wrappers, and
-names a tuple type when the name is first read. All are idempotent and leave a compiling (GPU) build alone.
+types a tuple, and names a tuple type, when that is first read. All are idempotent and leave a compiling (GPU) build
+alone.
 """
 from __future__ import annotations
 
@@ -26,6 +28,32 @@ def speed_up_interpreter() -> None:
     skip_dropped_overflow_checks()
     remember_interpreter_lookups()
     name_tuple_types_on_use()
+    type_tuples_on_use()
+
+
+def type_tuples_on_use() -> None:
+    """A triton.language tuple made without a type works its type out of its members when made; the interpreter makes
+    one for every tensor (its shape) and reads the type of almost none. Work it out when first read instead, by
+    Triton's own function, from the members the tuple holds then: the members it was made with, since the one method
+    that replaces a member (_setitem) assigns the type again itself. A type given at construction is kept as given.
+    Idempotent."""
+    core = importlib.import_module("triton.language.core")
+    cls = core.tuple
+    if isinstance(cls.__dict__.get("type"), functools.cached_property):
+        return
+    tuple_type, type_of = core.tuple_type, core._type_for_tuple_values
+
+    def init(self: Any, args: Any, type: Any = None) -> None:  # noqa: A002 - Triton's own parameter name
+        self.values = [i for i in args]
+        if type is not None:  # an assignment stores it in the instance, over the class's cached_property
+            self.type = type if isinstance(type, tuple_type) else tuple_type(type)
+
+    def typed(self: Any) -> Any:
+        return type_of(self.values)
+
+    cls.__init__ = init
+    cls.type = functools.cached_property(typed)
+    cls.type.__set_name__(cls, "type")
 
 
 def name_tuple_types_on_use() -> None:
