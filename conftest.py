@@ -9,6 +9,8 @@ import functools
 import gc
 import os
 import re
+import shutil
+import tempfile
 from typing import TYPE_CHECKING
 
 import pytest
@@ -40,6 +42,7 @@ collect_ignore = ["tests/external_project"]
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    _share_launch_memo(config)
     if os.environ.get("PYTEST_XDIST_WORKER"):  # before anything initialises CUDA: this worker's GPUs only
         from harness.ranks.gpu_slice import apply_worker_slice
 
@@ -51,6 +54,20 @@ def pytest_configure(config: pytest.Config) -> None:
     # --hypothesis-profile (hypothesis' own pytest option) wins; it loads the profile itself.
     if not config.getoption("hypothesis_profile", default=None):
         settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE") or ("ci" if os.environ.get("CI") else "dev"))
+
+
+def _share_launch_memo(config: pytest.Config) -> None:
+    """One launch memo folder for the session (harness/engines/launch_memo.py): the engine checks the tests start, each a
+    process of its own (a release and its planted copies side by side, in every worker), interpret a launch they share
+    once. Made by the process pytest started (xdist's controller, or the one process), before it starts any other: the
+    workers and the checks inherit the variable; removed when that process ends. A folder the user set is used and kept."""
+    from harness.engines.launch_memo import SHARED_MEMO_ENV  # torch: imported by the suite's collection anyway
+
+    if os.environ.get(SHARED_MEMO_ENV):
+        return
+    folder = tempfile.mkdtemp(prefix="specharness-launch-memo-")
+    os.environ[SHARED_MEMO_ENV] = folder
+    config.add_cleanup(functools.partial(shutil.rmtree, folder))
 
 
 # Modules whose module-scoped fixture is costly (a wheel built and installed; the vLLM and vllm-ascend checks; SGLang

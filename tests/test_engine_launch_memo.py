@@ -4,12 +4,14 @@ cannot see all of (through a pointer table, out of bounds, a computed grid) alwa
 from __future__ import annotations
 
 import json
+import os
 import textwrap
 
+import pytest
 import torch
 
-from harness.engines.launch_memo import LaunchMemo, launch_state
-from tests.helpers.prewarmed import run_python
+from harness.engines.launch_memo import SHARED_MEMO_ENV, LaunchMemo, launch_state
+from tests.helpers.prewarmed import Started, run_python
 
 
 def _launch(memo: LaunchMemo, runs: list[int], context: str, dst: torch.Tensor, src: torch.Tensor, n: int, bias: float = 0.0) -> None:
@@ -143,3 +145,104 @@ def test_interpreted_launches_replay_only_where_the_key_sees_everything_the_kern
     assert got["pointer table"] == {"hits": 0, "violations": 0, "outs": [list(range(1, 9))] * 2}
     assert got["address"] == {"hits": 0, "violations": 0, "outs": [True, True]}
     assert got["print"] == {"hits": 0, "violations": 0, "outs": [1, 1]}
+
+
+# ---- the memo shared by processes ($SPECHARNESS_LAUNCH_MEMO_DIR) ----
+
+
+def test_a_shared_folder_hands_an_effect_to_another_process_memo_and_any_difference_misses(tmp_path):
+    folder = tmp_path / "memo"
+
+    def launch(memo: LaunchMemo, runs: list[int], context: str, dst: torch.Tensor, src: torch.Tensor) -> None:
+        key, storages = memo.key(context, (dst, src, 2), {})
+        shared = memo.shared_file(folder, context, key)
+        if not memo.replay(key, storages, shared):
+            runs.append(1)
+            dst[:2] = src[:2] * 10
+            memo.record(key, storages, shared)
+
+    first, runs = LaunchMemo(), []
+    launch(first, runs, "kernel k", torch.zeros(4), torch.tensor([1.0, 2.0, 3.0, 4.0]))
+    assert runs == [1] and len(list(folder.iterdir())) == 1
+    other, dst = LaunchMemo(), torch.zeros(4)  # another process's memo: nothing of its own, the same folder
+    launch(other, runs, "kernel k", dst, torch.tensor([1.0, 2.0, 3.0, 4.0]))
+    assert runs == [1] and dst.tolist() == [10.0, 20.0, 0.0, 0.0] and (other.hits, other.shared_hits) == (1, 1)
+    launch(other, runs, "kernel k", torch.zeros(4), torch.tensor([1.0, 2.0, 3.0, 4.0]))  # now its own
+    assert runs == [1] and (other.hits, other.shared_hits) == (2, 1)
+    launch(LaunchMemo(), runs, "kernel k2", torch.zeros(4), torch.tensor([1.0, 2.0, 3.0, 4.0]))  # another kernel's text
+    launch(LaunchMemo(), runs, "kernel k", torch.zeros(4), torch.tensor([1.0, 2.0, 3.0, 5.0]))  # one byte of its input
+    assert runs == [1, 1, 1] and len(list(folder.iterdir())) == 3
+    for path in folder.iterdir():
+        path.write_bytes(b"not an effect")
+    with pytest.raises(RuntimeError, match=r"\.effect: not a launch effect of 2 storage\(s\)"):
+        launch(LaunchMemo(), runs, "kernel k", torch.zeros(4), torch.tensor([1.0, 2.0, 3.0, 4.0]))
+
+
+_KERNEL = """import triton
+import triton.language as tl
+
+from pkg.consts import SCALE
+from pkg.helpers import shift
+
+
+@triton.jit
+def scale(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(out_ptr + offs, shift(tl.load(x_ptr + offs, mask=offs < n, other=0) * SCALE), mask=offs < n)
+
+
+@triton.jit
+def through_module(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(out_ptr + offs, tl.load(x_ptr + offs, mask=offs < n, other=0) * consts.SCALE, mask=offs < n)
+
+
+import pkg.consts as consts  # noqa: E402
+"""
+# the language imported, as a kernel's module has it: the interpreter runs a kernel with the language its globals hold
+_HELPERS = "import triton\nimport triton.language as tl  # noqa: F401\n\n\n@triton.jit\ndef shift(x):\n    return x + 1\n"
+_CONSTS = "import triton.language as tl\n\nSCALE = tl.constexpr(3)\n"
+
+_LAUNCH = """
+import json, sys, torch
+sys.path.insert(0, {root!r})
+from harness.engines import interpreter
+interpreter.prepare_interpreter()
+from pkg.kern import {kernel}
+x, out = torch.arange(8, dtype=torch.int32), torch.zeros(8, dtype=torch.int32)
+{kernel}[(2,)](x, out, 8, BLOCK=4)
+print(json.dumps({{"out": out.tolist(), "shared": interpreter.MEMO.shared_hits}}))
+"""
+
+
+def test_processes_share_a_kernels_launch_only_where_every_file_and_global_it_reads_is_the_same(tmp_path):
+    """A release's kernel, launched by another process on equal inputs, is read from the shared folder; a copy with the
+    same files elsewhere shares it too; one whose helper (another file) or whose constant (another file) was planted
+    runs and writes its own; a kernel reading an engine module's attribute is never shared (kernel_identity.py)."""
+    folder = tmp_path / "memo"
+
+    def tree(name: str, helpers: str = _HELPERS, consts: str = _CONSTS) -> str:
+        pkg = tmp_path / name / "pkg"
+        pkg.mkdir(parents=True)
+        for file, text in (("__init__.py", ""), ("kern.py", _KERNEL), ("helpers.py", helpers), ("consts.py", consts)):
+            (pkg / file).write_text(text)
+        return str(tmp_path / name)
+
+    def launched(root: str, kernel: str = "scale", env_folder=folder) -> dict:
+        env = {k: v for k, v in os.environ.items() if k != SHARED_MEMO_ENV} | ({SHARED_MEMO_ENV: str(env_folder)} if env_folder else {})
+        proc = Started(_LAUNCH.format(root=root, kernel=kernel), env=env).result(300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return json.loads(proc.stdout.strip().splitlines()[-1])
+
+    release, copy = tree("release"), tree("copy")
+    planted_helper, planted_const = tree("helper", helpers=_HELPERS.replace("x + 1", "x + 2")), tree("const", consts=_CONSTS.replace("(3)", "(4)"))
+    right = [3 * i + 1 for i in range(8)]
+    assert launched(release) == {"out": right, "shared": 0} and len(list(folder.iterdir())) == 1
+    assert launched(copy) == {"out": right, "shared": 1}  # the same text at other paths: the same kernel
+    assert launched(planted_helper) == {"out": [3 * i + 2 for i in range(8)], "shared": 0}
+    assert launched(planted_const) == {"out": [4 * i + 1 for i in range(8)], "shared": 0}
+    assert len(list(folder.iterdir())) == 3
+    assert launched(release, "through_module") == {"out": [3 * i for i in range(8)], "shared": 0}
+    assert launched(release, "through_module") == {"out": [3 * i for i in range(8)], "shared": 0}
+    assert len(list(folder.iterdir())) == 3  # an engine module's attribute: no identity, nothing written
+    assert launched(release, env_folder=None) == {"out": right, "shared": 0}  # no folder set: this process's memo only

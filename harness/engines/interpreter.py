@@ -37,12 +37,14 @@ import importlib
 import threading
 import weakref
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Hashable, Optional
 
 import numpy as np
 import torch
 
-from harness.engines.launch_memo import LaunchMemo
+from harness.engines.kernel_identity import kernel_identity
+from harness.engines.launch_memo import LaunchMemo, shared_folder
 from runners.attention.triton_interpreter import speed_up_interpreter
 
 
@@ -284,7 +286,8 @@ def guard_interpreter_memory() -> None:
 
     def call(self: Any, *args: Any, **kwargs: Any) -> Any:
         key, storages = _memo_key(self, args, kwargs, interp.interpreter_builder.options)
-        if key is not None and MEMO.replay(key, storages):
+        shared = None if key is None else _shared_file(self, key)
+        if key is not None and MEMO.replay(key, storages, shared):
             return None
         launch = _Launch(getattr(self.fn, "__name__", str(self.fn)))
         _CURRENT.launches.append(launch)
@@ -293,7 +296,7 @@ def guard_interpreter_memory() -> None:
         finally:
             _CURRENT.launches.pop()
         if key is not None and ret is None and not (launch.indirect or launch.addressed or launch.printed or launch.reported):
-            MEMO.record(key, storages)
+            MEMO.record(key, storages, shared)
         return ret
 
     def init_args_hst(self: Any, args_dev: Any, kwargs: Any) -> Any:
@@ -338,6 +341,19 @@ def _memo_key(executor: Any, args: tuple, kwargs: dict, options: Any) -> tuple[O
     if executor.pre_run_hooks or not isinstance(grid, (tuple, list)) or not all(type(g) is int for g in grid):
         return None, []
     return MEMO.key((executor.fn, tuple(grid), repr(options)), args, kwargs)
+
+
+def _shared_file(executor: Any, key: Hashable) -> Optional[Path]:
+    """Where processes sharing a launch memo keep this launch's effect (launch_memo.py), or None: no shared folder, or
+    a kernel with no identity across processes (kernel_identity.py)."""
+    folder = shared_folder()
+    if folder is None:
+        return None
+    identity = kernel_identity(executor.fn)
+    if identity is None:
+        return None
+    _, grid, options = key[0]
+    return MEMO.shared_file(folder, f"{identity} {grid} {options}", key)
 
 
 def _guarded_op(original: Any, ptr_at: int, mask_at: Optional[int], op: str) -> Any:
