@@ -57,7 +57,7 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def _share_launch_memo(config: pytest.Config) -> None:
-    """One launch memo folder for the session (harness/engines/launch_memo.py): the engine checks the tests start, each a
+    """One launch memo folder for the run (harness/engines/launch_memo.py): the engine checks the tests start, each a
     process of its own (a release and its planted copies side by side, in every worker), interpret a launch they share
     once. Made by the process pytest started (xdist's controller, or the one process), before it starts any other: the
     workers and the checks inherit the variable; removed when that process ends. A folder the user set is used and kept."""

@@ -17,7 +17,7 @@ Processes may share what they memoize: with $SPECHARNESS_LAUNCH_MEMO_DIR set to 
 written there, in a file named by a digest of its whole key, and a launch not seen in this process looks for its file
 before it runs. The function object that keys a launch in-process is then named by what its code can depend on
 (kernel_identity.py), so a planted copy's edited kernel never meets its release's effects. The test suite sets the
-folder for its session: an engine release and its planted copies, checked in processes of their own, interpret the
+folder for each run: an engine release and its planted copies, checked in processes of their own, interpret the
 launches they share once.
 """
 from __future__ import annotations
@@ -37,7 +37,7 @@ SHARED_MEMO_ENV = "SPECHARNESS_LAUNCH_MEMO_DIR"  # a folder the processes of one
 
 
 def shared_folder() -> Optional[Path]:
-    """$SPECHARNESS_LAUNCH_MEMO_DIR, read at each launch (a test session sets it after this module is imported)."""
+    """$SPECHARNESS_LAUNCH_MEMO_DIR, read at each launch (a test run sets it after this module is imported)."""
     folder = os.environ.get(SHARED_MEMO_ENV)
     return Path(folder) if folder else None
 
