@@ -286,9 +286,13 @@ def guard_interpreter_memory() -> None:
 
     def call(self: Any, *args: Any, **kwargs: Any) -> Any:
         key, storages = _memo_key(self, args, kwargs, interp.interpreter_builder.options)
-        shared = None if key is None else _shared_file(self, key)
-        if key is not None and MEMO.replay(key, storages, shared):
-            return None
+        shared = None
+        if key is not None:
+            if MEMO.replay(key, storages):
+                return None
+            shared = _shared_file(self, key)  # named only now: a digest of every byte the launch can read
+            if shared is not None and MEMO.replay(key, storages, shared):
+                return None
         launch = _Launch(getattr(self.fn, "__name__", str(self.fn)))
         _CURRENT.launches.append(launch)
         try:
