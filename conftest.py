@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING
 import pytest
 from hypothesis import HealthCheck, settings
 
+from harness.engines.shared_memo import SHARED_MEMO_ENV
+
 if TYPE_CHECKING:
     from runners.parallel.layout import ParallelLayout
 
@@ -61,8 +63,6 @@ def _share_launch_memo(config: pytest.Config) -> None:
     process of its own (a release and its planted copies side by side, in every worker), interpret a launch they share
     once. Made by the process pytest started (xdist's controller, or the one process), before it starts any other: the
     workers and the checks inherit the variable; removed when that process ends. A folder the user set is used and kept."""
-    from harness.engines.launch_memo import SHARED_MEMO_ENV  # torch: imported by the suite's collection anyway
-
     if os.environ.get(SHARED_MEMO_ENV):
         return
     folder = tempfile.mkdtemp(prefix="specharness-launch-memo-")

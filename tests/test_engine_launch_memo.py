@@ -10,7 +10,8 @@ import textwrap
 import pytest
 import torch
 
-from harness.engines.launch_memo import SHARED_MEMO_ENV, LaunchMemo, launch_state
+from harness.engines.launch_memo import LaunchMemo, launch_state
+from harness.engines.shared_memo import SHARED_MEMO_ENV
 from tests.helpers.prewarmed import Started, run_python
 
 
@@ -218,7 +219,7 @@ print(json.dumps({{"out": out.tolist(), "shared": interpreter.MEMO.shared_hits}}
 def test_processes_share_a_kernels_launch_only_where_every_file_and_global_it_reads_is_the_same(tmp_path):
     """A release's kernel, launched by another process on equal inputs, is read from the shared folder; a copy with the
     same files elsewhere shares it too; one whose helper (another file) or whose constant (another file) was planted
-    runs and writes its own; a kernel reading an engine module's attribute is never shared (kernel_identity.py)."""
+    runs and writes its own; a kernel reading an engine module's attribute is never shared (shared_memo.py)."""
     folder = tmp_path / "memo"
 
     def tree(name: str, helpers: str = _HELPERS, consts: str = _CONSTS) -> str:

@@ -43,8 +43,8 @@ from typing import Any, Hashable, Optional
 import numpy as np
 import torch
 
-from harness.engines.kernel_identity import kernel_identity
-from harness.engines.launch_memo import LaunchMemo, shared_folder
+from harness.engines.launch_memo import LaunchMemo
+from harness.engines.shared_memo import kernel_identity, shared_folder
 from runners.attention.triton_interpreter import speed_up_interpreter
 
 
@@ -349,7 +349,7 @@ def _memo_key(executor: Any, args: tuple, kwargs: dict, options: Any) -> tuple[O
 
 def _shared_file(executor: Any, key: Hashable) -> Optional[Path]:
     """Where processes sharing a launch memo keep this launch's effect (launch_memo.py), or None: no shared folder, or
-    a kernel with no identity across processes (kernel_identity.py)."""
+    a kernel with no identity across processes (shared_memo.py)."""
     folder = shared_folder()
     if folder is None:
         return None

@@ -16,7 +16,7 @@ that printed (output is an effect too), nor one that raised or had an access mas
 Processes may share what they memoize: with $SPECHARNESS_LAUNCH_MEMO_DIR set to a folder, each effect kept is also
 written there, in a file named by a digest of its whole key, and a launch not seen in this process looks for its file
 before it runs. The function object that keys a launch in-process is then named by what its code can depend on
-(kernel_identity.py), so a planted copy's edited kernel never meets its release's effects. The test suite sets the
+(shared_memo.py), so a planted copy's edited kernel never meets its release's effects. The test suite sets the
 folder for each run: an engine release and its planted copies, checked in processes of their own, interpret the
 launches they share once.
 """
@@ -32,14 +32,9 @@ from typing import Hashable, Optional
 
 import torch
 
+from harness.engines.shared_memo import SHARED_MEMO_ENV
+
 _SCALARS = (int, bool, str, type(None))
-SHARED_MEMO_ENV = "SPECHARNESS_LAUNCH_MEMO_DIR"  # a folder the processes of one run share their launch effects through
-
-
-def shared_folder() -> Optional[Path]:
-    """$SPECHARNESS_LAUNCH_MEMO_DIR, read at each launch (a test run sets it after this module is imported)."""
-    folder = os.environ.get(SHARED_MEMO_ENV)
-    return Path(folder) if folder else None
 
 
 def storage_bytes(storage: torch.UntypedStorage) -> bytes:

@@ -1,9 +1,11 @@
-"""A Triton kernel's identity across processes: everything its interpreted run may depend on besides its launch.
+"""What processes need to share the launch memo (launch_memo.py): one folder, and names for kernels that mean the
+same in every process.
 
-The launch memo (launch_memo.py) keys a launch by the kernel's function object, which means nothing to another
-process. A memo shared between processes -- an engine release and its planted copies, checked side by side, each in
-a process of its own -- needs a key that two processes work out alike for the same kernel and differently for a
-changed one. An interpreted kernel is Python run over Triton's language, so what it can depend on is:
+The folder is $SPECHARNESS_LAUNCH_MEMO_DIR (the test suite sets one for each run). The launch memo keys a launch by
+the kernel's function object, which means nothing to another process; shared, a launch is keyed by the kernel's
+identity instead, which two processes work out alike for the same kernel and differently for a changed one -- an
+engine release and its planted copies are checked side by side, each in a process of its own. An interpreted kernel
+is Python run over Triton's language, so what it can depend on is:
 
 * its own code and the code of every function it calls: each is named by the text of the file that defines it
   (a planted copy rewrites a line of that file; the whole file, so that an edit anywhere in it counts);
@@ -13,7 +15,7 @@ changed one. An interpreted kernel is Python run over Triton's language, so what
 
 A global of any other kind (an object, a module of the engine's own, a closure) could change what the kernel does in
 ways its value's text would not show, so such a kernel gets no identity (None): its launches are memoized within the
-process only, as before.
+process only, as before. The standard library alone at import: the suite's configuration reads the variable's name.
 """
 from __future__ import annotations
 
@@ -22,9 +24,19 @@ import dis
 import functools
 import hashlib
 import importlib
+import os
 import types
 from pathlib import Path
 from typing import Any, Optional
+
+SHARED_MEMO_ENV = "SPECHARNESS_LAUNCH_MEMO_DIR"  # a folder the processes of one run share their launch effects through
+
+
+def shared_folder() -> Optional[Path]:
+    """$SPECHARNESS_LAUNCH_MEMO_DIR, read at each launch (a test run sets it after the engine modules are imported)."""
+    folder = os.environ.get(SHARED_MEMO_ENV)
+    return Path(folder) if folder else None
+
 
 _SCALARS = (int, float, bool, str, bytes, type(None))
 # modules a kernel may name (tl, triton, math): their code is the installed Triton's and Python's, the same in every
