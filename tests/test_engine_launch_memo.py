@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import os
 import textwrap
+from pathlib import Path
+from typing import Optional
 
 import pytest
 import torch
@@ -15,15 +17,22 @@ from harness.engines.shared_memo import SHARED_MEMO_ENV
 from tests.helpers.prewarmed import Started, run_python
 
 
-def _launch(memo: LaunchMemo, runs: list[int], context: str, dst: torch.Tensor, src: torch.Tensor, n: int, bias: float = 0.0) -> None:
-    """dst[:n] = src[:n] + bias, through the memo as the interpreter calls it."""
+def _launch(memo: LaunchMemo, runs: list[int], context: str, dst: torch.Tensor, src: torch.Tensor, n: int, bias: float = 0.0,
+            folder: Optional[Path] = None) -> None:
+    """dst[:n] = src[:n] + bias, through the memo as the interpreter calls it (with a shared folder: this process's
+    effects first, then the folder's file, named only then)."""
     key, storages = memo.key(context, (dst, src, n), {"bias": bias})
-    if key is not None and memo.replay(key, storages):
-        return
+    shared = None
+    if key is not None:
+        if memo.replay(key, storages):
+            return
+        shared = None if folder is None else memo.shared_file(folder, context, key)
+        if shared is not None and memo.replay(key, storages, shared):
+            return
     runs.append(n)
     dst[:n] = src[:n] + bias
     if key is not None:
-        memo.record(key, storages)
+        memo.record(key, storages, shared)
 
 
 def test_an_equal_state_gets_the_first_launchs_bytes_and_any_difference_runs_again():
@@ -153,30 +162,21 @@ def test_interpreted_launches_replay_only_where_the_key_sees_everything_the_kern
 
 def test_a_shared_folder_hands_an_effect_to_another_process_memo_and_any_difference_misses(tmp_path):
     folder = tmp_path / "memo"
-
-    def launch(memo: LaunchMemo, runs: list[int], context: str, dst: torch.Tensor, src: torch.Tensor) -> None:
-        key, storages = memo.key(context, (dst, src, 2), {})
-        shared = memo.shared_file(folder, context, key)
-        if not memo.replay(key, storages, shared):
-            runs.append(1)
-            dst[:2] = src[:2] * 10
-            memo.record(key, storages, shared)
-
     first, runs = LaunchMemo(), []
-    launch(first, runs, "kernel k", torch.zeros(4), torch.tensor([1.0, 2.0, 3.0, 4.0]))
-    assert runs == [1] and len(list(folder.iterdir())) == 1
+    _launch(first, runs, "kernel k", torch.zeros(4), torch.tensor([1.0, 2.0, 3.0, 4.0]), 2, 10.0, folder)
+    assert runs == [2] and len(list(folder.iterdir())) == 1
     other, dst = LaunchMemo(), torch.zeros(4)  # another process's memo: nothing of its own, the same folder
-    launch(other, runs, "kernel k", dst, torch.tensor([1.0, 2.0, 3.0, 4.0]))
-    assert runs == [1] and dst.tolist() == [10.0, 20.0, 0.0, 0.0] and (other.hits, other.shared_hits) == (1, 1)
-    launch(other, runs, "kernel k", torch.zeros(4), torch.tensor([1.0, 2.0, 3.0, 4.0]))  # now its own
-    assert runs == [1] and (other.hits, other.shared_hits) == (2, 1)
-    launch(LaunchMemo(), runs, "kernel k2", torch.zeros(4), torch.tensor([1.0, 2.0, 3.0, 4.0]))  # another kernel's text
-    launch(LaunchMemo(), runs, "kernel k", torch.zeros(4), torch.tensor([1.0, 2.0, 3.0, 5.0]))  # one byte of its input
-    assert runs == [1, 1, 1] and len(list(folder.iterdir())) == 3
+    _launch(other, runs, "kernel k", dst, torch.tensor([1.0, 2.0, 3.0, 4.0]), 2, 10.0, folder)
+    assert runs == [2] and dst.tolist() == [11.0, 12.0, 0.0, 0.0] and (other.hits, other.shared_hits) == (1, 1)
+    _launch(other, runs, "kernel k", torch.zeros(4), torch.tensor([1.0, 2.0, 3.0, 4.0]), 2, 10.0, folder)  # now its own
+    assert runs == [2] and (other.hits, other.shared_hits) == (2, 1)
+    _launch(LaunchMemo(), runs, "kernel k2", torch.zeros(4), torch.tensor([1.0, 2.0, 3.0, 4.0]), 2, 10.0, folder)  # another kernel's text
+    _launch(LaunchMemo(), runs, "kernel k", torch.zeros(4), torch.tensor([1.0, 2.0, 3.0, 5.0]), 2, 10.0, folder)  # one byte of its input
+    assert runs == [2, 2, 2] and len(list(folder.iterdir())) == 3
     for path in folder.iterdir():
         path.write_bytes(b"not an effect")
     with pytest.raises(RuntimeError, match=r"\.effect: not a launch effect of 2 storage\(s\)"):
-        launch(LaunchMemo(), runs, "kernel k", torch.zeros(4), torch.tensor([1.0, 2.0, 3.0, 4.0]))
+        _launch(LaunchMemo(), runs, "kernel k", torch.zeros(4), torch.tensor([1.0, 2.0, 3.0, 4.0]), 2, 10.0, folder)
 
 
 _KERNEL = """import triton
